@@ -1,0 +1,115 @@
+#include "block_checks.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace jaxkv {
+namespace {
+
+namespace ffi = xla::ffi;
+
+std::string Str(std::string_view s) { return std::string(s); }
+
+// Non-negative ids of a list, sorted, each with its position in the list.
+std::vector<std::pair<int32_t, int64_t>> SortedValidIds(const int32_t* ids, int64_t count) {
+  std::vector<std::pair<int32_t, int64_t>> sorted;
+  sorted.reserve(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] >= 0) sorted.emplace_back(ids[i], i);
+  }
+  std::sort(sorted.begin(), sorted.end());
+  return sorted;
+}
+
+}  // namespace
+
+ffi::ErrorOr<BlockGeometry> BlocksFirstGeometry(const ffi::AnyBuffer& buffer,
+                                                std::string_view name) {
+  const auto dims = buffer.dimensions();
+  if (dims.size() < 1) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        Str(name) + " must be blocks-first with shape [num_blocks, *block]; got a scalar"));
+  }
+  BlockGeometry geometry;
+  geometry.num_blocks = dims[0];
+  int64_t block_elements = 1;
+  for (size_t i = 1; i < dims.size(); ++i) block_elements *= dims[i];
+  geometry.block_bytes =
+      block_elements * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+  return geometry;
+}
+
+ffi::Error CheckSameBlockShape(const ffi::AnyBuffer& a, std::string_view a_name,
+                               const ffi::AnyBuffer& b, std::string_view b_name) {
+  if (a.element_type() != b.element_type()) {
+    return ffi::Error::InvalidArgument(Str(a_name) + " and " + Str(b_name) +
+                                       " have different element types");
+  }
+  const auto a_dims = a.dimensions();
+  const auto b_dims = b.dimensions();
+  bool same = a_dims.size() == b_dims.size() && a_dims.size() >= 1;
+  for (size_t i = 1; same && i < a_dims.size(); ++i) same = a_dims[i] == b_dims[i];
+  if (!same) {
+    return ffi::Error::InvalidArgument(Str(a_name) + " and " + Str(b_name) +
+                                       " have different per-block shapes");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckCount(int64_t actual, int64_t expected, std::string_view what) {
+  if (actual != expected) {
+    return ffi::Error::InvalidArgument(Str(what) + ": expected " + std::to_string(expected) +
+                                       ", got " + std::to_string(actual));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckIdsInRange(const int32_t* ids, int64_t count, int64_t num_blocks,
+                           std::string_view name) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (ids[i] >= num_blocks) {
+      return ffi::Error::InvalidArgument(
+          Str(name) + "[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+          " is out of range for a buffer of " + std::to_string(num_blocks) + " blocks");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckIdsUnique(const int32_t* ids, int64_t count, std::string_view name) {
+  const auto sorted = SortedValidIds(ids, count);
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i].first == sorted[i - 1].first) {
+      return ffi::Error::InvalidArgument(
+          "duplicate id " + std::to_string(sorted[i].first) + " in " + Str(name) +
+          " (positions " + std::to_string(sorted[i - 1].second) + " and " +
+          std::to_string(sorted[i].second) + ")");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckIdsDisjoint(const int32_t* a, std::string_view a_name, const int32_t* b,
+                            std::string_view b_name, int64_t count) {
+  const auto sorted_a = SortedValidIds(a, count);
+  const auto sorted_b = SortedValidIds(b, count);
+  size_t i = 0;
+  size_t j = 0;
+  while (i < sorted_a.size() && j < sorted_b.size()) {
+    if (sorted_a[i].first < sorted_b[j].first) {
+      ++i;
+    } else if (sorted_b[j].first < sorted_a[i].first) {
+      ++j;
+    } else {
+      return ffi::Error::InvalidArgument(
+          "block " + std::to_string(sorted_a[i].first) + " is both in " + Str(a_name) +
+          " and in " + Str(b_name) + "; an in-place copy needs disjoint sources and destinations");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxkv

@@ -1,0 +1,102 @@
+// CUDA FFI handlers. Ids live in device memory: with `validate_ids` they are copied to the
+// host (one small copy and a stream synchronisation) and checked before the launch, so bad ids
+// raise an error; without it the kernel still skips ids that are out of range, so memory
+// outside the buffers is never touched, but nothing is reported.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "block_copy_cuda.h"
+#include "block_ops.h"
+#include "block_ops_impl.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxkv {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error CudaError(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxkv CUDA ") + what + " failed: " +
+                              cudaGetErrorString(status));
+}
+
+struct CudaPlatform {
+  cudaStream_t stream;
+  bool validate_ids;
+
+  ffi::ErrorOr<const int32_t*> HostIds(const IdBuffer& ids, std::vector<int32_t>* storage) {
+    if (!validate_ids) return static_cast<const int32_t*>(nullptr);
+    storage->resize(ids.element_count());
+    if (storage->empty()) return storage->data();
+    ffi::Error error =
+        CudaError(cudaMemcpyAsync(storage->data(), ids.typed_data(),
+                                  storage->size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                  stream),
+                  "id copy");
+    if (error.failure()) return ffi::Unexpected(error);
+    error = CudaError(cudaStreamSynchronize(stream), "stream synchronisation");
+    if (error.failure()) return ffi::Unexpected(error);
+    return static_cast<const int32_t*>(storage->data());
+  }
+  const int32_t* EngineIds(const IdBuffer& ids) { return ids.typed_data(); }
+  ffi::Error Run(const BlockCopyRequest& request) {
+    return CudaError(LaunchBlockCopy(request, stream), "block copy launch");
+  }
+  ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes) {
+    return CudaError(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
+                                     cudaMemcpyDeviceToDevice, stream),
+                     "cache copy");
+  }
+};
+
+ffi::Error CopyBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer src_ids,
+                      IdBuffer dst_ids, ffi::Result<ffi::AnyBuffer> out, bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return CopyBlocksImpl(platform, cache, src_ids, dst_ids, out);
+}
+
+ffi::Error GatherBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer ids,
+                        ffi::Result<ffi::AnyBuffer> out, bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return GatherBlocksImpl(platform, cache, ids, out);
+}
+
+ffi::Error ScatterBlocks(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuffer blocks,
+                         IdBuffer ids, ffi::Result<ffi::AnyBuffer> out, bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return ScatterBlocksImpl(platform, cache, blocks, ids, out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlocksCuda_Handler, CopyBlocks,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // cache
+                                  .Arg<IdBuffer>()        // src_ids
+                                  .Arg<IdBuffer>()        // dst_ids
+                                  .Ret<ffi::AnyBuffer>()  // cache, aliased
+                                  .Attr<bool>("validate_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksCuda_Handler, GatherBlocks,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // cache
+                                  .Arg<IdBuffer>()        // ids
+                                  .Ret<ffi::AnyBuffer>()  // dense blocks
+                                  .Attr<bool>("validate_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCuda_Handler, ScatterBlocks,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // cache
+                                  .Arg<ffi::AnyBuffer>()  // dense blocks
+                                  .Arg<IdBuffer>()        // ids
+                                  .Ret<ffi::AnyBuffer>()  // cache, aliased
+                                  .Attr<bool>("validate_ids"));
+
+}  // namespace jaxkv

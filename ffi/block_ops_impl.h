@@ -1,0 +1,143 @@
+// Platform-independent bodies of the block-op handlers. A Platform provides:
+//
+//   // Host copy of the ids, or nullptr when validation is disabled on this platform.
+//   xla::ffi::ErrorOr<const int32_t*> HostIds(const IdBuffer& ids, std::vector<int32_t>* storage);
+//   // Device-visible pointer to the ids (what the engine reads).
+//   const int32_t* EngineIds(const IdBuffer& ids);
+//   xla::ffi::Error Run(const BlockCopyRequest& request);
+//   xla::ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes);
+//
+// Each handler validates everything first and writes nothing when it returns an error.
+#ifndef JAXKV_FFI_BLOCK_OPS_IMPL_H_
+#define JAXKV_FFI_BLOCK_OPS_IMPL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "block_checks.h"
+#include "block_index.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxkv {
+
+using IdBuffer = xla::ffi::Buffer<xla::ffi::S32, 1>;
+
+#define JAXKV_RETURN_IF_ERROR(expr)              \
+  do {                                           \
+    xla::ffi::Error jaxkv_error_ = (expr);       \
+    if (jaxkv_error_.failure()) return jaxkv_error_; \
+  } while (0)
+
+// An in-place op's result aliases its cache operand. Should XLA ever hand the handler two
+// distinct buffers, carry the untouched blocks over before updating the result.
+template <typename Platform>
+xla::ffi::Error AliasCache(Platform& platform, const xla::ffi::AnyBuffer& cache,
+                           xla::ffi::AnyBuffer& out) {
+  if (out.untyped_data() == cache.untyped_data()) return xla::ffi::Error::Success();
+  return platform.CopyBytes(out.untyped_data(), cache.untyped_data(),
+                            static_cast<int64_t>(cache.size_bytes()));
+}
+
+// cache[dst_ids[i]] = cache[src_ids[i]] for every pair whose ids are both non-negative.
+template <typename Platform>
+xla::ffi::Error CopyBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,
+                               IdBuffer src_ids, IdBuffer dst_ids,
+                               xla::ffi::Result<xla::ffi::AnyBuffer> out) {
+  auto geometry = BlocksFirstGeometry(cache, "cache");
+  if (!geometry) return geometry.error();
+  const int64_t count = static_cast<int64_t>(src_ids.element_count());
+  JAXKV_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(dst_ids.element_count()), count,
+                                   "number of dst_ids (must equal the number of src_ids)"));
+  JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", *out, "result"));
+  JAXKV_RETURN_IF_ERROR(CheckCount(out->dimensions()[0], geometry->num_blocks,
+                                   "blocks in the result"));
+  std::vector<int32_t> src_storage;
+  std::vector<int32_t> dst_storage;
+  auto src_host = platform.HostIds(src_ids, &src_storage);
+  if (!src_host) return src_host.error();
+  auto dst_host = platform.HostIds(dst_ids, &dst_storage);
+  if (!dst_host) return dst_host.error();
+  if (*src_host != nullptr && *dst_host != nullptr) {
+    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*src_host, count, geometry->num_blocks, "src_ids"));
+    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*dst_host, count, geometry->num_blocks, "dst_ids"));
+    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*dst_host, count, "dst_ids"));
+    JAXKV_RETURN_IF_ERROR(CheckIdsDisjoint(*src_host, "src_ids", *dst_host, "dst_ids", count));
+  }
+  JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
+  if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
+
+  BlockCopyRequest request;
+  request.src = static_cast<const char*>(out->untyped_data());
+  request.dst = static_cast<char*>(out->untyped_data());
+  request.src_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(src_ids)};
+  request.dst_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(dst_ids)};
+  request.num_pairs = count;
+  request.map = IdentityRunMap(geometry->block_bytes);
+  return platform.Run(request);
+}
+
+// out[i] = cache[ids[i]]; rows whose id is negative are zero-filled.
+template <typename Platform>
+xla::ffi::Error GatherBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, IdBuffer ids,
+                                 xla::ffi::Result<xla::ffi::AnyBuffer> out) {
+  auto geometry = BlocksFirstGeometry(cache, "cache");
+  if (!geometry) return geometry.error();
+  const int64_t count = static_cast<int64_t>(ids.element_count());
+  JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", *out, "result"));
+  JAXKV_RETURN_IF_ERROR(CheckCount(out->dimensions()[0], count, "rows in the result"));
+  std::vector<int32_t> storage;
+  auto host = platform.HostIds(ids, &storage);
+  if (!host) return host.error();
+  if (*host != nullptr) {
+    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
+  }
+  if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
+
+  BlockCopyRequest request;
+  request.src = static_cast<const char*>(cache.untyped_data());
+  request.dst = static_cast<char*>(out->untyped_data());
+  request.src_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(ids)};
+  request.dst_side = {count, geometry->block_bytes, nullptr};
+  request.num_pairs = count;
+  request.map = IdentityRunMap(geometry->block_bytes);
+  request.zero_fill_skipped = true;
+  return platform.Run(request);
+}
+
+// cache[ids[i]] = blocks[i] for every non-negative id.
+template <typename Platform>
+xla::ffi::Error ScatterBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,
+                                  xla::ffi::AnyBuffer blocks, IdBuffer ids,
+                                  xla::ffi::Result<xla::ffi::AnyBuffer> out) {
+  auto geometry = BlocksFirstGeometry(cache, "cache");
+  if (!geometry) return geometry.error();
+  const int64_t count = static_cast<int64_t>(ids.element_count());
+  JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", blocks, "blocks"));
+  JAXKV_RETURN_IF_ERROR(CheckCount(blocks.dimensions()[0], count,
+                                   "rows of blocks (must equal the number of ids)"));
+  JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", *out, "result"));
+  JAXKV_RETURN_IF_ERROR(CheckCount(out->dimensions()[0], geometry->num_blocks,
+                                   "blocks in the result"));
+  std::vector<int32_t> storage;
+  auto host = platform.HostIds(ids, &storage);
+  if (!host) return host.error();
+  if (*host != nullptr) {
+    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
+    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*host, count, "ids"));
+  }
+  JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
+  if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
+
+  BlockCopyRequest request;
+  request.src = static_cast<const char*>(blocks.untyped_data());
+  request.dst = static_cast<char*>(out->untyped_data());
+  request.src_side = {count, geometry->block_bytes, nullptr};
+  request.dst_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(ids)};
+  request.num_pairs = count;
+  request.map = IdentityRunMap(geometry->block_bytes);
+  return platform.Run(request);
+}
+
+}  // namespace jaxkv
+
+#endif  // JAXKV_FFI_BLOCK_OPS_IMPL_H_

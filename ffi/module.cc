@@ -1,0 +1,41 @@
+// Python modules jaxkv._ffi_cpu and jaxkv._ffi_cuda: the custom-call handlers as PyCapsules
+// for jax.ffi.register_ffi_target. The file is compiled once per platform; defining
+// JAXKV_PLATFORM_CUDA selects the CUDA handlers and module name.
+#include <pybind11/pybind11.h>
+
+#include "block_ops.h"
+
+#if defined(JAXKV_PLATFORM_CUDA)
+#define JAXKV_MODULE_NAME _ffi_cuda
+#define JAXKV_HANDLER(op) jaxkv::op##Cuda_Handler
+#define JAXKV_PLATFORM_DOC "CUDA"
+#else
+#define JAXKV_MODULE_NAME _ffi_cpu
+#define JAXKV_HANDLER(op) jaxkv::op##Cpu_Handler
+#define JAXKV_PLATFORM_DOC "CPU"
+#endif
+
+namespace {
+
+namespace py = pybind11;
+
+template <typename Fn>
+py::capsule Capsule(Fn* fn) {
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
+  m.doc() = "jaxkv " JAXKV_PLATFORM_DOC " custom-call handlers";
+  m.def(
+      "registrations",
+      []() {
+        py::dict targets;
+        targets["jaxkv_copy_blocks"] = Capsule(JAXKV_HANDLER(CopyBlocks));
+        targets["jaxkv_gather_blocks"] = Capsule(JAXKV_HANDLER(GatherBlocks));
+        targets["jaxkv_scatter_blocks"] = Capsule(JAXKV_HANDLER(ScatterBlocks));
+        return targets;
+      },
+      "Maps each custom-call target name to its " JAXKV_PLATFORM_DOC " handler capsule.");
+}
+
+}  // namespace

@@ -1,0 +1,51 @@
+"""jaxkv: paged KV caches for LLM serving as JAX arrays, with in-place block operations.
+
+Public names:
+  KVCacheSpec, LAYOUT_PRESETS, SUPPORTED_DTYPES   (jaxkv._spec; no JAX needed)
+  PagedKVCache, ShardBuffer, BufferMovedError     (jaxkv._cache)
+  ops                                             (block operations: copy, gather, scatter)
+
+Names that need JAX are loaded on first access, so `import jaxkv.blocks` (host-side
+bookkeeping) never starts a JAX backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
+from jaxkv._version import __version__
+
+if TYPE_CHECKING:
+    from jaxkv import ops
+    from jaxkv._cache import BufferMovedError, PagedKVCache, ShardBuffer
+
+__all__ = [
+    "BufferMovedError",
+    "KVCacheSpec",
+    "LAYOUT_PRESETS",
+    "PagedKVCache",
+    "SUPPORTED_DTYPES",
+    "ShardBuffer",
+    "__version__",
+    "ops",
+]
+
+_LAZY_ATTRIBUTES = {
+    "PagedKVCache": "jaxkv._cache",
+    "ShardBuffer": "jaxkv._cache",
+    "BufferMovedError": "jaxkv._cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ops":
+        return importlib.import_module("jaxkv.ops")
+    if name in _LAZY_ATTRIBUTES:
+        return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
