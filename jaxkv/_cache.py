@@ -1,0 +1,396 @@
+"""`PagedKVCache`: a model's paged KV cache as a pytree of blocks-first JAX arrays."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxkv._sharding import HeadSharding, head_sharding
+from jaxkv._spec import ArrayKey, KVCacheSpec
+from jaxkv.ops._block_ops import _copy_local, _gather_local, _scatter_local
+from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+
+__all__ = ["BufferMovedError", "PagedKVCache", "ShardBuffer"]
+
+
+class BufferMovedError(RuntimeError):
+    """A cache shard's device buffer is no longer where it was recorded (for example after an
+    update that was not donated). Anything that registered the old address (NIXL) must
+    re-register."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardBuffer:
+    """One device buffer of a cache: what a transfer engine registers.
+
+    Attributes:
+      array_index: position of the array in `PagedKVCache.arrays`.
+      layer: the layer the array holds, or None when the array spans all layers.
+      kv: 0 for K, 1 for V, or None when the array holds both.
+      device: the JAX device holding the buffer.
+      address: raw buffer address (valid while the array is alive and not donated elsewhere).
+      nbytes: buffer length in bytes.
+      head_start: first KV head (model numbering) in the buffer.
+      head_stop: one past the last KV head in the buffer.
+    """
+
+    array_index: int
+    layer: int | None
+    kv: int | None
+    device: jax.Device
+    address: int
+    nbytes: int
+    head_start: int
+    head_stop: int
+
+    @property
+    def memory_kind(self) -> str:
+        """NIXL memory type of the buffer: "DRAM" for CPU devices, "VRAM" otherwise."""
+        return "DRAM" if self.device.platform == "cpu" else "VRAM"
+
+
+@jax.tree_util.register_pytree_node_class
+class PagedKVCache:
+    """A paged KV cache: blocks-first arrays laid out as `spec.layout` says, head-sharded.
+
+    The arrays are the pytree leaves, so a cache passes through ``jax.jit`` (donate it to keep
+    updates in place) and ``jax.tree_util`` functions. Build one with `allocate` or
+    `from_arrays`.
+
+    Attributes:
+      spec: the `KVCacheSpec`.
+      arrays: one array per `spec.array_keys()` entry, each ``[num_blocks, *block_shape]``
+        (global shape: all KV heads; each device holds its heads).
+      sharding: the `HeadSharding` (mesh and head axis).
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+      ...                    dtype="float32", layout="KHTD")
+      >>> cache = PagedKVCache.allocate(spec, num_blocks=16)
+      >>> len(cache.arrays), cache.arrays[0].shape
+      (2, (16, 2, 4, 4, 8))
+      >>> cache = cache.copy_blocks([0], [5])
+    """
+
+    def __init__(self, spec: KVCacheSpec, arrays: Sequence[jax.Array], sharding: HeadSharding):
+        self.spec = spec
+        self.arrays = tuple(arrays)
+        self.sharding = sharding
+
+    # -- pytree -----------------------------------------------------------------------------
+
+    def tree_flatten(self):
+        return self.arrays, (self.spec, self.sharding)
+
+    @classmethod
+    def tree_unflatten(cls, aux, arrays):
+        spec, sharding = aux
+        return cls(spec, arrays, sharding)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(layout={self.spec.layout!r}, num_blocks={self.num_blocks}, "
+            f"arrays={len(self.arrays)}, block_shape={self.spec.block_shape()}, "
+            f"dtype={self.spec.dtype.name}, tp_size={self.tp_size})"
+        )
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def allocate(
+        cls,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        *,
+        mesh: Mesh | None = None,
+        tp_axis: str = "tp",
+    ) -> PagedKVCache:
+        """Allocates a zero-filled cache directly in its sharded form (inside jit, so no
+        device ever holds more than its shard).
+
+        Args:
+          spec: what the cache holds.
+          num_blocks: blocks per array.
+          mesh: mesh with a `tp_axis` axis; None for one device.
+          tp_axis: the tensor-parallel mesh axis; heads are split (or replicated) over it.
+
+        Returns:
+          The cache.
+
+        Raises:
+          ValueError: bad `num_blocks`, a mesh without `tp_axis`, or heads and TP size that do
+            not divide.
+        """
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        layout = head_sharding(spec, mesh, tp_axis)
+        shape = spec.array_shape(num_blocks)
+        named = layout.named_sharding(spec)
+        count = spec.num_arrays
+        zeros = jax.jit(
+            lambda: tuple(jnp.zeros(shape, spec.dtype) for _ in range(count)),
+            out_shardings=(named,) * count,
+        )()
+        return cls(spec, zeros, layout)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        spec: KVCacheSpec,
+        arrays: Sequence[jax.Array],
+        *,
+        mesh: Mesh | None = None,
+        tp_axis: str = "tp",
+    ) -> PagedKVCache:
+        """Wraps existing arrays (placed with ``jax.device_put`` onto the cache's sharding).
+
+        Raises:
+          ValueError: wrong number of arrays, shapes or dtypes.
+        """
+        layout = head_sharding(spec, mesh, tp_axis)
+        arrays = tuple(arrays)
+        if len(arrays) != spec.num_arrays:
+            raise ValueError(f"layout {spec.layout!r} needs {spec.num_arrays} arrays, got {len(arrays)}")
+        if not arrays:
+            raise ValueError("a cache needs at least one array")
+        num_blocks = arrays[0].shape[0] if arrays[0].ndim else 0
+        expected = spec.array_shape(max(num_blocks, 1))
+        for index, array in enumerate(arrays):
+            if tuple(array.shape) != expected or array.dtype != spec.dtype:
+                raise ValueError(
+                    f"array {index} has shape {tuple(array.shape)} and dtype {array.dtype}; "
+                    f"the spec needs {expected} and {spec.dtype.name}"
+                )
+        named = layout.named_sharding(spec)
+        return cls(spec, tuple(jax.device_put(a, named) for a in arrays), layout)
+
+    # -- shape ------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per array."""
+        return int(self.arrays[0].shape[0])
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size the heads are sharded over."""
+        return self.sharding.tp_size
+
+    @property
+    def array_keys(self) -> tuple[ArrayKey, ...]:
+        """``(layer, kv)`` of each array (None: the array spans that axis)."""
+        return self.spec.array_keys()
+
+    @property
+    def nbytes(self) -> int:
+        """Global bytes of all arrays (every head counted once)."""
+        return sum(int(a.size) * a.dtype.itemsize for a in self.arrays)
+
+    def array(self, layer: int | None = None, kv: int | None = None) -> jax.Array:
+        """The array holding `layer` / `kv` (None where the layout spans that axis).
+
+        Raises:
+          KeyError: no array holds that slice.
+        """
+        for key, array in zip(self.array_keys, self.arrays):
+            if key == (layer, kv):
+                return array
+        raise KeyError(f"no array for layer={layer}, kv={kv}; arrays are {self.array_keys}")
+
+    def partition_spec(self) -> PartitionSpec:
+        """The partition spec every array of the cache uses."""
+        return self.sharding.partition_spec(self.spec)
+
+    def block_until_ready(self) -> PagedKVCache:
+        """Waits for every pending update of the arrays."""
+        jax.block_until_ready(self.arrays)
+        return self
+
+    # -- block operations -------------------------------------------------------------------
+
+    def _with_arrays(self, arrays: Sequence[jax.Array]) -> PagedKVCache:
+        return PagedKVCache(self.spec, arrays, self.sharding)
+
+    def _execute(self, kind: str, operands: tuple[Any, ...], validate_ids: bool) -> Any:
+        program = _cache_program(kind, self.spec, self.sharding, validate_ids)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(operands)):
+            return program(*operands)
+        # Outside jit, shard_map wants its operands placed as its in_specs say.
+        named = self.sharding.named_sharding(self.spec)
+        replicated = NamedSharding(self.sharding.mesh, PartitionSpec())
+        placed = [operands[0]]
+        for operand in operands[1:]:
+            if isinstance(operand, tuple):
+                placed.append(tuple(jax.device_put(x, named) for x in operand))
+            else:
+                placed.append(jax.device_put(operand, replicated))
+        return _jitted(program, donate=kind != "gather")(*placed)
+
+    def copy_blocks(
+        self, src_ids: Any, dst_ids: Any, *, validate_ids: bool = True
+    ) -> PagedKVCache:
+        """`jaxkv.ops.copy_blocks` on every array, in place (the cache is consumed outside jit).
+
+        Args:
+          src_ids: int32 source block ids ``[n]``.
+          dst_ids: int32 destination block ids ``[n]``; pairs with a negative id are skipped.
+          validate_ids: see `jaxkv.ops.copy_blocks`.
+
+        Returns:
+          The updated cache.
+
+        Raises:
+          IndexError, ValueError: as `jaxkv.ops.copy_blocks`.
+        """
+        src = as_id_array(src_ids, "src_ids")
+        dst = as_id_array(dst_ids, "dst_ids")
+        if src.shape != dst.shape:
+            raise ValueError(
+                f"src_ids and dst_ids must have the same length, got {src.shape[0]} and "
+                f"{dst.shape[0]}"
+            )
+        src_host, dst_host = concrete_ids(src), concrete_ids(dst)
+        if src_host is not None:
+            check_ids(src_host, "src_ids", self.num_blocks)
+        if dst_host is not None:
+            disjoint = (src_host, "src_ids") if src_host is not None else None
+            check_ids(dst_host, "dst_ids", self.num_blocks, unique=True, disjoint_from=disjoint)
+        return self._with_arrays(self._execute("copy", (self.arrays, src, dst), validate_ids))
+
+    def gather_blocks(self, ids: Any, *, validate_ids: bool = True) -> tuple[jax.Array, ...]:
+        """`jaxkv.ops.gather_blocks` on every array.
+
+        Returns:
+          One dense ``[n, *block_shape]`` array per cache array, sharded like the cache.
+        """
+        ids = as_id_array(ids, "ids")
+        host = concrete_ids(ids)
+        if host is not None:
+            check_ids(host, "ids", self.num_blocks)
+        return tuple(self._execute("gather", (self.arrays, ids), validate_ids))
+
+    def scatter_blocks(
+        self, blocks: Sequence[jax.Array], ids: Any, *, validate_ids: bool = True
+    ) -> PagedKVCache:
+        """`jaxkv.ops.scatter_blocks` on every array, in place.
+
+        Args:
+          blocks: one ``[n, *block_shape]`` array per cache array (as `gather_blocks` returns).
+          ids: int32 destination ids ``[n]``; negative ids are skipped.
+
+        Raises:
+          ValueError: wrong number, shape or dtype of blocks; repeated ids.
+          IndexError: an id is >= num_blocks.
+        """
+        blocks = tuple(blocks)
+        ids = as_id_array(ids, "ids")
+        if len(blocks) != len(self.arrays):
+            raise ValueError(f"{len(blocks)} block arrays for a cache of {len(self.arrays)} arrays")
+        for index, (dense, array) in enumerate(zip(blocks, self.arrays)):
+            if dense.dtype != array.dtype or tuple(dense.shape) != (ids.shape[0], *array.shape[1:]):
+                raise ValueError(
+                    f"blocks[{index}] has shape {tuple(dense.shape)} and dtype {dense.dtype}; "
+                    f"expected {(ids.shape[0], *array.shape[1:])} and {array.dtype}"
+                )
+        host = concrete_ids(ids)
+        if host is not None:
+            check_ids(host, "ids", self.num_blocks, unique=True)
+        return self._with_arrays(
+            self._execute("scatter", (self.arrays, blocks, ids), validate_ids)
+        )
+
+    # -- raw buffers ------------------------------------------------------------------------
+
+    def shard_buffers(self) -> tuple[ShardBuffer, ...]:
+        """Every device buffer of the cache with its address, length and device.
+
+        Waits for pending updates first. The addresses stay valid while this cache's arrays
+        are alive; re-check them with `verify_unmoved` after each update.
+        """
+        self.block_until_ready()
+        head_axis = 1 + self.spec.layout.index("H") if "H" in self.spec.layout else None
+        buffers = []
+        for index, (key, array) in enumerate(zip(self.array_keys, self.arrays)):
+            for shard in array.addressable_shards:
+                heads = (0, self.spec.num_kv_heads)
+                if head_axis is not None:
+                    start, stop, _ = shard.index[head_axis].indices(array.shape[head_axis])
+                    heads = (start, stop)
+                buffers.append(
+                    ShardBuffer(
+                        array_index=index,
+                        layer=key[0],
+                        kv=key[1],
+                        device=shard.device,
+                        address=int(shard.data.unsafe_buffer_pointer()),
+                        nbytes=int(shard.data.nbytes),
+                        head_start=heads[0],
+                        head_stop=heads[1],
+                    )
+                )
+        return tuple(buffers)
+
+    def verify_unmoved(self, previous: Sequence[ShardBuffer]) -> None:
+        """Checks that every buffer is still where `previous` (from `shard_buffers`) saw it.
+
+        Raises:
+          BufferMovedError: listing each buffer whose address or length changed.
+        """
+        current = {(b.array_index, b.device.id): b for b in self.shard_buffers()}
+        moved = []
+        for old in previous:
+            new = current.get((old.array_index, old.device.id))
+            if new is None or (new.address, new.nbytes) != (old.address, old.nbytes):
+                where = "gone" if new is None else f"now {new.address:#x} ({new.nbytes} bytes)"
+                moved.append(
+                    f"array {old.array_index} on {old.device}: was {old.address:#x} "
+                    f"({old.nbytes} bytes), {where}"
+                )
+        if moved:
+            raise BufferMovedError(
+                "cache buffers moved (was the cache donated to every update?): " + "; ".join(moved)
+            )
+
+
+_LOCAL_OPS: dict[str, Callable[..., Any]] = {
+    "copy": _copy_local,
+    "gather": _gather_local,
+    "scatter": _scatter_local,
+}
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_program(
+    kind: str, spec: KVCacheSpec, sharding: HeadSharding, validate_ids: bool
+) -> Callable[..., Any]:
+    """A shard_map program applying one op to every array of a cache on every shard."""
+    local = functools.partial(_LOCAL_OPS[kind], validate_ids=validate_ids)
+    arrays_spec = (sharding.partition_spec(spec),) * spec.num_arrays
+    ids_spec = PartitionSpec()
+
+    if kind == "copy":
+        def body(arrays, src, dst):
+            return tuple(local(a, src, dst) for a in arrays)
+        in_specs = (arrays_spec, ids_spec, ids_spec)
+    elif kind == "gather":
+        def body(arrays, ids):
+            return tuple(local(a, ids) for a in arrays)
+        in_specs = (arrays_spec, ids_spec)
+    else:
+        def body(arrays, blocks, ids):
+            return tuple(local(a, b, ids) for a, b in zip(arrays, blocks))
+        in_specs = (arrays_spec, arrays_spec, ids_spec)
+    return jax.shard_map(
+        body, mesh=sharding.mesh, in_specs=in_specs, out_specs=arrays_spec, check_vma=False
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(program: Callable[..., Any], donate: bool) -> Callable[..., Any]:
+    return jax.jit(program, donate_argnums=(0,) if donate else ())

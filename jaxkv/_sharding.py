@@ -1,0 +1,88 @@
+"""Head sharding of a KV cache over a tensor-parallel mesh axis (semantics.md section 2).
+
+With ``tp <= num_kv_heads`` the head axis is split over the TP mesh axis. With more ranks than
+heads, the TP axis is viewed as ``(num_kv_heads, tp // num_kv_heads)``: the head axis is split
+over the first part and replicated over the second, so rank ``r`` holds head
+``r // (tp // num_kv_heads)``. MLA caches are replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxkv._spec import KVCacheSpec
+
+__all__ = ["HeadSharding", "head_sharding"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSharding:
+    """Where a cache's arrays live.
+
+    Attributes:
+      mesh: the mesh the cache arrays are sharded over (the caller's mesh, or a view of it whose
+        TP axis is split into heads x replicas when TP exceeds the head count).
+      head_axis: mesh axis the head axis is split over, or None when heads are replicated.
+      tp_axis: the caller's tensor-parallel axis name.
+      tp_size: tensor-parallel size.
+    """
+
+    mesh: Mesh
+    head_axis: str | None
+    tp_axis: str
+    tp_size: int
+
+    def partition_spec(self, spec: KVCacheSpec) -> PartitionSpec:
+        """Partition spec of one cache array (block axis first, unsharded)."""
+        axes = [self.head_axis if letter == "H" else None for letter in spec.layout]
+        return PartitionSpec(None, *axes)
+
+    def named_sharding(self, spec: KVCacheSpec) -> NamedSharding:
+        """NamedSharding of one cache array."""
+        return NamedSharding(self.mesh, self.partition_spec(spec))
+
+
+def head_sharding(
+    spec: KVCacheSpec, mesh: Mesh | None = None, tp_axis: str = "tp"
+) -> HeadSharding:
+    """Builds the head sharding of `spec` over `mesh`'s `tp_axis`.
+
+    Args:
+      spec: the cache spec.
+      mesh: a mesh with a `tp_axis` axis; other axes replicate the cache. None: one device.
+      tp_axis: name of the tensor-parallel axis.
+
+    Returns:
+      A `HeadSharding`.
+
+    Raises:
+      ValueError: `tp_axis` is not in the mesh, or heads and TP size do not divide.
+
+    Example:
+      >>> mesh = jax.make_mesh((1,), ("tp",))
+      >>> head_sharding(KVCacheSpec(1, 2, 8, 4, "float32"), mesh).head_axis
+      'tp'
+    """
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()[:1]), (tp_axis,))
+    if tp_axis not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} do not include the TP axis {tp_axis!r}")
+    tp_size = int(mesh.shape[tp_axis])
+    if spec.mla or tp_size == 1 or "H" not in spec.layout:
+        spec.heads_per_rank(tp_size)  # validates divisibility for non-MLA specs
+        return HeadSharding(mesh, None, tp_axis, tp_size)
+    spec.heads_per_rank(tp_size)
+    if tp_size <= spec.num_kv_heads:
+        return HeadSharding(mesh, tp_axis, tp_axis, tp_size)
+    replicas = tp_size // spec.num_kv_heads
+    names = list(mesh.axis_names)
+    position = names.index(tp_axis)
+    devices = np.moveaxis(mesh.devices, position, -1)
+    devices = devices.reshape(*devices.shape[:-1], spec.num_kv_heads, replicas)
+    other = [n for n in names if n != tp_axis]
+    view = Mesh(devices, (*other, tp_axis, f"{tp_axis}_replica"))
+    return HeadSharding(view, tp_axis, tp_axis, tp_size)

@@ -1,0 +1,228 @@
+"""Block copy, gather and scatter as XLA FFI custom calls.
+
+Each op works on one blocks-first array ``[num_blocks, *block]``. Called on a concrete array
+it runs a cached jitted program that donates the cache, so the update happens in place (the
+argument is consumed; use the returned array). Called on a tracer (inside the caller's
+``jax.jit`` / ``shard_map``) it emits the custom call with the cache aliased to the result;
+the caller's jit must donate the cache for the update to stay in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxkv import _ffi
+from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+
+__all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
+
+
+def _check_blocks_first(array: Any, name: str) -> None:
+    if not isinstance(array, (jax.Array, jax.core.Tracer)):
+        raise TypeError(f"{name} must be a jax.Array, got {type(array).__name__}")
+    if array.ndim < 1:
+        raise ValueError(f"{name} must be blocks-first [num_blocks, *block], got a scalar")
+
+
+def _ffi_call(target: str, result: jax.ShapeDtypeStruct, aliases: dict[int, int] | None):
+    _ffi.ensure_registered()
+    return jax.ffi.ffi_call(
+        target, result, input_output_aliases=aliases, vmap_method="sequential"
+    )
+
+
+def _copy_local(cache, src_ids, dst_ids, *, validate_ids: bool):
+    result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+    call = _ffi_call("jaxkv_copy_blocks", result, {0: 0})
+    return call(cache, src_ids, dst_ids, validate_ids=validate_ids)
+
+
+def _gather_local(cache, ids, *, validate_ids: bool):
+    result = jax.ShapeDtypeStruct((ids.shape[0], *cache.shape[1:]), cache.dtype)
+    call = _ffi_call("jaxkv_gather_blocks", result, None)
+    return call(cache, ids, validate_ids=validate_ids)
+
+
+def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
+    result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+    call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
+    return call(cache, blocks, ids, validate_ids=validate_ids)
+
+
+def _block_partition(array: jax.Array) -> tuple[jax.sharding.Mesh, PartitionSpec] | None:
+    """The mesh and spec to run a per-shard op under, or None for a one-device array."""
+    sharding = array.sharding
+    if len(sharding.device_set) == 1:
+        return None
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            "a cache spread over several devices must use a NamedSharding "
+            f"(got {type(sharding).__name__}); see jaxkv.PagedKVCache"
+        )
+    spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
+    if spec[0] is not None:
+        raise ValueError(
+            f"the block axis of the cache must not be sharded (partition spec {sharding.spec})"
+        )
+    return sharding.mesh, PartitionSpec(*spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_program(
+    local: Callable[..., Any],
+    partition: tuple[jax.sharding.Mesh, PartitionSpec] | None,
+    operand_kinds: tuple[str, ...],
+    donate: bool,
+    validate_ids: bool,
+) -> Callable[..., Any]:
+    """A jitted program running `local` on every shard; operand kinds are "blocks" (sharded
+    like the cache) or "ids" (replicated)."""
+    program = functools.partial(local, validate_ids=validate_ids)
+    if partition is not None:
+        mesh, spec = partition
+        in_specs = tuple(spec if kind == "blocks" else PartitionSpec() for kind in operand_kinds)
+        program = jax.shard_map(
+            program, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False
+        )
+    return jax.jit(program, donate_argnums=(0,) if donate else ())
+
+
+def _run(local, operands, kinds, *, donate: bool, validate_ids: bool):
+    cache = operands[0]
+    if any(isinstance(x, jax.core.Tracer) for x in operands):
+        return local(*operands, validate_ids=validate_ids)
+    partition = _block_partition(cache)
+    program = _eager_program(local, partition, kinds, donate, validate_ids)
+    if partition is not None:
+        # Outside jit, shard_map wants its operands placed as its in_specs say.
+        mesh, spec = partition
+        operands = (cache,) + tuple(
+            jax.device_put(x, NamedSharding(mesh, spec if kind == "blocks" else PartitionSpec()))
+            for x, kind in zip(operands[1:], kinds[1:])
+        )
+    return program(*operands)
+
+
+def copy_blocks(
+    cache: jax.Array, src_ids: Any, dst_ids: Any, *, validate_ids: bool = True
+) -> jax.Array:
+    """Copies whole blocks inside one cache array, in place.
+
+    Args:
+      cache: blocks-first array ``[num_blocks, *block]`` of any dtype. Consumed (donated)
+        when called outside jit.
+      src_ids: int32 ids of the source blocks, shape ``[n]``.
+      dst_ids: int32 ids of the destination blocks, shape ``[n]``. A pair with a negative id
+        on either side is skipped (padding).
+      validate_ids: on CUDA, copy traced ids to the host and check them before the launch
+        (one small copy and a stream synchronisation). Concrete ids are always checked in
+        Python, and CPU handlers always check. Without it, out-of-range ids are skipped on the
+        device and never touch memory outside the buffer, but are not reported.
+
+    Returns:
+      The updated cache (the same buffer when donated).
+
+    Raises:
+      IndexError: an id is >= num_blocks (concrete ids).
+      ValueError: id lists of different lengths, a repeated destination, or a block that is
+        both a source and a destination. Traced ids that fail the checks raise
+        ``jax.errors.JaxRuntimeError`` with the same message from the handler.
+
+    Example:
+      >>> cache = jnp.arange(8.0).reshape(4, 2)
+      >>> copy_blocks(cache, [0, 1], [2, 3]).tolist()
+      [[0.0, 1.0], [2.0, 3.0], [0.0, 1.0], [2.0, 3.0]]
+    """
+    _check_blocks_first(cache, "cache")
+    src = as_id_array(src_ids, "src_ids")
+    dst = as_id_array(dst_ids, "dst_ids")
+    if src.shape != dst.shape:
+        raise ValueError(
+            f"src_ids and dst_ids must have the same length, got {src.shape[0]} and {dst.shape[0]}"
+        )
+    src_host, dst_host = concrete_ids(src), concrete_ids(dst)
+    if src_host is not None:
+        check_ids(src_host, "src_ids", cache.shape[0])
+    if dst_host is not None:
+        disjoint = (src_host, "src_ids") if src_host is not None else None
+        check_ids(dst_host, "dst_ids", cache.shape[0], unique=True, disjoint_from=disjoint)
+    return _run(
+        _copy_local, (cache, src, dst), ("blocks", "ids", "ids"), donate=True,
+        validate_ids=validate_ids,
+    )
+
+
+def gather_blocks(cache: jax.Array, ids: Any, *, validate_ids: bool = True) -> jax.Array:
+    """Gathers blocks into a dense array ``[n, *block]``.
+
+    Args:
+      cache: blocks-first array ``[num_blocks, *block]``; not modified.
+      ids: int32 block ids, shape ``[n]``; rows with negative ids come out zero.
+      validate_ids: see `copy_blocks`.
+
+    Returns:
+      A new array with ``out[i] = cache[ids[i]]``, sharded like the cache.
+
+    Raises:
+      IndexError: an id is >= num_blocks.
+
+    Example:
+      >>> gather_blocks(jnp.arange(6.0).reshape(3, 2), [2, -1]).tolist()
+      [[4.0, 5.0], [0.0, 0.0]]
+    """
+    _check_blocks_first(cache, "cache")
+    ids = as_id_array(ids, "ids")
+    host = concrete_ids(ids)
+    if host is not None:
+        check_ids(host, "ids", cache.shape[0])
+    return _run(_gather_local, (cache, ids), ("blocks", "ids"), donate=False,
+                validate_ids=validate_ids)
+
+
+def scatter_blocks(
+    cache: jax.Array, blocks: jax.Array, ids: Any, *, validate_ids: bool = True
+) -> jax.Array:
+    """Writes dense blocks into a cache array, in place.
+
+    Args:
+      cache: blocks-first array ``[num_blocks, *block]``. Consumed (donated) outside jit.
+      blocks: ``[n, *block]`` with the cache's dtype and per-block shape.
+      ids: int32 destination ids, shape ``[n]``; negative ids are skipped.
+      validate_ids: see `copy_blocks`.
+
+    Returns:
+      The updated cache with ``cache[ids[i]] = blocks[i]``.
+
+    Raises:
+      IndexError: an id is >= num_blocks.
+      ValueError: a repeated id, or `blocks` whose shape or dtype does not match.
+
+    Example:
+      >>> scatter_blocks(jnp.zeros((3, 2)), jnp.ones((1, 2)), [1]).tolist()
+      [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    """
+    _check_blocks_first(cache, "cache")
+    _check_blocks_first(blocks, "blocks")
+    ids = as_id_array(ids, "ids")
+    if blocks.dtype != cache.dtype:
+        raise ValueError(f"blocks have dtype {blocks.dtype}, the cache has {cache.dtype}")
+    if tuple(blocks.shape[1:]) != tuple(cache.shape[1:]):
+        raise ValueError(
+            f"blocks have per-block shape {tuple(blocks.shape[1:])}, "
+            f"the cache has {tuple(cache.shape[1:])}"
+        )
+    if blocks.shape[0] != ids.shape[0]:
+        raise ValueError(f"{blocks.shape[0]} blocks for {ids.shape[0]} ids")
+    host = concrete_ids(ids)
+    if host is not None:
+        check_ids(host, "ids", cache.shape[0], unique=True)
+    return _run(
+        _scatter_local, (cache, blocks, ids), ("blocks", "blocks", "ids"), donate=True,
+        validate_ids=validate_ids,
+    )
