@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv._sharding import HeadSharding, head_sharding
@@ -148,27 +149,32 @@ class PagedKVCache:
         mesh: Mesh | None = None,
         tp_axis: str = "tp",
     ) -> PagedKVCache:
-        """Wraps existing arrays (placed with ``jax.device_put`` onto the cache's sharding).
+        """Builds a cache from existing arrays (global shapes), copied onto the cache's
+        sharding so that the cache owns its buffers.
 
         Raises:
           ValueError: wrong number of arrays, shapes or dtypes.
         """
-        layout = head_sharding(spec, mesh, tp_axis)
-        arrays = tuple(arrays)
+        arrays = tuple(jnp.asarray(a) for a in arrays)
         if len(arrays) != spec.num_arrays:
             raise ValueError(f"layout {spec.layout!r} needs {spec.num_arrays} arrays, got {len(arrays)}")
         if not arrays:
             raise ValueError("a cache needs at least one array")
-        num_blocks = arrays[0].shape[0] if arrays[0].ndim else 0
-        expected = spec.array_shape(max(num_blocks, 1))
+        num_blocks = int(arrays[0].shape[0]) if arrays[0].ndim else 0
+        if num_blocks < 1:
+            raise ValueError("arrays must be blocks-first with at least one block")
+        expected = spec.array_shape(num_blocks)
         for index, array in enumerate(arrays):
             if tuple(array.shape) != expected or array.dtype != spec.dtype:
                 raise ValueError(
                     f"array {index} has shape {tuple(array.shape)} and dtype {array.dtype}; "
                     f"the spec needs {expected} and {spec.dtype.name}"
                 )
-        named = layout.named_sharding(spec)
-        return cls(spec, tuple(jax.device_put(a, named) for a in arrays), layout)
+        # Copy into freshly allocated buffers with the scatter custom call (a byte copy). On
+        # CPU, device_put may leave the arrays sharing the caller's numpy memory, or one buffer
+        # among all replicas, and a donated update could then not happen in place.
+        cache = cls.allocate(spec, num_blocks, mesh=mesh, tp_axis=tp_axis)
+        return cache.scatter_blocks(arrays, np.arange(num_blocks, dtype=np.int32))
 
     # -- shape ------------------------------------------------------------------------------
 

@@ -29,12 +29,14 @@ class HeadSharding:
       head_axis: mesh axis the head axis is split over, or None when heads are replicated.
       tp_axis: the caller's tensor-parallel axis name.
       tp_size: tensor-parallel size.
+      source_mesh: the mesh the caller gave (equal to `mesh` unless TP exceeds the heads).
     """
 
     mesh: Mesh
     head_axis: str | None
     tp_axis: str
     tp_size: int
+    source_mesh: Mesh
 
     def partition_spec(self, spec: KVCacheSpec) -> PartitionSpec:
         """Partition spec of one cache array (block axis first, unsharded)."""
@@ -74,10 +76,10 @@ def head_sharding(
     tp_size = int(mesh.shape[tp_axis])
     if spec.mla or tp_size == 1 or "H" not in spec.layout:
         spec.heads_per_rank(tp_size)  # validates divisibility for non-MLA specs
-        return HeadSharding(mesh, None, tp_axis, tp_size)
+        return HeadSharding(mesh, None, tp_axis, tp_size, mesh)
     spec.heads_per_rank(tp_size)
     if tp_size <= spec.num_kv_heads:
-        return HeadSharding(mesh, tp_axis, tp_axis, tp_size)
+        return HeadSharding(mesh, tp_axis, tp_axis, tp_size, mesh)
     replicas = tp_size // spec.num_kv_heads
     names = list(mesh.axis_names)
     position = names.index(tp_axis)
@@ -85,4 +87,4 @@ def head_sharding(
     devices = devices.reshape(*devices.shape[:-1], spec.num_kv_heads, replicas)
     other = [n for n in names if n != tp_axis]
     view = Mesh(devices, (*other, tp_axis, f"{tp_axis}_replica"))
-    return HeadSharding(view, tp_axis, tp_axis, tp_size)
+    return HeadSharding(view, tp_axis, tp_axis, tp_size, mesh)

@@ -1,9 +1,14 @@
-"""pytest glue for the absltest suites: absl flags are not parsed under pytest."""
+"""pytest glue for the absltest suites."""
 
+import kv_testing
 from absl import flags
+
+# Sharding tests need several CPU devices; the flag must be set before JAX starts.
+kv_testing.force_cpu_devices()
 
 
 def pytest_configure(config):
     del config
+    # absl flags are not parsed under pytest; absltest helpers (create_tempdir) need them.
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,209 @@
+"""Tests of PagedKVCache: allocation, head sharding over CPU devices, in-place ops, buffers."""
+
+import kv_testing
+
+kv_testing.force_cpu_devices()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jaxkv import LAYOUT_PRESETS, BufferMovedError, KVCacheSpec, PagedKVCache
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def _spec(layout: str, heads: int = 4, dtype: str = "bfloat16") -> KVCacheSpec:
+    if layout == "TD":
+        return KVCacheSpec.for_mla(num_layers=3, latent_dim=16, block_size=4, dtype=dtype)
+    return KVCacheSpec(num_layers=3, num_kv_heads=heads, head_dim=8, block_size=4, dtype=dtype,
+                       layout=layout)
+
+
+def _mesh(tp: int) -> jax.sharding.Mesh:
+    return jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+
+
+def _fill(cache: PagedKVCache, seed: int) -> tuple[PagedKVCache, list[np.ndarray]]:
+    """A cache like `cache` holding random bits; returns it and the host copies."""
+    rng = np.random.default_rng(seed)
+    hosts = [kv_testing.random_bits(rng, a.shape, a.dtype) for a in cache.arrays]
+    mesh = cache.sharding.source_mesh
+    return PagedKVCache.from_arrays(cache.spec, hosts, mesh=mesh), hosts
+
+
+class AllocationTest(parameterized.TestCase):
+    @parameterized.parameters(*sorted(set(LAYOUT_PRESETS.values())))
+    def test_every_preset_allocates_zeroed_arrays(self, layout):
+        spec = _spec(layout)
+        cache = PagedKVCache.allocate(spec, num_blocks=6)
+        self.assertLen(cache.arrays, spec.num_arrays)
+        self.assertEqual(cache.array_keys, spec.array_keys())
+        for array in cache.arrays:
+            self.assertEqual(array.shape, (6, *spec.block_shape()))
+            self.assertEqual(array.dtype, spec.dtype)
+            self.assertFalse(np.any(kv_testing.bits(array)))
+        self.assertEqual(cache.nbytes, spec.cache_nbytes(6))
+
+    def test_array_lookup(self):
+        cache = PagedKVCache.allocate(_spec("HTD"), num_blocks=2)
+        self.assertIs(cache.array(layer=2, kv=1), cache.arrays[5])
+        with self.assertRaisesRegex(KeyError, "no array for layer=3"):
+            cache.array(layer=3, kv=0)
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "num_blocks"):
+            PagedKVCache.allocate(_spec("KHTD"), num_blocks=0)
+        with self.assertRaisesRegex(ValueError, "cannot be split evenly"):
+            PagedKVCache.allocate(_spec("KHTD", heads=3), num_blocks=2, mesh=_mesh(2))
+        with self.assertRaisesRegex(ValueError, "not a multiple"):
+            PagedKVCache.allocate(_spec("KHTD", heads=3), num_blocks=2, mesh=_mesh(4))
+        with self.assertRaisesRegex(ValueError, "TP axis 'tp'"):
+            PagedKVCache.allocate(_spec("KHTD"), 2, mesh=jax.make_mesh((2,), ("x",),
+                                                                       devices=jax.devices()[:2]))
+        with self.assertRaisesRegex(ValueError, "needs 2 arrays"):
+            PagedKVCache.from_arrays(_spec("KHTD", heads=1).replace(num_layers=2), [jnp.zeros(1)])
+
+
+class HeadShardingTest(parameterized.TestCase):
+    @parameterized.product(heads=[1, 2, 4, 8], tp=[1, 2, 4, 8], layout=["LKHTD", "KTHD"])
+    def test_rank_holds_the_heads_of_semantics_section_2(self, heads, tp, layout):
+        spec = _spec(layout, heads=heads, dtype="float32")
+        cache = PagedKVCache.allocate(spec, num_blocks=2, mesh=_mesh(tp))
+        self.assertEqual(cache.tp_size, tp)
+        # Give every head a distinct value so each shard reveals which heads it holds.
+        head_axis = 1 + spec.layout.index("H")
+        shape = [1] * (len(spec.layout) + 1)
+        shape[head_axis] = heads
+        coded = np.broadcast_to(np.arange(heads, dtype=np.float32).reshape(shape),
+                                cache.arrays[0].shape)
+        cache = PagedKVCache.from_arrays(spec, [coded] * len(cache.arrays), mesh=_mesh(tp))
+        rank_of = {d.id: r for r, d in enumerate(jax.devices()[:tp])}
+        for shard in cache.arrays[0].addressable_shards:
+            rank = rank_of[shard.device.id]
+            if tp <= heads:
+                expected = list(range(rank * heads // tp, (rank + 1) * heads // tp))
+            else:
+                expected = [rank // (tp // heads)]
+            held = np.unique(np.asarray(shard.data)).astype(int).tolist()
+            self.assertEqual(held, expected, f"rank {rank}")
+            self.assertEqual(shard.data.shape[head_axis], spec.heads_per_rank(tp))
+        buffers = [b for b in cache.shard_buffers() if b.array_index == 0]
+        self.assertLen(buffers, tp)
+        for buffer in buffers:
+            rank = rank_of[buffer.device.id]
+            first = rank * heads // tp if tp <= heads else rank // (tp // heads)
+            self.assertEqual((buffer.head_start, buffer.head_stop),
+                             (first, first + spec.heads_per_rank(tp)))
+            self.assertEqual(buffer.nbytes, 2 * spec.block_nbytes(tp))
+            self.assertEqual(buffer.memory_kind, "DRAM")
+
+    def test_mla_is_replicated_on_every_rank(self):
+        cache = PagedKVCache.allocate(_spec("TD"), num_blocks=3, mesh=_mesh(4))
+        cache, hosts = _fill(cache, 7)
+        for array, host in zip(cache.arrays, hosts):
+            self.assertLen(array.addressable_shards, 4)
+            for shard in array.addressable_shards:
+                np.testing.assert_array_equal(kv_testing.bits(shard.data), kv_testing.bits(host))
+
+    def test_other_mesh_axes_replicate_the_cache(self):
+        mesh = jax.make_mesh((2, 4), ("dp", "tp"))
+        cache = PagedKVCache.allocate(_spec("KHTD", heads=8), num_blocks=2, mesh=mesh)
+        shards = cache.arrays[0].addressable_shards
+        self.assertLen(shards, 8)
+        self.assertTrue(all(s.data.shape[2] == 2 for s in shards))
+
+
+class ShardedOpsTest(parameterized.TestCase):
+    @parameterized.product(
+        layout=["LKHTD", "KHTD", "KTHD", "HTD", "THD", "TD"],
+        heads_tp=[(4, 2), (2, 4), (8, 8)],
+    )
+    def test_ops_on_sharded_cache_are_exact_and_in_place(self, layout, heads_tp):
+        heads, tp = heads_tp
+        cache = PagedKVCache.allocate(_spec(layout, heads=heads), num_blocks=10, mesh=_mesh(tp))
+        cache, hosts = _fill(cache, 11)
+        before = cache.shard_buffers()
+
+        cache = cache.copy_blocks([0, 1, -1, 3], [5, 6, 7, -1])
+        hosts = [kv_testing.numpy_copy_blocks(h, [0, 1, -1, 3], [5, 6, 7, -1]) for h in hosts]
+        rng = np.random.default_rng(3)
+        dense = [kv_testing.random_bits(rng, (3, *h.shape[1:]), h.dtype) for h in hosts]
+        cache = cache.scatter_blocks([jnp.asarray(d) for d in dense], [9, -1, 2])
+        hosts = [kv_testing.numpy_scatter_blocks(h, d, [9, -1, 2]) for h, d in zip(hosts, dense)]
+        gathered = cache.gather_blocks([9, 5, -1, 0])
+
+        cache.verify_unmoved(before)
+        for array, host in zip(cache.arrays, hosts):
+            np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(host))
+        for out, host in zip(gathered, hosts):
+            self.assertEqual(out.sharding.spec, cache.partition_spec())
+            expected = kv_testing.numpy_gather_blocks(host, [9, 5, -1, 0])
+            np.testing.assert_array_equal(kv_testing.bits(out), kv_testing.bits(expected))
+
+    @parameterized.parameters("copy", "gather", "scatter")
+    def test_compiled_program_has_no_collectives(self, op):
+        cache = PagedKVCache.allocate(_spec("LKHTD", heads=8), num_blocks=8, mesh=_mesh(8))
+        ids = jnp.array([1, 2], jnp.int32)
+        if op == "copy":
+            fn, args = (lambda c, i: c.copy_blocks(i, i + 4)), (cache, ids)
+        elif op == "gather":
+            fn, args = (lambda c, i: c.gather_blocks(i)), (cache, ids)
+        else:
+            blocks = cache.gather_blocks(ids)
+            fn, args = (lambda c, b, i: c.scatter_blocks(b, i)), (cache, blocks, ids)
+        hlo = jax.jit(fn, donate_argnums=0 if op != "gather" else ()).lower(*args).compile()
+        text = hlo.as_text()
+        self.assertIn(f"jaxkv_{op}_blocks", text)
+        for collective in COLLECTIVES:
+            self.assertNotIn(collective, text)
+
+    def test_jitted_step_with_donated_cache_keeps_addresses(self):
+        cache = PagedKVCache.allocate(_spec("KTHD", heads=4), num_blocks=8, mesh=_mesh(4))
+        cache, hosts = _fill(cache, 5)
+        before = cache.shard_buffers()
+
+        @jax.jit
+        def step(c, src, dst):
+            return c.copy_blocks(src, dst)
+
+        donated = jax.jit(step, donate_argnums=0)
+        for src, dst in [([0], [1]), ([2], [3]), ([4], [5])]:
+            cache = donated(cache, jnp.array(src, jnp.int32), jnp.array(dst, jnp.int32))
+            hosts = [kv_testing.numpy_copy_blocks(h, src, dst) for h in hosts]
+        cache.verify_unmoved(before)
+        for array, host in zip(cache.arrays, hosts):
+            np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(host))
+
+    def test_update_without_donation_is_detected(self):
+        cache = PagedKVCache.allocate(_spec("KHTD", heads=2), num_blocks=4, mesh=_mesh(2))
+        before = cache.shard_buffers()
+        moved = jax.jit(lambda c: c.copy_blocks(jnp.array([0], jnp.int32),
+                                                jnp.array([1], jnp.int32)))(cache)
+        with self.assertRaisesRegex(BufferMovedError, "array 0 on .*: was 0x"):
+            moved.verify_unmoved(before)
+
+    def test_bad_ids_on_cache(self):
+        cache = PagedKVCache.allocate(_spec("KHTD", heads=2), num_blocks=4, mesh=_mesh(2))
+        with self.assertRaisesRegex(IndexError, "out of range for a cache of 4 blocks"):
+            cache.copy_blocks([0], [4])
+        with self.assertRaisesRegex(ValueError, "duplicate id 1"):
+            cache.scatter_blocks(cache.gather_blocks([0, 2]), [1, 1])
+        with self.assertRaisesRegex(ValueError, "1 block arrays for a cache of 3 arrays"):
+            cache.scatter_blocks(cache.gather_blocks([0])[:1], [1])
+        with self.assertRaisesRegex(jax.errors.JaxRuntimeError, "INVALID_ARGUMENT"):
+            jax.block_until_ready(
+                jax.jit(lambda c, i: c.gather_blocks(i))(cache, jnp.array([7], jnp.int32)))
+
+    def test_pytree_round_trip(self):
+        cache = PagedKVCache.allocate(_spec("HTD", heads=2), num_blocks=2)
+        leaves, treedef = jax.tree_util.tree_flatten(cache)
+        self.assertLen(leaves, 6)
+        rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+        self.assertEqual(rebuilt.spec, cache.spec)
+        self.assertIn("layout='HTD'", repr(rebuilt))
+
+
+if __name__ == "__main__":
+    absltest.main()
