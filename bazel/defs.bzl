@@ -79,26 +79,28 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
         **kwargs
     )
 
-def jaxkv_py_tests(srcs, deps = [], data = [], shard_count = None, env = {}, **kwargs):
-    """One py_test per absltest file: tests/foo_test.py -> //:foo_test.
+def jaxkv_py_tests(srcs, strip_prefix = "tests/", deps = [], data = [], env = {}, **kwargs):
+    """One py_test per absltest file: tests/foo_test.py -> //:foo_test (tests/a/b_test.py ->
+    //:a/b_test).
 
     The file is run as a script (its `absltest.main()`), with the @jaxkv_python interpreter.
-    Returns the list of test names (for a test_suite).
+    Each test also depends on @jaxkv_python//:info.bzl, whose fingerprint of the Python
+    environment invalidates cached results when packages change. Returns the test names.
     """
     names = []
     for src in srcs:
-        name = src.rsplit("/", 1)[-1][:-len(".py")]
+        name = src[len(strip_prefix):] if src.startswith(strip_prefix) else src
+        name = name[:-len(".py")]
         native.py_test(
             name = name,
             srcs = [src],
             main = src,
             deps = deps,
-            data = data,
+            data = data + ["@jaxkv_python//:info.bzl"],
             env = env,
             python_version = "PY3",
             srcs_version = "PY3",
             legacy_create_init = False,
-            shard_count = shard_count,
             **kwargs
         )
         names.append(name)

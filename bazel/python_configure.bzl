@@ -11,14 +11,15 @@ generated repository, and defines:
   @jaxkv_python//:pybind11          cc_library, pybind11 + Python headers
   @jaxkv_python//:python_headers    cc_library
   @jaxkv_python//:py_toolchain      a Python toolchain whose runtime is that interpreter
-  @jaxkv_python//:info.bzl          PYTHON, PYTHON_VERSION, JAXLIB_VERSION, FFI_API_VERSION
+  @jaxkv_python//:info.bzl          PYTHON, PYTHON_VERSION, JAX(LIB)_VERSION, FFI_API_VERSION,
+                                    ENV_FINGERPRINT (of the interpreter and its installed packages)
 
 The interpreter is used by path, never resolved through symlinks: a venv's bin/python is a
 symlink, and resolving it would lose the venv's site-packages.
 """
 
 _QUERY = r"""
-import importlib.util, json, os, sys, sysconfig
+import hashlib, importlib.util, json, os, sys, sysconfig
 
 def include_dir_of_jaxlib():
     spec = importlib.util.find_spec("jaxlib")
@@ -50,6 +51,13 @@ except Exception as e:
 out["python_include"] = sysconfig.get_paths()["include"]
 out["jaxlib_version"] = version("jaxlib")
 out["jax_version"] = version("jax")
+try:
+    from importlib import metadata
+    dists = sorted("%s==%s" % (d.metadata["Name"], d.version) for d in metadata.distributions())
+except Exception as e:
+    dists = [repr(e)]
+out["env_fingerprint"] = hashlib.sha256(
+    "\n".join([sys.executable, sys.version] + dists).encode()).hexdigest()[:16]
 out["errors"] = errors
 print(json.dumps(out))
 """
@@ -153,6 +161,9 @@ PYTHON_VERSION = "{python_version}"
 JAX_VERSION = "{jax_version}"
 JAXLIB_VERSION = "{jaxlib_version}"
 FFI_API_VERSION = "{ffi_api}"
+# Changes when the interpreter or any installed distribution changes. Every py_test depends on
+# this file, so cached test results are dropped when the environment changes.
+ENV_FINGERPRINT = "{env_fingerprint}"
 """
 
 def _python_configure_impl(rctx):
@@ -181,6 +192,7 @@ def _python_configure_impl(rctx):
         "{jax_version}": info["jax_version"],
         "{jaxlib_version}": info["jaxlib_version"],
         "{ffi_api}": _ffi_api_version(rctx, info["ffi_include"]),
+        "{env_fingerprint}": info["env_fingerprint"],
     }
     build = _BUILD
     info_bzl = _INFO

@@ -29,7 +29,7 @@ def _calls_main_under_guard(tree):
 class TestFilesHaveMainTest(unittest.TestCase):
 
     def test_every_test_file_runs_as_a_script(self):
-        files = sorted(glob.glob(os.path.join("tests", "*_test.py")))
+        files = sorted(glob.glob(os.path.join("tests", "**", "*_test.py"), recursive=True))
         if not files:
             self.skipTest("no tests/*_test.py yet")
         missing = []
