@@ -3,7 +3,7 @@
 - the interpreter is the one @jaxkv_python configured (not some python3 on PATH);
 - `jaxkv` and `jaxkv._ffi_cpu` are imported from the Bazel runfiles, i.e. the Bazel-built
   extension is what the tests exercise, not a copy installed in the environment;
-- the module exposes the three FFI targets as capsules, and JAX accepts them.
+- the module exposes the FFI targets as capsules, and JAX accepts them.
 """
 
 import ast
@@ -57,8 +57,10 @@ class BazelSetupTest(unittest.TestCase):
         from jaxkv import _ffi_cpu
 
         targets = _ffi_cpu.registrations()
-        self.assertEqual(sorted(targets),
-                         ["jaxkv_copy_blocks", "jaxkv_gather_blocks", "jaxkv_scatter_blocks"])
+        # The set of targets grows with jaxkv; the Bazel build only has to deliver them.
+        self.assertTrue(
+            {"jaxkv_copy_blocks", "jaxkv_gather_blocks", "jaxkv_scatter_blocks"} <= set(targets),
+            sorted(targets))
         import jax
 
         for name, capsule in targets.items():
