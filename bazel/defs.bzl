@@ -2,6 +2,7 @@
 
 load("@jaxkv_cuda//:defs.bzl", "CUDA_ARCHS", "NVCC")
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
+load("//bazel:python.bzl", "py_test")
 
 # As CMakeLists.txt: C++17, -Wall -Wextra -Werror=return-type (PIC comes with the shared link).
 JAXKV_COPTS = [
@@ -91,7 +92,7 @@ def jaxkv_py_tests(srcs, strip_prefix = "tests/", deps = [], data = [], env = {}
     for src in srcs:
         name = src[len(strip_prefix):] if src.startswith(strip_prefix) else src
         name = name[:-len(".py")]
-        native.py_test(
+        py_test(
             name = name,
             srcs = [src],
             main = src,

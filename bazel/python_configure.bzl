@@ -82,11 +82,16 @@ print(json.dumps(out))
 def _words(line):
     return [w for w in line.replace("\t", " ").split(" ") if w]
 
+def _own_label(target):
+    """`target` in this (jaxkv's) repository, as seen from a generated repository."""
+    label = Label(target)
+    return "@%s//%s:%s" % (label.workspace_name, label.package, label.name)
+
 def _workspace_root(rctx):
     root = getattr(rctx, "workspace_root", None)  # Bazel >= 6
     if root != None:
         return str(root)
-    return str(rctx.path(Label("@//:BUILD")).dirname)
+    return str(rctx.path(Label("@//:WORKSPACE")).dirname)
 
 def _find_python(rctx):
     """Returns (path string, how it was found)."""
@@ -129,6 +134,8 @@ _BUILD = """\
 # Python {python_version}, jax {jax_version}, jaxlib {jaxlib_version}.
 # XLA FFI API {ffi_api} headers: {ffi_include} ({ffi_include_from}).
 load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
+load("@rules_cc//cc:defs.bzl", "cc_library")
+load("{python_bzl}", "py_runtime")
 
 package(default_visibility = ["//visibility:public"])
 
@@ -218,6 +225,7 @@ def _python_configure_impl(rctx):
         "{jaxlib_version}": info["jaxlib_version"],
         "{ffi_api}": _ffi_api_version(rctx, info["ffi_include"]),
         "{env_fingerprint}": info["env_fingerprint"],
+        "{python_bzl}": _own_label("//bazel:python.bzl"),
         "{ffi_include}": info["ffi_include"],
         "{ffi_include_from}": info["ffi_include_from"],
     }

@@ -24,24 +24,22 @@ def needs_offline_stand_ins():
     # built-in (embedded) repositories must be used, so the stand-ins are for Bazel 4 only.
     return _bazel_major() < 5
 
-def jaxkv_repositories(name_prefix = "jaxkv"):
+def jaxkv_repositories(offline_stand_ins = "bazel/offline"):
     """Declares @jaxkv_python, @jaxkv_cuda and, for Bazel 4, the offline stand-ins.
 
     Args:
-      name_prefix: prefix of the generated repositories' names ("jaxkv" -> @jaxkv_python).
+      offline_stand_ins: directory of the stand-ins, relative to the main workspace root.
+        A workspace that uses jaxkv as an external repository (say under third_party/jaxkv)
+        passes "third_party/jaxkv/bazel/offline", or None where it declares rules_cc,
+        rules_java and remote_coverage_tools itself. Repositories already declared are kept.
     """
-    if needs_offline_stand_ins():
+    if offline_stand_ins and needs_offline_stand_ins():
         existing = native.existing_rules()
         for name in _OFFLINE_STAND_INS:
             if name not in existing:
                 native.local_repository(
                     name = name,
-                    path = _here() + "/offline/" + name,
+                    path = offline_stand_ins + "/" + name,
                 )
-    python_configure(name = name_prefix + "_python")
-    cuda_configure(name = name_prefix + "_cuda")
-
-def _here():
-    # local_repository paths are relative to the main workspace root. When jaxkv is itself an
-    # external repository of another workspace, the caller declares these repositories itself.
-    return "bazel"
+    python_configure(name = "jaxkv_python")
+    cuda_configure(name = "jaxkv_cuda")
