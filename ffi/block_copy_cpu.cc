@@ -1,16 +1,25 @@
 #include "block_copy_cpu.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include "block_index.h"
 
 namespace jaxkv {
+namespace {
 
-void CopyBlocksCpu(const BlockCopyRequest& request) {
+// Requests moving at least this many bytes are split across threads: one thread cannot
+// saturate memory bandwidth, nor take the page faults of a freshly allocated output alone.
+constexpr int64_t kParallelBytes = int64_t{4} << 20;
+constexpr unsigned kMaxThreads = 8;
+
+void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last) {
   const RunMap& map = request.map;
   const int64_t num_runs = map.num_runs();
-  for (int64_t pair = 0; pair < request.num_pairs; ++pair) {
+  for (int64_t pair = first; pair < last; ++pair) {
     const int64_t dst_block = ResolveBlock(request.dst_side, pair);
     if (dst_block < 0) continue;
     char* dst = request.dst + BlockOffset(request.dst_side, dst_block);
@@ -33,6 +42,35 @@ void CopyBlocksCpu(const BlockCopyRequest& request) {
       std::memcpy(dst + dst_offset, src + src_offset, static_cast<size_t>(map.run_bytes));
     }
   }
+}
+
+}  // namespace
+
+void CopyBlocksCpu(const BlockCopyRequest& request) {
+  const int64_t bytes_per_pair =
+      std::max(request.map.num_runs() * request.map.run_bytes, request.dst_side.block_stride);
+  const int64_t total_bytes = bytes_per_pair * request.num_pairs;
+  unsigned threads = 1;
+  if (total_bytes >= kParallelBytes) {
+    threads = std::min({std::max(1u, std::thread::hardware_concurrency()), kMaxThreads,
+                        static_cast<unsigned>(std::min<int64_t>(request.num_pairs, kMaxThreads))});
+  }
+  if (threads <= 1) {
+    CopyPairRange(request, 0, request.num_pairs);
+    return;
+  }
+  // Destinations are unique and disjoint from sources (checked by the handlers), so pairs can
+  // run in any order.
+  std::vector<std::thread> workers;
+  workers.reserve(threads - 1);
+  const int64_t chunk = (request.num_pairs + threads - 1) / threads;
+  for (unsigned t = 1; t < threads; ++t) {
+    const int64_t first = std::min<int64_t>(request.num_pairs, t * chunk);
+    const int64_t last = std::min<int64_t>(request.num_pairs, first + chunk);
+    workers.emplace_back(CopyPairRange, std::cref(request), first, last);
+  }
+  CopyPairRange(request, 0, std::min<int64_t>(request.num_pairs, chunk));
+  for (auto& worker : workers) worker.join();
 }
 
 }  // namespace jaxkv

@@ -1,6 +1,6 @@
 // FFI handler symbols of the jaxkv block operations, for CPU and CUDA. Both platforms
 // register the same target names (jaxkv_copy_blocks, jaxkv_gather_blocks,
-// jaxkv_scatter_blocks); see block_ops_impl.h for what each one does.
+// jaxkv_gather_blocks_into, jaxkv_scatter_blocks); see block_ops_impl.h for what each one does.
 #ifndef JAXKV_FFI_BLOCK_OPS_H_
 #define JAXKV_FFI_BLOCK_OPS_H_
 
@@ -10,10 +10,12 @@ namespace jaxkv {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CopyBlocksCpu_Handler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherBlocksCpu_Handler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherBlocksIntoCpu_Handler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ScatterBlocksCpu_Handler);
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CopyBlocksCuda_Handler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherBlocksCuda_Handler);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GatherBlocksIntoCuda_Handler);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(ScatterBlocksCuda_Handler);
 
 }  // namespace jaxkv

@@ -42,6 +42,12 @@ ffi::Error GatherBlocks(ffi::AnyBuffer cache, IdBuffer ids, ffi::Result<ffi::Any
   return GatherBlocksImpl(platform, cache, ids, out);
 }
 
+ffi::Error GatherBlocksInto(ffi::AnyBuffer cache, IdBuffer ids, ffi::AnyBuffer into,
+                            ffi::Result<ffi::AnyBuffer> out, bool /*validate_ids*/) {
+  CpuPlatform platform;
+  return GatherBlocksIntoImpl(platform, cache, ids, into, out);
+}
+
 ffi::Error ScatterBlocks(ffi::AnyBuffer cache, ffi::AnyBuffer blocks, IdBuffer ids,
                          ffi::Result<ffi::AnyBuffer> out, bool /*validate_ids*/) {
   CpuPlatform platform;
@@ -63,6 +69,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksCpu_Handler, GatherBlocks,
                                   .Arg<ffi::AnyBuffer>()  // cache
                                   .Arg<IdBuffer>()        // ids
                                   .Ret<ffi::AnyBuffer>()  // dense blocks
+                                  .Attr<bool>("validate_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksIntoCpu_Handler, GatherBlocksInto,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // cache
+                                  .Arg<IdBuffer>()        // ids
+                                  .Arg<ffi::AnyBuffer>()  // out buffer, donated
+                                  .Ret<ffi::AnyBuffer>()  // dense blocks, aliased to it
                                   .Attr<bool>("validate_ids"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCpu_Handler, ScatterBlocks,

@@ -65,6 +65,13 @@ ffi::Error GatherBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer ids,
   return GatherBlocksImpl(platform, cache, ids, out);
 }
 
+ffi::Error GatherBlocksInto(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer ids,
+                            ffi::AnyBuffer into, ffi::Result<ffi::AnyBuffer> out,
+                            bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return GatherBlocksIntoImpl(platform, cache, ids, into, out);
+}
+
 ffi::Error ScatterBlocks(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuffer blocks,
                          IdBuffer ids, ffi::Result<ffi::AnyBuffer> out, bool validate_ids) {
   CudaPlatform platform{stream, validate_ids};
@@ -88,6 +95,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksCuda_Handler, GatherBlocks,
                                   .Arg<ffi::AnyBuffer>()  // cache
                                   .Arg<IdBuffer>()        // ids
                                   .Ret<ffi::AnyBuffer>()  // dense blocks
+                                  .Attr<bool>("validate_ids"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksIntoCuda_Handler, GatherBlocksInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // cache
+                                  .Arg<IdBuffer>()        // ids
+                                  .Arg<ffi::AnyBuffer>()  // out buffer, donated
+                                  .Ret<ffi::AnyBuffer>()  // dense blocks, aliased to it
                                   .Attr<bool>("validate_ids"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCuda_Handler, ScatterBlocks,

@@ -104,6 +104,18 @@ xla::ffi::Error GatherBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
   return platform.Run(request);
 }
 
+// GatherBlocksImpl writing into a caller-provided buffer (`into`, aliased to the result, so a
+// staging buffer is reused instead of allocated per call). Every row is written: copied, or
+// zero-filled for a negative id.
+template <typename Platform>
+xla::ffi::Error GatherBlocksIntoImpl(Platform& platform, xla::ffi::AnyBuffer cache, IdBuffer ids,
+                                     xla::ffi::AnyBuffer into,
+                                     xla::ffi::Result<xla::ffi::AnyBuffer> out) {
+  JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(into, "out", *out, "result"));
+  JAXKV_RETURN_IF_ERROR(CheckCount(into.dimensions()[0], out->dimensions()[0], "rows of out"));
+  return GatherBlocksImpl(platform, cache, ids, out);
+}
+
 // cache[ids[i]] = blocks[i] for every non-negative id.
 template <typename Platform>
 xla::ffi::Error ScatterBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,

@@ -32,6 +32,7 @@ PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
         py::dict targets;
         targets["jaxkv_copy_blocks"] = Capsule(JAXKV_HANDLER(CopyBlocks));
         targets["jaxkv_gather_blocks"] = Capsule(JAXKV_HANDLER(GatherBlocks));
+        targets["jaxkv_gather_blocks_into"] = Capsule(JAXKV_HANDLER(GatherBlocksInto));
         targets["jaxkv_scatter_blocks"] = Capsule(JAXKV_HANDLER(ScatterBlocks));
         return targets;
       },

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv._sharding import HeadSharding, head_sharding
 from jaxkv._spec import ArrayKey, KVCacheSpec
-from jaxkv.ops._block_ops import _copy_local, _gather_local, _scatter_local
+from jaxkv.ops._block_ops import _copy_local, _gather_into_local, _gather_local, _scatter_local
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
 
 __all__ = ["BufferMovedError", "PagedKVCache", "ShardBuffer"]
@@ -236,7 +236,7 @@ class PagedKVCache:
                 placed.append(tuple(jax.device_put(x, named) for x in operand))
             else:
                 placed.append(jax.device_put(operand, replicated))
-        return _jitted(program, donate=kind != "gather")(*placed)
+        return _jitted(program, _DONATED_OPERAND[kind])(*placed)
 
     def copy_blocks(
         self, src_ids: Any, dst_ids: Any, *, validate_ids: bool = True
@@ -269,17 +269,47 @@ class PagedKVCache:
             check_ids(dst_host, "dst_ids", self.num_blocks, unique=True, disjoint_from=disjoint)
         return self._with_arrays(self._execute("copy", (self.arrays, src, dst), validate_ids))
 
-    def gather_blocks(self, ids: Any, *, validate_ids: bool = True) -> tuple[jax.Array, ...]:
+    def gather_blocks(
+        self,
+        ids: Any,
+        *,
+        out: Sequence[jax.Array] | None = None,
+        validate_ids: bool = True,
+    ) -> tuple[jax.Array, ...]:
         """`jaxkv.ops.gather_blocks` on every array.
+
+        Args:
+          ids: int32 block ids ``[n]``; rows of negative ids come out zero.
+          out: optional buffers to write into (one ``[n, *block_shape]`` array per cache
+            array, e.g. the result of an earlier gather); consumed outside jit.
+          validate_ids: see `jaxkv.ops.copy_blocks`.
 
         Returns:
           One dense ``[n, *block_shape]`` array per cache array, sharded like the cache.
+
+        Raises:
+          IndexError: an id is >= num_blocks.
+          ValueError: `out` does not match.
         """
         ids = as_id_array(ids, "ids")
         host = concrete_ids(ids)
         if host is not None:
             check_ids(host, "ids", self.num_blocks)
-        return tuple(self._execute("gather", (self.arrays, ids), validate_ids))
+        if out is None:
+            return tuple(self._execute("gather", (self.arrays, ids), validate_ids))
+        out = tuple(out)
+        self._check_dense(out, ids.shape[0], "out")
+        return tuple(self._execute("gather_into", (self.arrays, ids, out), validate_ids))
+
+    def _check_dense(self, dense: tuple[jax.Array, ...], rows: int, name: str) -> None:
+        if len(dense) != len(self.arrays):
+            raise ValueError(f"{len(dense)} {name} arrays for a cache of {len(self.arrays)} arrays")
+        for index, (block, array) in enumerate(zip(dense, self.arrays)):
+            if block.dtype != array.dtype or tuple(block.shape) != (rows, *array.shape[1:]):
+                raise ValueError(
+                    f"{name}[{index}] has shape {tuple(block.shape)} and dtype {block.dtype}; "
+                    f"expected {(rows, *array.shape[1:])} and {array.dtype}"
+                )
 
     def scatter_blocks(
         self, blocks: Sequence[jax.Array], ids: Any, *, validate_ids: bool = True
@@ -296,14 +326,7 @@ class PagedKVCache:
         """
         blocks = tuple(blocks)
         ids = as_id_array(ids, "ids")
-        if len(blocks) != len(self.arrays):
-            raise ValueError(f"{len(blocks)} block arrays for a cache of {len(self.arrays)} arrays")
-        for index, (dense, array) in enumerate(zip(blocks, self.arrays)):
-            if dense.dtype != array.dtype or tuple(dense.shape) != (ids.shape[0], *array.shape[1:]):
-                raise ValueError(
-                    f"blocks[{index}] has shape {tuple(dense.shape)} and dtype {dense.dtype}; "
-                    f"expected {(ids.shape[0], *array.shape[1:])} and {array.dtype}"
-                )
+        self._check_dense(blocks, ids.shape[0], "block")
         host = concrete_ids(ids)
         if host is not None:
             check_ids(host, "ids", self.num_blocks, unique=True)
@@ -367,7 +390,16 @@ class PagedKVCache:
 _LOCAL_OPS: dict[str, Callable[..., Any]] = {
     "copy": _copy_local,
     "gather": _gather_local,
+    "gather_into": _gather_into_local,
     "scatter": _scatter_local,
+}
+
+# Which operands of each cache program are updated in place (donated outside jit).
+_DONATED_OPERAND: dict[str, tuple[int, ...]] = {
+    "copy": (0,),
+    "gather": (),
+    "gather_into": (2,),
+    "scatter": (0,),
 }
 
 
@@ -388,6 +420,10 @@ def _cache_program(
         def body(arrays, ids):
             return tuple(local(a, ids) for a in arrays)
         in_specs = (arrays_spec, ids_spec)
+    elif kind == "gather_into":
+        def body(arrays, ids, outs):
+            return tuple(local(a, ids, o) for a, o in zip(arrays, outs))
+        in_specs = (arrays_spec, ids_spec, arrays_spec)
     else:
         def body(arrays, blocks, ids):
             return tuple(local(a, b, ids) for a, b in zip(arrays, blocks))
@@ -398,5 +434,5 @@ def _cache_program(
 
 
 @functools.lru_cache(maxsize=256)
-def _jitted(program: Callable[..., Any], donate: bool) -> Callable[..., Any]:
-    return jax.jit(program, donate_argnums=(0,) if donate else ())
+def _jitted(program: Callable[..., Any], donate_argnums: tuple[int, ...]) -> Callable[..., Any]:
+    return jax.jit(program, donate_argnums=donate_argnums)

@@ -12,6 +12,7 @@ __all__ = ["CUSTOM_CALL_TARGETS", "ensure_registered", "registered_platforms"]
 CUSTOM_CALL_TARGETS: tuple[str, ...] = (
     "jaxkv_copy_blocks",
     "jaxkv_gather_blocks",
+    "jaxkv_gather_blocks_into",
     "jaxkv_scatter_blocks",
 )
 """Every custom-call target jaxkv registers, for each platform it was built for."""

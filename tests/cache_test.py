@@ -133,16 +133,20 @@ class ShardedOpsTest(parameterized.TestCase):
         cache = cache.scatter_blocks([jnp.asarray(d) for d in dense], [9, -1, 2])
         hosts = [kv_testing.numpy_scatter_blocks(h, d, [9, -1, 2]) for h, d in zip(hosts, dense)]
         gathered = cache.gather_blocks([9, 5, -1, 0])
+        reused = cache.gather_blocks([0, 9, 5, -1],
+                                     out=cache.gather_blocks([1, 2, 3, 4]))
 
         cache.verify_unmoved(before)
         for array, host in zip(cache.arrays, hosts):
             np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(host))
-        for out, host in zip(gathered, hosts):
+        for out, again, host in zip(gathered, reused, hosts):
             self.assertEqual(out.sharding.spec, cache.partition_spec())
             expected = kv_testing.numpy_gather_blocks(host, [9, 5, -1, 0])
             np.testing.assert_array_equal(kv_testing.bits(out), kv_testing.bits(expected))
+            expected = kv_testing.numpy_gather_blocks(host, [0, 9, 5, -1])
+            np.testing.assert_array_equal(kv_testing.bits(again), kv_testing.bits(expected))
 
-    @parameterized.parameters("copy", "gather", "scatter")
+    @parameterized.parameters("copy", "gather", "gather_into", "scatter")
     def test_compiled_program_has_no_collectives(self, op):
         cache = PagedKVCache.allocate(_spec("LKHTD", heads=8), num_blocks=8, mesh=_mesh(8))
         ids = jnp.array([1, 2], jnp.int32)
@@ -150,12 +154,16 @@ class ShardedOpsTest(parameterized.TestCase):
             fn, args = (lambda c, i: c.copy_blocks(i, i + 4)), (cache, ids)
         elif op == "gather":
             fn, args = (lambda c, i: c.gather_blocks(i)), (cache, ids)
+        elif op == "gather_into":
+            blocks = cache.gather_blocks(ids)
+            fn, args = (lambda c, i, o: c.gather_blocks(i, out=o)), (cache, ids, blocks)
         else:
             blocks = cache.gather_blocks(ids)
             fn, args = (lambda c, b, i: c.scatter_blocks(b, i)), (cache, blocks, ids)
-        hlo = jax.jit(fn, donate_argnums=0 if op != "gather" else ()).lower(*args).compile()
-        text = hlo.as_text()
-        self.assertIn(f"jaxkv_{op}_blocks", text)
+        donate = {"copy": 0, "gather": (), "gather_into": 2, "scatter": 0}[op]
+        text = jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
+        target = "jaxkv_gather_blocks_into" if op == "gather_into" else f"jaxkv_{op}_blocks"
+        self.assertIn(target, text)
         for collective in COLLECTIVES:
             self.assertNotIn(collective, text)
 

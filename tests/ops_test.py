@@ -165,6 +165,25 @@ class GatherScatterTest(parameterized.TestCase):
         expected = kv_testing.numpy_copy_blocks(host, [1, 2, 3], [7, 8, 9])
         np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(expected))
 
+    @parameterized.parameters(*DTYPES)
+    def test_gather_into_reuses_the_out_buffer(self, dtype):
+        host, cache = _cache(16, dtype)
+        out = jnp.asarray(kv_testing.random_bits(np.random.default_rng(17), (4, 2, 3, 4, 8), dtype))
+        address = out.unsafe_buffer_pointer()
+        ids = np.array([7, -1, 3, 7], np.int32)
+        result = ops.gather_blocks(cache, ids, out=out)
+        self.assertEqual(result.unsafe_buffer_pointer(), address)
+        self.assertTrue(out.is_deleted())
+        expected = kv_testing.numpy_gather_blocks(host, ids)  # the -1 row is zeroed, not kept
+        np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(expected))
+        step = jax.jit(lambda c, i, o: ops.gather_blocks(c, i, out=o), donate_argnums=2)
+        again = step(cache, jnp.array([0, 1, 2, -1], jnp.int32), result)
+        self.assertEqual(again.unsafe_buffer_pointer(), address)
+        expected = kv_testing.numpy_gather_blocks(host, [0, 1, 2, -1])
+        np.testing.assert_array_equal(kv_testing.bits(again), kv_testing.bits(expected))
+        with self.assertRaisesRegex(ValueError, "out has shape"):
+            ops.gather_blocks(cache, [1, 2], out=again)
+
     def test_gather_bad_ids(self):
         _, cache = _cache(14, "float32")
         with self.assertRaisesRegex(IndexError, "ids\\[1\\] = 12 is out of range"):

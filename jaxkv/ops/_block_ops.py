@@ -49,6 +49,12 @@ def _gather_local(cache, ids, *, validate_ids: bool):
     return call(cache, ids, validate_ids=validate_ids)
 
 
+def _gather_into_local(cache, ids, out, *, validate_ids: bool):
+    result = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    call = _ffi_call("jaxkv_gather_blocks_into", result, {2: 0})
+    return call(cache, ids, out, validate_ids=validate_ids)
+
+
 def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
     result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
     call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
@@ -78,7 +84,7 @@ def _eager_program(
     local: Callable[..., Any],
     partition: tuple[jax.sharding.Mesh, PartitionSpec] | None,
     operand_kinds: tuple[str, ...],
-    donate: bool,
+    donate_argnums: tuple[int, ...],
     validate_ids: bool,
 ) -> Callable[..., Any]:
     """A jitted program running `local` on every shard; operand kinds are "blocks" (sharded
@@ -90,15 +96,15 @@ def _eager_program(
         program = jax.shard_map(
             program, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False
         )
-    return jax.jit(program, donate_argnums=(0,) if donate else ())
+    return jax.jit(program, donate_argnums=donate_argnums)
 
 
-def _run(local, operands, kinds, *, donate: bool, validate_ids: bool):
+def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_ids: bool):
     cache = operands[0]
     if any(isinstance(x, jax.core.Tracer) for x in operands):
         return local(*operands, validate_ids=validate_ids)
     partition = _block_partition(cache)
-    program = _eager_program(local, partition, kinds, donate, validate_ids)
+    program = _eager_program(local, partition, kinds, donate_argnums, validate_ids)
     if partition is not None:
         # Outside jit, shard_map wants its operands placed as its in_specs say.
         mesh, spec = partition
@@ -153,24 +159,30 @@ def copy_blocks(
         disjoint = (src_host, "src_ids") if src_host is not None else None
         check_ids(dst_host, "dst_ids", cache.shape[0], unique=True, disjoint_from=disjoint)
     return _run(
-        _copy_local, (cache, src, dst), ("blocks", "ids", "ids"), donate=True,
+        _copy_local, (cache, src, dst), ("blocks", "ids", "ids"), donate_argnums=(0,),
         validate_ids=validate_ids,
     )
 
 
-def gather_blocks(cache: jax.Array, ids: Any, *, validate_ids: bool = True) -> jax.Array:
+def gather_blocks(
+    cache: jax.Array, ids: Any, *, out: jax.Array | None = None, validate_ids: bool = True
+) -> jax.Array:
     """Gathers blocks into a dense array ``[n, *block]``.
 
     Args:
       cache: blocks-first array ``[num_blocks, *block]``; not modified.
       ids: int32 block ids, shape ``[n]``; rows with negative ids come out zero.
+      out: optional ``[n, *block]`` buffer to write into instead of allocating a new array
+        (for a staging buffer reused every step: a fresh multi-MiB output costs page faults
+        on CPU). It is consumed (donated) outside jit; donate it in the caller's jit.
       validate_ids: see `copy_blocks`.
 
     Returns:
-      A new array with ``out[i] = cache[ids[i]]``, sharded like the cache.
+      ``out[i] = cache[ids[i]]``, sharded like the cache (the `out` buffer when given).
 
     Raises:
       IndexError: an id is >= num_blocks.
+      ValueError: `out` has the wrong shape or dtype.
 
     Example:
       >>> gather_blocks(jnp.arange(6.0).reshape(3, 2), [2, -1]).tolist()
@@ -181,8 +193,18 @@ def gather_blocks(cache: jax.Array, ids: Any, *, validate_ids: bool = True) -> j
     host = concrete_ids(ids)
     if host is not None:
         check_ids(host, "ids", cache.shape[0])
-    return _run(_gather_local, (cache, ids), ("blocks", "ids"), donate=False,
-                validate_ids=validate_ids)
+    if out is None:
+        return _run(_gather_local, (cache, ids), ("blocks", "ids"), donate_argnums=(),
+                    validate_ids=validate_ids)
+    _check_blocks_first(out, "out")
+    expected = (ids.shape[0], *cache.shape[1:])
+    if tuple(out.shape) != expected or out.dtype != cache.dtype:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {expected} and "
+            f"{cache.dtype}"
+        )
+    return _run(_gather_into_local, (cache, ids, out), ("blocks", "ids", "blocks"),
+                donate_argnums=(2,), validate_ids=validate_ids)
 
 
 def scatter_blocks(
@@ -223,6 +245,6 @@ def scatter_blocks(
     if host is not None:
         check_ids(host, "ids", cache.shape[0], unique=True)
     return _run(
-        _scatter_local, (cache, blocks, ids), ("blocks", "blocks", "ids"), donate=True,
+        _scatter_local, (cache, blocks, ids), ("blocks", "blocks", "ids"), donate_argnums=(0,),
         validate_ids=validate_ids,
     )

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test suite: prepare an environment (idempotent) and run every test with pytest.
+#
+# Usage: scripts/test.sh [--python PYTHON] [--venv DIR] [pytest arguments...]
+#   defaults: python3 and .venv; e.g. `scripts/test.sh -m "not slow"` skips the slow grids.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SETUP_ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --python|--venv) SETUP_ARGS+=("$1" "$2"); shift 2 ;;
+    *) break ;;
+  esac
+done
+VENV="$ROOT/.venv"
+for ((i = 0; i < ${#SETUP_ARGS[@]}; i += 2)); do
+  [[ "${SETUP_ARGS[i]}" == --venv ]] && VENV="${SETUP_ARGS[i + 1]}"
+done
+[[ "$VENV" = /* ]] || VENV="$ROOT/$VENV"
+bash "$ROOT/scripts/setup.sh" "${SETUP_ARGS[@]}"
+cd "$ROOT"
+# The installed package is tested: -P keeps the source tree (which lacks the compiled
+# modules) off the front of sys.path.
+exec "$VENV/bin/python" -P -m pytest -p no:cacheprovider tests "$@"

@@ -1,0 +1,77 @@
+"""The CUDA handlers on a real GPU: exact against numpy, in place, ids checked or skipped.
+
+Skipped where JAX sees no GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import kv_testing
+from jaxkv import SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+@absltest.skipIf(not _gpus(), "no GPU visible to JAX")
+class CudaOpsTest(parameterized.TestCase):
+    def _cache(self, seed, dtype, block_shape=(2, 4, 16, 64), num_blocks=64):
+        rng = np.random.default_rng(seed)
+        host = kv_testing.random_bits(rng, (num_blocks, *block_shape), dtype)
+        return host, jax.device_put(host, _gpus()[0])
+
+    @parameterized.product(dtype=[d.name for d in SUPPORTED_DTYPES],
+                           block_shape=[(2, 4, 16, 64), (3, 5), (7,)])
+    def test_ops_match_numpy(self, dtype, block_shape):
+        host, cache = self._cache(0, dtype, block_shape)
+        address = cache.unsafe_buffer_pointer()
+        src, dst = [0, 5, -1, 9, 33], [1, 60, 7, -1, 2]
+        cache = ops.copy_blocks(cache, src, dst)
+        host = kv_testing.numpy_copy_blocks(host, src, dst)
+        gathered = ops.gather_blocks(cache, [60, -1, 2, 2])
+        blocks = kv_testing.random_bits(np.random.default_rng(1), (3, *block_shape), dtype)
+        cache = ops.scatter_blocks(cache, jax.device_put(blocks, _gpus()[0]), [11, -1, 63])
+        self.assertEqual(cache.unsafe_buffer_pointer(), address)
+        np.testing.assert_array_equal(
+            kv_testing.bits(gathered),
+            kv_testing.bits(kv_testing.numpy_gather_blocks(host, [60, -1, 2, 2])))
+        host = kv_testing.numpy_scatter_blocks(host, blocks, [11, -1, 63])
+        np.testing.assert_array_equal(kv_testing.bits(cache), kv_testing.bits(host))
+
+    def test_traced_bad_ids_raise_with_validation(self):
+        host, cache = self._cache(2, "bfloat16")
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d))
+        with self.assertRaisesRegex(jax.errors.JaxRuntimeError, "out of range"):
+            jax.block_until_ready(step(cache, jnp.array([0]), jnp.array([64])))
+        np.testing.assert_array_equal(kv_testing.bits(cache), kv_testing.bits(host))
+
+    def test_out_of_range_ids_are_skipped_without_validation(self):
+        host, cache = self._cache(3, "float16")
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d, validate_ids=False),
+                       donate_argnums=0)
+        result = step(cache, jnp.array([0, 1, 2**31 - 1], jnp.int32),
+                      jnp.array([64, 5, 6], jnp.int32))
+        expected = kv_testing.numpy_copy_blocks(host, [1], [5])
+        np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(expected))
+
+    def test_paged_cache_on_gpu(self):
+        mesh = jax.make_mesh((1,), ("tp",), devices=_gpus()[:1])
+        spec = KVCacheSpec(4, 8, 128, 16, "bfloat16", "KHTD")
+        cache = PagedKVCache.allocate(spec, 32, mesh=mesh)
+        before = cache.shard_buffers()
+        self.assertEqual(before[0].memory_kind, "VRAM")
+        blocks = tuple(jnp.ones((2, *a.shape[1:]), a.dtype) for a in cache.arrays)
+        cache = cache.scatter_blocks(blocks, [3, 4]).copy_blocks([3], [9])
+        cache.verify_unmoved(before)
+        out = cache.gather_blocks([9, 0])
+        self.assertTrue(all(bool((o[0] == 1).all()) and bool((o[1] == 0).all()) for o in out))
+
+
+if __name__ == "__main__":
+    absltest.main()
