@@ -1,6 +1,6 @@
 """Build macros of jaxkv: the FFI extension modules, nvcc compilation, the absltest suites."""
 
-load("@jaxkv_cuda//:defs.bzl", "CUDA_ARCHS", "NVCC")
+load("@jaxkv_cuda//:defs.bzl", "CUDA_ARCHS", "CUDA_FOUND", "NVCC")
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
 load("//bazel:python.bzl", "py_test")
 
@@ -36,6 +36,10 @@ def pybind_extension(name, srcs, deps = [], copts = [], local_defines = [], **kw
         **kwargs
     )
 
+_NO_CUDA_CMD = ("echo 'jaxkv: --config=cuda was given but no CUDA toolkit was found: put nvcc " +
+                "on PATH or set JAXKV_CUDA_PATH (or CUDA_PATH) to the toolkit root, then run " +
+                "bazel sync --configure (or bazel shutdown).' >&2; exit 1")
+
 def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
     """Compiles .cu files with nvcc (position-independent objects) into a cc_library.
 
@@ -53,8 +57,8 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
             name = "_%s_nvcc_%s" % (name, stem),
             srcs = [src] + hdrs,
             outs = [obj],
-            cmd = " ".join([
-                NVCC or "nvcc",
+            cmd = _NO_CUDA_CMD if not CUDA_FOUND else " ".join([
+                NVCC,
                 "-std=c++17",
                 "-O3",
                 "-DNDEBUG",
