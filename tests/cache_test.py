@@ -7,9 +7,10 @@ kv_testing.force_cpu_devices()
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 
-from jaxkv import LAYOUT_PRESETS, BufferMovedError, KVCacheSpec, PagedKVCache
+from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, BufferMovedError, KVCacheSpec, PagedKVCache
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -31,6 +32,20 @@ def _fill(cache: PagedKVCache, seed: int) -> tuple[PagedKVCache, list[np.ndarray
     hosts = [kv_testing.random_bits(rng, a.shape, a.dtype) for a in cache.arrays]
     mesh = cache.sharding.source_mesh
     return PagedKVCache.from_arrays(cache.spec, hosts, mesh=mesh), hosts
+
+
+# Every layout x head count x TP size; the dtypes take turns (each appears in every layout),
+# since the copies move bytes and the dtype only changes the element width.
+_GRID = [
+    dict(layout=layout, heads=heads, tp=tp,
+         dtype=SUPPORTED_DTYPES[index % len(SUPPORTED_DTYPES)].name)
+    for index, (layout, heads, tp) in enumerate(
+        (layout, heads, tp)
+        for layout in sorted(set(LAYOUT_PRESETS.values()))
+        for heads in (1, 2, 4, 8)
+        for tp in (1, 2, 4, 8)
+    )
+]
 
 
 class AllocationTest(parameterized.TestCase):
@@ -145,6 +160,26 @@ class ShardedOpsTest(parameterized.TestCase):
             np.testing.assert_array_equal(kv_testing.bits(out), kv_testing.bits(expected))
             expected = kv_testing.numpy_gather_blocks(host, [0, 9, 5, -1])
             np.testing.assert_array_equal(kv_testing.bits(again), kv_testing.bits(expected))
+
+    @parameterized.parameters(*_GRID)
+    @pytest.mark.slow  # innermost, so that every generated case carries the mark
+    def test_exhaustive_grid(self, layout, dtype, heads, tp):
+        if layout == "TD" and heads != 1:
+            self.skipTest("MLA has one head")
+        cache = PagedKVCache.allocate(_spec(layout, heads=heads, dtype=dtype), num_blocks=6,
+                                      mesh=_mesh(tp))
+        cache, hosts = _fill(cache, heads * 31 + tp)
+        before = cache.shard_buffers()
+        cache = cache.copy_blocks([0, -1, 2], [3, 4, 5])
+        dense = cache.gather_blocks([5, 1])
+        cache = cache.scatter_blocks(dense, [0, -1])
+        cache.verify_unmoved(before)
+        for array, out, host in zip(cache.arrays, dense, hosts):
+            host = kv_testing.numpy_copy_blocks(host, [0, -1, 2], [3, 4, 5])
+            expected_dense = kv_testing.numpy_gather_blocks(host, [5, 1])
+            host = kv_testing.numpy_scatter_blocks(host, expected_dense, [0, -1])
+            np.testing.assert_array_equal(kv_testing.bits(out), kv_testing.bits(expected_dense))
+            np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(host))
 
     @parameterized.parameters("copy", "gather", "gather_into", "scatter")
     def test_compiled_program_has_no_collectives(self, op):

@@ -209,6 +209,20 @@ class GatherScatterTest(parameterized.TestCase):
             jax.block_until_ready(step(cache, good, jnp.array([4, 4], jnp.int32)))
         np.testing.assert_array_equal(kv_testing.bits(cache), kv_testing.bits(host))
 
+    def test_vmap_over_a_stack_of_caches(self):
+        host, _ = _cache(18, "float32", (3,), num_blocks=6)
+        stack = np.stack([host, host[::-1].copy()])
+        copy = jax.vmap(lambda c, s, d: ops.copy_blocks(c, s, d))
+        src = jnp.array([[0, 1], [2, -1]], jnp.int32)
+        dst = jnp.array([[4, 5], [3, 0]], jnp.int32)
+        result = copy(jnp.asarray(stack), src, dst)
+        for b in range(2):
+            expected = kv_testing.numpy_copy_blocks(stack[b], src[b], dst[b])
+            np.testing.assert_array_equal(kv_testing.bits(result[b]), kv_testing.bits(expected))
+        gathered = jax.vmap(ops.gather_blocks)(jnp.asarray(stack), jnp.array([[5], [-1]], jnp.int32))
+        np.testing.assert_array_equal(kv_testing.bits(gathered[0, 0]), kv_testing.bits(stack[0, 5]))
+        self.assertFalse(np.any(kv_testing.bits(gathered[1])))
+
     def test_pad_block_ids(self):
         self.assertEqual(ops.pad_block_ids([1, 2, 3]).tolist(), [1, 2, 3] + [-1] * 5)
         self.assertEqual(len(ops.pad_block_ids(list(range(9)))), 16)
