@@ -1,0 +1,834 @@
+"""`KVCacheManager`: per-request block tables on top of a `BlockPool` (vLLM's KVCacheManager).
+
+A request's life: `add_request` (hashes its full prompt blocks) -> `get_computed_blocks` (the
+longest cached prefix) -> `allocate_slots` (reuses the prefix, allocates blocks for the new
+tokens, registers newly full blocks in the cache) -> for each generated token `append_tokens`
+and `allocate_slots(request_id, 1)` -> `free` (blocks return to the pool tail-first and stay
+hittable until evicted).
+
+Hybrid models have several KV-cache groups (e.g. one full-attention group and sliding-window
+groups, see `plan_kv_cache`). Every group has its own block table per request, allocated from
+the shared pool; a prefix hit must hold in all groups, and sliding-window groups keep only the
+blocks inside the window (dropped positions hold the null block).
+
+Disaggregated prefill/decode: on the decode engine, look up with
+``max_hit_tokens=num_prompt_tokens`` (only KV is needed, no logits), allocate the rest of the
+prompt with ``delay_caching=True``, read exactly ``Allocation.new_block_ids`` from the prefill
+engine (the tail of its block table; when `Allocation.reads_nothing` is true the whole prompt
+was a local hit: read nothing and only tell the producer it may free its blocks), then call
+`cache_blocks` once the KV has arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jaxkv.blocks._errors import BlockError, UnknownRequestError
+from jaxkv.blocks._events import KVCacheEvent
+from jaxkv.blocks._hashing import (
+    BlockHash,
+    HashFunction,
+    MultiModalInput,
+    RequestBlockHasher,
+    _token_bytes,
+    get_hash_function,
+    sha256,
+)
+from jaxkv.blocks._metrics import PrefixCacheStats, PrefixCachingMetrics
+from jaxkv.blocks._pool import NULL_BLOCK_ID, BlockId, BlockPool
+
+if TYPE_CHECKING:
+    from jaxkv.blocks._sizing import KVCachePlan
+
+__all__ = ["Allocation", "CacheHit", "KVCacheManager"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheHit:
+    """The cached prefix found for a request (from `KVCacheManager.get_computed_blocks`).
+
+    Attributes:
+      request_id: the request it was computed for.
+      block_ids: per KV-cache group, the physical blocks of the cached prefix (the null block
+        stands for positions a sliding window does not need).
+      num_computed_tokens: tokens covered by the hit (a multiple of the block size).
+      cache_epoch: the pool's `BlockPool.cache_epoch` at lookup; a later `allocate_slots`
+        re-validates the blocks when it changed.
+
+    Example:
+      >>> manager = KVCacheManager(num_blocks=8, block_size=4)
+      >>> manager.add_request("r", list(range(10)))
+      >>> hit = manager.get_computed_blocks("r")
+      >>> hit.num_computed_tokens, hit.block_ids
+      (0, ((),))
+    """
+
+    request_id: str
+    block_ids: tuple[tuple[BlockId, ...], ...]
+    num_computed_tokens: int
+    cache_epoch: int = dataclasses.field(default=0, repr=False, compare=False)
+    _arrays: tuple[np.ndarray, ...] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per group in the hit."""
+        return len(self.block_ids[0]) if self.block_ids else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """What one `KVCacheManager.allocate_slots` call changed.
+
+    Attributes:
+      request_id: the request.
+      new_block_ids: per KV-cache group, the blocks allocated by this call, in block-table
+        order. They hold no computed KV yet: these (and only these) are what a disaggregated
+        decode engine reads from the prefill engine.
+      num_computed_tokens: tokens already computed before this step (including a prefix hit).
+      num_new_tokens: tokens scheduled by this call.
+
+    Example:
+      >>> manager = KVCacheManager(num_blocks=8, block_size=4)
+      >>> manager.add_request("r", list(range(10)))
+      >>> alloc = manager.allocate_slots("r", 10, manager.get_computed_blocks("r"))
+      >>> alloc.new_block_ids, alloc.reads_nothing
+      (((1, 2, 3),), False)
+    """
+
+    request_id: str
+    new_block_ids: tuple[tuple[BlockId, ...], ...]
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    @property
+    def reads_nothing(self) -> bool:
+        """True when no block was allocated: for a disaggregated decode engine, the prompt was
+        a full local hit ("read nothing, just notify the producer")."""
+        return not any(self.new_block_ids)
+
+
+class _Request:
+    __slots__ = (
+        "allocated",
+        "blocks",
+        "hasher",
+        "lora_id",
+        "num_cached",
+        "num_computed",
+        "num_tokens",
+        "outputs",
+        "prompt",
+        "request_id",
+    )
+
+    def __init__(self, request_id: str, prompt: Any, hasher: RequestBlockHasher | None,
+                 num_groups: int, lora_id: Any) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.num_tokens = len(prompt)
+        self.outputs: list[int] = []
+        self.hasher = hasher  # None when caching is off (no hashes needed).
+        self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        self.num_cached = [0] * num_groups
+        self.num_computed = 0
+        self.allocated = False
+        self.lora_id = lora_id
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        num_prompt = len(self.prompt)
+        out: list[int] = []
+        if start < num_prompt:
+            part = self.prompt[start : min(stop, num_prompt)]
+            out = part.tolist() if isinstance(part, np.ndarray) else list(part)
+        if stop > num_prompt:
+            out.extend(self.outputs[max(0, start - num_prompt) : stop - num_prompt])
+        return out
+
+
+class KVCacheManager:
+    """Block tables of running requests, with prefix caching, over one `BlockPool`.
+
+    Not thread-safe: drive it from one scheduler thread.
+
+    Args:
+      num_blocks: blocks in the pool (including the null block), e.g. `KVCachePlan.num_blocks`.
+      block_size: tokens per block (all groups).
+      max_model_len: the most tokens one request may hold; None for no limit.
+      sliding_windows: one entry per KV-cache group: None for full attention, or the sliding
+        window in tokens. Default: one full-attention group.
+      enable_caching: reuse cached prefixes and register full blocks.
+      hash_fn: block hash function (`sha256` default, `xxhash128`, or a name).
+      enable_events: queue KV-cache events (drain with `take_events`).
+      metrics_window: the hit-rate window, in requests.
+
+    Raises:
+      ValueError, TypeError: invalid arguments.
+
+    Example:
+      >>> manager = KVCacheManager(num_blocks=16, block_size=4)
+      >>> prompt = list(range(10))
+      >>> manager.add_request("a", prompt)
+      >>> manager.allocate_slots("a", 10, manager.get_computed_blocks("a")).new_block_ids
+      ((1, 2, 3),)
+      >>> manager.add_request("b", prompt[:8] + [99, 98])
+      >>> hit = manager.get_computed_blocks("b")
+      >>> hit.num_computed_tokens, hit.block_ids
+      (8, ((1, 2),))
+      >>> manager.allocate_slots("b", 2, hit).new_block_ids
+      ((4,),)
+      >>> manager.free("a"); manager.free("b"); manager.hit_rate
+      0.4
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        max_model_len: int | None = None,
+        sliding_windows: Sequence[int | None] = (None,),
+        enable_caching: bool = True,
+        hash_fn: HashFunction | str = sha256,
+        enable_events: bool = False,
+        metrics_window: int = 1000,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 or None, got {max_model_len}")
+        windows = tuple(sliding_windows)
+        if not windows:
+            raise ValueError("need at least one KV-cache group")
+        for window in windows:
+            if window is not None and (
+                isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1
+            ):
+                raise ValueError(f"a sliding window must be None or an int >= 1, got {window!r}")
+        self._block_size = int(block_size)
+        self._max_model_len = None if max_model_len is None else int(max_model_len)
+        self._windows = tuple(None if w is None else int(w) for w in windows)
+        self._enable_caching = bool(enable_caching)
+        self._hash_fn = get_hash_function(hash_fn)
+        self._pool = BlockPool(
+            num_blocks, enable_caching=enable_caching, enable_events=enable_events
+        )
+        self._requests: dict[str, _Request] = {}
+        self._metrics = PrefixCachingMetrics(metrics_window)
+        self._empty_hit_blocks = tuple(() for _ in windows)
+
+    @classmethod
+    def from_plan(cls, plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
+        """A manager for the groups, block count, block size and max length of a plan.
+
+        Args:
+          plan: from `plan_kv_cache`.
+          **kwargs: other constructor arguments (``enable_caching``, ``hash_fn``, ...).
+
+        Raises:
+          ValueError: the plan's groups have different block sizes.
+
+        Example:
+          >>> from jaxkv import KVCacheSpec
+          >>> from jaxkv.blocks import AttentionLayers, plan_kv_cache
+          >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4,
+          ...                    dtype="float32")
+          >>> plan = plan_kv_cache([AttentionLayers(spec)], 2**20, max_model_len=64)
+          >>> KVCacheManager.from_plan(plan).num_free_blocks
+          2047
+        """
+        sizes = {group.block_size for group in plan.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"all KV-cache groups need one block size, got {sorted(sizes)}")
+        return cls(
+            plan.num_blocks,
+            sizes.pop(),
+            max_model_len=plan.max_model_len,
+            sliding_windows=tuple(group.sliding_window for group in plan.groups),
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool (shared by every group)."""
+        return self._pool
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups (block tables per request)."""
+        return len(self._windows)
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each group's sliding window (None: full attention)."""
+        return self._windows
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The per-request token limit."""
+        return self._max_model_len
+
+    @property
+    def hash_fn(self) -> HashFunction:
+        """The block hash function."""
+        return self._hash_fn
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks the pool can allocate now."""
+        return self._pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use."""
+        return self._pool.usage
+
+    @property
+    def metrics(self) -> PrefixCachingMetrics:
+        """Prefix-cache hit-rate metrics over the most recent requests."""
+        return self._metrics
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / looked-up tokens over the most recent requests."""
+        return self._metrics.hit_rate
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Requests currently known, in the order they were added."""
+        return list(self._requests)
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"unknown request {request_id!r}") from None
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        *,
+        lora_id: int | str | None = None,
+        mm_inputs: Sequence[MultiModalInput | tuple[str, int, int]] = (),
+        cache_salt: str | bytes | None = None,
+    ) -> None:
+        """Registers a request and hashes its full prompt blocks.
+
+        Args:
+          request_id: a new, unique id.
+          prompt_token_ids: the prompt (ints or an integer numpy array; at least one token).
+          lora_id: LoRA adapter id (an extra key of every block).
+          mm_inputs: multimodal inputs (extra keys of the blocks they overlap).
+          cache_salt: isolates the request's cache (an extra key of its first block).
+
+        Raises:
+          UnknownRequestError: the id is already in use.
+          BlockError: an empty prompt, or a prompt longer than ``max_model_len``.
+          TypeError, ValueError: invalid tokens or extra-key inputs.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=4)
+          >>> manager.add_request("r", [1, 2, 3, 4, 5]); len(manager.get_block_hashes("r"))
+          1
+        """
+        if request_id in self._requests:
+            raise UnknownRequestError(f"request {request_id!r} was already added")
+        count = len(prompt_token_ids)
+        if count == 0:
+            raise BlockError("a request needs at least one prompt token")
+        if self._max_model_len is not None and count > self._max_model_len:
+            raise BlockError(
+                f"prompt of {count} tokens exceeds max_model_len={self._max_model_len}"
+            )
+        hasher = RequestBlockHasher(
+            self._block_size, self._hash_fn, lora_id=lora_id, mm_inputs=mm_inputs,
+            cache_salt=cache_salt,
+        )
+        if self._enable_caching:
+            hasher.extend(prompt_token_ids)  # Validates the tokens too.
+        else:
+            hasher = None
+            _token_bytes(prompt_token_ids)  # Validation only.
+        prompt = (
+            prompt_token_ids.copy()
+            if isinstance(prompt_token_ids, np.ndarray)
+            else list(prompt_token_ids)
+        )
+        self._requests[request_id] = _Request(
+            request_id, prompt, hasher, len(self._windows), lora_id
+        )
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Appends generated tokens to a request (hashing blocks they complete).
+
+        Their KV is computed by a later `allocate_slots` step, as in decoding: sample a token,
+        append it, allocate a slot for it.
+
+        Raises:
+          UnknownRequestError: unknown request.
+          BlockError: the request would exceed ``max_model_len``.
+          TypeError, ValueError: invalid tokens (nothing is appended).
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1]); manager.append_tokens("r", [2, 3])
+          >>> manager.num_tokens("r"), len(manager.get_block_hashes("r"))
+          (3, 1)
+        """
+        state = self._request(request_id)
+        count = len(token_ids)
+        if count == 0:
+            return
+        total = state.num_tokens + count
+        if self._max_model_len is not None and total > self._max_model_len:
+            raise BlockError(
+                f"request {request_id!r} would hold {total} tokens, over "
+                f"max_model_len={self._max_model_len}"
+            )
+        if state.hasher is not None:
+            state.hasher.extend(token_ids)  # Validates the tokens too.
+        else:
+            _token_bytes(token_ids)
+        state.num_tokens = total
+        state.outputs.extend(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens the request holds (prompt and appended).
+
+        Raises:
+          UnknownRequestError: unknown request.
+        """
+        return self._request(request_id).num_tokens
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        """Tokens whose KV is computed or scheduled by `allocate_slots`.
+
+        Raises:
+          UnknownRequestError: unknown request.
+        """
+        return self._request(request_id).num_computed
+
+    def get_block_ids(self, request_id: str) -> tuple[tuple[BlockId, ...], ...]:
+        """The request's block table per group (logical block index -> physical block id).
+
+        Raises:
+          UnknownRequestError: unknown request.
+        """
+        return tuple(tuple(blocks) for blocks in self._request(request_id).blocks)  # type: ignore[misc]
+
+    def get_block_hashes(self, request_id: str) -> tuple[BlockHash, ...]:
+        """Hashes of the request's full blocks so far.
+
+        Raises:
+          UnknownRequestError: unknown request.
+        """
+        hasher = self._request(request_id).hasher
+        return () if hasher is None else tuple(hasher.block_hashes)
+
+    # ------------------------------------------------------------------ prefix lookup
+
+    def _group_hit(self, group: int, hashes: Sequence[BlockHash], num_blocks: int) -> list[int]:
+        window = self._windows[group]
+        if window is None:
+            return self._pool.find_longest_cache_hit(hashes[:num_blocks], group)  # type: ignore[return-value]
+        # Sliding window: the last cdiv(window - 1, block_size) blocks before the hit's end
+        # must be cached; earlier positions are replaced by the null block. Scan right to
+        # left for the rightmost run that long (vLLM's SlidingWindowManager).
+        needed = _cdiv(window - 1, self._block_size)
+        get = self._pool.get_cached_block
+        result = [NULL_BLOCK_ID] * num_blocks
+        run = 0
+        for index in range(num_blocks - 1, -1, -1):
+            block = get(hashes[index], group)
+            if block is not None:
+                result[index] = block
+                run += 1
+                if run >= needed:
+                    del result[index + run :]
+                    return result
+            else:
+                run = 0
+        del result[run:]  # Only a run starting at block 0 is a (short) hit.
+        return result
+
+    def get_computed_blocks(self, request_id: str, *, max_hit_tokens: int | None = None) -> CacheHit:
+        """Finds the longest cached prefix of a request that every group can reuse.
+
+        Lookup only; pass the result to `allocate_slots` to use it. Records a hit-rate
+        observation (when caching is on).
+
+        Args:
+          request_id: a request before its first allocation.
+          max_hit_tokens: cap on the hit. Default ``num_tokens - 1``: the last prompt token is
+            always recomputed so the model produces logits. A disaggregated decode engine that
+            only needs KV may pass ``num_tokens``.
+
+        Returns:
+          The hit (possibly empty).
+
+        Raises:
+          UnknownRequestError: unknown request.
+          BlockError: the request already has blocks, or ``max_hit_tokens < 0``.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=8, block_size=2)
+          >>> manager.add_request("a", [1, 2, 3, 4]); _ = manager.allocate_slots("a", 4)
+          >>> manager.add_request("b", [1, 2, 3, 4])
+          >>> manager.get_computed_blocks("b").num_computed_tokens       # last block recomputed
+          2
+          >>> manager.get_computed_blocks("b", max_hit_tokens=4).num_computed_tokens
+          4
+        """
+        state = self._request(request_id)
+        if state.allocated:
+            raise BlockError(
+                f"request {request_id!r} already has blocks; look up its prefix before the "
+                "first allocate_slots (free it first to start over)"
+            )
+        num_tokens = state.num_tokens
+        if max_hit_tokens is None:
+            limit = num_tokens - 1
+        else:
+            if max_hit_tokens < 0:
+                raise BlockError(f"max_hit_tokens must be >= 0, got {max_hit_tokens}")
+            limit = min(int(max_hit_tokens), num_tokens)
+        epoch = self._pool.cache_epoch
+        if state.hasher is None:
+            return CacheHit(request_id, self._empty_hit_blocks, 0, epoch)
+        hashes = state.hasher.block_hashes
+        length = min(limit // self._block_size, len(hashes))
+        results = [self._group_hit(g, hashes, length) for g in range(len(self._windows))]
+        while True:  # Shrink to a length every group agrees on.
+            shortest = min(len(r) for r in results)
+            if all(len(r) == shortest for r in results):
+                break
+            length = shortest
+            for group, result in enumerate(results):
+                if len(result) != length:
+                    if self._windows[group] is None:
+                        del result[length:]
+                    else:
+                        results[group] = self._group_hit(group, hashes, length)
+        length = len(results[0])
+        num_hit = length * self._block_size
+        self._metrics.observe(PrefixCacheStats(requests=1, queries=num_tokens, hits=num_hit))
+        if not num_hit:
+            return CacheHit(request_id, self._empty_hit_blocks, 0, epoch)
+        return CacheHit(
+            request_id,
+            tuple(tuple(r) for r in results),
+            num_hit,
+            epoch,
+            tuple(np.asarray(r, dtype=np.int64) for r in results),
+        )
+
+    def _check_hit(self, state: _Request, hit: CacheHit) -> None:
+        if hit.request_id != state.request_id:
+            raise BlockError(
+                f"cache hit of request {hit.request_id!r} passed for {state.request_id!r}"
+            )
+        if state.allocated:
+            raise BlockError(
+                f"request {state.request_id!r} already has blocks; a cache hit applies only to "
+                "its first allocate_slots"
+            )
+        if len(hit.block_ids) != len(self._windows):
+            raise BlockError("cache hit has a different number of groups than the manager")
+        if hit.num_computed_tokens != hit.num_blocks * self._block_size:
+            raise BlockError("cache hit token count and block count disagree")
+        if hit.cache_epoch == self._pool.cache_epoch:
+            return
+        hashes = state.hasher.block_hashes if state.hasher is not None else ()
+        for group, blocks in enumerate(hit.block_ids):
+            for index, block in enumerate(blocks):
+                if block == NULL_BLOCK_ID:
+                    continue
+                if (
+                    self._pool.block_hash(block) != hashes[index]
+                    or self._pool.block_group(block) != group
+                ):
+                    raise BlockError(
+                        f"stale cache hit for {state.request_id!r}: block {block} was evicted "
+                        "since get_computed_blocks; look the prefix up again"
+                    )
+
+    # ------------------------------------------------------------------ allocation
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        *,
+        num_lookahead_tokens: int = 0,
+        delay_caching: bool = False,
+    ) -> Allocation | None:
+        """Gives a request slots for ``num_new_tokens`` more tokens (after its computed ones
+        and, on the first call, after a prefix hit).
+
+        On success the tokens count as computed (scheduled) and newly full blocks are
+        registered in the prefix cache (unless ``delay_caching``). When the pool lacks blocks,
+        returns None and changes nothing (except that sliding-window blocks that fell out of
+        the window are released, as in vLLM).
+
+        Args:
+          request_id: the request.
+          num_new_tokens: tokens to compute this step (already added to the request).
+          hit: the request's `get_computed_blocks` result, on its first call only.
+          num_lookahead_tokens: extra slots (e.g. speculative tokens), not counted as computed
+            and capped by ``max_model_len``.
+          delay_caching: do not register full blocks yet (their KV arrives later, e.g. from a
+            prefill engine); call `cache_blocks` when it has.
+
+        Returns:
+          The `Allocation`, or None when the pool has too few free blocks.
+
+        Raises:
+          UnknownRequestError: unknown request.
+          BlockError: more tokens than the request holds, beyond ``max_model_len``, negative
+            counts, or a hit that is foreign, late or stale.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3])
+          >>> manager.allocate_slots("r", 3).new_block_ids
+          ((1, 2),)
+          >>> manager.append_tokens("r", [4, 5]); manager.allocate_slots("r", 2).new_block_ids
+          ((3,),)
+          >>> manager.append_tokens("r", [6, 7]); manager.allocate_slots("r", 2) is None
+          True
+        """
+        state = self._request(request_id)
+        if isinstance(num_new_tokens, bool) or num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise BlockError(
+                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
+                f"num_lookahead_tokens={num_lookahead_tokens}"
+            )
+        num_new_tokens = int(num_new_tokens)
+        if hit is not None and hit.request_id != request_id:
+            raise BlockError(f"cache hit of request {hit.request_id!r} passed for {request_id!r}")
+        if hit is not None and hit.num_computed_tokens == 0:
+            hit = None  # An empty hit changes nothing.
+        if hit is not None:
+            self._check_hit(state, hit)
+            hit_tokens = hit.num_computed_tokens
+        else:
+            hit_tokens = 0
+        num_computed = state.num_computed + hit_tokens
+        total = num_computed + num_new_tokens
+        if total > state.num_tokens:
+            raise BlockError(
+                f"request {request_id!r} holds {state.num_tokens} tokens; cannot compute "
+                f"{num_new_tokens} more after {num_computed} (append tokens first)"
+            )
+        slots = total + int(num_lookahead_tokens)
+        if self._max_model_len is not None:
+            slots = min(slots, self._max_model_len)
+        num_slot_blocks = _cdiv(slots, self._block_size)
+        pool = self._pool
+
+        # Release blocks that fell out of sliding windows (before counting free blocks).
+        for group, window in enumerate(self._windows):
+            if window is not None and state.blocks[group]:
+                self._remove_skipped_blocks(state.blocks[group], window, num_computed)
+
+        # Blocks always cover the computed tokens, so new positions are never outside a
+        # sliding window: every group gets real blocks for all of them.
+        plan: list[int] = []
+        needed = 0
+        for group in range(len(self._windows)):
+            have = len(state.blocks[group]) + (len(hit.block_ids[group]) if hit else 0)
+            missing = max(0, num_slot_blocks - have)
+            plan.append(missing)
+            needed += missing
+        if hit is not None:
+            for array in hit._arrays or ():
+                if array.size:
+                    needed += int(np.count_nonzero(pool._ref[array] == 0))
+        if needed > pool.num_free_blocks:
+            return None
+
+        if hit is not None:
+            for group, array in enumerate(hit._arrays or ()):
+                if array.size:
+                    pool.touch(array)
+                state.blocks[group].extend(hit.block_ids[group])
+                state.num_cached[group] = len(hit.block_ids[group])
+        new_blocks = []
+        for group, count in enumerate(plan):
+            new = pool.allocate(count) if count else []
+            state.blocks[group].extend(new)
+            new_blocks.append(tuple(new))
+        state.allocated = True
+        state.num_computed = total
+        if state.hasher is not None and not delay_caching:
+            self._cache_full_blocks(state, total)
+        return Allocation(request_id, tuple(new_blocks), num_computed, num_new_tokens)
+
+    def _remove_skipped_blocks(self, blocks: list[int], window: int, num_computed: int) -> None:
+        last_useful_block = (num_computed - window + 1) // self._block_size
+        removed = []
+        for index in range(min(last_useful_block, len(blocks)) - 1, -1, -1):
+            if blocks[index] == NULL_BLOCK_ID:
+                break  # Everything before was released by an earlier call.
+            removed.append(blocks[index])
+            blocks[index] = NULL_BLOCK_ID
+        if removed:
+            self._pool.free(removed)
+
+    def cache_blocks(self, request_id: str, num_tokens: int | None = None) -> None:
+        """Registers a request's full blocks up to ``num_tokens`` in the prefix cache (after a
+        ``delay_caching`` allocation, once their KV is valid).
+
+        Args:
+          request_id: the request.
+          num_tokens: tokens whose KV is valid; default: all computed tokens.
+
+        Raises:
+          UnknownRequestError: unknown request.
+          BlockError: caching is off, or ``num_tokens`` exceeds the computed tokens.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3])
+          >>> _ = manager.allocate_slots("r", 3, delay_caching=True)
+          >>> manager.pool.num_cached_blocks
+          0
+          >>> manager.cache_blocks("r"); manager.pool.num_cached_blocks
+          1
+        """
+        state = self._request(request_id)
+        if not self._enable_caching:
+            raise BlockError("prefix caching is disabled")
+        if num_tokens is None:
+            num_tokens = state.num_computed
+        if not 0 <= num_tokens <= state.num_computed:
+            raise BlockError(
+                f"can cache at most the {state.num_computed} computed tokens of "
+                f"{request_id!r}, got {num_tokens}"
+            )
+        self._cache_full_blocks(state, num_tokens)
+
+    def _cache_full_blocks(self, state: _Request, num_tokens: int) -> None:
+        size = self._block_size
+        num_full = num_tokens // size
+        hasher = state.hasher
+        assert hasher is not None
+        hashes = hasher.block_hashes
+        events = self._pool.enable_events
+        for group, window in enumerate(self._windows):
+            start = state.num_cached[group]
+            if num_full <= start:
+                continue
+            blocks = state.blocks[group][start:num_full]
+            block_hashes = hashes[start:num_full]
+            extra = None
+            tokens = None
+            if events:
+                tokens = state.tokens(start * size, num_full * size)
+                if hasher._extra_keys is not None:
+                    extra = hasher._extra_keys[start:num_full]
+            if window is not None and NULL_BLOCK_ID in blocks:
+                keep = [i for i, block in enumerate(blocks) if block != NULL_BLOCK_ID]
+                blocks = [blocks[i] for i in keep]
+                block_hashes = [block_hashes[i] for i in keep]
+                if extra is not None:
+                    extra = [extra[i] for i in keep]
+                if tokens is not None:
+                    tokens = [t for i in keep for t in tokens[i * size : (i + 1) * size]]
+            if blocks:
+                self._pool._cache_blocks(
+                    blocks,
+                    block_hashes,
+                    group,
+                    hashes[start - 1] if start else None,
+                    tokens,
+                    size,
+                    extra,
+                    state.lora_id,
+                )
+            state.num_cached[group] = num_full
+
+    # ------------------------------------------------------------------ release
+
+    def free(self, request_id: str) -> None:
+        """Releases a request's blocks (tail first, so its last blocks are evicted first) and
+        forgets the request. Cached blocks stay hittable until evicted.
+
+        Raises:
+          UnknownRequestError: unknown request (e.g. freed twice).
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3]); _ = manager.allocate_slots("r", 3)
+          >>> manager.free("r"); manager.num_free_blocks
+          3
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
+        for blocks in state.blocks:
+            if blocks:
+                self._pool.free(blocks[::-1])
+
+    def num_common_prefix_blocks(
+        self, request_id: str, num_running_requests: int
+    ) -> tuple[int, ...]:
+        """Per group, leading blocks of the request shared by all running requests (cascade
+        attention); always 0 for sliding-window groups.
+
+        Raises:
+          UnknownRequestError: unknown request.
+        """
+        state = self._request(request_id)
+        out = []
+        for group, window in enumerate(self._windows):
+            count = 0
+            if window is None:
+                for block in state.blocks[group]:
+                    if self._pool.ref_count(block) != num_running_requests:
+                        break
+                    count += 1
+            out.append(count)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ cache-wide
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drains the pool's KV-cache events (oldest first)."""
+        return self._pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached hash and resets the hit-rate metrics; only when no request holds
+        blocks.
+
+        Returns:
+          Whether the cache was reset.
+        """
+        if any(state.allocated and any(state.blocks) for state in self._requests.values()):
+            return False
+        if not self._pool.reset_prefix_cache():
+            return False
+        self._metrics.reset()
+        return True

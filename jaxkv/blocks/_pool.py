@@ -1,0 +1,838 @@
+"""`BlockPool`: a fixed set of physical KV-cache blocks with ref counts and a prefix cache.
+
+Block ids are *physical* ids: the index of a block in the cache arrays (``BlockId``). A
+request's block table maps its *logical* block index (token position // block size) to a
+`BlockId`; the pool never sees logical indices, and every id it receives is checked against
+``[0, num_blocks)``.
+
+Behaviour follows vLLM's ``BlockPool`` (v1): block 0 is the null block (never allocated, freed
+or cached; it stands for "no block" in a block table); a free block may still hold a cached
+hash and is evicted (its hash dropped) only when it is handed out again; freed blocks without
+a hash go to the front of the free queue (reused first) and cached ones to the back, in the
+order given, so freeing a request's blocks in reverse order evicts its tail first (LRU, then
+tail-first).
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+from collections.abc import Sequence
+from typing import Any, NewType
+
+import numpy as np
+
+from jaxkv.blocks._errors import (
+    BlockError,
+    DoubleFreeError,
+    InvalidBlockIdError,
+    OutOfBlocksError,
+)
+from jaxkv.blocks._events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from jaxkv.blocks._free_queue import FreeBlockQueue
+from jaxkv.blocks._hashing import BlockHash, ExtraKeys
+
+__all__ = ["NULL_BLOCK_ID", "BlockId", "BlockPool"]
+
+BlockId = NewType("BlockId", int)
+"""A physical block id: the block's index in the cache arrays, in ``[0, num_blocks)``."""
+
+NULL_BLOCK_ID: BlockId = BlockId(0)
+"""The null block: a placeholder in block tables (e.g. positions a sliding window dropped)."""
+
+_SCALAR_MAX = 8  # Up to this many ids, plain Python beats numpy's per-call overhead.
+
+
+class BlockPool:
+    """Physical blocks ``0 .. num_blocks - 1`` with ref counts, a free queue and a prefix cache.
+
+    Every block other than the null block is either *free* (ref count 0, in the free queue;
+    it may still hold a cached hash) or *in use* (ref count > 0). Each cached hash maps to a
+    block that carries it. Every method either completes or raises before changing anything.
+
+    Args:
+      num_blocks: blocks in the pool, including the null block (so ``num_blocks - 1`` are
+        usable). At least 2.
+      enable_caching: keep full blocks' hashes for prefix hits. When off, freed blocks all go
+        to the back of the free queue and `cache_blocks` raises.
+      enable_events: queue `BlockStored` / `BlockRemoved` / `AllBlocksCleared` events, drained
+        with `take_events`.
+
+    Raises:
+      ValueError: ``num_blocks < 2``.
+
+    Example:
+      >>> pool = BlockPool(8)
+      >>> blocks = pool.allocate(3)
+      >>> blocks
+      [1, 2, 3]
+      >>> pool.cache_blocks(blocks[:2], [b"h0", b"h1"])
+      2
+      >>> pool.free(blocks[::-1])          # a request frees its blocks in reverse order
+      >>> pool.find_longest_cache_hit([b"h0", b"h1", b"h2"])
+      [1, 2]
+      >>> pool.free_block_ids()            # uncached first, then LRU with the tail first
+      [3, 4, 5, 6, 7, 2, 1]
+    """
+
+    def __init__(
+        self, num_blocks: int, *, enable_caching: bool = True, enable_events: bool = False
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        num_blocks = int(num_blocks)
+        if num_blocks < 2:
+            raise ValueError(
+                f"a pool needs at least 2 blocks (the null block and one usable), got {num_blocks}"
+            )
+        self._num_blocks = num_blocks
+        self._enable_caching = bool(enable_caching)
+        self._ref = np.zeros(num_blocks, dtype=np.int32)
+        self._ref[0] = 1  # The null block is pinned: never free, never allocated.
+        self._hashed = np.zeros(num_blocks, dtype=np.bool_)
+        self._group = np.zeros(num_blocks, dtype=np.int32)
+        self._refv = memoryview(self._ref)
+        self._hashedv = memoryview(self._hashed)
+        self._groupv = memoryview(self._group)
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._mark = np.zeros(num_blocks, dtype=np.int64)  # Scratch: duplicate detection.
+        self._maps: list[dict[BlockHash, int]] = [{}]
+        self._dups: dict[tuple[int, BlockHash], list[int]] = {}
+        self._num_cached = 0
+        self._epoch = 0
+        self._queue = FreeBlockQueue(num_blocks, np.arange(1, num_blocks))
+        self._events: list[KVCacheEvent] | None = [] if enable_events else None
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(num_blocks={self._num_blocks}, free={len(self._queue)}, "
+            f"cached={self._num_cached})"
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, including the null block."""
+        return self._num_blocks
+
+    @property
+    def null_block(self) -> BlockId:
+        """The null block's id (0)."""
+        return NULL_BLOCK_ID
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (free, cached or not)."""
+        return len(self._queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a cached hash (in use or free)."""
+        return self._num_cached
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use, in ``[0, 1]``."""
+        return 1.0 - len(self._queue) / (self._num_blocks - 1)
+
+    @property
+    def enable_caching(self) -> bool:
+        """Whether prefix caching is on."""
+        return self._enable_caching
+
+    @property
+    def enable_events(self) -> bool:
+        """Whether events are queued."""
+        return self._events is not None
+
+    @property
+    def cache_epoch(self) -> int:
+        """A counter that grows whenever a cached hash is dropped (eviction or reset): a lookup
+        result taken at the same epoch is still valid."""
+        return self._epoch
+
+    # ------------------------------------------------------------------ id validation
+
+    def _check_id(self, block_id: Any) -> int:
+        if type(block_id) is not int:
+            if isinstance(block_id, np.integer):
+                block_id = int(block_id)
+            else:
+                raise InvalidBlockIdError(
+                    f"block ids must be ints, got {type(block_id).__name__} {block_id!r}"
+                )
+        if not 0 <= block_id < self._num_blocks:
+            raise InvalidBlockIdError(
+                f"block id {block_id} is out of range for a pool of {self._num_blocks} blocks"
+            )
+        return block_id
+
+    def _id_array(self, block_ids: Any) -> np.ndarray:
+        array = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
+        if array.ndim != 1:
+            raise InvalidBlockIdError(f"block ids must be one-dimensional, got shape {array.shape}")
+        if array.size == 0:
+            return array.astype(np.int64)
+        if array.dtype.kind not in "iu":
+            raise InvalidBlockIdError(f"block ids must be integers, got dtype {array.dtype}")
+        low, high = array.min(), array.max()
+        if low < 0 or high >= self._num_blocks:
+            bad = int(low) if low < 0 else int(high)
+            raise InvalidBlockIdError(
+                f"block id {bad} is out of range for a pool of {self._num_blocks} blocks"
+            )
+        return array
+
+    def _last_occurrence(self, array: np.ndarray) -> np.ndarray:
+        """Mask of the positions holding each id's last occurrence."""
+        positions = np.arange(array.size)
+        self._mark[array] = positions
+        return self._mark[array] == positions
+
+    # ------------------------------------------------------------------ allocate / free / touch
+
+    def allocate(self, num_blocks: int) -> list[BlockId]:
+        """Takes blocks from the front of the free queue, evicting any cached hash they hold.
+
+        Args:
+          num_blocks: how many blocks.
+
+        Returns:
+          Their ids, each with ref count 1, in free-queue order.
+
+        Raises:
+          OutOfBlocksError: fewer than ``num_blocks`` blocks are free.
+          ValueError: ``num_blocks < 0``.
+          TypeError: ``num_blocks`` is not an int.
+
+        Example:
+          >>> BlockPool(4).allocate(2)
+          [1, 2]
+        """
+        if isinstance(num_blocks, bool):
+            raise TypeError("num_blocks must be an int, got bool")
+        count = operator.index(num_blocks)
+        if count < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({count})")
+        free = len(self._queue)
+        if count > free:
+            raise OutOfBlocksError(
+                f"cannot allocate {count} blocks: {free} of the pool's "
+                f"{self._num_blocks - 1} usable blocks are free"
+            )
+        if count == 0:
+            return []
+        removed: dict[int, list[BlockHash]] | None = None
+        if count <= _SCALAR_MAX:
+            popleft = self._queue.popleft
+            refv = self._refv
+            hashedv = self._hashedv
+            out: list[Any] = []
+            for _ in range(count):
+                block = popleft()
+                if hashedv[block]:
+                    removed = self._drop_hash(block, removed)
+                refv[block] = 1
+                out.append(block)
+        else:
+            ids = self._queue.popleft_n(count)
+            if self._num_cached:
+                cached = self._hashed[ids]
+                if cached.any():
+                    for block in ids[cached].tolist():
+                        removed = self._drop_hash(block, removed)
+            self._ref[ids] = 1
+            out = ids.tolist()
+        if removed:
+            self._emit_removed(removed)
+        return out
+
+    def free(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Drops one reference to each block; blocks reaching zero become free.
+
+        ``block_ids`` is in eviction priority: among the blocks freed here, those without a
+        cached hash go to the front of the free queue (reused first) and cached ones to the
+        back, each in the given order. A request frees its blocks in reverse so its last blocks
+        are evicted first. The null block is skipped. A block listed k times drops k references
+        and is queued at its last occurrence.
+
+        Args:
+          block_ids: ids of blocks in use.
+
+        Raises:
+          DoubleFreeError: a block is free already, or is listed more often than it is
+            referenced (nothing is freed).
+          InvalidBlockIdError: an id out of range or not an integer (nothing is freed).
+
+        Example:
+          >>> pool = BlockPool(4)
+          >>> pool.free(pool.allocate(2))
+          >>> pool.free([1])
+          Traceback (most recent call last):
+          ...
+          jaxkv.blocks._errors.DoubleFreeError: block 1 is already free (double free, or never allocated)
+        """
+        if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
+            self._free_small(block_ids)
+        else:
+            self._free_array(self._id_array(block_ids))
+
+    def _free_small(self, block_ids: Sequence[int]) -> None:
+        ids = [self._check_id(block) for block in block_ids]
+        refv = self._refv
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            for block, count in collections.Counter(ids).items():
+                if block and refv[block] < count:
+                    raise self._double_free(block, count)
+        else:
+            for block in ids:
+                if block and refv[block] <= 0:
+                    raise self._double_free(block, 1)
+        fresh = []
+        cached = []
+        caching = self._enable_caching
+        hashedv = self._hashedv
+        for block in ids:
+            if block == 0:
+                continue
+            count = refv[block] - 1
+            refv[block] = count
+            if count == 0:
+                if caching and not hashedv[block]:
+                    fresh.append(block)
+                else:
+                    cached.append(block)
+        queue = self._queue
+        for block in reversed(fresh):
+            queue.prepend(block)
+        for block in cached:
+            queue.append(block)
+
+    def _free_array(self, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        nonnull = ids != 0
+        if not nonnull.all():
+            ids = ids[nonnull]
+            if ids.size == 0:
+                return
+        refs = self._ref[ids]
+        if (refs <= 0).any():
+            raise self._double_free(int(ids[refs <= 0][0]), 1)
+        last = self._last_occurrence(ids)
+        if last.all():
+            self._ref[ids] = refs - 1
+            freeable = ids[refs == 1]
+        else:
+            unique, counts = np.unique(ids, return_counts=True)
+            over = counts > self._ref[unique]
+            if over.any():
+                raise self._double_free(int(unique[over][0]), int(counts[over][0]))
+            np.subtract.at(self._ref, ids, 1)
+            freeable = ids[last & (self._ref[ids] == 0)]
+        if freeable.size == 0:
+            return
+        if self._enable_caching:
+            cached = self._hashed[freeable]
+            if cached.any():
+                if not cached.all():
+                    self._queue.prepend_n(freeable[~cached])
+                self._queue.append_n(freeable[cached])
+            else:
+                self._queue.prepend_n(freeable)
+        else:
+            self._queue.append_n(freeable)
+
+    def _double_free(self, block: int, count: int) -> DoubleFreeError:
+        refs = self._refv[block]
+        if refs <= 0:
+            return DoubleFreeError(
+                f"block {block} is already free (double free, or never allocated)"
+            )
+        return DoubleFreeError(f"block {block} is freed {count} times but holds {refs} references")
+
+    def touch(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Adds one reference to each block (a prefix-cache hit): a cached free block leaves
+        the free queue, so it is not evicted while in use. The null block is skipped.
+
+        Args:
+          block_ids: blocks in use, or free blocks that hold a cached hash.
+
+        Raises:
+          InvalidBlockIdError: an id out of range, or a free block without a cached hash (it
+            holds no data worth sharing: allocate instead). Nothing is touched.
+
+        Example:
+          >>> pool = BlockPool(4)
+          >>> block = pool.allocate(1)
+          >>> _ = pool.cache_blocks(block, [b"h"]); pool.free(block)
+          >>> pool.touch(block); pool.ref_count(block[0]), pool.num_free_blocks
+          (1, 2)
+        """
+        if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
+            ids = [self._check_id(block) for block in block_ids]
+            refv = self._refv
+            hashedv = self._hashedv
+            for block in ids:
+                if block and refv[block] == 0 and not hashedv[block]:
+                    raise self._touch_error(block)
+            queue = self._queue
+            for block in ids:
+                if block == 0:
+                    continue
+                if refv[block] == 0:
+                    queue.remove(block)
+                refv[block] += 1
+            return
+        ids = self._id_array(block_ids)
+        if ids.size == 0:
+            return
+        nonnull = ids != 0
+        if not nonnull.all():
+            ids = ids[nonnull]
+        refs = self._ref[ids]
+        free = refs == 0
+        any_free = bool(free.any())
+        if any_free:
+            free_ids = ids[free]
+            uncached = ~self._hashed[free_ids]
+            if uncached.any():
+                raise self._touch_error(int(free_ids[uncached][0]))
+        if self._last_occurrence(ids).all():
+            if any_free:
+                self._queue.remove_n(free_ids)
+            self._ref[ids] = refs + 1
+        else:
+            if any_free:
+                self._queue.remove_n(np.unique(free_ids))
+            np.add.at(self._ref, ids, 1)
+
+    @staticmethod
+    def _touch_error(block: int) -> InvalidBlockIdError:
+        return InvalidBlockIdError(
+            f"block {block} is free and holds no cached data; allocate blocks instead of "
+            "touching free ones"
+        )
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _map(self, group: int) -> dict[BlockHash, int]:
+        while group >= len(self._maps):
+            self._maps.append({})
+        return self._maps[group]
+
+    @staticmethod
+    def _check_group(group: Any) -> int:
+        if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+            raise ValueError(f"group must be an int >= 0, got {group!r}")
+        return int(group)
+
+    def cache_blocks(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        block_hashes: Sequence[BlockHash],
+        *,
+        group: int = 0,
+        parent_block_hash: BlockHash | None = None,
+        token_ids: Sequence[int] | None = None,
+        block_size: int = 0,
+        extra_keys: Sequence[ExtraKeys | None] | None = None,
+        lora_id: int | str | None = None,
+    ) -> int:
+        """Registers full blocks' hashes so later requests can hit them.
+
+        Blocks that already carry the same hash (prefix hits) are skipped. A hash may be
+        carried by several blocks (two requests computed the same prefix at once); lookups
+        return the first.
+
+        Args:
+          block_ids: blocks in use that are full.
+          block_hashes: their hashes (same length).
+          group: the KV-cache group the blocks belong to (hashes are per group).
+          parent_block_hash, token_ids, block_size, extra_keys, lora_id: only copied into the
+            `BlockStored` event (when events are on); see `BlockStored`.
+
+        Returns:
+          The number of blocks newly cached.
+
+        Raises:
+          BlockError: caching is disabled, lengths differ, or a block already carries a
+            different hash.
+          InvalidBlockIdError: the null block, a free block, an id out of range, or the same
+            block twice.
+          TypeError: a hash that is not non-empty bytes.
+
+        Example:
+          >>> pool = BlockPool(4)
+          >>> pool.cache_blocks(pool.allocate(2), [b"a", b"b"])
+          2
+          >>> pool.get_cached_block(b"b")
+          2
+        """
+        for block_hash in block_hashes:
+            if type(block_hash) is not bytes or not block_hash:
+                raise TypeError(f"block hashes must be non-empty bytes, got {block_hash!r}")
+        return self._cache_blocks(
+            block_ids, block_hashes, self._check_group(group), parent_block_hash, token_ids,
+            block_size, extra_keys, lora_id,
+        )
+
+    def _cache_blocks(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        block_hashes: Sequence[BlockHash],
+        group: int,
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int] | None,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys | None] | None,
+        lora_id: int | str | None,
+    ) -> int:
+        if not self._enable_caching:
+            raise BlockError("prefix caching is disabled for this pool")
+        count = len(block_ids)
+        if len(block_hashes) != count:
+            raise BlockError(f"got {count} blocks but {len(block_hashes)} hashes")
+        if count == 0:
+            return 0
+        small = count <= _SCALAR_MAX and not isinstance(block_ids, np.ndarray)
+        if small:
+            ids = [self._check_id(block) for block in block_ids]
+            refv = self._refv
+            for block in ids:
+                if block == 0:
+                    raise InvalidBlockIdError("the null block cannot be cached")
+                if refv[block] <= 0:
+                    raise InvalidBlockIdError(f"block {block} is free: only blocks in use can be cached")
+            if len(set(ids)) != count:
+                raise InvalidBlockIdError(f"a block appears twice in {ids}")
+            already = [self._hashedv[block] for block in ids]
+            any_already = any(already)
+        else:
+            array = self._id_array(block_ids)
+            if (array == 0).any():
+                raise InvalidBlockIdError("the null block cannot be cached")
+            free = self._ref[array] <= 0
+            if free.any():
+                raise InvalidBlockIdError(
+                    f"block {int(array[free][0])} is free: only blocks in use can be cached"
+                )
+            if not self._last_occurrence(array).all():
+                raise InvalidBlockIdError("a block appears twice in the blocks to cache")
+            already_mask = self._hashed[array]
+            any_already = bool(already_mask.any())
+            ids = array.tolist()
+            already = already_mask.tolist() if any_already else None
+        hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        if any_already:
+            keep = []
+            for index, (block, block_hash) in enumerate(zip(ids, hashes)):
+                if already[index]:  # type: ignore[index]
+                    if self._hash[block] != block_hash or self._groupv[block] != group:
+                        raise BlockError(
+                            f"block {block} already caches hash {self._hash[block]!r} "
+                            f"(group {self._groupv[block]}); cannot cache {block_hash!r} "
+                            f"(group {group})"
+                        )
+                else:
+                    keep.append(index)
+            ids = [ids[index] for index in keep]
+            hashes = [hashes[index] for index in keep]
+            if not ids:
+                return 0
+            small = True  # Per-block updates below.
+        cache = self._map(group)
+        if cache.keys().isdisjoint(hashes):
+            before = len(cache)
+            cache.update(zip(hashes, ids))
+            if len(cache) - before != len(ids):  # Repeated hashes within the batch.
+                for block_hash in hashes:
+                    cache.pop(block_hash, None)
+                self._insert_each(cache, group, ids, hashes)
+        else:
+            self._insert_each(cache, group, ids, hashes)
+        hash_list = self._hash
+        for block, block_hash in zip(ids, hashes):
+            hash_list[block] = block_hash
+        if small:
+            hashedv = self._hashedv
+            groupv = self._groupv
+            for block in ids:
+                hashedv[block] = True
+                groupv[block] = group
+        else:
+            self._hashed[array] = True
+            self._group[array] = group
+        self._num_cached += len(ids)
+        if self._events is not None:
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(hashes),
+                    parent_block_hash=parent_block_hash,
+                    token_ids=tuple(token_ids) if token_ids is not None else (),
+                    block_size=int(block_size),
+                    extra_keys=tuple(extra_keys) if extra_keys is not None else None,
+                    lora_id=lora_id,
+                    group_id=group,
+                )
+            )
+        return len(ids)
+
+    def _insert_each(
+        self, cache: dict[BlockHash, int], group: int, ids: list[int], hashes: list[BlockHash]
+    ) -> None:
+        for block, block_hash in zip(ids, hashes):
+            if block_hash in cache:
+                self._dups.setdefault((group, block_hash), []).append(block)
+            else:
+                cache[block_hash] = block
+
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> BlockId | None:
+        """The block caching ``block_hash`` in ``group``, or None.
+
+        Example:
+          >>> BlockPool(4).get_cached_block(b"missing") is None
+          True
+        """
+        if group >= len(self._maps):
+            return None
+        return self._maps[group].get(block_hash)  # type: ignore[return-value]
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], group: int = 0
+    ) -> list[BlockId]:
+        """The blocks of the longest cached prefix of a chain of block hashes.
+
+        Lookup only: nothing is touched (call `touch` on the result to use it).
+
+        Args:
+          block_hashes: a request's block hashes, first block first.
+          group: the KV-cache group.
+
+        Returns:
+          Block ids of ``block_hashes[:k]`` for the largest k where all are cached.
+
+        Example:
+          >>> pool = BlockPool(8)
+          >>> _ = pool.cache_blocks(pool.allocate(2), [b"a", b"b"])
+          >>> pool.find_longest_cache_hit([b"a", b"b", b"c"]), pool.find_longest_cache_hit([b"x"])
+          ([1, 2], [])
+        """
+        if group >= len(self._maps):
+            return []
+        get = self._maps[group].get
+        out: list[Any] = []
+        start = 0
+        chunk = 16
+        total = len(block_hashes)
+        while start < total:
+            found = list(map(get, block_hashes[start : start + chunk]))
+            try:
+                miss = found.index(None)
+            except ValueError:
+                out.extend(found)
+                start += chunk
+                chunk = min(2 * chunk, 1024)
+                continue
+            out.extend(found[:miss])
+            break
+        return out
+
+    def evict(self, block_ids: Sequence[int] | np.ndarray) -> int:
+        """Drops the cached hashes of the given blocks (in use or free); blocks stay where they
+        are. Blocks without a hash and the null block are skipped.
+
+        Args:
+          block_ids: blocks whose cached data must no longer be hit (e.g. a connector
+            reported their KV invalid).
+
+        Returns:
+          How many hashes were dropped.
+
+        Raises:
+          InvalidBlockIdError: an id out of range (nothing is evicted).
+
+        Example:
+          >>> pool = BlockPool(4)
+          >>> blocks = pool.allocate(1); _ = pool.cache_blocks(blocks, [b"a"])
+          >>> pool.evict(blocks), pool.get_cached_block(b"a")
+          (1, None)
+        """
+        ids = [self._check_id(block) for block in block_ids]
+        removed: dict[int, list[BlockHash]] | None = None
+        count = 0
+        for block in ids:
+            if self._hashedv[block]:
+                removed = self._drop_hash(block, removed)
+                count += 1
+        if removed:
+            self._emit_removed(removed)
+        return count
+
+    def _drop_hash(
+        self, block: int, removed: dict[int, list[BlockHash]] | None
+    ) -> dict[int, list[BlockHash]] | None:
+        block_hash = self._hash[block]
+        group = self._groupv[block]
+        cache = self._maps[group]
+        key = (group, block_hash)
+        if cache.get(block_hash) == block:  # type: ignore[arg-type]
+            others = self._dups.get(key) if self._dups else None  # type: ignore[arg-type]
+            if others:
+                cache[block_hash] = others.pop(0)  # type: ignore[index]
+                if not others:
+                    del self._dups[key]  # type: ignore[arg-type]
+            else:
+                del cache[block_hash]  # type: ignore[arg-type]
+        else:
+            others = self._dups[key]  # type: ignore[index]
+            others.remove(block)
+            if not others:
+                del self._dups[key]  # type: ignore[arg-type]
+        self._hash[block] = None
+        self._hashedv[block] = False
+        self._num_cached -= 1
+        self._epoch += 1
+        if self._events is not None:
+            if removed is None:
+                removed = {}
+            removed.setdefault(group, []).append(block_hash)  # type: ignore[arg-type]
+        return removed
+
+    def _emit_removed(self, removed: dict[int, list[BlockHash]]) -> None:
+        if self._events is not None:
+            for group, hashes in removed.items():
+                self._events.append(BlockRemoved(block_hashes=tuple(hashes), group_id=group))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached hash, e.g. after a weight update. Only possible when no block is
+        in use.
+
+        Returns:
+          True when reset; False (and nothing changes) while blocks are in use.
+
+        Example:
+          >>> pool = BlockPool(4)
+          >>> blocks = pool.allocate(1); _ = pool.cache_blocks(blocks, [b"a"])
+          >>> pool.reset_prefix_cache()
+          False
+          >>> pool.free(blocks); pool.reset_prefix_cache(), pool.num_cached_blocks
+          (True, 0)
+        """
+        if len(self._queue) != self._num_blocks - 1:
+            return False
+        self._maps = [{} for _ in self._maps]
+        self._dups = {}
+        self._hash = [None] * self._num_blocks
+        self._hashed[:] = False
+        self._num_cached = 0
+        self._epoch += 1
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Returns the queued events, oldest first, and empties the queue ([] when events are
+        off).
+
+        Example:
+          >>> pool = BlockPool(4, enable_events=True)
+          >>> _ = pool.cache_blocks(pool.allocate(1), [b"a"])
+          >>> [type(event).__name__ for event in pool.take_events()], pool.take_events()
+          (['BlockStored'], [])
+        """
+        if self._events is None:
+            return []
+        events = self._events
+        self._events = []
+        return events
+
+    # ------------------------------------------------------------------ inspection
+
+    def ref_count(self, block_id: int) -> int:
+        """The block's reference count (0 = free). The null block reports 1.
+
+        Raises:
+          InvalidBlockIdError: an id out of range.
+        """
+        return self._refv[self._check_id(block_id)]
+
+    def is_free(self, block_id: int) -> bool:
+        """Whether the block is in the free queue.
+
+        Raises:
+          InvalidBlockIdError: an id out of range.
+        """
+        return self._refv[self._check_id(block_id)] == 0
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The hash the block caches, or None.
+
+        Raises:
+          InvalidBlockIdError: an id out of range.
+        """
+        return self._hash[self._check_id(block_id)]
+
+    def block_group(self, block_id: int) -> int | None:
+        """The group of the hash the block caches, or None when it caches none.
+
+        Raises:
+          InvalidBlockIdError: an id out of range.
+        """
+        block_id = self._check_id(block_id)
+        return self._groupv[block_id] if self._hashedv[block_id] else None
+
+    def free_block_ids(self) -> list[BlockId]:
+        """The free blocks in eviction order (next allocated first). O(num_blocks)."""
+        return self._queue.to_list()  # type: ignore[return-value]
+
+    def check_invariants(self) -> None:
+        """Verifies every pool invariant. O(num_blocks); for tests and debugging.
+
+        Checked: the null block is pinned, never free or cached; every other block is either
+        free (ref count 0, queued exactly once) or in use (ref count > 0, not queued); the
+        free-queue length equals the free count; every cached hash maps to a block that
+        carries it (with its group), and every block carrying a hash is reachable from the
+        map exactly once.
+
+        Raises:
+          AssertionError: naming the violated invariant.
+        """
+        ref = self._ref
+        if ref[0] != 1 or self._hashed[0] or self._hash[0] is not None:
+            raise AssertionError("the null block must stay pinned (ref 1) and uncached")
+        if (ref < 0).any():
+            raise AssertionError(f"negative ref counts at blocks {np.flatnonzero(ref < 0).tolist()}")
+        self._queue.check()
+        free = np.flatnonzero(ref == 0)
+        queued = np.sort(np.asarray(self._queue.to_list(), dtype=np.int64))
+        if not np.array_equal(free, queued):
+            raise AssertionError(
+                f"free blocks {free.tolist()} and free-queue entries {queued.tolist()} differ"
+            )
+        if len(self._queue) != free.size:
+            raise AssertionError("free-queue length differs from the number of free blocks")
+        carriers = [b for b, h in enumerate(self._hash) if h is not None]
+        if not np.array_equal(np.flatnonzero(self._hashed), np.asarray(carriers, dtype=np.int64)):
+            raise AssertionError("the cached-flag array and the per-block hashes disagree")
+        if len(carriers) != self._num_cached:
+            raise AssertionError(f"{len(carriers)} blocks carry hashes, counter says {self._num_cached}")
+        reached: list[int] = []
+        for group, cache in enumerate(self._maps):
+            for block_hash, block in cache.items():
+                if self._hash[block] != block_hash or self._group[block] != group:
+                    raise AssertionError(
+                        f"hash {block_hash!r} (group {group}) maps to block {block}, which carries "
+                        f"{self._hash[block]!r} (group {self._group[block]})"
+                    )
+                reached.append(block)
+        for (group, block_hash), blocks in self._dups.items():
+            if not blocks or block_hash not in self._maps[group]:
+                raise AssertionError(f"orphan duplicate entry for {block_hash!r}")
+            for block in blocks:
+                if self._hash[block] != block_hash or self._group[block] != group:
+                    raise AssertionError(f"duplicate entry block {block} does not carry {block_hash!r}")
+                reached.append(block)
+        if sorted(reached) != carriers:
+            raise AssertionError("cached blocks and hash-map entries do not match one to one")

@@ -1,0 +1,507 @@
+"""KV-cache sizing: how many blocks fit a memory budget, and how hybrid models are grouped.
+
+Follows vLLM's ``get_kv_cache_config`` (v1):
+
+* One attention type (every layer has the same spec and window): one KV-cache group holding all
+  layers; ``num_blocks = available_memory // page_nbytes // num_layers`` where ``page_nbytes``
+  is one layer's bytes per block (`KVCacheSpec.page_nbytes_per_layer`).
+* Several types with one page size per layer (e.g. full attention + sliding window): layers of
+  each type are split into groups of ``group_size`` layers, ``group_size`` being the smallest
+  type's layer count, or the largest one's when the largest is under 1.25x the smallest (fewer
+  padding layers). Type ``t`` with ``n`` layers gets ``k = ceil(n / group_size)`` groups, the
+  i-th holding ``layers[i::k]`` (strided, so pipeline stages stay balanced); a group with
+  fewer layers is padded (those slots waste memory). There are ``group_size`` buffers; buffer
+  ``i`` is shared by the i-th layer of every group, and a block id indexes the same page in
+  every buffer. Each group has its own block table per request.
+  ``num_blocks = available_memory // page_nbytes // group_size``.
+* One max-length request needs, per group, ``ceil(max_model_len / block_size)`` blocks for
+  full attention, or ``ceil(min(window - 1 + max_num_batched_tokens, max_model_len) /
+  block_size) + 1`` for a sliding window; it must fit next to the null block, or sizing fails
+  with the largest max_model_len that would fit.
+* Maximum concurrency = usable blocks / blocks one max-length request needs.
+
+Difference from vLLM: the null block (block 0, never allocated) is left out of the usable
+blocks in the fit check and the concurrency; vLLM counts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxkv._spec import KVCacheSpec
+from jaxkv.blocks._errors import InsufficientMemoryError
+
+__all__ = [
+    "AttentionLayers",
+    "KVCacheBuffer",
+    "KVCacheGroup",
+    "KVCachePlan",
+    "blocks_per_request",
+    "estimate_max_model_len",
+    "num_blocks_for_memory",
+    "plan_kv_cache",
+]
+
+_GIB = float(1 << 30)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayers:
+    """Layers of a model that share one attention type.
+
+    Attributes:
+      spec: the cache spec of these layers; ``spec.num_layers`` is how many there are.
+      layers: their indices in the model (distinct, ``>= 0``); default ``0 .. num_layers - 1``
+        (only sensible for a model with one attention type).
+      sliding_window: the attention window in tokens, or None for full attention.
+
+    Raises:
+      ValueError: from the constructor when ``layers`` does not match ``spec.num_layers``,
+        repeats an index, or the window is not positive.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16)
+      >>> AttentionLayers(spec, layers=(1, 3), sliding_window=4096).layers
+      (1, 3)
+    """
+
+    spec: KVCacheSpec
+    layers: tuple[int, ...] | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, KVCacheSpec):
+            raise TypeError(f"spec must be a KVCacheSpec, got {type(self.spec).__name__}")
+        layers = tuple(range(self.spec.num_layers)) if self.layers is None else tuple(self.layers)
+        for layer in layers:
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ValueError(f"layer indices must be ints >= 0, got {layer!r}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"repeated layer indices in {layers}")
+        if len(layers) != self.spec.num_layers:
+            raise ValueError(
+                f"{len(layers)} layer indices given for a spec of {self.spec.num_layers} layers"
+            )
+        object.__setattr__(self, "layers", layers)
+        if self.sliding_window is not None:
+            _positive_int(self.sliding_window, "sliding_window")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request.
+
+    Attributes:
+      group_id: index in `KVCachePlan.groups` (the ``group`` of pool and manager calls).
+      layers: model layer indices (all of one attention type).
+      num_padding_layers: unused buffer slots of this group (``group_size - len(layers)``).
+      spec: the cache spec of the group's layers (``num_layers == len(layers)``).
+      sliding_window: the window in tokens, or None for full attention.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16)
+      >>> KVCacheGroup(0, (0,), 0, spec, None).block_size
+      16
+    """
+
+    group_id: int
+    layers: tuple[int, ...]
+    num_padding_layers: int
+    spec: KVCacheSpec
+    sliding_window: int | None
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.spec.block_size
+
+    def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+        """Blocks one request of ``max_model_len`` tokens needs in this group (see
+        `blocks_per_request`)."""
+        return blocks_per_request(
+            self.block_size, max_model_len, self.sliding_window, max_num_batched_tokens
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheBuffer:
+    """One memory buffer of the cache: ``num_blocks`` pages, shared by one layer per group.
+
+    Attributes:
+      nbytes: its size on one tensor-parallel rank.
+      layers: the model layers stored in it, one from each group (block ``b`` of group ``g``
+        lives in page ``b`` of its layer's buffer).
+
+    Example:
+      >>> KVCacheBuffer(nbytes=1024, layers=(0, 1)).layers
+      (0, 1)
+    """
+
+    nbytes: int
+    layers: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """The result of `plan_kv_cache`.
+
+    Attributes:
+      num_blocks: blocks per buffer (the pool size, including the null block).
+      page_nbytes: bytes of one layer's page (one block) on one TP rank.
+      groups: the KV-cache groups.
+      buffers: the memory buffers (as many as layers per group).
+      max_model_len: the length the plan was checked for.
+      max_num_batched_tokens: tokens per scheduler step assumed for sliding windows.
+      tp_size: the tensor-parallel size the page size is for.
+      blocks_per_request: blocks (summed over groups) one max-length request needs.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+      ...                    dtype="bfloat16")
+      >>> plan = plan_kv_cache([AttentionLayers(spec)], 1 << 30, max_model_len=4096)
+      >>> plan.num_blocks, plan.blocks_per_request, round(plan.max_concurrency, 2)
+      (32768, 256, 128.0)
+    """
+
+    num_blocks: int
+    page_nbytes: int
+    groups: tuple[KVCacheGroup, ...]
+    buffers: tuple[KVCacheBuffer, ...]
+    max_model_len: int
+    max_num_batched_tokens: int
+    tp_size: int
+    blocks_per_request: int
+
+    @property
+    def group_size(self) -> int:
+        """Layers (real or padding) per group = number of buffers."""
+        return len(self.buffers)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the first group (all groups share it unless their specs differ)."""
+        return self.groups[0].block_size
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can be allocated (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Total bytes of all buffers on one TP rank."""
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max-length requests fit at once."""
+        return self.num_usable_blocks / self.blocks_per_request
+
+    def concurrency(self, max_model_len: int) -> float:
+        """How many requests of ``max_model_len`` tokens fit at once.
+
+        Example:
+          >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16,
+          ...                    dtype="float32")
+          >>> plan = plan_kv_cache([AttentionLayers(spec)], 1025 * 1024, max_model_len=256)
+          >>> plan.num_blocks, plan.concurrency(256), plan.concurrency(512)
+          (1025, 64.0, 32.0)
+        """
+        needed = sum(group.blocks_per_request(max_model_len, self.max_num_batched_tokens)
+                     for group in self.groups)
+        return self.num_usable_blocks / needed
+
+
+def blocks_per_request(
+    block_size: int,
+    max_model_len: int,
+    sliding_window: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """Blocks one request of ``max_model_len`` tokens needs in one group (vLLM's
+    ``max_memory_usage_bytes / page_size``).
+
+    Args:
+      block_size: tokens per block.
+      max_model_len: the request length.
+      sliding_window: the window, or None for full attention.
+      max_num_batched_tokens: tokens one scheduler step computes (chunked prefill); default
+        ``max_model_len``. Only matters for sliding windows: the window's last ``window - 1``
+        tokens plus one step's tokens must be resident, plus one block because the window
+        need not start at a block boundary.
+
+    Returns:
+      The block count.
+
+    Raises:
+      ValueError: non-positive arguments.
+
+    Example:
+      >>> blocks_per_request(16, 1000), blocks_per_request(16, 32768, 4096, 2048)
+      (63, 385)
+    """
+    _positive_int(block_size, "block_size")
+    _positive_int(max_model_len, "max_model_len")
+    if sliding_window is None:
+        return _cdiv(max_model_len, block_size)
+    _positive_int(sliding_window, "sliding_window")
+    step = max_model_len if max_num_batched_tokens is None else _positive_int(
+        max_num_batched_tokens, "max_num_batched_tokens"
+    )
+    return _cdiv(min(sliding_window - 1 + step, max_model_len), block_size) + 1
+
+
+def num_blocks_for_memory(available_memory: int, page_nbytes: int, num_layers: int) -> int:
+    """Blocks that fit a budget: ``available_memory // page_nbytes // num_layers`` (>= 0).
+
+    Args:
+      available_memory: bytes for the KV cache on one device.
+      page_nbytes: one layer's bytes per block (`KVCacheSpec.page_nbytes_per_layer`).
+      num_layers: layers (buffers) that each hold one page per block.
+
+    Returns:
+      The block count.
+
+    Raises:
+      ValueError: non-positive page size or layer count.
+
+    Example:
+      >>> num_blocks_for_memory(10_000, page_nbytes=100, num_layers=3)
+      33
+    """
+    _positive_int(page_nbytes, "page_nbytes")
+    _positive_int(num_layers, "num_layers")
+    return max(0, int(available_memory) // page_nbytes // num_layers)
+
+
+def _as_attention(
+    attention: Sequence[AttentionLayers] | AttentionLayers | KVCacheSpec,
+) -> list[AttentionLayers]:
+    if isinstance(attention, KVCacheSpec):
+        return [AttentionLayers(attention)]
+    if isinstance(attention, AttentionLayers):
+        return [attention]
+    items = list(attention)
+    if not items:
+        raise ValueError("need at least one AttentionLayers")
+    for item in items:
+        if not isinstance(item, AttentionLayers):
+            raise TypeError(f"expected AttentionLayers, got {type(item).__name__}")
+    return items
+
+
+def _group(
+    attention: list[AttentionLayers], tp_size: int
+) -> tuple[int, list[tuple[list[int], KVCacheSpec, int | None]], int]:
+    """Returns (page_nbytes, [(layers, per-layer spec, window)] per group, group_size)."""
+    seen: dict[int, int] = {}
+    types: dict[tuple[KVCacheSpec, int | None], list[int]] = {}
+    for item in attention:
+        for layer in item.layers:  # type: ignore[union-attr]
+            if layer in seen:
+                raise ValueError(f"layer {layer} appears in two AttentionLayers")
+            seen[layer] = 1
+        key = (item.spec.replace(num_layers=1), item.sliding_window)
+        types.setdefault(key, []).extend(item.layers)  # type: ignore[arg-type]
+    pages = {key[0].page_nbytes_per_layer(tp_size) for key in types}
+    if len(pages) != 1:
+        raise ValueError(
+            "layers of different attention types must have the same page size (bytes per block "
+            f"per layer) to share one pool; got {sorted(pages)} bytes. Adjust block sizes so the "
+            "pages match."
+        )
+    page_nbytes = pages.pop()
+    ordered = sorted(types.items(), key=lambda item: min(item[1]))
+    for _, layers in ordered:
+        layers.sort()
+    if len(ordered) == 1:
+        (spec, window), layers = ordered[0]
+        return page_nbytes, [(layers, spec, window)], len(layers)
+    counts = [len(layers) for _, layers in ordered]
+    group_size = min(counts)
+    if max(counts) < group_size * 1.25:
+        group_size = max(counts)
+    groups = []
+    for (spec, window), layers in ordered:
+        num_groups = _cdiv(len(layers), group_size)
+        for index in range(num_groups):
+            groups.append((layers[index::num_groups], spec, window))
+    return page_nbytes, groups, group_size
+
+
+def _needed_blocks(groups: list[tuple[list[int], KVCacheSpec, int | None]], max_model_len: int,
+                   max_num_batched_tokens: int | None) -> int:
+    return sum(
+        blocks_per_request(spec.block_size, max_model_len, window, max_num_batched_tokens)
+        for _, spec, window in groups
+    )
+
+
+def estimate_max_model_len(
+    attention: Sequence[AttentionLayers] | AttentionLayers | KVCacheSpec,
+    available_memory: int,
+    *,
+    upper: int,
+    tp_size: int = 1,
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """The longest request (up to ``upper`` tokens) whose KV fits the budget, next to the null
+    block; 0 when not even one token fits.
+
+    Args:
+      attention: the model's layers (or one spec for a single-type model).
+      available_memory: bytes for the KV cache on one device.
+      upper: the largest length considered.
+      tp_size: tensor-parallel size.
+      max_num_batched_tokens: see `blocks_per_request`.
+
+    Returns:
+      The length.
+
+    Raises:
+      ValueError, TypeError: invalid layers or arguments.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16,
+      ...                    dtype="float32")   # 1 KiB pages
+      >>> estimate_max_model_len(spec, 5 * 1024, upper=1000)
+      64
+    """
+    page_nbytes, groups, group_size = _group(_as_attention(attention), tp_size)
+    _positive_int(upper, "upper")
+    usable = num_blocks_for_memory(available_memory, page_nbytes, group_size) - 1
+
+    def fits(length: int) -> bool:
+        step = None if max_num_batched_tokens is None else min(max_num_batched_tokens, length)
+        return _needed_blocks(groups, length, step) <= usable
+
+    if not fits(1):
+        return 0
+    low, high = 1, upper
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def plan_kv_cache(
+    attention: Sequence[AttentionLayers] | AttentionLayers | KVCacheSpec,
+    available_memory: int,
+    *,
+    max_model_len: int,
+    tp_size: int = 1,
+    max_num_batched_tokens: int | None = None,
+    num_blocks_override: int | None = None,
+) -> KVCachePlan:
+    """Sizes a KV cache for a memory budget and groups a (hybrid) model's layers.
+
+    Args:
+      attention: the model's layers by attention type, or one `KVCacheSpec` for a model with
+        one type.
+      available_memory: bytes for the KV cache on one device (after weights and activations).
+      max_model_len: the longest request that must fit.
+      tp_size: tensor-parallel size (page sizes are per rank).
+      max_num_batched_tokens: tokens per scheduler step (see `blocks_per_request`).
+      num_blocks_override: use this block count instead of the budget's (tests, debugging).
+
+    Returns:
+      The plan.
+
+    Raises:
+      InsufficientMemoryError: no memory, or not enough for one ``max_model_len`` request
+        (the message gives the longest length that fits).
+      ValueError: page sizes differ between attention types, a layer appears twice, or other
+        invalid arguments.
+
+    Example:
+      >>> full = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16,
+      ...                    dtype="float32")
+      >>> local = full.replace(num_layers=3)
+      >>> plan = plan_kv_cache([AttentionLayers(full, (0, 3)),
+      ...                       AttentionLayers(local, (1, 2, 4), sliding_window=32)],
+      ...                      available_memory=1 << 20, max_model_len=256)
+      >>> [(g.layers, g.num_padding_layers, g.sliding_window) for g in plan.groups]
+      [((0, 3), 0, None), ((1, 4), 0, 32), ((2,), 1, 32)]
+      >>> [b.layers for b in plan.buffers], plan.num_blocks
+      ([(0, 1, 2), (3, 4)], 512)
+    """
+    attention = _as_attention(attention)
+    _positive_int(max_model_len, "max_model_len")
+    _positive_int(tp_size, "tp_size")
+    if max_num_batched_tokens is not None:
+        _positive_int(max_num_batched_tokens, "max_num_batched_tokens")
+    page_nbytes, groups, group_size = _group(attention, tp_size)
+    needed = _needed_blocks(groups, max_model_len, max_num_batched_tokens)
+    if num_blocks_override is not None:
+        if isinstance(num_blocks_override, bool) or not isinstance(num_blocks_override, int) \
+                or num_blocks_override < 2:
+            raise ValueError(f"num_blocks_override must be an int >= 2, got {num_blocks_override!r}")
+        num_blocks = num_blocks_override
+    else:
+        if available_memory <= 0:
+            raise InsufficientMemoryError(
+                f"no memory available for the KV cache (available_memory={available_memory})"
+            )
+        num_blocks = num_blocks_for_memory(available_memory, page_nbytes, group_size)
+    if num_blocks - 1 < needed:
+        needed_nbytes = (needed + 1) * page_nbytes * group_size
+        message = (
+            f"one request of max_model_len={max_model_len} tokens needs {needed} blocks "
+            f"({needed_nbytes / _GIB:.3f} GiB with the null block, {group_size} layer(s) per "
+            f"block of {page_nbytes} bytes) but only {max(num_blocks - 1, 0)} usable blocks "
+        )
+        if num_blocks_override is None:
+            message += f"fit in the available {available_memory / _GIB:.3f} GiB"
+            fitting = estimate_max_model_len(
+                attention, available_memory, upper=max_model_len, tp_size=tp_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
+            if fitting:
+                message += f"; the longest max_model_len that fits is {fitting}"
+        else:
+            message += f"exist (num_blocks_override={num_blocks_override})"
+        raise InsufficientMemoryError(
+            message + ". Give the cache more memory or lower max_model_len."
+        )
+    group_objects = tuple(
+        KVCacheGroup(
+            group_id=index,
+            layers=tuple(layers),
+            num_padding_layers=group_size - len(layers),
+            spec=spec.replace(num_layers=len(layers)),
+            sliding_window=window,
+        )
+        for index, (layers, spec, window) in enumerate(groups)
+    )
+    buffers = tuple(
+        KVCacheBuffer(
+            nbytes=page_nbytes * num_blocks,
+            layers=tuple(group.layers[i] for group in group_objects if i < len(group.layers)),
+        )
+        for i in range(group_size)
+    )
+    return KVCachePlan(
+        num_blocks=num_blocks,
+        page_nbytes=page_nbytes,
+        groups=group_objects,
+        buffers=buffers,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_model_len if max_num_batched_tokens is None
+        else max_num_batched_tokens,
+        tp_size=tp_size,
+        blocks_per_request=needed,
+    )

@@ -1,0 +1,57 @@
+"""The jaxkv.blocks package: no JAX at import, explicit exports, documented public API."""
+
+import doctest
+import inspect
+import os
+import subprocess
+import sys
+
+from absl.testing import absltest, parameterized
+
+from jaxkv import blocks
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MODULES = ("_errors", "_events", "_free_queue", "_hashing", "_manager", "_metrics", "_pool",
+            "_sizing")
+
+
+class ApiTest(parameterized.TestCase):
+
+    def test_import_does_not_load_jax(self):
+        code = ("import sys, jaxkv.blocks; "
+                "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')]; "
+                "assert not bad, bad")
+        env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+    def test_all_is_exact(self):
+        public = {name for name in vars(blocks) if not name.startswith("_")}
+        public -= {name for name in public if inspect.ismodule(getattr(blocks, name))}
+        self.assertEqual(sorted(blocks.__all__), sorted(public))
+
+    def test_public_callables_are_documented(self):
+        for name in blocks.__all__:
+            value = getattr(blocks, name)
+            if not (inspect.isclass(value) or inspect.isfunction(value)):
+                continue
+            self.assertTrue(inspect.getdoc(value), f"{name} has no docstring")
+            if inspect.isfunction(value) or name in ("BlockPool", "KVCacheManager",
+                                                     "RequestBlockHasher"):
+                self.assertIn("Example", inspect.getdoc(value), name)
+            if inspect.isclass(value):
+                for attr, member in vars(value).items():
+                    if attr.startswith("_") or not inspect.isfunction(member):
+                        continue
+                    self.assertTrue(inspect.getdoc(member), f"{name}.{attr} has no docstring")
+
+    @parameterized.parameters(*_MODULES)
+    def test_docstring_examples(self, module_name):
+        module = getattr(blocks, module_name)
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        self.assertEqual(result.failed, 0)
+        if module_name not in ("_errors",):
+            self.assertGreater(result.attempted, 0)
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,262 @@
+"""Block hashing: chained hashes, canonical serialisation, extra keys, per-request hasher."""
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from jaxkv import blocks
+from jaxkv.blocks import (
+    MultiModalInput,
+    PartialBlockError,
+    RequestBlockHasher,
+    block_extra_keys,
+    encode_key,
+    hash_block_tokens,
+    hash_request_tokens,
+    none_hash,
+)
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HASH_FNS = (("sha256", blocks.sha256), ("xxhash", blocks.xxhash128))
+
+
+def _reference_hash(parent, tokens, extra, digest):
+    """The documented serialisation, written out independently."""
+    data = parent + struct.pack("<I", len(tokens)) + struct.pack(f"<{len(tokens)}q", *tokens)
+    if extra:
+        data += encode_key(tuple(extra))
+    return digest(data)
+
+
+class HashBlockTokensTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(*_HASH_FNS)
+    def test_matches_documented_serialisation(self, hash_fn):
+        parent = none_hash(hash_fn)
+        got = hash_block_tokens(None, [1, 2, 3, 4], hash_fn=hash_fn)
+        self.assertEqual(got, _reference_hash(parent, [1, 2, 3, 4], None, hash_fn))
+        self.assertLen(got, hash_fn.digest_size)
+        chained = hash_block_tokens(got, [5, 6, 7, 8], ("salt",), hash_fn)
+        self.assertEqual(chained, _reference_hash(got, [5, 6, 7, 8], ("salt",), hash_fn))
+
+    def test_sha256_is_plain_sha256(self):
+        data = none_hash() + struct.pack("<I", 2) + struct.pack("<2q", 7, 8)
+        self.assertEqual(hash_block_tokens(None, [7, 8]), hashlib.sha256(data).digest())
+
+    def test_deterministic_and_sensitive(self):
+        base = hash_block_tokens(None, [1, 2, 3])
+        self.assertEqual(base, hash_block_tokens(None, (1, 2, 3)))
+        self.assertEqual(base, hash_block_tokens(None, np.array([1, 2, 3], np.int32)))
+        self.assertEqual(base, hash_block_tokens(None, range(1, 4)))
+        variants = {
+            hash_block_tokens(None, [1, 2, 4]),
+            hash_block_tokens(None, [1, 2, 3], (0,)),
+            hash_block_tokens(base, [1, 2, 3]),
+            hash_block_tokens(None, [1, 2, 3], hash_fn="xxh3_128"),
+            hash_block_tokens(None, [1, 2]),
+        }
+        self.assertNotIn(base, variants)
+        self.assertLen(variants, 5)
+
+    def test_empty_extra_keys_equal_none(self):
+        self.assertEqual(hash_block_tokens(None, [1], ()), hash_block_tokens(None, [1], None))
+
+    def test_token_length_is_not_ambiguous_with_extra_keys(self):
+        # Without the length header, tokens [1] + extra keys could alias other tokens.
+        self.assertNotEqual(hash_block_tokens(None, [1, 2]), hash_block_tokens(None, [1], (2,)))
+
+    def test_partial_block_raises(self):
+        with self.assertRaisesRegex(PartialBlockError, "holds 16 tokens, got 5"):
+            hash_block_tokens(None, list(range(5)), block_size=16)
+        with self.assertRaises(PartialBlockError):
+            hash_block_tokens(None, [])
+
+    def test_bad_inputs_raise(self):
+        with self.assertRaisesRegex(ValueError, "32 bytes"):
+            hash_block_tokens(b"short", [1])
+        with self.assertRaises(TypeError):
+            hash_block_tokens(None, [1.5])
+        with self.assertRaises(TypeError):
+            hash_block_tokens(None, "abc")
+        with self.assertRaises(ValueError):
+            hash_block_tokens(None, [2**63])
+        with self.assertRaises(TypeError):
+            hash_block_tokens(None, np.array([1.0]))
+        with self.assertRaises(TypeError):
+            hash_block_tokens(None, [1], (object(),))
+        with self.assertRaises(ValueError):
+            hash_block_tokens(None, [1], hash_fn="md17")
+
+    def test_large_uint64_tokens(self):
+        self.assertLen(hash_block_tokens(None, np.array([2**63 - 1], np.uint64)), 32)
+        with self.assertRaises(ValueError):
+            hash_block_tokens(None, np.array([2**63], np.uint64))
+
+    def test_custom_hash_function(self):
+        md5 = blocks.HashFunction("md5", 16, lambda data: hashlib.md5(data).digest())
+        hashes = hash_request_tokens(list(range(8)), 4, md5)
+        self.assertLen(hashes, 2)
+        self.assertTrue(all(len(h) == 16 for h in hashes))
+        with self.assertRaises(ValueError):
+            blocks.HashFunction("bad", 0, lambda data: data)
+
+
+class EncodeKeyTest(parameterized.TestCase):
+
+    def test_distinct_values_distinct_bytes(self):
+        values = [None, True, False, 0, 1, -1, 255, 256, 2**70, "", "a", "1", b"a", 1.0,
+                  (), ("a",), ("a", 1), (("a", 1),), ("a", (1,)), [None]]
+        encoded = [encode_key(v) for v in values[:-1]]
+        self.assertLen(set(encoded), len(encoded))
+        self.assertEqual(encode_key([None]), encode_key((None,)))
+        self.assertEqual(encode_key(np.int64(5)), encode_key(5))
+
+    def test_unsupported_type(self):
+        with self.assertRaises(TypeError):
+            encode_key({"a": 1})
+
+
+class NoneHashTest(parameterized.TestCase):
+
+    def _child_none_hash(self, seed):
+        env = dict(os.environ)
+        env.pop("PYTHONHASHSEED", None)
+        if seed is not None:
+            env["PYTHONHASHSEED"] = seed
+        env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+        code = "import jaxkv.blocks as b; print(b.NONE_HASH.hex(), b.none_hash('xxhash').hex())"
+        return subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                              capture_output=True, text=True).stdout.split()
+
+    def test_seed_makes_it_reproducible(self):
+        first = self._child_none_hash("123")
+        self.assertEqual(first, self._child_none_hash("123"))
+        self.assertNotEqual(first, self._child_none_hash("124"))
+        self.assertLen(bytes.fromhex(first[0]), 32)
+        self.assertLen(bytes.fromhex(first[1]), 16)
+
+    def test_random_without_seed(self):
+        self.assertNotEqual(self._child_none_hash(None), self._child_none_hash(None))
+
+    def test_stable_within_process(self):
+        self.assertEqual(none_hash(), none_hash())
+        self.assertEqual(none_hash(), blocks.NONE_HASH)
+
+
+class ExtraKeysTest(parameterized.TestCase):
+    """Cases modelled on vLLM's test_generate_block_hash_extra_keys."""
+
+    MM = (MultiModalInput("hash1", 0, 5), MultiModalInput("hash2", 10, 5))
+
+    @parameterized.parameters(
+        (0, 5, (("hash1", 0),)),
+        (3, 8, (("hash1", -3),)),
+        (6, 10, None),
+        (0, 15, (("hash1", 0), ("hash2", 10))),
+        (5, 10, None),  # hash1 ends exactly where the block starts: no overlap.
+        (14, 20, (("hash2", -4),)),
+    )
+    def test_multimodal(self, start, end, expected):
+        self.assertEqual(block_extra_keys(start, end, mm_inputs=self.MM), expected)
+
+    def test_order_lora_mm_salt(self):
+        self.assertEqual(
+            block_extra_keys(0, 4, lora_id=3, mm_inputs=[("img", 2, 9)], cache_salt="s"),
+            (3, ("img", 2), "s"),
+        )
+        self.assertEqual(block_extra_keys(4, 8, lora_id=3, cache_salt="s"), (3,))
+        self.assertIsNone(block_extra_keys(0, 4, cache_salt=""))
+
+    def test_invalid(self):
+        with self.assertRaises(ValueError):
+            block_extra_keys(4, 4)
+        with self.assertRaisesRegex(ValueError, "overlap"):
+            block_extra_keys(0, 4, mm_inputs=[("a", 0, 5), ("b", 4, 2)])
+        with self.assertRaises(ValueError):
+            block_extra_keys(0, 4, mm_inputs=[("a", 0, 0)])
+        with self.assertRaises(TypeError):
+            block_extra_keys(0, 4, lora_id=1.5)
+        with self.assertRaises(TypeError):
+            block_extra_keys(0, 4, cache_salt=5)
+
+
+class RequestBlockHasherTest(parameterized.TestCase):
+
+    @parameterized.product(
+        hash_fn=("sha256", "xxh3_128"),
+        split=(0, 1, 3, 4, 5, 17),
+        as_numpy=(False, True),
+    )
+    def test_incremental_equals_one_shot(self, hash_fn, split, as_numpy):
+        tokens = list(range(100, 123))
+        expected = []
+        parent = None
+        for start in range(0, 20, 4):
+            parent = hash_block_tokens(parent, tokens[start : start + 4], hash_fn=hash_fn)
+            expected.append(parent)
+        hasher = RequestBlockHasher(4, hash_fn)
+        first, rest = tokens[:split], tokens[split:]
+        if as_numpy:
+            first, rest = np.array(first, np.int64), np.array(rest, np.int32)
+        new = hasher.extend(first)
+        for token in rest[:3]:
+            new += hasher.extend([int(token)])
+        new += hasher.extend(rest[3:])
+        self.assertEqual(new, expected)
+        self.assertEqual(hasher.block_hashes, expected)
+        self.assertEqual(hasher.num_tokens, 23)
+
+    def test_extra_keys_per_block(self):
+        mm = [MultiModalInput("img", 3, 6)]
+        hasher = RequestBlockHasher(4, lora_id=9, mm_inputs=mm, cache_salt="salt")
+        tokens = list(range(12))
+        hasher.extend(tokens[:5])
+        hasher.extend(tokens[5:])
+        expected_keys = [(9, ("img", 3), "salt"), (9, ("img", -1)), (9, ("img", -5))]
+        self.assertEqual([hasher.extra_keys(i) for i in range(3)], expected_keys)
+        parent = None
+        for i, keys in enumerate(expected_keys):
+            parent = hash_block_tokens(parent, tokens[4 * i : 4 * i + 4], keys)
+            self.assertEqual(hasher.block_hashes[i], parent)
+        with self.assertRaises(IndexError):
+            hasher.extra_keys(3)
+
+    def test_salt_changes_every_block(self):
+        tokens = list(range(12))
+        plain = hash_request_tokens(tokens, 4)
+        salted = hash_request_tokens(tokens, 4, cache_salt="a")
+        self.assertTrue(all(p != s for p, s in zip(plain, salted)))
+        self.assertEqual(salted, hash_request_tokens(tokens, 4, cache_salt="a"))
+        self.assertNotEqual(salted[2], hash_request_tokens(tokens, 4, cache_salt="b")[2])
+
+    def test_invalid_tokens_leave_state_unchanged(self):
+        hasher = RequestBlockHasher(4)
+        hasher.extend([1, 2])
+        for bad in ([3, "x"], [3, 4, 5, 2.5], [2**64]):
+            with self.assertRaises((TypeError, ValueError)):
+                hasher.extend(bad)
+            self.assertEqual(hasher.num_tokens, 2)
+            self.assertEqual(hasher.block_hashes, [])
+        hasher.extend([3, 4])
+        self.assertEqual(hasher.block_hashes, [hash_block_tokens(None, [1, 2, 3, 4])])
+
+    def test_invalid_construction(self):
+        with self.assertRaises(ValueError):
+            RequestBlockHasher(0)
+        with self.assertRaises(TypeError):
+            RequestBlockHasher(4.0)
+        with self.assertRaises(TypeError):
+            RequestBlockHasher(4, lora_id=True)
+
+    def test_ignores_partial_tail(self):
+        self.assertLen(hash_request_tokens(list(range(15)), 4), 3)
+        self.assertEqual(hash_request_tokens([1, 2, 3], 4), [])
+
+
+if __name__ == "__main__":
+    absltest.main()
