@@ -84,13 +84,16 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
         **kwargs
     )
 
-def jaxkv_py_tests(srcs, strip_prefix = "tests/", deps = [], data = [], env = {}, **kwargs):
+def jaxkv_py_tests(srcs, strip_prefix = "tests/", deps = [], data = [], env = {},
+                   timeout = "long", **kwargs):
     """One py_test per absltest file: tests/foo_test.py -> //:foo_test (tests/a/b_test.py ->
     //:a/b_test).
 
     The file is run as a script (its `absltest.main()`), with the @jaxkv_python interpreter.
     Each test also depends on @jaxkv_python//:info.bzl, whose fingerprint of the Python
-    environment invalidates cached results when packages change. Returns the test names.
+    environment invalidates cached results when packages change. Timeout "long" (900 s): the
+    JAX suites take ~30 s alone but several times that on a busy 2-core machine (one run of
+    cache_test took 283 s there, close to the default 300 s). Returns the test names.
     """
     names = []
     for src in srcs:
@@ -103,6 +106,7 @@ def jaxkv_py_tests(srcs, strip_prefix = "tests/", deps = [], data = [], env = {}
             deps = deps,
             data = data + ["@jaxkv_python//:info.bzl"],
             env = env,
+            timeout = timeout,
             python_version = "PY3",
             srcs_version = "PY3",
             legacy_create_init = False,
