@@ -67,6 +67,19 @@ class BazelSetupTest(unittest.TestCase):
             # Registering under a distinct name keeps jaxkv's own registration untouched.
             jax.ffi.register_ffi_target("bazel_setup_test_" + name, capsule, platform="cpu")
 
+    def test_cuda_module_when_built(self):
+        import jaxkv
+
+        path = os.path.join(os.path.dirname(jaxkv.__file__), "_ffi_cuda.so")
+        if not os.path.exists(path):
+            self.skipTest("built without --config=cuda")
+        from jaxkv import _ffi_cuda  # loads without a GPU: static cudart, lazy driver
+
+        self.assertEqual(os.path.realpath(_ffi_cuda.__file__), os.path.realpath(path))
+        self.assertTrue(
+            {"jaxkv_copy_blocks", "jaxkv_gather_blocks", "jaxkv_scatter_blocks"}
+            <= set(_ffi_cuda.registrations()))
+
 
 if __name__ == "__main__":
     unittest.main()
