@@ -27,9 +27,10 @@ _HASH_FNS = (("sha256", blocks.sha256), ("xxhash", blocks.xxhash128))
 
 def _reference_hash(parent, tokens, extra, digest):
     """The documented serialisation, written out independently."""
-    data = parent + struct.pack("<I", len(tokens)) + struct.pack(f"<{len(tokens)}q", *tokens)
+    data = parent + struct.pack(f"<{len(tokens)}q", *tokens)
     if extra:
-        data += encode_key(tuple(extra))
+        encoded = encode_key(tuple(extra))
+        data += encoded + bytes(-len(encoded) % 8) + struct.pack("<I", len(encoded))
     return digest(data)
 
 
@@ -45,7 +46,7 @@ class HashBlockTokensTest(parameterized.TestCase):
         self.assertEqual(chained, _reference_hash(got, [5, 6, 7, 8], ("salt",), hash_fn))
 
     def test_sha256_is_plain_sha256(self):
-        data = none_hash() + struct.pack("<I", 2) + struct.pack("<2q", 7, 8)
+        data = none_hash() + struct.pack("<2q", 7, 8)
         self.assertEqual(hash_block_tokens(None, [7, 8]), hashlib.sha256(data).digest())
 
     def test_deterministic_and_sensitive(self):

@@ -1,18 +1,19 @@
 """Chained block hashes for prefix caching (semantics.md section 7).
 
-A full block's hash is ``hash_fn(parent_hash || header || token_ids || extra_keys)``, where
+A full block's hash is ``hash_fn(parent_hash || token_ids || tail)``, where
 
 * ``parent_hash`` is the previous block's hash, or `none_hash` for the first block;
-* ``header`` is the token count as a little-endian ``uint32``;
-* ``token_ids`` are little-endian ``int64`` values;
-* ``extra_keys`` is the canonical encoding (`encode_key`) of the block's extra keys, or
-  nothing when the block has none.
+* ``token_ids`` are the block's tokens as little-endian ``int64`` values;
+* ``tail`` is empty when the block has no extra keys; otherwise ``E || zeros || len(E)``:
+  ``E`` is the canonical encoding (`encode_key`) of the extra-key tuple, padded with zero bytes
+  to a multiple of 8, followed by ``len(E)`` as a little-endian ``uint32``.
 
-The parent has a fixed length for a given hash function and the header fixes the token part's
-length, so the serialisation is injective: two different ``(parent, tokens, extra keys)``
-triples never hash the same input bytes. It is also independent of the Python version, the
-platform and the process (no pickle), so two engines with the same `PYTHONHASHSEED` agree
-on every hash.
+The serialisation is injective: the parent has a fixed length for a given hash function; the
+message length is a multiple of 8 exactly when there is no tail (tails are 4 bytes past a
+multiple of 8), and a tail ends with its own length; what remains is the tokens. So two
+different ``(parent, tokens, extra keys)`` triples never hash the same bytes. It is independent
+of the Python version, the platform and the process (no pickle), so two engines with the same
+``PYTHONHASHSEED`` agree on every hash.
 
 Extra keys (in this order, as vLLM): the LoRA id; ``(mm_hash, start_offset)`` for each
 multimodal input overlapping the block, where ``start_offset`` is the input's first token
@@ -309,35 +310,42 @@ def _check_parent(parent_hash: Any, hash_fn: HashFunction) -> bytes:
     return parent_hash
 
 
+def _extra_tail(extra_keys: ExtraKeys | None) -> bytes:
+    """The hashed tail for a block's extra keys (see the module docstring)."""
+    if not extra_keys:
+        return b""
+    encoded = encode_key(tuple(extra_keys))
+    return encoded + b"\x00" * (-len(encoded) % 8) + _U32.pack(len(encoded))
+
+
 def _chain(
     parent: bytes,
     data: bytes,
     num_tokens_per_block: int,
     num_blocks: int,
     hash_fn: HashFunction,
-    extras: Sequence[bytes] | None,
+    tails: Sequence[bytes] | None,
 ) -> list[BlockHash]:
     """Hashes ``num_blocks`` consecutive blocks of ``data`` (int64 tokens), chained."""
-    header = _U32.pack(num_tokens_per_block)
     width = 8 * num_tokens_per_block
     out: list[BlockHash] = []
     append = out.append
     constructor = hash_fn.constructor
-    if extras is None:
+    if tails is None:
         if constructor is not None:
             for offset in range(0, num_blocks * width, width):
-                parent = constructor(parent + header + data[offset : offset + width]).digest()
+                parent = constructor(parent + data[offset : offset + width]).digest()
                 append(parent)
         else:
             digest = hash_fn.digest
             for offset in range(0, num_blocks * width, width):
-                parent = digest(parent + header + data[offset : offset + width])
+                parent = digest(parent + data[offset : offset + width])
                 append(parent)
     else:
         digest = hash_fn.digest
         for i in range(num_blocks):
             offset = i * width
-            parent = digest(parent + header + data[offset : offset + width] + extras[i])
+            parent = digest(parent + data[offset : offset + width] + tails[i])
             append(parent)
     return out
 
@@ -503,8 +511,8 @@ def hash_block_tokens(
             f"a full block holds {block_size} tokens, got {num_tokens}: partial blocks are "
             "never hashed"
         )
-    extra = None if not extra_keys else [encode_key(tuple(extra_keys))]
-    return _chain(parent, data, num_tokens, 1, hash_fn, extra)[0]
+    tails = None if not extra_keys else [_extra_tail(extra_keys)]
+    return _chain(parent, data, num_tokens, 1, hash_fn, tails)[0]
 
 
 # ----------------------------------------------------------------------------- per request
@@ -649,11 +657,19 @@ class RequestBlockHasher:
             pending.extend(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
             self._num_tokens += count
             return []
+        return self._extend_packed(_token_bytes(token_ids))  # Validates before any change.
+
+    def _extend_packed(self, data: bytes) -> list[BlockHash]:
+        """`extend` with tokens already packed as little-endian int64 bytes."""
+        count = len(data) // 8
+        pending = self._pending
+        size = self._block_size
+        if len(pending) + count < size:
+            pending.extend(struct.unpack(f"<{count}q", data))
+            self._num_tokens += count
+            return []
         if pending:
-            data = _token_bytes(token_ids)  # Validates before anything changes.
             data = _token_bytes(pending) + data
-        else:
-            data = _token_bytes(token_ids)
         total = len(pending) + count
         num_blocks = total // size
         tail_start = num_blocks * size
@@ -683,7 +699,7 @@ class RequestBlockHasher:
                 start, start + size, self._lora_id, self._mm_inputs, mm_first, self._cache_salt
             )
             keys_list.append(keys)
-            encoded.append(b"" if keys is None else encode_key(keys))
+            encoded.append(_extra_tail(keys))
         self._mm_first = mm_first
         return keys_list, encoded
 

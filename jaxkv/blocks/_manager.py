@@ -22,6 +22,7 @@ was a local hit: read nothing and only tell the producer it may free its blocks)
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,7 @@ class _Request:
     __slots__ = (
         "allocated",
         "blocks",
+        "chunks",
         "hasher",
         "lora_id",
         "num_cached",
@@ -131,25 +133,37 @@ class _Request:
         "request_id",
     )
 
-    def __init__(self, request_id: str, prompt: Any, hasher: RequestBlockHasher | None,
+    def __init__(self, request_id: str, prompt: bytes, hasher: RequestBlockHasher | None,
                  num_groups: int, lora_id: Any) -> None:
         self.request_id = request_id
-        self.prompt = prompt
-        self.num_tokens = len(prompt)
+        self.prompt = prompt  # Little-endian int64 tokens: immutable, no per-token objects.
+        self.num_tokens = len(prompt) // 8
         self.outputs: list[int] = []
         self.hasher = hasher  # None when caching is off (no hashes needed).
         self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        # The same block tables as arrays, one per allocation (None once unusable, e.g. for
+        # sliding-window groups whose tables get null blocks); saves list->array conversions.
+        self.chunks: list[list[np.ndarray] | None] = [[] for _ in range(num_groups)]
         self.num_cached = [0] * num_groups
         self.num_computed = 0
         self.allocated = False
         self.lora_id = lora_id
 
+    def block_array(self, group: int, start: int, stop: int) -> np.ndarray:
+        chunks = self.chunks[group]
+        if chunks is not None and 0 < len(chunks) <= 16:
+            whole = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            if len(whole) == len(self.blocks[group]):
+                return whole[start:stop]
+        blocks = self.blocks[group][start:stop]
+        return np.fromiter(blocks, np.int64, len(blocks))
+
     def tokens(self, start: int, stop: int) -> list[int]:
-        num_prompt = len(self.prompt)
+        num_prompt = len(self.prompt) // 8
         out: list[int] = []
         if start < num_prompt:
-            part = self.prompt[start : min(stop, num_prompt)]
-            out = part.tolist() if isinstance(part, np.ndarray) else list(part)
+            count = min(stop, num_prompt) - start
+            out = list(struct.unpack_from(f"<{count}q", self.prompt, 8 * start))
         if stop > num_prompt:
             out.extend(self.outputs[max(0, start - num_prompt) : stop - num_prompt])
         return out
@@ -365,16 +379,11 @@ class KVCacheManager:
             self._block_size, self._hash_fn, lora_id=lora_id, mm_inputs=mm_inputs,
             cache_salt=cache_salt,
         )
+        prompt = _token_bytes(prompt_token_ids)  # Validates the tokens.
         if self._enable_caching:
-            hasher.extend(prompt_token_ids)  # Validates the tokens too.
+            hasher._extend_packed(prompt)
         else:
             hasher = None
-            _token_bytes(prompt_token_ids)  # Validation only.
-        prompt = (
-            prompt_token_ids.copy()
-            if isinstance(prompt_token_ids, np.ndarray)
-            else list(prompt_token_ids)
-        )
         self._requests[request_id] = _Request(
             request_id, prompt, hasher, len(self._windows), lora_id
         )
@@ -540,7 +549,7 @@ class KVCacheManager:
             tuple(tuple(r) for r in results),
             num_hit,
             epoch,
-            tuple(np.asarray(r, dtype=np.int64) for r in results),
+            tuple(np.fromiter(r, np.int64, len(r)) for r in results),
         )
 
     def _check_hit(self, state: _Request, hit: CacheHit) -> None:
@@ -651,6 +660,7 @@ class KVCacheManager:
         # Release blocks that fell out of sliding windows (before counting free blocks).
         for group, window in enumerate(self._windows):
             if window is not None and state.blocks[group]:
+                state.chunks[group] = None
                 self._remove_skipped_blocks(state.blocks[group], window, num_computed)
 
         # Blocks always cover the computed tokens, so new positions are never outside a
@@ -675,11 +685,21 @@ class KVCacheManager:
                     pool.touch(array)
                 state.blocks[group].extend(hit.block_ids[group])
                 state.num_cached[group] = len(hit.block_ids[group])
+                chunks = state.chunks[group]
+                if chunks is not None:
+                    chunks.append(array)
         new_blocks = []
         for group, count in enumerate(plan):
-            new = pool.allocate(count) if count else []
-            state.blocks[group].extend(new)
-            new_blocks.append(tuple(new))
+            if count:
+                array = pool._allocate_array(count)
+                new = array.tolist()
+                state.blocks[group].extend(new)
+                chunks = state.chunks[group]
+                if chunks is not None:
+                    chunks.append(array)
+                new_blocks.append(tuple(new))
+            else:
+                new_blocks.append(())
         state.allocated = True
         state.num_computed = total
         if state.hasher is not None and not delay_caching:
@@ -742,6 +762,7 @@ class KVCacheManager:
             if num_full <= start:
                 continue
             blocks = state.blocks[group][start:num_full]
+            array = None
             block_hashes = hashes[start:num_full]
             extra = None
             tokens = None
@@ -752,14 +773,16 @@ class KVCacheManager:
             if window is not None and NULL_BLOCK_ID in blocks:
                 keep = [i for i, block in enumerate(blocks) if block != NULL_BLOCK_ID]
                 blocks = [blocks[i] for i in keep]
+                array = np.fromiter(blocks, np.int64, len(blocks))
                 block_hashes = [block_hashes[i] for i in keep]
                 if extra is not None:
                     extra = [extra[i] for i in keep]
                 if tokens is not None:
                     tokens = [t for i in keep for t in tokens[i * size : (i + 1) * size]]
             if blocks:
-                self._pool._cache_blocks(
+                self._pool._cache_trusted(
                     blocks,
+                    state.block_array(group, start, num_full) if array is None else array,
                     block_hashes,
                     group,
                     hashes[start - 1] if start else None,
@@ -788,9 +811,9 @@ class KVCacheManager:
         state = self._requests.pop(request_id, None)
         if state is None:
             raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
-        for blocks in state.blocks:
+        for group, blocks in enumerate(state.blocks):
             if blocks:
-                self._pool.free(blocks[::-1])
+                self._pool._free_array(state.block_array(group, 0, len(blocks))[::-1])
 
     def num_common_prefix_blocks(
         self, request_id: str, num_running_requests: int

@@ -94,7 +94,7 @@ class BlockPool:
         self._refv = memoryview(self._ref)
         self._hashedv = memoryview(self._hashed)
         self._groupv = memoryview(self._group)
-        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._hash = np.full(num_blocks, None, dtype=object)  # BlockHash | None per block.
         self._mark = np.zeros(num_blocks, dtype=np.int64)  # Scratch: duplicate detection.
         self._maps: list[dict[BlockHash, int]] = [{}]
         self._dups: dict[tuple[int, BlockHash], list[int]] = {}
@@ -236,17 +236,43 @@ class BlockPool:
                 refv[block] = 1
                 out.append(block)
         else:
-            ids = self._queue.popleft_n(count)
-            if self._num_cached:
-                cached = self._hashed[ids]
-                if cached.any():
-                    for block in ids[cached].tolist():
-                        removed = self._drop_hash(block, removed)
-            self._ref[ids] = 1
-            out = ids.tolist()
+            return self._allocate_array(count).tolist()
         if removed:
             self._emit_removed(removed)
         return out
+
+    def _allocate_array(self, count: int) -> np.ndarray:
+        """`allocate` for a checked ``0 < count <= num_free_blocks``, returning an array."""
+        ids = self._queue.popleft_n(count)
+        if self._num_cached:
+            cached = self._hashed[ids]
+            if cached.any():
+                self._drop_hashes(ids[cached])
+        self._ref[ids] = 1
+        return ids
+
+    def _drop_hashes(self, ids: np.ndarray) -> None:
+        """Evicts the hashes of distinct cached blocks, vectorised where possible."""
+        groups = self._group[ids]
+        group = int(groups[0])
+        if self._dups or (len(self._maps) > 1 and not (groups == group).all()):
+            removed = None
+            for block in ids.tolist():
+                removed = self._drop_hash(block, removed)
+            if removed:
+                self._emit_removed(removed)
+            return
+        # One group and no duplicate hashes: every cached block is its hash's only entry.
+        hashes = self._hash[ids].tolist()
+        cache = self._maps[group]
+        for block_hash in hashes:
+            del cache[block_hash]
+        self._hash[ids] = None
+        self._hashed[ids] = False
+        self._num_cached -= len(hashes)
+        self._epoch += len(hashes)
+        if self._events is not None:
+            self._events.append(BlockRemoved(block_hashes=tuple(hashes), group_id=group))
 
     def free(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Drops one reference to each block; blocks reaching zero become free.
@@ -478,6 +504,25 @@ class BlockPool:
             block_size, extra_keys, lora_id,
         )
 
+    def _cache_trusted(
+        self,
+        id_list: list[int],
+        ids: np.ndarray,
+        hashes: list[BlockHash],
+        group: int,
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int] | None,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys | None] | None,
+        lora_id: int | str | None,
+    ) -> int:
+        """`cache_blocks` for the manager: distinct blocks in use, bytes hashes, caching on."""
+        if self._hashed[ids].any():  # Never expected from the manager: take the checked path.
+            return self._cache_blocks(ids, hashes, group, parent_block_hash, token_ids,
+                                      block_size, extra_keys, lora_id)
+        return self._apply_cache(id_list, ids, hashes, group, parent_block_hash, token_ids,
+                                 block_size, extra_keys, lora_id)
+
     def _cache_blocks(
         self,
         block_ids: Sequence[int] | np.ndarray,
@@ -542,6 +587,21 @@ class BlockPool:
             if not ids:
                 return 0
             small = True  # Per-block updates below.
+        return self._apply_cache(ids, None if small else array, hashes, group, parent_block_hash,
+                                 token_ids, block_size, extra_keys, lora_id)
+
+    def _apply_cache(
+        self,
+        ids: list[int],
+        array: np.ndarray | None,
+        hashes: list[BlockHash],
+        group: int,
+        parent_block_hash: BlockHash | None,
+        token_ids: Sequence[int] | None,
+        block_size: int,
+        extra_keys: Sequence[ExtraKeys | None] | None,
+        lora_id: int | str | None,
+    ) -> int:
         cache = self._map(group)
         if cache.keys().isdisjoint(hashes):
             before = len(cache)
@@ -552,16 +612,16 @@ class BlockPool:
                 self._insert_each(cache, group, ids, hashes)
         else:
             self._insert_each(cache, group, ids, hashes)
-        hash_list = self._hash
-        for block, block_hash in zip(ids, hashes):
-            hash_list[block] = block_hash
-        if small:
+        if array is None:
+            hash_array = self._hash
             hashedv = self._hashedv
             groupv = self._groupv
-            for block in ids:
+            for block, block_hash in zip(ids, hashes):
+                hash_array[block] = block_hash
                 hashedv[block] = True
                 groupv[block] = group
         else:
+            self._hash[array] = hashes
             self._hashed[array] = True
             self._group[array] = group
         self._num_cached += len(ids)
@@ -622,22 +682,15 @@ class BlockPool:
         if group >= len(self._maps):
             return []
         get = self._maps[group].get
-        out: list[Any] = []
-        start = 0
-        chunk = 16
-        total = len(block_hashes)
-        while start < total:
-            found = list(map(get, block_hashes[start : start + chunk]))
-            try:
-                miss = found.index(None)
-            except ValueError:
-                out.extend(found)
-                start += chunk
-                chunk = min(2 * chunk, 1024)
-                continue
-            out.extend(found[:miss])
-            break
-        return out
+        # Probe a short prefix first (misses are usually early), then map the rest in one call.
+        found = list(map(get, block_hashes[:64]))
+        if len(block_hashes) > 64 and None not in found:
+            found.extend(map(get, block_hashes[64:]))
+        try:
+            del found[found.index(None) :]
+        except ValueError:
+            pass
+        return found
 
     def evict(self, block_ids: Sequence[int] | np.ndarray) -> int:
         """Drops the cached hashes of the given blocks (in use or free); blocks stay where they
@@ -724,7 +777,7 @@ class BlockPool:
             return False
         self._maps = [{} for _ in self._maps]
         self._dups = {}
-        self._hash = [None] * self._num_blocks
+        self._hash[:] = None
         self._hashed[:] = False
         self._num_cached = 0
         self._epoch += 1
@@ -813,7 +866,7 @@ class BlockPool:
             )
         if len(self._queue) != free.size:
             raise AssertionError("free-queue length differs from the number of free blocks")
-        carriers = [b for b, h in enumerate(self._hash) if h is not None]
+        carriers = [b for b, h in enumerate(self._hash.tolist()) if h is not None]
         if not np.array_equal(np.flatnonzero(self._hashed), np.asarray(carriers, dtype=np.int64)):
             raise AssertionError("the cached-flag array and the per-block hashes disagree")
         if len(carriers) != self._num_cached:
