@@ -57,34 +57,12 @@ ffi::Error ScatterBlocks(ffi::AnyBuffer cache, ffi::AnyBuffer blocks, IdBuffer i
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlocksCpu_Handler, CopyBlocks,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<IdBuffer>()        // src_ids
-                                  .Arg<IdBuffer>()        // dst_ids
-                                  .Ret<ffi::AnyBuffer>()  // cache, aliased
-                                  .Attr<bool>("validate_ids"));
-
+                              BindCopyBlocks(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksCpu_Handler, GatherBlocks,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<IdBuffer>()        // ids
-                                  .Ret<ffi::AnyBuffer>()  // dense blocks
-                                  .Attr<bool>("validate_ids"));
-
+                              BindGatherBlocks(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksIntoCpu_Handler, GatherBlocksInto,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<IdBuffer>()        // ids
-                                  .Arg<ffi::AnyBuffer>()  // out buffer, donated
-                                  .Ret<ffi::AnyBuffer>()  // dense blocks, aliased to it
-                                  .Attr<bool>("validate_ids"));
-
+                              BindGatherBlocksInto(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCpu_Handler, ScatterBlocks,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<ffi::AnyBuffer>()  // dense blocks
-                                  .Arg<IdBuffer>()        // ids
-                                  .Ret<ffi::AnyBuffer>()  // cache, aliased
-                                  .Attr<bool>("validate_ids"));
+                              BindScatterBlocks(ffi::Ffi::Bind()));
 
 }  // namespace jaxkv

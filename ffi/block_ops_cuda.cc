@@ -80,39 +80,15 @@ ffi::Error ScatterBlocks(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlocksCuda_Handler, CopyBlocks,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<IdBuffer>()        // src_ids
-                                  .Arg<IdBuffer>()        // dst_ids
-                                  .Ret<ffi::AnyBuffer>()  // cache, aliased
-                                  .Attr<bool>("validate_ids"));
+// The CUDA handlers take XLA's stream first, then the same operands as on CPU.
+auto BindStream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlocksCuda_Handler, CopyBlocks, BindCopyBlocks(BindStream()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksCuda_Handler, GatherBlocks,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<IdBuffer>()        // ids
-                                  .Ret<ffi::AnyBuffer>()  // dense blocks
-                                  .Attr<bool>("validate_ids"));
-
+                              BindGatherBlocks(BindStream()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksIntoCuda_Handler, GatherBlocksInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<IdBuffer>()        // ids
-                                  .Arg<ffi::AnyBuffer>()  // out buffer, donated
-                                  .Ret<ffi::AnyBuffer>()  // dense blocks, aliased to it
-                                  .Attr<bool>("validate_ids"));
-
+                              BindGatherBlocksInto(BindStream()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCuda_Handler, ScatterBlocks,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // cache
-                                  .Arg<ffi::AnyBuffer>()  // dense blocks
-                                  .Arg<IdBuffer>()        // ids
-                                  .Ret<ffi::AnyBuffer>()  // cache, aliased
-                                  .Attr<bool>("validate_ids"));
+                              BindScatterBlocks(BindStream()));
 
 }  // namespace jaxkv

@@ -12,6 +12,7 @@
 #define JAXKV_FFI_BLOCK_OPS_IMPL_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "block_checks.h"
@@ -148,6 +149,44 @@ xla::ffi::Error ScatterBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,
   request.num_pairs = count;
   request.map = IdentityRunMap(geometry->block_bytes);
   return platform.Run(request);
+}
+
+// Operand lists of the handlers, shared by both platforms so that their signatures cannot
+// drift: each takes a binding (with any platform context already bound) and adds the buffers
+// and attributes of one op.
+template <typename Binding>
+auto BindCopyBlocks(Binding binding) {
+  return std::move(binding).template Arg<xla::ffi::AnyBuffer>()  // cache
+      .template Arg<IdBuffer>()                        // src_ids
+      .template Arg<IdBuffer>()                        // dst_ids
+      .template Ret<xla::ffi::AnyBuffer>()             // cache, aliased
+      .template Attr<bool>("validate_ids");
+}
+
+template <typename Binding>
+auto BindGatherBlocks(Binding binding) {
+  return std::move(binding).template Arg<xla::ffi::AnyBuffer>()  // cache
+      .template Arg<IdBuffer>()                        // ids
+      .template Ret<xla::ffi::AnyBuffer>()             // dense blocks
+      .template Attr<bool>("validate_ids");
+}
+
+template <typename Binding>
+auto BindGatherBlocksInto(Binding binding) {
+  return std::move(binding).template Arg<xla::ffi::AnyBuffer>()  // cache
+      .template Arg<IdBuffer>()                        // ids
+      .template Arg<xla::ffi::AnyBuffer>()             // out buffer, donated
+      .template Ret<xla::ffi::AnyBuffer>()             // dense blocks, aliased to it
+      .template Attr<bool>("validate_ids");
+}
+
+template <typename Binding>
+auto BindScatterBlocks(Binding binding) {
+  return std::move(binding).template Arg<xla::ffi::AnyBuffer>()  // cache
+      .template Arg<xla::ffi::AnyBuffer>()             // dense blocks
+      .template Arg<IdBuffer>()                        // ids
+      .template Ret<xla::ffi::AnyBuffer>()             // cache, aliased
+      .template Attr<bool>("validate_ids");
 }
 
 }  // namespace jaxkv
