@@ -35,7 +35,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.manager = KVCacheManager(NUM_BLOCKS, BS, max_model_len=64, sliding_windows=windows,
                                       hash_fn=hash_fn)
 
-    @rule(base=st.integers(0, 2), length=st.integers(1, 40), tail=st.lists(st.integers(0, 3), max_size=6),
+    @rule(base=st.integers(0, 2), length=st.integers(1, 40),
+          tail=st.lists(st.integers(0, 3), max_size=6),
           lora=st.sampled_from([None, None, 1]), salt=st.sampled_from([None, None, "s"]),
           as_numpy=st.booleans())
     def add(self, base, length, tail, lora, salt, as_numpy):

@@ -11,7 +11,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxkv.blocks import BlockError, BlockPool, DoubleFreeError, InvalidBlockIdError, OutOfBlocksError
+from jaxkv.blocks import (
+    BlockError,
+    BlockPool,
+    DoubleFreeError,
+    InvalidBlockIdError,
+    OutOfBlocksError,
+)
 
 NUM_BLOCKS = 24
 HASHES = [f"h{i}".encode() for i in range(10)]

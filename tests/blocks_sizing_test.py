@@ -134,7 +134,7 @@ class HybridTest(parameterized.TestCase):
         self.assertEqual(sw_groups[5].layers, sw_layers[5::6])
         self.assertEqual(sum(g.num_padding_layers for g in plan.groups), 8)
         self.assertEqual(plan.num_blocks, 8 * GIB // plan.page_nbytes // 10)
-        self.assertEqual(sorted(l for b in plan.buffers for l in b.layers), list(range(62)))
+        self.assertEqual(sorted(x for b in plan.buffers for x in b.layers), list(range(62)))
         full_blocks = math.ceil(32768 / 16)
         sw_blocks = math.ceil(min(1023 + 2048, 32768) / 16) + 1
         self.assertEqual(plan.blocks_per_request, full_blocks + 6 * sw_blocks)

@@ -8,7 +8,6 @@ events in order on an empty set of hashes yields exactly the set of hashes the e
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 from jaxkv.blocks._hashing import BlockHash, ExtraKeys
 
@@ -73,5 +72,5 @@ class AllBlocksCleared:
     """
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 """Any event a pool emits."""

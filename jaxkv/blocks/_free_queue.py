@@ -66,8 +66,8 @@ class FreeBlockQueue:
         self._tail = head + count
         self._len = count
         self._stale = 0
-        self._bufv = memoryview(self._buf)
-        self._posv = memoryview(self._pos)
+        self._bufv = self._buf.data  # memoryviews: cheap scalar access to the same memory.
+        self._posv = self._pos.data
 
     def __len__(self) -> int:
         """Number of queued (free) blocks."""
@@ -252,7 +252,9 @@ class FreeBlockQueue:
         live_mask = self._pos[window] == np.arange(self._head, self._tail)
         live = window[live_mask]
         if live.size != self._len:
-            raise AssertionError(f"free queue holds {live.size} live entries, length says {self._len}")
+            raise AssertionError(
+                f"free queue holds {live.size} live entries, length says {self._len}"
+            )
         if int(self._tail - self._head) - self._len != self._stale:
             raise AssertionError("free queue stale-entry count is wrong")
         if np.unique(live).size != live.size:

@@ -38,7 +38,7 @@ from jaxkv.blocks._errors import PartialBlockError
 try:  # A declared dependency; kept optional so that sha256 works without it.
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - exercised only where xxhash is missing
-    _xxhash = None
+    _xxhash = None  # type: ignore[assignment]
 
 __all__ = [
     "NONE_HASH",
@@ -175,7 +175,8 @@ def _seeded_none_hash(hash_fn: HashFunction, seed: str) -> bytes:
     if not isinstance(value, bytes) or len(value) != hash_fn.digest_size:
         raise ValueError(
             f"hash function {hash_fn.name!r} returned {type(value).__name__} of length "
-            f"{len(value) if isinstance(value, bytes) else '?'}; expected {hash_fn.digest_size} bytes"
+            f"{len(value) if isinstance(value, bytes) else '?'}; expected "
+            f"{hash_fn.digest_size} bytes"
         )
     return value
 
@@ -328,7 +329,7 @@ def _chain(
 ) -> list[BlockHash]:
     """Hashes ``num_blocks`` consecutive blocks of ``data`` (int64 tokens), chained."""
     width = 8 * num_tokens_per_block
-    out: list[BlockHash] = []
+    out: list[Any] = []  # BlockHash values (NewType calls would cost a call per block).
     append = out.append
     constructor = hash_fn.constructor
     if tails is None:

@@ -140,7 +140,7 @@ class _Request:
         self.num_tokens = len(prompt) // 8
         self.outputs: list[int] = []
         self.hasher = hasher  # None when caching is off (no hashes needed).
-        self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        self.blocks: list[list[BlockId]] = [[] for _ in range(num_groups)]
         # The same block tables as arrays, one per allocation (None once unusable, e.g. for
         # sliding-window groups whose tables get null blocks); saves list->array conversions.
         self.chunks: list[list[np.ndarray] | None] = [[] for _ in range(num_groups)]
@@ -375,13 +375,13 @@ class KVCacheManager:
             raise BlockError(
                 f"prompt of {count} tokens exceeds max_model_len={self._max_model_len}"
             )
-        hasher = RequestBlockHasher(
+        hasher: RequestBlockHasher | None = RequestBlockHasher(
             self._block_size, self._hash_fn, lora_id=lora_id, mm_inputs=mm_inputs,
             cache_salt=cache_salt,
         )
         prompt = _token_bytes(prompt_token_ids)  # Validates the tokens.
         if self._enable_caching:
-            hasher._extend_packed(prompt)
+            hasher._extend_packed(prompt)  # type: ignore[union-attr]
         else:
             hasher = None
         self._requests[request_id] = _Request(
@@ -444,7 +444,7 @@ class KVCacheManager:
         Raises:
           UnknownRequestError: unknown request.
         """
-        return tuple(tuple(blocks) for blocks in self._request(request_id).blocks)  # type: ignore[misc]
+        return tuple(tuple(blocks) for blocks in self._request(request_id).blocks)
 
     def get_block_hashes(self, request_id: str) -> tuple[BlockHash, ...]:
         """Hashes of the request's full blocks so far.
@@ -457,10 +457,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix lookup
 
-    def _group_hit(self, group: int, hashes: Sequence[BlockHash], num_blocks: int) -> list[int]:
+    def _group_hit(
+        self, group: int, hashes: Sequence[BlockHash], num_blocks: int
+    ) -> list[BlockId]:
         window = self._windows[group]
         if window is None:
-            return self._pool.find_longest_cache_hit(hashes[:num_blocks], group)  # type: ignore[return-value]
+            return self._pool.find_longest_cache_hit(hashes[:num_blocks], group)
         # Sliding window: the last cdiv(window - 1, block_size) blocks before the hit's end
         # must be cached; earlier positions are replaced by the null block. Scan right to
         # left for the rightmost run that long (vLLM's SlidingWindowManager).
@@ -481,7 +483,9 @@ class KVCacheManager:
         del result[run:]  # Only a run starting at block 0 is a (short) hit.
         return result
 
-    def get_computed_blocks(self, request_id: str, *, max_hit_tokens: int | None = None) -> CacheHit:
+    def get_computed_blocks(
+        self, request_id: str, *, max_hit_tokens: int | None = None
+    ) -> CacheHit:
         """Finds the longest cached prefix of a request that every group can reuse.
 
         Lookup only; pass the result to `allocate_slots` to use it. Records a hit-rate
@@ -706,7 +710,9 @@ class KVCacheManager:
             self._cache_full_blocks(state, total)
         return Allocation(request_id, tuple(new_blocks), num_computed, num_new_tokens)
 
-    def _remove_skipped_blocks(self, blocks: list[int], window: int, num_computed: int) -> None:
+    def _remove_skipped_blocks(
+        self, blocks: list[BlockId], window: int, num_computed: int
+    ) -> None:
         last_useful_block = (num_computed - window + 1) // self._block_size
         removed = []
         for index in range(min(last_useful_block, len(blocks)) - 1, -1, -1):

@@ -91,9 +91,9 @@ class BlockPool:
         self._ref[0] = 1  # The null block is pinned: never free, never allocated.
         self._hashed = np.zeros(num_blocks, dtype=np.bool_)
         self._group = np.zeros(num_blocks, dtype=np.int32)
-        self._refv = memoryview(self._ref)
-        self._hashedv = memoryview(self._hashed)
-        self._groupv = memoryview(self._group)
+        self._refv = self._ref.data  # memoryviews: cheap scalar access to the same memory.
+        self._hashedv = self._hashed.data
+        self._groupv = self._group.data
         self._hash = np.full(num_blocks, None, dtype=object)  # BlockHash | None per block.
         self._mark = np.zeros(num_blocks, dtype=np.int64)  # Scratch: duplicate detection.
         self._maps: list[dict[BlockHash, int]] = [{}]
@@ -297,7 +297,7 @@ class BlockPool:
           >>> pool.free([1])
           Traceback (most recent call last):
           ...
-          jaxkv.blocks._errors.DoubleFreeError: block 1 is already free (double free, or never allocated)
+          jaxkv.blocks._errors.DoubleFreeError: block 1 is already free (double free, or ...
         """
         if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
             self._free_small(block_ids)
@@ -411,28 +411,25 @@ class BlockPool:
                     queue.remove(block)
                 refv[block] += 1
             return
-        ids = self._id_array(block_ids)
-        if ids.size == 0:
+        array = self._id_array(block_ids)
+        if array.size == 0:
             return
-        nonnull = ids != 0
+        nonnull = array != 0
         if not nonnull.all():
-            ids = ids[nonnull]
-        refs = self._ref[ids]
+            array = array[nonnull]
+        refs = self._ref[array]
         free = refs == 0
-        any_free = bool(free.any())
-        if any_free:
-            free_ids = ids[free]
+        free_ids = array[free]
+        if free_ids.size:
             uncached = ~self._hashed[free_ids]
             if uncached.any():
                 raise self._touch_error(int(free_ids[uncached][0]))
-        if self._last_occurrence(ids).all():
-            if any_free:
-                self._queue.remove_n(free_ids)
-            self._ref[ids] = refs + 1
+        if self._last_occurrence(array).all():
+            self._queue.remove_n(free_ids)
+            self._ref[array] = refs + 1
         else:
-            if any_free:
-                self._queue.remove_n(np.unique(free_ids))
-            np.add.at(self._ref, ids, 1)
+            self._queue.remove_n(np.unique(free_ids))
+            np.add.at(self._ref, array, 1)
 
     @staticmethod
     def _touch_error(block: int) -> InvalidBlockIdError:
@@ -506,7 +503,7 @@ class BlockPool:
 
     def _cache_trusted(
         self,
-        id_list: list[int],
+        id_list: Sequence[int],
         ids: np.ndarray,
         hashes: list[BlockHash],
         group: int,
@@ -549,7 +546,9 @@ class BlockPool:
                 if block == 0:
                     raise InvalidBlockIdError("the null block cannot be cached")
                 if refv[block] <= 0:
-                    raise InvalidBlockIdError(f"block {block} is free: only blocks in use can be cached")
+                    raise InvalidBlockIdError(
+                        f"block {block} is free: only blocks in use can be cached"
+                    )
             if len(set(ids)) != count:
                 raise InvalidBlockIdError(f"a block appears twice in {ids}")
             already = [self._hashedv[block] for block in ids]
@@ -568,12 +567,12 @@ class BlockPool:
             already_mask = self._hashed[array]
             any_already = bool(already_mask.any())
             ids = array.tolist()
-            already = already_mask.tolist() if any_already else None
+            already = already_mask.tolist()
         hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
         if any_already:
             keep = []
             for index, (block, block_hash) in enumerate(zip(ids, hashes)):
-                if already[index]:  # type: ignore[index]
+                if already[index]:
                     if self._hash[block] != block_hash or self._groupv[block] != group:
                         raise BlockError(
                             f"block {block} already caches hash {self._hash[block]!r} "
@@ -592,7 +591,7 @@ class BlockPool:
 
     def _apply_cache(
         self,
-        ids: list[int],
+        ids: Sequence[int],
         array: np.ndarray | None,
         hashes: list[BlockHash],
         group: int,
@@ -640,7 +639,7 @@ class BlockPool:
         return len(ids)
 
     def _insert_each(
-        self, cache: dict[BlockHash, int], group: int, ids: list[int], hashes: list[BlockHash]
+        self, cache: dict[BlockHash, int], group: int, ids: Sequence[int], hashes: list[BlockHash]
     ) -> None:
         for block, block_hash in zip(ids, hashes):
             if block_hash in cache:
@@ -682,14 +681,13 @@ class BlockPool:
         if group >= len(self._maps):
             return []
         get = self._maps[group].get
+        found: list[Any]
         # Probe a short prefix first (misses are usually early), then map the rest in one call.
         found = list(map(get, block_hashes[:64]))
         if len(block_hashes) > 64 and None not in found:
             found.extend(map(get, block_hashes[64:]))
-        try:
+        if None in found:
             del found[found.index(None) :]
-        except ValueError:
-            pass
         return found
 
     def evict(self, block_ids: Sequence[int] | np.ndarray) -> int:
@@ -856,7 +854,8 @@ class BlockPool:
         if ref[0] != 1 or self._hashed[0] or self._hash[0] is not None:
             raise AssertionError("the null block must stay pinned (ref 1) and uncached")
         if (ref < 0).any():
-            raise AssertionError(f"negative ref counts at blocks {np.flatnonzero(ref < 0).tolist()}")
+            negative = np.flatnonzero(ref < 0).tolist()
+            raise AssertionError(f"negative ref counts at blocks {negative}")
         self._queue.check()
         free = np.flatnonzero(ref == 0)
         queued = np.sort(np.asarray(self._queue.to_list(), dtype=np.int64))
@@ -870,7 +869,9 @@ class BlockPool:
         if not np.array_equal(np.flatnonzero(self._hashed), np.asarray(carriers, dtype=np.int64)):
             raise AssertionError("the cached-flag array and the per-block hashes disagree")
         if len(carriers) != self._num_cached:
-            raise AssertionError(f"{len(carriers)} blocks carry hashes, counter says {self._num_cached}")
+            raise AssertionError(
+                f"{len(carriers)} blocks carry hashes, counter says {self._num_cached}"
+            )
         reached: list[int] = []
         for group, cache in enumerate(self._maps):
             for block_hash, block in cache.items():
@@ -885,7 +886,9 @@ class BlockPool:
                 raise AssertionError(f"orphan duplicate entry for {block_hash!r}")
             for block in blocks:
                 if self._hash[block] != block_hash or self._group[block] != group:
-                    raise AssertionError(f"duplicate entry block {block} does not carry {block_hash!r}")
+                    raise AssertionError(
+                        f"duplicate entry block {block} does not carry {block_hash!r}"
+                    )
                 reached.append(block)
         if sorted(reached) != carriers:
             raise AssertionError("cached blocks and hash-map entries do not match one to one")

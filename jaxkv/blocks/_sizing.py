@@ -126,7 +126,9 @@ class KVCacheGroup:
         """Tokens per block."""
         return self.spec.block_size
 
-    def blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
+    def blocks_per_request(
+        self, max_model_len: int, max_num_batched_tokens: int | None = None
+    ) -> int:
         """Blocks one request of ``max_model_len`` tokens needs in this group (see
         `blocks_per_request`)."""
         return blocks_per_request(
@@ -449,7 +451,9 @@ def plan_kv_cache(
     if num_blocks_override is not None:
         if isinstance(num_blocks_override, bool) or not isinstance(num_blocks_override, int) \
                 or num_blocks_override < 2:
-            raise ValueError(f"num_blocks_override must be an int >= 2, got {num_blocks_override!r}")
+            raise ValueError(
+                f"num_blocks_override must be an int >= 2, got {num_blocks_override!r}"
+            )
         num_blocks = num_blocks_override
     else:
         if available_memory <= 0:
