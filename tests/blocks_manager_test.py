@@ -8,6 +8,7 @@ from jaxkv.blocks import (
     BlockError,
     BlockRemoved,
     BlockStored,
+    CacheHit,
     KVCacheManager,
     MultiModalInput,
     UnknownRequestError,
@@ -477,6 +478,24 @@ class ManagerErrorsTest(parameterized.TestCase):
         manager.free("c")
         with self.assertRaisesRegex(BlockError, "stale cache hit"):
             manager.allocate_slots("b", 1, hit)
+        manager.pool.check_invariants()
+
+    def test_hand_built_hit_is_validated(self):
+        manager = KVCacheManager(8, 4)
+        manager.add_request("a", list(range(9)))
+        _alloc(manager, "a")
+        manager.add_request("b", list(range(9)))
+        epoch = manager.pool.cache_epoch
+        with self.assertRaisesRegex(BlockError, "stale cache hit"):
+            manager.allocate_slots("b", 1, CacheHit("b", ((2, 1),), 8, epoch))
+        with self.assertRaisesRegex(BlockError, "null block"):
+            manager.allocate_slots("b", 1, CacheHit("b", ((1, 0),), 8, epoch))
+        with self.assertRaisesRegex(BlockError, "disagree"):
+            manager.allocate_slots("b", 1, CacheHit("b", ((1, 2),), 4, epoch))
+        alloc = manager.allocate_slots("b", 1, CacheHit("b", ((1, 2),), 8, epoch))
+        self.assertEqual(manager.get_block_ids("b"), ((1, 2, 4),))
+        self.assertEqual(alloc.new_block_ids, ((4,),))
+        self.assertEqual(manager.pool.ref_count(1), 2)
         manager.pool.check_invariants()
 
     def test_numpy_prompt(self):

@@ -568,14 +568,20 @@ class KVCacheManager:
             )
         if len(hit.block_ids) != len(self._windows):
             raise BlockError("cache hit has a different number of groups than the manager")
+        if any(len(blocks) != hit.num_blocks for blocks in hit.block_ids):
+            raise BlockError("cache hit groups have different lengths")
         if hit.num_computed_tokens != hit.num_blocks * self._block_size:
             raise BlockError("cache hit token count and block count disagree")
-        if hit.cache_epoch == self._pool.cache_epoch:
-            return
+        if hit.cache_epoch == self._pool.cache_epoch and hit._arrays is not None:
+            return  # From get_computed_blocks, and nothing was evicted since.
         hashes = state.hasher.block_hashes if state.hasher is not None else ()
+        if hit.num_blocks > len(hashes):
+            raise BlockError(f"cache hit is longer than the full blocks of {state.request_id!r}")
         for group, blocks in enumerate(hit.block_ids):
             for index, block in enumerate(blocks):
                 if block == NULL_BLOCK_ID:
+                    if self._windows[group] is None:
+                        raise BlockError("a full-attention cache hit cannot hold the null block")
                     continue
                 if (
                     self._pool.block_hash(block) != hashes[index]
@@ -643,9 +649,13 @@ class KVCacheManager:
             raise BlockError(f"cache hit of request {hit.request_id!r} passed for {request_id!r}")
         if hit is not None and hit.num_computed_tokens == 0:
             hit = None  # An empty hit changes nothing.
+        hit_arrays: tuple[np.ndarray, ...] = ()
         if hit is not None:
             self._check_hit(state, hit)
             hit_tokens = hit.num_computed_tokens
+            hit_arrays = hit._arrays if hit._arrays is not None else tuple(
+                np.fromiter(blocks, np.int64, len(blocks)) for blocks in hit.block_ids
+            )
         else:
             hit_tokens = 0
         num_computed = state.num_computed + hit_tokens
@@ -676,15 +686,14 @@ class KVCacheManager:
             missing = max(0, num_slot_blocks - have)
             plan.append(missing)
             needed += missing
-        if hit is not None:
-            for array in hit._arrays or ():
-                if array.size:
-                    needed += int(np.count_nonzero(pool._ref[array] == 0))
+        for array in hit_arrays:
+            if array.size:
+                needed += int(np.count_nonzero(pool._ref[array] == 0))
         if needed > pool.num_free_blocks:
             return None
 
         if hit is not None:
-            for group, array in enumerate(hit._arrays or ()):
+            for group, array in enumerate(hit_arrays):
                 if array.size:
                     pool.touch(array)
                 state.blocks[group].extend(hit.block_ids[group])
