@@ -13,4 +13,7 @@ cd "$ROOT"
 export JAXKV_PYTHON="$ROOT/.venv/bin/python"
 CONFIG=()
 if command -v nvcc >/dev/null; then CONFIG=(--config=cuda); fi
-bazel test "${CONFIG[@]}" //...
+rc=0
+bazel test "${CONFIG[@]}" //... || rc=$?
+bazel shutdown >/dev/null 2>&1 || true  # leave no Bazel server (a JVM) running
+exit $rc
