@@ -257,8 +257,9 @@ def bench_manager(num_tokens: int, block_size: int, repeats: int) -> dict:
 
     # Decode: one token per step.
     manager = blocks.KVCacheManager(4096, block_size)
-    manager.add_request("d", tokens[:1000])
-    manager.allocate_slots("d", 1000)
+    prompt = tokens[:1000]
+    manager.add_request("d", prompt)
+    manager.allocate_slots("d", len(prompt))
 
     def decode() -> None:
         for token in range(256):

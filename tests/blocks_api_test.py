@@ -2,6 +2,7 @@
 
 import doctest
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,25 @@ class ApiTest(parameterized.TestCase):
                     if attr.startswith("_") or not inspect.isfunction(member):
                         continue
                     self.assertTrue(inspect.getdoc(member), f"{name}.{attr} has no docstring")
+
+    def test_benchmark_smoke(self):
+        out = os.path.join(absltest.get_default_test_tmpdir(), "bench_blocks.json")
+        script = os.path.join(_REPO, "benchmarks", "bench_blocks.py")
+        subprocess.run(
+            [sys.executable, script, "--repeats=1", "--batch_blocks=16", "--num_blocks=64",
+             "--prompt_tokens=256", f"--json_out={out}"],
+            check=True, capture_output=True, text=True,
+        )
+        with open(out) as handle:
+            result = json.load(handle)
+        self.assertEqual(
+            set(result["checks"]),
+            {"allocate", "free", "full_prefix_hit", "sha256_hashing",
+             "bookkeeping_32k_sha256_incl_hashing", "bookkeeping_32k_xxh3_incl_hashing",
+             "bookkeeping_32k_excl_hashing", "vs_reference", "all_targets_pass"},
+        )
+        self.assertIn("not installable", result["targets"]["source"])
+        self.assertGreater(result["jaxkv"]["pool"]["allocate"]["blocks_per_s"], 0)
 
     @parameterized.parameters(*_MODULES)
     def test_docstring_examples(self, module_name):
