@@ -168,6 +168,7 @@ ManagerMachine.TestCase.settings = settings(
     max_examples=200,
     stateful_step_count=60,
     deadline=None,
+    database=None,  # No example database written next to the tests (read-only under Bazel).
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 

@@ -245,6 +245,7 @@ PoolMachine.TestCase.settings = settings(
     max_examples=150,
     stateful_step_count=40,
     deadline=None,
+    database=None,  # No example database written next to the tests (read-only under Bazel).
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 

@@ -154,7 +154,7 @@ class FreeBlockQueue:
         Raises:
           InvalidBlockIdError: the block is not queued.
         """
-        if self._posv[block_id] < 0:
+        if not 0 <= block_id < self._num_blocks or self._posv[block_id] < 0:
             raise InvalidBlockIdError(f"block {block_id} is not in the free queue")
         self._posv[block_id] = -1
         self._len -= 1
