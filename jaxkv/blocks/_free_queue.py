@@ -96,6 +96,10 @@ class FreeBlockQueue:
 
         Raises:
           OutOfBlocksError: the queue is empty.
+
+        Example:
+          >>> FreeBlockQueue(4, [2, 3]).popleft()
+          2
         """
         if self._len == 0:
             raise OutOfBlocksError("no free blocks available")
@@ -117,6 +121,10 @@ class FreeBlockQueue:
 
         Raises:
           OutOfBlocksError: fewer than ``count`` blocks are queued.
+
+        Example:
+          >>> FreeBlockQueue(4, [3, 1, 2]).popleft_n(2).tolist()
+          [3, 1]
         """
         if count > self._len:
             raise OutOfBlocksError(f"cannot take {count} blocks: {self._len} free")
@@ -153,6 +161,10 @@ class FreeBlockQueue:
 
         Raises:
           InvalidBlockIdError: the block is not queued.
+
+        Example:
+          >>> queue = FreeBlockQueue(4, [1, 2, 3]); queue.remove(2); queue.to_list()
+          [1, 3]
         """
         if not 0 <= block_id < self._num_blocks or self._posv[block_id] < 0:
             raise InvalidBlockIdError(f"block {block_id} is not in the free queue")
@@ -166,6 +178,11 @@ class FreeBlockQueue:
 
         Raises:
           InvalidBlockIdError: a block is not queued (nothing is removed).
+
+        Example:
+          >>> queue = FreeBlockQueue(4, [1, 2, 3]); queue.remove_n(np.array([3, 1]))
+          >>> queue.to_list()
+          [2]
         """
         if block_ids.size == 0:
             return
@@ -180,7 +197,12 @@ class FreeBlockQueue:
     # ------------------------------------------------------------------ insertion
 
     def append(self, block_id: int) -> None:
-        """Puts a block at the back (evicted last). The caller guarantees it is not queued."""
+        """Puts a block at the back (evicted last). The caller guarantees it is not queued.
+
+        Example:
+          >>> queue = FreeBlockQueue(4, [1]); queue.append(3); queue.to_list()
+          [1, 3]
+        """
         if self._tail == self._cap:
             self._compact()
         tail = self._tail
@@ -190,7 +212,12 @@ class FreeBlockQueue:
         self._len += 1
 
     def append_n(self, block_ids: np.ndarray) -> None:
-        """Puts blocks at the back in the given order (distinct, not queued)."""
+        """Puts blocks at the back in the given order (distinct, not queued).
+
+        Example:
+          >>> queue = FreeBlockQueue(4, [1]); queue.append_n(np.array([3, 2])); queue.to_list()
+          [1, 3, 2]
+        """
         count = int(block_ids.size)
         if count == 0:
             return
@@ -203,7 +230,12 @@ class FreeBlockQueue:
         self._len += count
 
     def prepend(self, block_id: int) -> None:
-        """Puts a block at the front (evicted first). The caller guarantees it is not queued."""
+        """Puts a block at the front (evicted first). The caller guarantees it is not queued.
+
+        Example:
+          >>> queue = FreeBlockQueue(4, [1]); queue.prepend(3); queue.to_list()
+          [3, 1]
+        """
         if self._head == 0:
             self._compact()
         head = self._head - 1
@@ -213,7 +245,12 @@ class FreeBlockQueue:
         self._len += 1
 
     def prepend_n(self, block_ids: np.ndarray) -> None:
-        """Puts blocks at the front keeping their order: ``block_ids[0]`` becomes the front."""
+        """Puts blocks at the front keeping their order: ``block_ids[0]`` becomes the front.
+
+        Example:
+          >>> queue = FreeBlockQueue(4, [1]); queue.prepend_n(np.array([3, 2])); queue.to_list()
+          [3, 2, 1]
+        """
         count = int(block_ids.size)
         if count == 0:
             return
@@ -247,6 +284,9 @@ class FreeBlockQueue:
 
         Raises:
           AssertionError: with the violated property.
+
+        Example:
+          >>> FreeBlockQueue(4, [1, 2]).check()
         """
         window = self._buf[self._head : self._tail]
         live_mask = self._pos[window] == np.arange(self._head, self._tail)

@@ -427,6 +427,11 @@ class KVCacheManager:
 
         Raises:
           UnknownRequestError: unknown request.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3]); manager.num_tokens("r")
+          3
         """
         return self._request(request_id).num_tokens
 
@@ -435,6 +440,12 @@ class KVCacheManager:
 
         Raises:
           UnknownRequestError: unknown request.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3]); _ = manager.allocate_slots("r", 2)
+          >>> manager.num_computed_tokens("r")
+          2
         """
         return self._request(request_id).num_computed
 
@@ -443,14 +454,25 @@ class KVCacheManager:
 
         Raises:
           UnknownRequestError: unknown request.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3]); _ = manager.allocate_slots("r", 3)
+          >>> manager.get_block_ids("r")
+          ((1, 2),)
         """
         return tuple(tuple(blocks) for blocks in self._request(request_id).blocks)
 
     def get_block_hashes(self, request_id: str) -> tuple[BlockHash, ...]:
-        """Hashes of the request's full blocks so far.
+        """Hashes of the request's full blocks so far (empty when caching is off).
 
         Raises:
           UnknownRequestError: unknown request.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3]); len(manager.get_block_hashes("r"))
+          1
         """
         hasher = self._request(request_id).hasher
         return () if hasher is None else tuple(hasher.block_hashes)
@@ -836,8 +858,24 @@ class KVCacheManager:
         """Per group, leading blocks of the request shared by all running requests (cascade
         attention); always 0 for sliding-window groups.
 
+        Args:
+          request_id: a running request.
+          num_running_requests: how many requests are running.
+
+        Returns:
+          One count per group.
+
         Raises:
           UnknownRequestError: unknown request.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=8, block_size=2)
+          >>> for rid in "ab":
+          ...     manager.add_request(rid, [1, 2, 3, 4, ord(rid)])
+          ...     hit = manager.get_computed_blocks(rid)
+          ...     _ = manager.allocate_slots(rid, 5 - hit.num_computed_tokens, hit)
+          >>> manager.num_common_prefix_blocks("a", 2)
+          (2,)
         """
         state = self._request(request_id)
         out = []
@@ -854,7 +892,14 @@ class KVCacheManager:
     # ------------------------------------------------------------------ cache-wide
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Drains the pool's KV-cache events (oldest first)."""
+        """Drains the pool's KV-cache events (oldest first; [] when events are off).
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2, enable_events=True)
+          >>> manager.add_request("r", [1, 2, 3]); _ = manager.allocate_slots("r", 3)
+          >>> [type(event).__name__ for event in manager.take_events()]
+          ['BlockStored']
+        """
         return self._pool.take_events()
 
     def reset_prefix_cache(self) -> bool:
@@ -863,6 +908,14 @@ class KVCacheManager:
 
         Returns:
           Whether the cache was reset.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.add_request("r", [1, 2, 3]); _ = manager.allocate_slots("r", 3)
+          >>> manager.reset_prefix_cache()
+          False
+          >>> manager.free("r"); manager.reset_prefix_cache()
+          True
         """
         if any(state.allocated and any(state.blocks) for state in self._requests.values()):
             return False

@@ -67,6 +67,11 @@ class PrefixCachingMetrics:
 
         Raises:
           ValueError: negative counts, or more hits than queries.
+
+        Example:
+          >>> metrics = PrefixCachingMetrics()
+          >>> metrics.observe(PrefixCacheStats(requests=2, queries=10, hits=4)); metrics.hit_rate
+          0.4
         """
         if min(stats.requests, stats.queries, stats.hits) < 0 or stats.hits > stats.queries:
             raise ValueError(f"invalid prefix-cache stats {stats}")
@@ -83,7 +88,13 @@ class PrefixCachingMetrics:
             self._hits -= hits
 
     def reset(self) -> None:
-        """Forgets every observation."""
+        """Forgets every observation.
+
+        Example:
+          >>> metrics = PrefixCachingMetrics()
+          >>> metrics.observe(PrefixCacheStats(1, 10, 5)); metrics.reset(); metrics.hit_rate
+          0.0
+        """
         self._requests = self._queries = self._hits = 0
         self._window.clear()
 

@@ -806,6 +806,11 @@ class BlockPool:
 
         Raises:
           InvalidBlockIdError: an id out of range.
+
+        Example:
+          >>> pool = BlockPool(4); _ = pool.allocate(1)
+          >>> pool.ref_count(1), pool.ref_count(2), pool.ref_count(0)
+          (1, 0, 1)
         """
         return self._refv[self._check_id(block_id)]
 
@@ -814,6 +819,11 @@ class BlockPool:
 
         Raises:
           InvalidBlockIdError: an id out of range.
+
+        Example:
+          >>> pool = BlockPool(4); _ = pool.allocate(1)
+          >>> pool.is_free(1), pool.is_free(2)
+          (False, True)
         """
         return self._refv[self._check_id(block_id)] == 0
 
@@ -822,6 +832,11 @@ class BlockPool:
 
         Raises:
           InvalidBlockIdError: an id out of range.
+
+        Example:
+          >>> pool = BlockPool(4); _ = pool.cache_blocks(pool.allocate(1), [b"h"])
+          >>> pool.block_hash(1), pool.block_hash(2)
+          (b'h', None)
         """
         return self._hash[self._check_id(block_id)]
 
@@ -830,12 +845,23 @@ class BlockPool:
 
         Raises:
           InvalidBlockIdError: an id out of range.
+
+        Example:
+          >>> pool = BlockPool(4); _ = pool.cache_blocks(pool.allocate(1), [b"h"], group=2)
+          >>> pool.block_group(1), pool.block_group(2)
+          (2, None)
         """
         block_id = self._check_id(block_id)
         return self._groupv[block_id] if self._hashedv[block_id] else None
 
     def free_block_ids(self) -> list[BlockId]:
-        """The free blocks in eviction order (next allocated first). O(num_blocks)."""
+        """The free blocks in eviction order (next allocated first). O(num_blocks).
+
+        Example:
+          >>> pool = BlockPool(5); pool.free(pool.allocate(2)[::-1])
+          >>> pool.free_block_ids()
+          [2, 1, 3, 4]
+        """
         return self._queue.to_list()  # type: ignore[return-value]
 
     def check_invariants(self) -> None:
@@ -849,6 +875,9 @@ class BlockPool:
 
         Raises:
           AssertionError: naming the violated invariant.
+
+        Example:
+          >>> pool = BlockPool(4); pool.free(pool.allocate(3)); pool.check_invariants()
         """
         ref = self._ref
         if ref[0] != 1 or self._hashed[0] or self._hash[0] is not None:

@@ -130,7 +130,13 @@ class KVCacheGroup:
         self, max_model_len: int, max_num_batched_tokens: int | None = None
     ) -> int:
         """Blocks one request of ``max_model_len`` tokens needs in this group (see
-        `blocks_per_request`)."""
+        `blocks_per_request`).
+
+        Example:
+          >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16)
+          >>> KVCacheGroup(0, (0,), 0, spec, 64).blocks_per_request(1024, 256)
+          21
+        """
         return blocks_per_request(
             self.block_size, max_model_len, self.sliding_window, max_num_batched_tokens
         )
