@@ -241,6 +241,7 @@ class KVCacheManager:
         self._requests: dict[str, _Request] = {}
         self._metrics = PrefixCachingMetrics(metrics_window)
         self._empty_hit_blocks = tuple(() for _ in windows)
+        self._single_full_group = self._windows == (None,)
 
     @classmethod
     def from_plan(cls, plan: KVCachePlan, **kwargs: Any) -> KVCacheManager:
@@ -661,6 +662,25 @@ class KVCacheManager:
           True
         """
         state = self._request(request_id)
+        if (  # Fast path for decode steps that fit in the request's last block.
+            hit is None
+            and state.allocated
+            and not num_lookahead_tokens
+            and self._single_full_group
+            and type(num_new_tokens) is int
+            and num_new_tokens >= 0
+        ):
+            num_computed = state.num_computed
+            total = num_computed + num_new_tokens
+            if total <= state.num_tokens and total <= len(state.blocks[0]) * self._block_size:
+                state.num_computed = total
+                if (
+                    state.hasher is not None
+                    and not delay_caching
+                    and total // self._block_size > state.num_cached[0]
+                ):
+                    self._cache_full_blocks(state, total)
+                return Allocation(request_id, self._empty_hit_blocks, num_computed, num_new_tokens)
         if isinstance(num_new_tokens, bool) or num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise BlockError(
                 f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
