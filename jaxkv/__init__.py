@@ -4,6 +4,7 @@ Public names:
   KVCacheSpec, LAYOUT_PRESETS, SUPPORTED_DTYPES   (jaxkv._spec; no JAX needed)
   PagedKVCache, ShardBuffer, BufferMovedError     (jaxkv._cache)
   ops                                             (block operations: copy, gather, scatter)
+  blocks                                          (block manager; no JAX needed)
 
 Names that need JAX are loaded on first access, so `import jaxkv.blocks` (host-side
 bookkeeping) never starts a JAX backend.
@@ -18,7 +19,7 @@ from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
 from jaxkv._version import __version__
 
 if TYPE_CHECKING:
-    from jaxkv import ops
+    from jaxkv import blocks, ops
     from jaxkv._cache import BufferMovedError, PagedKVCache, ShardBuffer
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "ShardBuffer",
     "__version__",
+    "blocks",
     "ops",
 ]
 
@@ -40,8 +42,8 @@ _LAZY_ATTRIBUTES = {
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ops":
-        return importlib.import_module("jaxkv.ops")
+    if name in ("ops", "blocks"):
+        return importlib.import_module(f"jaxkv.{name}")
     if name in _LAZY_ATTRIBUTES:
         return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
     raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
