@@ -1,5 +1,7 @@
 #include "block_copy_cpu.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -44,7 +46,24 @@ void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last)
   }
 }
 
+constexpr int64_t kHugePageBytes = int64_t{2} << 20;
+
 }  // namespace
+
+void AdviseFreshOutput(void* data, int64_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  if (bytes < 2 * kHugePageBytes) return;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + kHugePageBytes - 1) & ~static_cast<uintptr_t>(kHugePageBytes - 1);
+  const uintptr_t last = (begin + bytes) & ~static_cast<uintptr_t>(kHugePageBytes - 1);
+  if (last > first) {
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advisory only
+  }
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
 
 void CopyBlocksCpu(const BlockCopyRequest& request) {
   const int64_t bytes_per_pair =
