@@ -6,6 +6,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv}"
+[[ "$VENV" = /* ]] || VENV="$ROOT/$VENV"
 if ! command -v nvcc >/dev/null; then
   echo "[cuda-check] nvcc not found: CUDA handlers are not built on this machine; skipped"
   exit 0
