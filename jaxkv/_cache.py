@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxkv._placement import place_exactly
 from jaxkv._sharding import HeadSharding, head_sharding
 from jaxkv._spec import ArrayKey, KVCacheSpec
 from jaxkv.ops._block_ops import _copy_local, _gather_into_local, _gather_local, _scatter_local
@@ -155,7 +156,7 @@ class PagedKVCache:
         Raises:
           ValueError: wrong number of arrays, shapes or dtypes.
         """
-        arrays = tuple(jnp.asarray(a) for a in arrays)
+        arrays = tuple(a if isinstance(a, jax.Array) else np.asarray(a) for a in arrays)
         if len(arrays) != spec.num_arrays:
             raise ValueError(f"layout {spec.layout!r} needs {spec.num_arrays} arrays, got {len(arrays)}")
         if not arrays:
@@ -233,9 +234,9 @@ class PagedKVCache:
         placed = [operands[0]]
         for operand in operands[1:]:
             if isinstance(operand, tuple):
-                placed.append(tuple(jax.device_put(x, named) for x in operand))
+                placed.append(tuple(place_exactly(x, named) for x in operand))
             else:
-                placed.append(jax.device_put(operand, replicated))
+                placed.append(place_exactly(operand, replicated))
         return _jitted(program, _DONATED_OPERAND[kind])(*placed)
 
     def copy_blocks(

@@ -61,6 +61,26 @@ class AllocationTest(parameterized.TestCase):
             self.assertFalse(np.any(kv_testing.bits(array)))
         self.assertEqual(cache.nbytes, spec.cache_nbytes(6))
 
+    @parameterized.parameters("float8_e5m2", "float8_e4m3fn", "bfloat16", "float16", "float32")
+    def test_from_arrays_keeps_nan_payloads_on_sharded_caches(self, dtype):
+        # Every bit pattern of the element width, NaN payloads included, on a head-sharded,
+        # a head-replicated and an unsharded cache; the data comes from numpy and from a
+        # device array (which jax 0.12's device_put would reshard with canonical NaNs).
+        spec = _spec("KHTD", heads=4, dtype=dtype).replace(num_layers=1)
+        width = np.dtype(spec.dtype).itemsize * 8
+        count = int(np.prod(spec.array_shape(8)))
+        patterns = (np.arange(count, dtype=np.uint64) * 0x9E3779B97F4A7C15 >> (64 - width))
+        host = patterns.astype(f"u{width // 8}").view(spec.dtype).reshape(spec.array_shape(8))
+        for tp in (1, 2, 8):
+            for data in (host, jnp.asarray(host)):
+                cache = PagedKVCache.from_arrays(spec, [data], mesh=_mesh(tp))
+                np.testing.assert_array_equal(kv_testing.bits(cache.arrays[0]),
+                                              kv_testing.bits(host), err_msg=f"tp={tp}")
+                dense = cache.gather_blocks(np.arange(8))
+                cache = cache.scatter_blocks([jnp.asarray(np.asarray(dense[0]))], np.arange(8))
+                np.testing.assert_array_equal(kv_testing.bits(cache.arrays[0]),
+                                              kv_testing.bits(host), err_msg=f"tp={tp}")
+
     def test_array_lookup(self):
         cache = PagedKVCache.allocate(_spec("HTD"), num_blocks=2)
         self.assertIs(cache.array(layer=2, kv=1), cache.arrays[5])

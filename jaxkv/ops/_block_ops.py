@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _ffi
+from jaxkv._placement import place_exactly
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
@@ -109,7 +110,7 @@ def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_id
         # Outside jit, shard_map wants its operands placed as its in_specs say.
         mesh, spec = partition
         operands = (cache,) + tuple(
-            jax.device_put(x, NamedSharding(mesh, spec if kind == "blocks" else PartitionSpec()))
+            place_exactly(x, NamedSharding(mesh, spec if kind == "blocks" else PartitionSpec()))
             for x, kind in zip(operands[1:], kinds[1:])
         )
     return program(*operands)
