@@ -2,6 +2,7 @@
 
 Public names:
   KVCacheSpec, LAYOUT_PRESETS, SUPPORTED_DTYPES   (jaxkv._spec; no JAX needed)
+  EngineConfig                                    (jaxkv._parallel; TP/PP split; no JAX)
   PagedKVCache, ShardBuffer, BufferMovedError     (jaxkv._cache)
   ops                                             (block operations: copy, gather, scatter)
   blocks                                          (block manager; no JAX needed)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from jaxkv._parallel import EngineConfig
 from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
 from jaxkv._version import __version__
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BufferMovedError",
+    "EngineConfig",
     "KVCacheSpec",
     "LAYOUT_PRESETS",
     "PagedKVCache",
