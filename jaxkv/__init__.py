@@ -6,6 +6,7 @@ Public names:
   PagedKVCache, ShardBuffer, BufferMovedError     (jaxkv._cache)
   ops                                             (block operations: copy, gather, scatter)
   blocks                                          (block manager; no JAX needed)
+  transfer                                        (KV transfer between engines over NIXL)
 
 Names that need JAX are loaded on first access, so `import jaxkv.blocks` (host-side
 bookkeeping) never starts a JAX backend.
@@ -21,7 +22,7 @@ from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
 from jaxkv._version import __version__
 
 if TYPE_CHECKING:
-    from jaxkv import blocks, ops
+    from jaxkv import blocks, ops, transfer
     from jaxkv._cache import BufferMovedError, PagedKVCache, ShardBuffer
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "__version__",
     "blocks",
     "ops",
+    "transfer",
 ]
 
 _LAZY_ATTRIBUTES = {
@@ -45,7 +47,7 @@ _LAZY_ATTRIBUTES = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ops", "blocks"):
+    if name in ("ops", "blocks", "transfer"):
         return importlib.import_module(f"jaxkv.{name}")
     if name in _LAZY_ATTRIBUTES:
         return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)
