@@ -33,6 +33,38 @@ flags.DEFINE_integer("iters", 15, "Timed repetitions per measurement.")
 flags.DEFINE_string("json_out", None, "Where to write the JSON report.")
 
 
+def _stateful_step(fn, call, cache, updates, staging):
+    """A no-argument step running `call(fn, cache)`; keeps the updated cache (in-place ops) or
+    the reused output buffer (`updates == "out"`) for the next round."""
+    state = {"cache": cache}
+
+    def step():
+        out = call(fn, state["cache"])
+        if updates is True:
+            state["cache"] = out
+        elif updates == "out":
+            staging["out"] = out
+        return out
+
+    return step
+
+
+def _interleaved_seconds(steps, iters: int) -> dict[str, list[float]]:
+    """Runs every step once (compile, warm up), then `iters` rounds of one run each, so that
+    each round's ratios compare runs made under the same background load."""
+    import jax
+
+    for step in steps.values():
+        jax.block_until_ready(step())
+    times = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            begin = time.perf_counter()
+            jax.block_until_ready(step())
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
 def _main(argv):
     del argv
     import jax
@@ -115,31 +147,12 @@ def _main(argv):
         contenders = {limit_name: limit_fn, "jaxkv": custom}
         if jnp_ref is not None:
             contenders["jnp reference"] = jnp_ref
-        states = {name: {"cache": fresh_cache()} for name in contenders if name != limit_name}
-
-        def runner(name, fn):
-            if name == limit_name:
-                return fn
-
-            def step():
-                out = call(fn, states[name]["cache"])
-                if updates is True:
-                    states[name]["cache"] = out
-                elif updates == "out":
-                    staging["out"] = out
-                return out
-
-            return step
-
-        steps = {name: runner(name, fn) for name, fn in contenders.items()}
-        for step in steps.values():
-            jax.block_until_ready(step())  # compile and warm up
-        times = {name: [] for name in steps}
-        for _ in range(FLAGS.iters):
-            for name, step in steps.items():
-                begin = time.perf_counter()
-                jax.block_until_ready(step())
-                times[name].append(time.perf_counter() - begin)
+        steps = {
+            name: fn if name == limit_name
+            else _stateful_step(fn, call, fresh_cache(), updates, staging)
+            for name, fn in contenders.items()
+        }
+        times = _interleaved_seconds(steps, FLAGS.iters)
         row = results.setdefault(op, {})
         for name, samples in times.items():
             row[name] = {"median_seconds": statistics.median(samples),
@@ -149,7 +162,7 @@ def _main(argv):
         if "jnp reference" in times:
             row["jaxkv_vs_jnp"] = statistics.median(
                 r / j for r, j in zip(times["jnp reference"], times["jaxkv"]))
-        del states
+        del steps
 
     report = {
         "benchmark": "block_ops",

@@ -158,7 +158,9 @@ class PagedKVCache:
         """
         arrays = tuple(a if isinstance(a, jax.Array) else np.asarray(a) for a in arrays)
         if len(arrays) != spec.num_arrays:
-            raise ValueError(f"layout {spec.layout!r} needs {spec.num_arrays} arrays, got {len(arrays)}")
+            raise ValueError(
+                f"layout {spec.layout!r} needs {spec.num_arrays} arrays, got {len(arrays)}"
+            )
         if not arrays:
             raise ValueError("a cache needs at least one array")
         num_blocks = int(arrays[0].shape[0]) if arrays[0].ndim else 0
@@ -413,22 +415,25 @@ def _cache_program(
     arrays_spec = (sharding.partition_spec(spec),) * spec.num_arrays
     ids_spec = PartitionSpec()
 
-    if kind == "copy":
-        def body(arrays, src, dst):
-            return tuple(local(a, src, dst) for a in arrays)
-        in_specs = (arrays_spec, ids_spec, ids_spec)
-    elif kind == "gather":
-        def body(arrays, ids):
-            return tuple(local(a, ids) for a in arrays)
-        in_specs = (arrays_spec, ids_spec)
-    elif kind == "gather_into":
-        def body(arrays, ids, outs):
-            return tuple(local(a, ids, o) for a, o in zip(arrays, outs))
-        in_specs = (arrays_spec, ids_spec, arrays_spec)
-    else:
-        def body(arrays, blocks, ids):
-            return tuple(local(a, b, ids) for a, b in zip(arrays, blocks))
-        in_specs = (arrays_spec, arrays_spec, ids_spec)
+    def copy_body(arrays, src, dst):
+        return tuple(local(a, src, dst) for a in arrays)
+
+    def gather_body(arrays, ids):
+        return tuple(local(a, ids) for a in arrays)
+
+    def gather_into_body(arrays, ids, outs):
+        return tuple(local(a, ids, o) for a, o in zip(arrays, outs))
+
+    def scatter_body(arrays, blocks, ids):
+        return tuple(local(a, b, ids) for a, b in zip(arrays, blocks))
+
+    bodies: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+        "copy": (copy_body, (arrays_spec, ids_spec, ids_spec)),
+        "gather": (gather_body, (arrays_spec, ids_spec)),
+        "gather_into": (gather_into_body, (arrays_spec, ids_spec, arrays_spec)),
+        "scatter": (scatter_body, (arrays_spec, arrays_spec, ids_spec)),
+    }
+    body, in_specs = bodies[kind]
     return jax.shard_map(
         body, mesh=sharding.mesh, in_specs=in_specs, out_specs=arrays_spec, check_vma=False
     )

@@ -18,7 +18,7 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("layout", "LKHTD", "Block layout letters or a preset name (see LAYOUT_PRESETS).")
+flags.DEFINE_string("layout", "LKHTD", "Block layout letters or a LAYOUT_PRESETS name.")
 flags.DEFINE_string("dtype", "bfloat16", "Cache element type.")
 flags.DEFINE_integer("num_layers", 4, "Layers in the cache.")
 flags.DEFINE_integer("num_kv_heads", 8, "KV heads of the model.")

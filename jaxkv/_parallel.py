@@ -88,6 +88,11 @@ class EngineConfig:
         object.__setattr__(self, "layers_per_pp", split)
 
     @property
+    def layer_split(self) -> tuple[int, ...]:
+        """Layers held by each pipeline rank (`layers_per_pp` as resolved at construction)."""
+        return tuple(self.layers_per_pp or ())
+
+    @property
     def world_size(self) -> int:
         """Ranks in the engine: ``tp_size * pp_size``."""
         return self.tp_size * self.pp_size
@@ -124,8 +129,9 @@ class EngineConfig:
         """Global layers ``[start, stop)`` held by a pipeline rank."""
         if not 0 <= pp_rank < self.pp_size:
             raise ValueError(f"pp_rank {pp_rank} is outside pp_size={self.pp_size}")
-        start = sum(self.layers_per_pp[:pp_rank])
-        return start, start + self.layers_per_pp[pp_rank]
+        split = self.layer_split
+        start = sum(split[:pp_rank])
+        return start, start + split[pp_rank]
 
     def layer_owner(self, layer: int) -> int:
         """The pipeline rank holding global layer `layer`."""

@@ -149,7 +149,8 @@ def heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     if tp_size <= num_kv_heads:
         if num_kv_heads % tp_size:
             raise ValueError(
-                f"{num_kv_heads} KV heads cannot be split evenly over tensor-parallel size {tp_size}"
+                f"{num_kv_heads} KV heads cannot be split evenly over tensor-parallel size "
+                f"{tp_size}"
             )
         return num_kv_heads // tp_size
     if tp_size % num_kv_heads:

@@ -5,10 +5,10 @@ Skipped where JAX sees no GPU.
 
 import jax
 import jax.numpy as jnp
+import kv_testing
 import numpy as np
 from absl.testing import absltest, parameterized
 
-import kv_testing
 from jaxkv import SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
 
 

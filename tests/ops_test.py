@@ -219,7 +219,8 @@ class GatherScatterTest(parameterized.TestCase):
         for b in range(2):
             expected = kv_testing.numpy_copy_blocks(stack[b], src[b], dst[b])
             np.testing.assert_array_equal(kv_testing.bits(result[b]), kv_testing.bits(expected))
-        gathered = jax.vmap(ops.gather_blocks)(jnp.asarray(stack), jnp.array([[5], [-1]], jnp.int32))
+        ids = jnp.array([[5], [-1]], jnp.int32)
+        gathered = jax.vmap(ops.gather_blocks)(jnp.asarray(stack), ids)
         np.testing.assert_array_equal(kv_testing.bits(gathered[0, 0]), kv_testing.bits(stack[0, 5]))
         self.assertFalse(np.any(kv_testing.bits(gathered[1])))
 
