@@ -1,0 +1,50 @@
+"""KV-block transfer between engines (disaggregated prefill/decode) over NIXL.
+
+`import jaxkv.transfer` needs neither NIXL nor a JAX backend: metadata, the side channel and
+read planning are pure Python/numpy; only creating an agent imports NIXL.
+"""
+
+from jaxkv.transfer._metadata import (
+    MAX_METADATA_BYTES,
+    PROTOCOL_VERSION,
+    AgentInfo,
+    EngineMetadata,
+    IncompatibleEngineError,
+    MetadataError,
+    RankInfo,
+    RegionInfo,
+    check_compatible,
+    compat_fields,
+    compute_compat_hash,
+    decode_metadata,
+    encode_metadata,
+    engine_metadata,
+)
+from jaxkv.transfer._plan import COPY_COLUMNS, PlanError, PostProcess, ReadPlan, block_runs, plan_read
+from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
+
+__all__ = [
+    "AgentInfo",
+    "COPY_COLUMNS",
+    "EngineMetadata",
+    "HandshakeError",
+    "IncompatibleEngineError",
+    "MAX_METADATA_BYTES",
+    "MetadataError",
+    "MetadataServer",
+    "PROTOCOL_VERSION",
+    "PlanError",
+    "PostProcess",
+    "RankInfo",
+    "ReadPlan",
+    "RegionInfo",
+    "block_runs",
+    "check_compatible",
+    "compat_fields",
+    "compute_compat_hash",
+    "decode_metadata",
+    "encode_metadata",
+    "engine_metadata",
+    "fetch_metadata",
+    "plan_read",
+]

@@ -1,0 +1,548 @@
+"""Read planning: which remote bytes a decode rank reads into which local bytes.
+
+Pure functions over two `EngineMetadata` (no NIXL, no JAX). The model (semantics.md 2-6):
+
+* Every block of every region is a set of *slabs*, one per (global layer, kv): the heads of
+  the rank for that layer and K/V, ``[H_rank, T, D]`` ("HTD" order) or ``[T, H_rank, D]``
+  ("THD" order), contiguous inside the block (layouts whose L/K axes come before H and T).
+* For each local slab and each local head, one remote rank is read: the owner of the layer
+  (PP) holding the head (TP), the replica ``local_tp_rank % replicas`` when the remote side
+  replicates it (replicated KV, MLA). Consecutive heads from the same remote rank form a *run*.
+* Equal block sizes and a run whose bytes nest the same way on both sides are copied directly
+  into their final place, one (possibly strided) descriptor per run and per run of
+  consecutive block ids. Anything else (HND <-> NHD with more than one head, a local block
+  holding ``r`` remote blocks) is read *in the sender's arrangement* into the local slab and
+  rearranged afterwards: the plan lists those `PostProcess` steps as data.
+* Partial prefix hits: only the tail of the remote ids is read; no local ids = notify only.
+
+A descriptor is ``(offset, length, count, stride)`` on each side: ``count`` chunks of
+``length`` bytes ``stride`` bytes apart (NIXL 1.5 strided descriptors; ``count == 1`` is a
+plain one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.transfer._metadata import EngineMetadata, check_compatible
+
+__all__ = [
+    "COPY_COLUMNS",
+    "PlanError",
+    "PostProcess",
+    "ReadPlan",
+    "block_runs",
+    "plan_read",
+]
+
+COPY_COLUMNS = (
+    "remote_rank",
+    "remote_region",
+    "remote_offset",
+    "local_region",
+    "local_offset",
+    "length",
+    "count",
+    "remote_stride",
+    "local_stride",
+)
+"""Columns of `ReadPlan.copies` (int64). Offsets are bytes from the region's base address."""
+_RR, _RG, _RO, _LG, _LO, _LEN, _CNT, _RS, _LS = range(9)
+
+
+class PlanError(ValueError):
+    """A read that cannot be planned (ids out of range, unsupported layout, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PostProcess:
+    """Rearrange received bytes inside local blocks (semantics.md section 3, generalised).
+
+    For every block in `block_ids` and every slab offset in `slab_offsets` of local region
+    `region`, the slab's ``H*T*D`` elements arrived as ``[runs, ratio, *recv]`` where `recv`
+    is ``[heads_per_run, sub_tokens, D]`` (``recv_order == "HTD"``) or
+    ``[sub_tokens, heads_per_run, D]`` ("THD"); they must become ``[H, T, D]`` or ``[T, H, D]``
+    (`target_order`) with head ``run * heads_per_run + h`` and token ``j * sub_tokens + t``.
+
+    Attributes:
+      kind: "permute" (layout only), "merge" (block size only) or "merge_permute" (both).
+    """
+
+    kind: str
+    region: int
+    array_index: int
+    slab_offsets: tuple[int, ...]
+    block_ids: np.ndarray
+    runs: int
+    heads_per_run: int
+    ratio: int
+    sub_tokens: int
+    head_dim: int
+    itemsize: int
+    recv_order: str
+    target_order: str
+
+    @property
+    def slab_nbytes(self) -> int:
+        return self.runs * self.heads_per_run * self.ratio * self.sub_tokens * self.head_dim * (
+            self.itemsize
+        )
+
+    def rearrange(self, slab: np.ndarray) -> np.ndarray:
+        """Applies the rearrangement to slabs ``[..., slab_nbytes]`` of raw bytes (numpy)."""
+        lead = slab.shape[:-1]
+        g, r, n, t, d = self.runs, self.ratio, self.heads_per_run, self.sub_tokens, self.head_dim
+        x = slab.reshape(*lead, g, r, *((n, t) if self.recv_order == "HTD" else (t, n)), d,
+                         self.itemsize)
+        k = len(lead)
+        if self.recv_order == "THD":  # -> [g, r, n, t, d, b]
+            x = np.swapaxes(x, k + 2, k + 3)
+        # axes now: lead, g, r, n, t, d, b
+        if self.target_order == "HTD":  # [g, n, r, t, d, b]
+            perm = (*range(k), k, k + 2, k + 1, k + 3, k + 4, k + 5)
+        else:  # [r, t, g, n, d, b]
+            perm = (*range(k), k + 1, k + 3, k, k + 2, k + 4, k + 5)
+        return np.ascontiguousarray(np.transpose(x, perm)).reshape(*lead, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """Everything one local rank does for one request.
+
+    Attributes:
+      local_rank, remote_engine: who reads from whom.
+      copies: int64 ``[N, 9]`` array, columns `COPY_COLUMNS`, sorted by remote rank; one row is
+        one descriptor pair.
+      post: `PostProcess` steps to apply after every read finished.
+      read_ranks: remote ranks read from.
+      notify_ranks: remote ranks to notify once done (every rank of the remote engine, so each
+        producer rank knows every consumer rank is finished with the request).
+      local_block_ids: local blocks written (to mark invalid on failure).
+      remote_block_ids: remote blocks read (after the partial-hit tail cut).
+    """
+
+    local_rank: int
+    remote_engine: str
+    copies: np.ndarray
+    post: tuple[PostProcess, ...]
+    read_ranks: tuple[int, ...]
+    notify_ranks: tuple[int, ...]
+    local_block_ids: np.ndarray
+    remote_block_ids: np.ndarray
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.copies.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        if not self.copies.shape[0]:
+            return 0
+        return int((self.copies[:, _LEN] * self.copies[:, _CNT]).sum())
+
+    @property
+    def notify_only(self) -> bool:
+        return self.copies.shape[0] == 0
+
+    def copies_for(self, remote_rank: int) -> np.ndarray:
+        return self.copies[self.copies[:, _RR] == remote_rank]
+
+    def descriptors(
+        self, local: EngineMetadata, remote: EngineMetadata, remote_rank: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """NIXL strided descriptor arrays ``(local Nx5, remote Nx5)`` of
+        ``(address, length, device, stride, count)`` for the reads from `remote_rank`."""
+        rows = self.copies_for(remote_rank)
+        local_regions = local.rank_info(self.local_rank).regions
+        remote_regions = remote.rank_info(remote_rank).regions
+        l_base = np.array([r.base_address for r in local_regions], dtype=np.uint64)
+        l_dev = np.array([r.device_id for r in local_regions], dtype=np.uint64)
+        r_base = np.array([r.base_address for r in remote_regions], dtype=np.uint64)
+        r_dev = np.array([r.device_id for r in remote_regions], dtype=np.uint64)
+        out_l = np.empty((len(rows), 5), dtype=np.uint64)
+        out_r = np.empty((len(rows), 5), dtype=np.uint64)
+        out_l[:, 0] = l_base[rows[:, _LG]] + rows[:, _LO].astype(np.uint64)
+        out_r[:, 0] = r_base[rows[:, _RG]] + rows[:, _RO].astype(np.uint64)
+        out_l[:, 1] = out_r[:, 1] = rows[:, _LEN]
+        out_l[:, 2] = l_dev[rows[:, _LG]]
+        out_r[:, 2] = r_dev[rows[:, _RG]]
+        out_l[:, 3] = rows[:, _LS]
+        out_r[:, 3] = rows[:, _RS]
+        out_l[:, 4] = out_r[:, 4] = rows[:, _CNT]
+        return out_l, out_r
+
+    def expanded_descriptors(
+        self, local: EngineMetadata, remote: EngineMetadata, remote_rank: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Plain ``Nx3`` descriptors ``(address, length, device)``: strided rows expanded."""
+        loc, rem = self.descriptors(local, remote, remote_rank)
+        counts = loc[:, 4].astype(np.int64)
+        index = np.repeat(np.arange(len(loc)), counts)
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        within = within.astype(np.uint64)
+        out = []
+        for side in (loc, rem):
+            rows = np.empty((len(index), 3), dtype=np.uint64)
+            rows[:, 0] = side[index, 0] + within * side[index, 3]
+            rows[:, 1] = side[index, 1]
+            rows[:, 2] = side[index, 2]
+            out.append(rows)
+        return out[0], out[1]
+
+
+def block_runs(remote_ids: np.ndarray, local_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Starts and lengths of runs where both id lists go up by one together."""
+    n = len(remote_ids)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    breaks = (np.diff(remote_ids) != 1) | (np.diff(local_ids) != 1)
+    starts = np.concatenate(([0], np.nonzero(breaks)[0] + 1))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return starts.astype(np.int64), lengths.astype(np.int64)
+
+
+# -- per-side geometry -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """Byte geometry of one rank's blocks."""
+
+    meta: EngineMetadata
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layer_start: int
+    layer_stop: int
+    head_start: int
+    heads: int  # heads per rank
+    order: str  # "HTD" or "THD" (inner order of a slab)
+    slab_nbytes: int
+    t_stride: int
+    h_stride: int
+    block_len: int
+
+    def slab(self, layer: int) -> list[tuple[int, int]]:
+        """``(region index, byte offset in the block)`` of each kv slab of a global layer."""
+        meta, spec_layout = self.meta, self.meta.layout
+        local_layer = layer - self.layer_start
+        out = []
+        for kv in range(meta.kv_factor):
+            offset = 0
+            region = None
+            for index, info in enumerate(self.meta.rank_info(self.rank).regions):
+                if info.layer in (-1, layer) and info.kv in (-1, kv):
+                    region = index
+                    break
+            if region is None:
+                raise PlanError(f"rank {self.rank} of {meta.engine_id!r} has no region for "
+                                f"layer {layer} kv {kv}")
+            # stride of L and K axes inside the block
+            sizes = {"L": self.layer_stop - self.layer_start, "K": meta.kv_factor,
+                     "H": self.heads, "T": meta.block_size, "D": meta.head_dim}
+            strides = {}
+            acc = meta.dtype_itemsize
+            for axis in reversed(spec_layout):
+                strides[axis] = acc
+                acc *= sizes[axis]
+            if "L" in spec_layout:
+                offset += local_layer * strides["L"]
+            if "K" in spec_layout:
+                offset += kv * strides["K"]
+            out.append((region, offset))
+        return out
+
+
+def _side(meta: EngineMetadata, rank: int) -> _Side:
+    config = meta.config()
+    tp_rank, pp_rank = config.coordinates(rank)
+    layer_start, layer_stop = config.layer_range(pp_rank)
+    head_start, head_stop = config.head_range(tp_rank)
+    layout = meta.layout
+    inner = [a for a in layout if a in "HT"]
+    outer_last = max((layout.index(a) for a in "LK" if a in layout), default=-1)
+    inner_first = min(layout.index(a) for a in inner)
+    if outer_last > inner_first:
+        raise PlanError(
+            f"engine {meta.engine_id!r}: layout {layout} interleaves L/K with H/T; the planner "
+            "needs the per-(layer, kv) slab [H, T, D] contiguous inside a block"
+        )
+    order = "HTD" if inner[0] == "H" else "THD"
+    heads = head_stop - head_start
+    item = meta.dtype_itemsize
+    d, t = meta.head_dim, meta.block_size
+    if order == "HTD":
+        t_stride, h_stride = d * item, t * d * item
+    else:
+        t_stride, h_stride = heads * d * item, d * item
+    return _Side(
+        meta=meta, rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layer_start=layer_start,
+        layer_stop=layer_stop, head_start=head_start, heads=heads, order=order,
+        slab_nbytes=heads * t * d * item, t_stride=t_stride, h_stride=h_stride,
+        block_len=config.local_spec(pp_rank).block_nbytes(config.tp_size),
+    )
+
+
+def _source_ranks(local: _Side, remote_meta: EngineMetadata, layer: int) -> list[tuple[int, int]]:
+    """For each local head of `layer`: ``(remote rank, remote head start)``."""
+    config = remote_meta.config()
+    pp = config.layer_owner(layer)
+    out = []
+    for h in range(local.head_start, local.head_start + local.heads):
+        candidates = [
+            tp for tp in range(config.tp_size)
+            if config.head_range(tp)[0] <= h < config.head_range(tp)[1]
+        ]
+        tp = candidates[local.tp_rank % len(candidates)]
+        out.append((config.rank(tp, pp), config.head_range(tp)[0]))
+    return out
+
+
+def _direct_pattern(
+    n: int, t: int, item_d: int, rem: _Side, loc: _Side
+) -> tuple[int, int, int, int] | None:
+    """``(length, count, remote_stride, local_stride)`` copying an ``n``-head run in place, or
+    None when it is not one strided descriptor."""
+    dims = {"h": (n, rem.h_stride, loc.h_stride), "t": (t, rem.t_stride, loc.t_stride)}
+    for outer, inner in (("h", "t"), ("t", "h")):
+        chunk = item_d
+        size_i, rs_i, ls_i = dims[inner]
+        if size_i > 1:
+            if rs_i != chunk or ls_i != chunk:
+                continue
+            chunk *= size_i
+        size_o, rs_o, ls_o = dims[outer]
+        if size_o == 1 or (rs_o == chunk and ls_o == chunk):
+            return chunk * size_o, 1, chunk * size_o, chunk * size_o
+        return chunk, size_o, rs_o, ls_o
+    return None
+
+
+def plan_read(
+    local: EngineMetadata,
+    local_rank: int,
+    remote: EngineMetadata,
+    local_block_ids: Sequence[int] | np.ndarray,
+    remote_block_ids: Sequence[int] | np.ndarray,
+    check: bool = True,
+) -> ReadPlan:
+    """Plans the reads of one local rank for one request.
+
+    Args:
+      local, remote: the two engines' metadata (`local` needs at least `local_rank`, `remote`
+        every rank this rank reads from).
+      local_rank: the reading rank.
+      local_block_ids: local blocks (local block size) to fill, in token order; fewer than the
+        remote blocks cover means a partial prefix hit (only the tail is read); empty means
+        notify only.
+      remote_block_ids: the request's blocks on the remote engine (remote block size), all of
+        them, in token order.
+      check: run `check_compatible` first.
+
+    Raises:
+      IncompatibleEngineError: from `check_compatible`.
+      PlanError: ids out of range (before anything is posted), more local blocks than the
+        remote ones cover, or an unsupported layout.
+    """
+    if check:
+        check_compatible(local, remote)
+    local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+    remote_all = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
+    ratio = local.block_size // remote.block_size
+    n_local_total = -(-len(remote_all) // ratio)
+    hit = n_local_total - len(local_ids)
+    if hit < 0:
+        raise PlanError(
+            f"{len(local_ids)} local blocks but the {len(remote_all)} remote blocks of block "
+            f"size {remote.block_size} fill only {n_local_total} local blocks of {local.block_size}"
+        )
+    remote_ids = remote_all[hit * ratio:]
+    loc = _side(local, local_rank)
+    local_regions = local.rank_info(local_rank).regions
+    _check_ids(local_ids, local_regions[0].num_blocks, f"local rank {local_rank}")
+    if len(local_ids) != len(set(local_ids.tolist())):
+        raise PlanError("local block ids repeat")
+    notify = tuple(range(remote.world_size))
+    if len(local_ids) == 0:
+        return ReadPlan(local_rank, remote.engine_id, np.zeros((0, 9), np.int64), (), (), notify,
+                        local_ids, remote_ids)
+
+    tpl = _templates(local, local_rank, remote)
+    for rr in tpl.read_ranks:
+        _check_ids(remote_ids, remote.rank_info(rr).regions[0].num_blocks, f"remote rank {rr}")
+    copies = _expand(tpl, local_ids, remote_ids, ratio)
+    post = tuple(
+        PostProcess(**fields, array_index=local_regions[fields["region"]].array_index,
+                    block_ids=local_ids)
+        for fields in tpl.post
+    )
+    return ReadPlan(local_rank, remote.engine_id, copies, post, tpl.read_ranks, notify,
+                    local_ids, remote_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Templates:
+    """Per-block copy patterns of one (local rank, remote engine) pair: they depend only on
+    the geometry, not on addresses or ids, so they are cached."""
+
+    rows: np.ndarray  # int64 [N, 10]: COPY_COLUMNS + sub-block index; sorted by remote rank
+    remote_block_len: np.ndarray  # per row
+    local_block_len: int
+    read_ranks: tuple[int, ...]
+    post: tuple[dict, ...]
+
+
+_TEMPLATE_CACHE: dict[tuple, _Templates] = {}
+_TEMPLATE_CACHE_SIZE = 256
+
+
+def _geometry_key(meta: EngineMetadata) -> tuple:
+    return (meta.tp_size, meta.pp_size, tuple(meta.layers_per_pp), meta.num_layers,
+            meta.num_kv_heads, meta.head_dim, meta.kv_factor, meta.mla, meta.dtype, meta.layout,
+            meta.block_size)
+
+
+def _templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -> _Templates:
+    key = (_geometry_key(local), local_rank, _geometry_key(remote))
+    cached = _TEMPLATE_CACHE.get(key)
+    if cached is None:
+        cached = _build_templates(local, local_rank, remote)
+        if len(_TEMPLATE_CACHE) >= _TEMPLATE_CACHE_SIZE:
+            _TEMPLATE_CACHE.pop(next(iter(_TEMPLATE_CACHE)))
+        _TEMPLATE_CACHE[key] = cached
+    return cached
+
+
+def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -> _Templates:
+    loc = _side(local, local_rank)
+    ratio = local.block_size // remote.block_size
+    item = local.dtype_itemsize
+    d = local.head_dim
+    t_local, t_remote = local.block_size, remote.block_size
+    templates: list[tuple[int, ...]] = []  # (rr, rg, r_off, lg, l_off, len, cnt, rs, ls, sub)
+    post_groups: dict[tuple, list[int]] = {}
+    remote_sides: dict[int, _Side] = {}
+    for layer in range(loc.layer_start, loc.layer_stop):
+        sources = _source_ranks(loc, remote, layer)
+        runs: list[tuple[int, int, int, int]] = []  # (remote rank, local head idx, n, remote head idx)
+        for i, (rr, rh0) in enumerate(sources):
+            h = loc.head_start + i
+            if runs and runs[-1][0] == rr and runs[-1][1] + runs[-1][2] == i and (
+                runs[-1][3] + runs[-1][2] == h - rh0
+            ):
+                runs[-1] = (rr, runs[-1][1], runs[-1][2] + 1, runs[-1][3])
+            else:
+                runs.append((rr, i, 1, h - rh0))
+        local_slabs = loc.slab(layer)
+        for rr, _, _, _ in runs:
+            if rr not in remote_sides:
+                remote_sides[rr] = _side(remote, rr)
+        direct = ratio == 1 and all(
+            _direct_pattern(n, t_local, item * d, remote_sides[rr], loc) is not None
+            for rr, _, n, _ in runs
+        )
+        if not direct and len({r[2] for r in runs}) != 1:
+            raise PlanError("runs of unequal head counts need a direct copy")
+        for kv, (lg, l_slab) in enumerate(local_slabs):
+            if not direct:
+                key = (lg, len(runs), runs[0][2], remote_sides[runs[0][0]].order)
+                post_groups.setdefault(key, []).append(l_slab)
+            for rr, li, n, ri in runs:
+                rem = remote_sides[rr]
+                rg, r_slab = rem.slab(layer)[kv]
+                r_off = r_slab + ri * rem.h_stride
+                if direct:
+                    length, count, rs, ls = _direct_pattern(n, t_local, item * d, rem, loc)
+                    templates.append((rr, rg, r_off, lg, l_slab + li * loc.h_stride, length,
+                                      count, rs, ls, 0))
+                    continue
+                run_bytes = n * t_local * d * item
+                sub_bytes = n * t_remote * d * item
+                if rem.order == "HTD" or n == rem.heads:
+                    pattern = (sub_bytes, 1, sub_bytes, sub_bytes)
+                else:  # THD remote, a head subset: one row of n heads per token
+                    pattern = (n * d * item, t_remote, rem.t_stride, n * d * item)
+                for j in range(ratio):
+                    templates.append((rr, rg, r_off, lg, l_slab + li // n * run_bytes + j * sub_bytes,
+                                      *pattern, j))
+    rows = np.array(templates, dtype=np.int64).reshape(-1, 10)
+    rows = rows[np.argsort(rows[:, _RR], kind="stable")]
+    rbl = np.array([remote_sides[int(r)].block_len for r in rows[:, _RR]], dtype=np.int64)
+    post = []
+    for (lg, g, n, recv_order), offsets in post_groups.items():
+        kind = "merge" if ratio > 1 and recv_order == loc.order else (
+            "permute" if ratio == 1 else "merge_permute")
+        post.append(dict(
+            kind=kind, region=lg, slab_offsets=tuple(offsets), runs=g, heads_per_run=n,
+            ratio=ratio, sub_tokens=t_remote, head_dim=d, itemsize=item,
+            recv_order=recv_order, target_order=loc.order))
+    return _Templates(rows, rbl, loc.block_len, tuple(sorted(remote_sides)), tuple(post))
+
+
+def _check_ids(ids: np.ndarray, num_blocks: int, where: str) -> None:
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = ids[(ids < 0) | (ids >= num_blocks)]
+        raise PlanError(
+            f"block ids {bad[:8].tolist()} are outside the {num_blocks} blocks registered by {where}"
+        )
+
+
+def _expand(tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int) -> np.ndarray:
+    """Instantiates the per-block templates over the request's blocks, merging runs of
+    consecutive ids into one (strided) descriptor where the pattern allows it. Rows keep the
+    templates' order (grouped by remote rank)."""
+    templates, rbl, lbl = tpl.rows, tpl.remote_block_len, np.int64(tpl.local_block_len)
+    if templates.size == 0:
+        return np.zeros((0, 9), np.int64)
+    if ratio == 1:
+        starts, lengths = block_runs(remote_ids, local_ids)
+        cnt, rs, ls = templates[:, _CNT], templates[:, _RS], templates[:, _LS]
+        mergeable = (cnt == 1) | ((cnt * rs == rbl) & (cnt * ls == lbl))
+        if mergeable.all() or len(starts) == len(local_ids):
+            k = len(starts)
+            r_at, l_at, n_at = remote_ids[starts], local_ids[starts], lengths
+        else:  # some patterns do not merge: instantiate every block
+            k = len(local_ids)
+            r_at, l_at, n_at = remote_ids, local_ids, np.ones(k, np.int64)
+            mergeable = np.zeros(len(templates), bool)
+        m = len(templates)
+        rows = np.empty((m, k, 9), np.int64)
+        rows[:] = templates[:, None, :9]
+        rows[:, :, _RO] += rbl[:, None] * r_at[None, :]
+        rows[:, :, _LO] += lbl * l_at[None, :]
+        if mergeable.any():
+            t = templates
+            single = t[:, _CNT] == 1
+            length = t[:, _LEN]
+            dense = (length == np.where(single, rbl, t[:, _RS])) & (
+                length == np.where(single, lbl, t[:, _LS]))
+            rows[:, :, _RS] = np.where(single, rbl, t[:, _RS])[:, None]
+            rows[:, :, _LS] = np.where(single, lbl, t[:, _LS])[:, None]
+            total = t[:, _CNT][:, None] * n_at[None, :]
+            rows[:, :, _CNT] = np.where(dense[:, None], 1, total)
+            rows[:, :, _LEN] = np.where(dense[:, None], length[:, None] * total, length[:, None])
+            dense_rows = np.broadcast_to(dense[:, None], (m, k))
+            rows[:, :, _RS] = np.where(dense_rows, rows[:, :, _LEN], rows[:, :, _RS])
+            rows[:, :, _LS] = np.where(dense_rows, rows[:, :, _LEN], rows[:, :, _LS])
+        return rows.reshape(-1, 9)
+    out = []
+    for j in range(ratio):
+        sel = templates[:, 9] == j
+        idx = np.arange(len(local_ids)) * ratio + j
+        ok = idx < len(remote_ids)
+        lids, rids = local_ids[ok], remote_ids[idx[ok]]
+        if not sel.any() or not len(lids):
+            continue
+        t = templates[sel]
+        rows = np.empty((len(t), len(lids), 9), np.int64)
+        rows[:] = t[:, None, :9]
+        rows[:, :, _RO] += rbl[sel][:, None] * rids[None, :]
+        rows[:, :, _LO] += lbl * lids[None, :]
+        out.append(rows.reshape(-1, 9))
+    if not out:
+        return np.zeros((0, 9), np.int64)
+    rows = np.concatenate(out)
+    return rows[np.argsort(rows[:, _RR], kind="stable")]

@@ -1,0 +1,160 @@
+"""Engine metadata wire format and the side channel (no NIXL needed)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import msgspec
+import transfer_testing as tt
+from absl.testing import absltest
+
+from jaxkv import EngineConfig, KVCacheSpec
+from jaxkv.transfer import (
+    HandshakeError,
+    IncompatibleEngineError,
+    MetadataError,
+    MetadataServer,
+    check_compatible,
+    decode_metadata,
+    encode_metadata,
+    fetch_metadata,
+)
+
+SPEC = KVCacheSpec(4, 4, 8, 4, "bfloat16", layout="LKHTD")
+
+
+def _meta(engine_id="prefill", generation=0, spec=SPEC, tp=2, pp=1):
+    return tt.fake_metadata(engine_id, EngineConfig(spec, tp, pp), 32, generation)
+
+
+class MetadataTest(absltest.TestCase):
+
+    def test_round_trip(self):
+        meta = _meta()
+        payload = encode_metadata(meta)
+        self.assertEqual(decode_metadata(payload), meta)
+        self.assertEqual(decode_metadata(payload, expected_engine_id="prefill"), meta)
+        self.assertLen(meta.compat_hash, 64)
+
+    def test_wrong_engine_id(self):
+        with self.assertRaisesRegex(MetadataError, "expected 'decode', the peer is 'prefill'"):
+            decode_metadata(encode_metadata(_meta()), expected_engine_id="decode")
+
+    def test_malformed(self):
+        for payload in (b"", b"\x00garbage", msgspec.msgpack.encode({"engine_id": "x"}),
+                        msgspec.msgpack.encode([1, 2, 3])):
+            with self.assertRaisesRegex(MetadataError, "malformed"):
+                decode_metadata(payload)
+
+    def test_schema_violations(self):
+        raw = msgspec.to_builtins(_meta(), builtin_types=(bytes,))
+        for field, value, pattern in [
+            ("tp_size", 0, "tp_size"), ("engine_id", "", "engine_id"),
+            ("block_size", "16", "block_size"), ("compat_hash", "zz", "compat_hash"),
+            ("unknown_field", 1, "unknown_field"),
+        ]:
+            bad = dict(raw, **{field: value})
+            with self.assertRaisesRegex(MetadataError, pattern):
+                decode_metadata(msgspec.msgpack.encode(bad))
+
+    def test_inconsistent_fields(self):
+        raw = msgspec.to_builtins(_meta(), builtin_types=(bytes,))
+        with self.assertRaisesRegex(MetadataError, "compat_hash"):
+            decode_metadata(msgspec.msgpack.encode(dict(raw, head_dim=16)))
+        with self.assertRaisesRegex(MetadataError, "protocol version 9"):
+            decode_metadata(msgspec.msgpack.encode(dict(raw, version=9)))
+        region = raw["ranks"][1]["regions"][0]
+        region["block_len"] += 1
+        with self.assertRaisesRegex(MetadataError, "rank 1 region 0: block_len"):
+            decode_metadata(msgspec.msgpack.encode(raw))
+
+    def test_oversized(self):
+        with self.assertRaisesRegex(MetadataError, "above the 100 limit"):
+            decode_metadata(encode_metadata(_meta()), max_bytes=100)
+
+    def test_incompatible_names_fields(self):
+        other = _meta("decode", spec=SPEC.replace(head_dim=16, dtype="float32"))
+        with self.assertRaisesRegex(IncompatibleEngineError,
+                                    r"head_dim: local 8, remote 16.*dtype: local 'bfloat16'"):
+            check_compatible(_meta(), other)
+        check_compatible(_meta(), _meta("decode", spec=SPEC.replace(layout="THD"), tp=4, pp=2))
+
+
+class SideChannelTest(absltest.TestCase):
+
+    def test_fetch(self):
+        with MetadataServer() as server:
+            server.publish(_meta())
+            meta = fetch_metadata(server.address, expected_engine_id="prefill", timeout=2)
+            self.assertEqual(meta.generation, 0)
+            server.publish(_meta(generation=3))  # restart: a new generation is served
+            self.assertEqual(fetch_metadata(server.address, timeout=2).generation, 3)
+
+    def test_refused_payloads_are_not_retried(self):
+        with MetadataServer() as server:
+            server.publish(b"\x93garbage")
+            start = time.monotonic()
+            with self.assertRaisesRegex(HandshakeError, "metadata refused: malformed"):
+                fetch_metadata(server.address, timeout=2, retries=5, backoff=1.0)
+            self.assertLess(time.monotonic() - start, 1.0)
+            server.publish(_meta())
+            with self.assertRaisesRegex(HandshakeError, "wrong engine"):
+                fetch_metadata(server.address, expected_engine_id="other", timeout=2)
+
+    def test_nothing_listening(self):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        start = time.monotonic()
+        with self.assertRaisesRegex(HandshakeError, "after 3 attempts"):
+            fetch_metadata(("127.0.0.1", port), timeout=0.5, retries=2, backoff=0.01)
+        self.assertLess(time.monotonic() - start, 3)
+
+    def test_silent_peer_times_out(self):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)  # accepts connections (kernel backlog) but never answers
+        try:
+            start = time.monotonic()
+            with self.assertRaisesRegex(HandshakeError, "after 2 attempts"):
+                fetch_metadata(sock.getsockname(), timeout=0.3, retries=1, backoff=0.01)
+            self.assertLess(time.monotonic() - start, 2)
+        finally:
+            sock.close()
+
+    def test_oversized_reply_refused_before_reading(self):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+
+        def serve():
+            conn, _ = sock.accept()
+            with conn:
+                conn.recv(8)
+                conn.sendall(struct.pack("!4sQ", b"JKVM", 1 << 40))
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            with self.assertRaisesRegex(HandshakeError, "above the"):
+                fetch_metadata(sock.getsockname(), timeout=2)
+        finally:
+            thread.join(timeout=5)
+            sock.close()
+
+    def test_server_survives_bad_clients(self):
+        with MetadataServer(io_timeout=0.2) as server:
+            server.publish(_meta())
+            with socket.create_connection(server.address, timeout=1) as conn:
+                conn.sendall(b"HELLO???")
+            with socket.create_connection(server.address, timeout=1):
+                pass  # connects and says nothing
+            self.assertEqual(fetch_metadata(server.address, timeout=2).engine_id, "prefill")
+
+
+if __name__ == "__main__":
+    absltest.main()

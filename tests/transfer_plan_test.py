@@ -1,0 +1,184 @@
+"""Read planning (jaxkv.transfer.plan_read) against an independent numpy simulation."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import transfer_testing as tt
+from absl.testing import absltest, parameterized
+
+from jaxkv import EngineConfig, KVCacheSpec
+from jaxkv.transfer import IncompatibleEngineError, PlanError, plan_read
+
+NUM_BLOCKS = 16
+REMOTE_IDS = [3, 4, 5, 9, 10, 2]  # runs of consecutive ids and a break
+LOCAL_IDS = [7, 8, 9, 12, 13, 14]
+
+
+def run_case(test, p_tp, d_tp, p_pp=1, d_pp=1, heads=4, p_layout="LKHTD", d_layout="LKHTD",
+             ratio=1, dtype="bfloat16", hit=0, mla=False, num_layers=4):
+    if mla:
+        spec_p = KVCacheSpec.for_mla(num_layers, 8, 4, dtype=dtype, layout=p_layout)
+    else:
+        spec_p = KVCacheSpec(num_layers, heads, 4, 4, dtype=dtype, layout=p_layout)
+    spec_d = spec_p.replace(block_size=4 * ratio, layout=d_layout)
+    cfg_p, cfg_d = EngineConfig(spec_p, p_tp, p_pp), EngineConfig(spec_d, d_tp, d_pp)
+    meta_p = tt.fake_metadata("prefill", cfg_p, NUM_BLOCKS)
+    meta_d = tt.fake_metadata("decode", cfg_d, NUM_BLOCKS)
+    n_local = len(REMOTE_IDS) // ratio
+    g = tt.global_cache(spec_p, len(REMOTE_IDS) * 4, seed=7)
+    prefill = tt.NumpyEngine(cfg_p, NUM_BLOCKS, seed=1)
+    prefill.write_request(g, REMOTE_IDS)
+    decode = tt.NumpyEngine(cfg_d, NUM_BLOCKS, seed=2)
+    before = {r: [b.copy() for b in bufs] for r, bufs in decode.buffers.items()}
+    local_ids = LOCAL_IDS[: n_local - hit]
+    for rank in range(cfg_d.world_size):
+        plan = plan_read(meta_d, rank, meta_p, local_ids, REMOTE_IDS)
+        test.assertEqual(plan.notify_only, not local_ids)
+        tt.apply_plan(plan, decode, prefill)
+        expected = decode.slice_of(rank, g, hit * spec_d.block_size, len(local_ids))
+        for region, want in enumerate(expected):
+            if not local_ids:
+                break
+            got = decode.region_blocks(rank, region, local_ids)
+            np.testing.assert_array_equal(
+                got, want.reshape(len(local_ids), -1).view(np.uint8),
+                err_msg=f"rank {rank} region {region}")
+            untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local_ids)
+            np.testing.assert_array_equal(
+                decode.region_blocks(rank, region, untouched),
+                before[rank][region].reshape(NUM_BLOCKS, -1)[untouched])
+    return plan
+
+
+TP_PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]
+LAYOUT_PAIRS = [("LKHTD", "LKHTD"), ("THD", "THD"), ("HTD", "KTHD"), ("LKTHD", "KHTD")]
+
+
+class PlanGridTest(parameterized.TestCase):
+
+    @parameterized.product(tp=TP_PAIRS, heads=[1, 2, 4, 8])
+    def test_tp_pairs_and_heads(self, tp, heads):
+        run_case(self, *tp, heads=heads)
+
+    @parameterized.product(tp=TP_PAIRS, layouts=LAYOUT_PAIRS)
+    def test_layouts(self, tp, layouts):
+        run_case(self, *tp, heads=4, p_layout=layouts[0], d_layout=layouts[1])
+
+    @parameterized.product(tp=[(1, 2), (2, 1), (2, 2)], pp=[(1, 2), (2, 1), (2, 2)])
+    def test_pipeline_parallel(self, tp, pp):
+        run_case(self, *tp, p_pp=pp[0], d_pp=pp[1], heads=4, num_layers=5)
+
+    @parameterized.product(tp=[(1, 1), (1, 2), (2, 1), (4, 2)],
+                           layouts=[("LKHTD", "LKHTD"), ("THD", "HTD"), ("HTD", "THD"),
+                                    ("KTHD", "KTHD")])
+    def test_block_size_ratio_2(self, tp, layouts):
+        run_case(self, *tp, heads=4, p_layout=layouts[0], d_layout=layouts[1], ratio=2)
+
+    @parameterized.product(tp=TP_PAIRS, layout=["TD", "LKHTD"])
+    def test_mla(self, tp, layout):
+        plan = run_case(self, *tp, mla=True, p_layout=layout, d_layout=layout)
+        self.assertLen(plan.read_ranks, 1)  # one remote rank read, all notified
+        self.assertLen(plan.notify_ranks, tp[0])
+
+    @parameterized.product(hit=[1, 5, 6], ratio=[1, 2])
+    def test_partial_prefix_hit(self, hit, ratio):
+        if hit > len(REMOTE_IDS) // ratio:
+            self.skipTest("hit larger than the request")
+        run_case(self, 2, 1, heads=4, hit=hit, ratio=ratio)
+
+    @parameterized.parameters("float32", "bfloat16", "float8_e5m2")
+    def test_dtypes(self, dtype):
+        run_case(self, 2, 4, heads=4, dtype=dtype, p_layout="THD", d_layout="THD")
+
+    @parameterized.parameters(
+        itertools.product([(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)], [1, 2],
+                          ["LKHTD", "KTHD", "THD"], ["HTD", "LKTHD"], [1, 2], [(1, 1), (2, 1)]))
+    @pytest.mark.slow
+    def test_full_grid(self, tp, heads, p_layout, d_layout, ratio, pp):
+        if tp[0] > heads * 4 or tp[1] > heads * 4:
+            self.skipTest("too many ranks")
+        run_case(self, *tp, p_pp=pp[0], d_pp=pp[1], heads=heads, p_layout=p_layout,
+                 d_layout=d_layout, ratio=ratio)
+
+
+class PlanPropertiesTest(absltest.TestCase):
+
+    def _metas(self, p_tp=1, d_tp=1, p_layout="HTD", d_layout="HTD", heads=8, layers=32,
+               num_blocks=4096, block=16):
+        spec = KVCacheSpec(layers, heads, 128, block, "bfloat16", layout=p_layout)
+        meta_p = tt.fake_metadata("p", EngineConfig(spec, p_tp), num_blocks)
+        meta_d = tt.fake_metadata("d", EngineConfig(spec.replace(layout=d_layout), d_tp), num_blocks)
+        return meta_p, meta_d
+
+    def test_coalescing_is_regions_times_runs(self):
+        meta_p, meta_d = self._metas()  # 64 regions per rank
+        ids = np.arange(100, 612)
+        plan = plan_read(meta_d, 0, meta_p, ids, ids)
+        self.assertEqual(plan.num_descriptors, 64)  # one run
+        broken = np.concatenate([np.arange(0, 256), np.arange(1000, 1256)])
+        plan = plan_read(meta_d, 0, meta_p, broken, ids)
+        self.assertEqual(plan.num_descriptors, 128)  # two runs
+        self.assertEqual(plan.num_bytes, 64 * 512 * 8 * 16 * 128 * 2)
+
+    def test_nhd_heterogeneous_at_most_twice_hnd(self):
+        ids = np.arange(0, 512)
+        for p_tp, d_tp in [(1, 2), (2, 1), (2, 4), (4, 2)]:
+            hnd = plan_read(*reversed(self._metas(p_tp, d_tp, "HTD", "HTD")), 0, ids, ids) \
+                if False else None
+            meta_p, meta_d = self._metas(p_tp, d_tp, "HTD", "HTD")
+            hnd = plan_read(meta_d, 0, meta_p, ids, ids)
+            meta_p, meta_d = self._metas(p_tp, d_tp, "THD", "THD")
+            nhd = plan_read(meta_d, 0, meta_p, ids, ids)
+            self.assertLessEqual(nhd.num_descriptors, 2 * hnd.num_descriptors, (p_tp, d_tp))
+            self.assertEqual(nhd.num_bytes, hnd.num_bytes)
+
+    def test_planning_speed(self):
+        meta_p, meta_d = self._metas(num_blocks=8192)
+        rng = np.random.default_rng(0)
+        remote = rng.permutation(8192)[:2048]  # worst case: no runs at all
+        local = rng.permutation(8192)[:2048]
+        plan_read(meta_d, 0, meta_p, local, remote)
+        best = min(_timed(lambda: plan_read(meta_d, 0, meta_p, local, remote)) for _ in range(5))
+        self.assertEqual(plan_read(meta_d, 0, meta_p, local, remote).num_descriptors, 64 * 2048)
+        self.assertLess(best, 0.005 if not _slow_machine() else 0.02)
+
+    def test_ids_out_of_range_refused(self):
+        meta_p, meta_d = self._metas(num_blocks=64)
+        with self.assertRaisesRegex(PlanError, "outside the 64 blocks registered by remote"):
+            plan_read(meta_d, 0, meta_p, [1, 2], [5, 64])
+        with self.assertRaisesRegex(PlanError, "outside"):
+            plan_read(meta_d, 0, meta_p, [1, -1], [5, 6])
+        with self.assertRaisesRegex(PlanError, "3 local blocks"):
+            plan_read(meta_d, 0, meta_p, [1, 2, 3], [5, 6])
+
+    def test_incompatible_refused(self):
+        meta_p, _ = self._metas()
+        spec = KVCacheSpec(32, 8, 64, 16, "float32", layout="HTD")
+        meta_d = tt.fake_metadata("d", EngineConfig(spec, 1), 64)
+        with self.assertRaisesRegex(IncompatibleEngineError, "head_dim: local 64, remote 128"):
+            plan_read(meta_d, 0, meta_p, [1], [1])
+        with self.assertRaisesRegex(IncompatibleEngineError, "dtype: local 'float32'"):
+            plan_read(meta_d, 0, meta_p, [1], [1])
+        spec = KVCacheSpec(32, 8, 128, 8, "bfloat16", layout="HTD")
+        meta_d = tt.fake_metadata("d", EngineConfig(spec, 1), 64)
+        with self.assertRaisesRegex(IncompatibleEngineError, "block_size: local 8 is not a multiple"):
+            plan_read(meta_d, 0, meta_p, [1], [1])
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _slow_machine() -> bool:
+    import os
+    return os.environ.get("JAXKV_SLOW_MACHINE") == "1"
+
+
+if __name__ == "__main__":
+    absltest.main()
