@@ -124,3 +124,88 @@ def apply_plan(plan, local: NumpyEngine, remote: NumpyEngine) -> None:
         for offset in step.slab_offsets:
             slabs = view[step.block_ids, offset:offset + step.slab_nbytes]
             view[step.block_ids, offset:offset + step.slab_nbytes] = step.rearrange(slabs)
+
+
+# -- real transfers: a producer engine in a child process ------------------------------------
+
+
+def child_env(num_devices: int) -> None:
+    """Environment of a spawned child, before it imports JAX or NIXL."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_devices}"
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def global_arrays(config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids, num_blocks: int,
+                  seed: int = 3, first_token: int = 0) -> list[np.ndarray]:
+    """The global (all heads) arrays of one pipeline rank's cache: random bits everywhere, the
+    request's tokens from G in `block_ids`."""
+    local = config.local_spec(pp_rank)
+    l0, l1 = config.layer_range(pp_rank)
+    full = EngineConfig(local, 1)
+    engine = NumpyEngine(full, num_blocks, seed=seed)
+    engine.write_request(g[l0:l1], block_ids, first_token)
+    width = np.dtype(f"u{local.itemsize}")
+    return [buf.view(width).reshape(local.array_shape(num_blocks)).view(local.dtype)
+            for buf in engine.buffers[0]]
+
+
+def expected_arrays(config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids,
+                    first_token: int = 0) -> list[np.ndarray]:
+    """What the request's blocks of each global array must hold (uint view), from G."""
+    local = config.local_spec(pp_rank)
+    l0, l1 = config.layer_range(pp_rank)
+    engine = NumpyEngine.__new__(NumpyEngine)
+    engine.config, engine.spec = EngineConfig(local, 1), local
+    return engine.slice_of(0, g[l0:l1], first_token, len(block_ids))
+
+
+def producer_main(conn, spec_kwargs: dict, tp: int, pp_rank: int, pp: int, num_blocks: int,
+                  g_seed: int, num_tokens: int, engine_kwargs: dict) -> None:
+    """A producer engine process: holds pipeline rank `pp_rank`'s cache over `tp` CPU devices,
+    filled from G for every published request; serves commands from `conn`:
+    ("register", block_ids) -> address (cache filled with G's tokens in block_ids);
+    ("pin", request_id, block_ids, lease_s) -> TransferParams;
+    ("abort", request_id); ("state",) -> (pinned, freed, stats summary); ("exit",)."""
+    child_env(max(tp, 1))
+    import time
+
+    import jax
+
+    from jaxkv import PagedKVCache
+    from jaxkv.transfer import KVTransferEngine
+
+    spec = KVCacheSpec(**spec_kwargs)
+    config = EngineConfig(spec, tp, pp)
+    g = global_cache(spec, num_tokens, seed=g_seed)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    freed: list[str] = []
+    with KVTransferEngine("prefill", config, **engine_kwargs) as engine:
+        cache = None
+        conn.send(("ready", engine.address))
+        while True:
+            if conn.poll(0.0005):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "register":
+                    arrays = global_arrays(config, pp_rank, g, command[1], num_blocks)
+                    cache = PagedKVCache.from_arrays(config.local_spec(pp_rank), arrays, mesh=mesh)
+                    engine.register_cache(cache, pp_rank=pp_rank)
+                    conn.send(engine.address)
+                elif command[0] == "pin":
+                    _, request_id, block_ids, lease = command
+                    conn.send(engine.publish_request(request_id, block_ids, lease))
+                elif command[0] == "abort":
+                    engine.abort_request(command[1])
+                    conn.send(True)
+                elif command[0] == "state":
+                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(),
+                               engine.agent.num_registrations))
+            result = engine.poll()
+            freed.extend(result.freeable)
+            time.sleep(0)

@@ -4,6 +4,8 @@
 read planning are pure Python/numpy; only creating an agent imports NIXL.
 """
 
+from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
+from jaxkv.transfer._engine import FailedRead, KVTransferEngine, PollResult, TransferParams
 from jaxkv.transfer._metadata import (
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
@@ -22,9 +24,21 @@ from jaxkv.transfer._metadata import (
 )
 from jaxkv.transfer._plan import COPY_COLUMNS, PlanError, PostProcess, ReadPlan, block_runs, plan_read
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
+from jaxkv.transfer._stats import TransferRecord, TransferStats, WorkerAggregator
 
 __all__ = [
     "AgentInfo",
+    "AgentOptions",
+    "FailedRead",
+    "KVTransferEngine",
+    "NixlAgent",
+    "PollResult",
+    "TransferParams",
+    "TransferRecord",
+    "TransferStats",
+    "WorkerAggregator",
+    "load_nixl",
+    "nixl_available",
     "COPY_COLUMNS",
     "EngineMetadata",
     "HandshakeError",

@@ -1,0 +1,204 @@
+"""A thin wrapper over one NIXL agent: optional import, options, deduplicated registration.
+
+NIXL is optional: nothing here imports it until an agent is created (`load_nixl`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AgentOptions", "NixlAgent", "load_nixl", "nixl_available"]
+
+_NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+
+
+def load_nixl() -> Any:
+    """The NIXL Python API module (``nixl_agent``, ``nixl_agent_config``).
+
+    Raises:
+      ImportError: NIXL is not installed, with how to install it.
+    """
+    errors = []
+    for name in _NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as error:
+            errors.append(f"{name}: {error}")
+    raise ImportError(
+        "jaxkv.transfer needs NIXL to create an agent; install it with "
+        "`pip install jaxkv[nixl]` or `pip install --no-deps nixl-cu13` (its torch dependency "
+        "is not needed). Tried: " + "; ".join(errors)
+    )
+
+
+def nixl_available() -> bool:
+    """Whether a NIXL Python API can be imported."""
+    try:
+        load_nixl()
+    except ImportError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentOptions:
+    """How the NIXL agent is created.
+
+    Attributes:
+      backends: NIXL backends to instantiate ("UCX" moves DRAM and VRAM between processes).
+      progress_thread: NIXL's progress thread; off by default: on small machines polling from
+        `poll()` is faster (platform notes: the thread made medians 2-3x worse on 2 cores).
+      num_threads: backend worker threads (0: the backend's default).
+    """
+
+    backends: tuple[str, ...] = ("UCX",)
+    progress_thread: bool = False
+    num_threads: int = 0
+
+
+class NixlAgent:
+    """One NIXL agent with registration bookkeeping.
+
+    Registrations are deduplicated by ``(address, length, device, memory kind)``: two regions
+    sharing a base address but not a length are two registrations (vLLM 57661).
+    """
+
+    def __init__(self, name: str, options: AgentOptions = AgentOptions()):
+        api = load_nixl()
+        config = api.nixl_agent_config(
+            enable_prog_thread=options.progress_thread,
+            enable_listen_thread=False,
+            num_threads=options.num_threads,
+            backends=list(options.backends),
+        )
+        self.name = name
+        self.options = options
+        self._agent = api.nixl_agent(name, config)
+        missing = [b for b in options.backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(f"NIXL could not create backends {missing} "
+                               f"(available plugins: {self._agent.plugin_list})")
+        self._registered: dict[tuple[int, int, int, str], tuple[Any, int]] = {}
+        self._remote: set[str] = set()
+        self._lock = threading.RLock()
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register(self, regions: Sequence[tuple[int, int, int, str]]) -> int:
+        """Registers ``(address, length, device, kind)`` regions not registered yet (a repeat
+        only takes a reference). Returns the number of new registrations."""
+        new = 0
+        with self._lock:
+            for key in regions:
+                key = (int(key[0]), int(key[1]), int(key[2]), str(key[3]))
+                if key in self._registered:
+                    descs, refs = self._registered[key]
+                    self._registered[key] = (descs, refs + 1)
+                    continue
+                descs = self._agent.register_memory(
+                    np.array([key[:3]], dtype=np.uint64), key[3])
+                self._registered[key] = (descs, 1)
+                new += 1
+        return new
+
+    def deregister(self, regions: Sequence[tuple[int, int, int, str]]) -> None:
+        with self._lock:
+            for key in regions:
+                key = (int(key[0]), int(key[1]), int(key[2]), str(key[3]))
+                if key not in self._registered:
+                    continue
+                descs, refs = self._registered[key]
+                if refs > 1:
+                    self._registered[key] = (descs, refs - 1)
+                else:
+                    self._agent.deregister_memory(descs)
+                    del self._registered[key]
+
+    @property
+    def num_registrations(self) -> int:
+        return len(self._registered)
+
+    def metadata(self) -> bytes:
+        """The agent's serialized metadata (connection info and registrations)."""
+        return self._agent.get_agent_metadata()
+
+    # -- peers ----------------------------------------------------------------------------
+
+    def add_remote(self, metadata: bytes) -> str:
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            self._remote.add(name)
+            return name
+
+    def remove_remote(self, name: str) -> None:
+        with self._lock:
+            if name in self._remote:
+                self._remote.discard(name)
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001 - best effort on a dead peer
+                    pass
+
+    @property
+    def remote_agents(self) -> frozenset[str]:
+        return frozenset(self._remote)
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def read(self, local: np.ndarray, remote: np.ndarray, remote_name: str, kind: str = "DRAM",
+             remote_kind: str | None = None, notif: bytes = b"") -> Any:
+        """Posts a READ of ``Nx3`` ``(address, length, device)`` descriptors; returns the
+        handle (state via `state`, freed with `release`)."""
+        local_descs = self._agent.get_xfer_descs(np.ascontiguousarray(local, np.uint64), kind)
+        remote_descs = self._agent.get_xfer_descs(
+            np.ascontiguousarray(remote, np.uint64), remote_kind or kind)
+        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote_name, notif)
+        status = self._agent.transfer(handle)
+        if status == "ERR":
+            self.release(handle)
+            raise ConnectionError(f"NIXL refused to post a READ from {remote_name!r}")
+        return handle
+
+    def state(self, handle: Any) -> str:
+        """"DONE", "PROC" or "ERR"."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception:  # noqa: BLE001 - NIXL raises on a failed endpoint
+            return "ERR"
+
+    def release(self, handle: Any) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+            return True
+        except Exception:  # noqa: BLE001 - still active and not cancellable
+            return False
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        notifs = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): v for k, v in notifs.items()}
+
+    def send(self, remote_name: str, message: bytes) -> bool:
+        try:
+            self._agent.send_notif(remote_name, message)
+            return True
+        except Exception:  # noqa: BLE001 - a dead peer
+            return False
+
+    def close(self) -> None:
+        """Deregisters everything and forgets the peers."""
+        with self._lock:
+            for name in list(self._remote):
+                self.remove_remote(name)
+            for descs, _ in list(self._registered.values()):
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception:  # noqa: BLE001
+                    pass
+            self._registered.clear()

@@ -1,0 +1,562 @@
+"""`KVTransferEngine`: one process's side of KV-block transfers between engines.
+
+One NIXL agent per process; it may hold several ranks of an engine (TP ranks as devices of
+one process) or one (a process per rank). Both roles live in the same object:
+
+* **Producer** (prefill): `register_cache`, then `publish_request(request_id, block_ids)`
+  pins the blocks under a lease; `poll()` reports in `PollResult.freeable` the requests whose
+  blocks may be freed: every consumer rank notified (`Done`, unique per request, producer
+  rank and consumer rank), the lease expired (consumers extend it with heartbeats), or
+  `abort_request`.
+* **Consumer** (decode): `start_read(request_id, params, local_block_ids)` plans and posts
+  the READs and returns at once; `poll()` reports `finished` and `failed` requests. A read is
+  successful only after every producer rank acknowledged (`Ack`) that the blocks were still
+  pinned when the consumer's `Done` (sent after the READs completed) arrived, so data read
+  after a lease expired is never reported as good. A failed request lists its local block ids
+  as invalid.
+
+Every wait is bounded: handshakes (`handshake_timeout_s`, retries), reads and confirmations
+(`read_timeout_s`), leases (`lease_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from jaxkv._parallel import EngineConfig
+from jaxkv.transfer._agent import AgentOptions, NixlAgent
+from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, decode_message, encode_message
+from jaxkv.transfer._metadata import (
+    AgentInfo,
+    EngineMetadata,
+    IncompatibleEngineError,
+    MetadataError,
+    RankInfo,
+    RegionInfo,
+    check_compatible,
+    engine_metadata,
+)
+from jaxkv.transfer._plan import PlanError, ReadPlan, plan_read
+from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
+from jaxkv.transfer._stats import TransferRecord, TransferStats
+
+__all__ = ["FailedRead", "KVTransferEngine", "PollResult", "TransferParams"]
+
+log = logging.getLogger("jaxkv.transfer")
+_generation_counter = itertools.count()
+
+
+class TransferParams(msgspec.Struct, frozen=True):
+    """What a producer hands to the consumer of a request (through the router).
+
+    Attributes:
+      engine_id: the producer engine.
+      addresses: side-channel ``(host, port)`` of every producer process.
+      request_id: the request.
+      block_ids: the request's blocks on the producer, in token order.
+      lease_s: how long the producer pins them without a heartbeat.
+    """
+
+    engine_id: str
+    addresses: list[tuple[str, int]]
+    request_id: str
+    block_ids: list[int]
+    lease_s: float
+    generation: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedRead:
+    request_id: str
+    reason: str
+    invalid_block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class PollResult:
+    """What `KVTransferEngine.poll` reports (each request once)."""
+
+    finished: list[str] = dataclasses.field(default_factory=list)
+    failed: list[FailedRead] = dataclasses.field(default_factory=list)
+    freeable: list[str] = dataclasses.field(default_factory=list)
+    post: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Peer:
+    meta: EngineMetadata
+    addresses: tuple[tuple[str, int], ...]
+    agents: dict[str, str]  # published agent name -> NIXL name
+
+
+@dataclasses.dataclass
+class _Pinned:
+    block_ids: tuple[int, ...]
+    deadline: float
+    notified: dict[int, set[tuple[str, int]]]  # producer rank -> {(consumer engine, rank)}
+    expected: dict[int, int]
+
+
+@dataclasses.dataclass
+class _Reading:
+    request_id: str
+    peer: str
+    plans: list[ReadPlan]
+    handles: list[tuple[str, Any]]  # (remote agent, handle)
+    started: float
+    deadline: float
+    lease_s: float
+    next_heartbeat: float
+    done_at: float | None = None
+    acks: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
+    expected_acks: int = 0
+    error: str | None = None
+
+
+class KVTransferEngine:
+    """One process of an engine taking part in KV transfers (see the module docstring).
+
+    Args:
+      engine_id: the engine's stable name (shared by all of its processes).
+      config: the engine's `EngineConfig`.
+      agent_options: NIXL agent options.
+      host, port: where this process's side channel listens (port 0: a free one).
+      lease_s: producer lease without heartbeats.
+      read_timeout_s: consumer deadline for reads plus confirmations.
+      handshake_timeout_s, handshake_retries: side-channel fetch bounds.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        config: EngineConfig,
+        agent_options: AgentOptions = AgentOptions(),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_s: float = 30.0,
+        read_timeout_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        handshake_retries: int = 2,
+    ):
+        self.engine_id = engine_id
+        self.config = config
+        self.generation = (time.time_ns() // 1000 + next(_generation_counter)) & ((1 << 62) - 1)
+        self.lease_s = lease_s
+        self.read_timeout_s = read_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_retries = handshake_retries
+        self.agent = NixlAgent(f"{engine_id}/{os.getpid()}/{self.generation}", agent_options)
+        self.server = MetadataServer(host, port)
+        self.stats = TransferStats()
+        self._ranks: dict[int, RankInfo] = {}
+        self._caches: list[tuple[Any, tuple]] = []  # (cache, shard buffers) kept alive
+        self._meta: EngineMetadata | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._hello_sent: set[str] = set()
+        self._consumers: dict[str, str] = {}  # consumer agent name (published) -> NIXL name
+        self._pinned: dict[str, _Pinned] = {}
+        self._reading: dict[str, _Reading] = {}
+        self._closed = False
+
+    # -- registration ---------------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    @property
+    def metadata(self) -> EngineMetadata:
+        if self._meta is None:
+            raise RuntimeError("register_cache first")
+        return self._meta
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self._ranks))
+
+    def register_cache(self, cache: Any, pp_rank: int = 0, tp_rank: int | None = None) -> None:
+        """Registers every shard of a `PagedKVCache` and publishes the metadata.
+
+        Args:
+          cache: the cache of pipeline rank `pp_rank`; either sharded over all TP ranks of the
+            engine (one device per TP rank), or one TP rank's cache (``tp_rank`` given, its
+            spec holding that rank's heads).
+          pp_rank: the pipeline rank the cache belongs to.
+
+        Raises:
+          ValueError: the cache does not match the engine config (nothing is registered).
+        """
+        config = self.config
+        local_spec = config.local_spec(pp_rank)
+        buffers = cache.shard_buffers()
+        if tp_rank is None:
+            if cache.tp_size != config.tp_size:
+                raise ValueError(f"cache is sharded over tp={cache.tp_size}, the engine has "
+                                 f"tp={config.tp_size}; pass tp_rank for a one-rank cache")
+            expected_spec = local_spec
+            mesh = cache.sharding.source_mesh
+            names = list(mesh.axis_names)
+            tp_pos = names.index(cache.sharding.tp_axis)
+            devices = np.moveaxis(mesh.devices, tp_pos, 0).reshape(config.tp_size, -1)[:, 0]
+            rank_of = {d.id: config.rank(i, pp_rank) for i, d in enumerate(devices)}
+        else:
+            expected_spec = local_spec.replace(num_kv_heads=config.heads_per_rank) \
+                if not local_spec.mla else local_spec
+            rank_of = {b.device.id: config.rank(tp_rank, pp_rank) for b in buffers}
+        if cache.spec != expected_spec:
+            raise ValueError(f"cache spec {cache.spec} does not match the engine's {expected_spec}")
+        per_rank: dict[int, list] = {}
+        for b in buffers:
+            if b.device.id in rank_of:
+                per_rank.setdefault(rank_of[b.device.id], []).append(b)
+        new_ranks = {}
+        for rank, bufs in per_rank.items():
+            tp, pp = config.coordinates(rank)
+            l0, _ = config.layer_range(pp)
+            h0, h1 = config.head_range(tp)
+            bufs.sort(key=lambda b: b.array_index)
+            regions = [
+                RegionInfo(
+                    array_index=b.array_index, layer=-1 if b.layer is None else b.layer + l0,
+                    kv=-1 if b.kv is None else b.kv, head_start=h0, head_stop=h1,
+                    base_address=b.address, block_len=b.nbytes // cache.num_blocks,
+                    num_blocks=cache.num_blocks, device_id=b.device.id if b.memory_kind == "VRAM"
+                    else 0, memory_kind=b.memory_kind)
+                for b in bufs
+            ]
+            new_ranks[rank] = RankInfo(rank=rank, agent_name=self.agent.name, regions=regions)
+        regs = [(r.base_address, r.block_len * r.num_blocks, r.device_id, r.memory_kind)
+                for info in new_ranks.values() for r in info.regions]
+        self.agent.register(regs)
+        self._ranks.update(new_ranks)
+        self._caches.append((cache, buffers))
+        self._publish()
+
+    def check_registrations(self, cache: Any) -> None:
+        """Raises `BufferMovedError` if a registered shard of `cache` moved (call after updates
+        that should have been in place); re-register with `register_cache` after fixing."""
+        for _, buffers in self._caches:
+            ids = {b.device.id for b in cache.shard_buffers()}
+            mine = [b for b in buffers if b.device.id in ids]
+            if mine and len(mine) == len(cache.shard_buffers()):
+                cache.verify_unmoved(mine)
+                return
+
+    def _publish(self) -> None:
+        agents = [AgentInfo(name=self.agent.name, metadata=self.agent.metadata())]
+        self._meta = engine_metadata(self.engine_id, self.config, list(self._ranks.values()),
+                                     agents, self.generation)
+        self.server.publish(self._meta)
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def add_peer(self, engine_id: str, addresses: Sequence[tuple[str, int]]) -> EngineMetadata:
+        """Fetches (or re-fetches) a peer engine's metadata from all of its processes, checks
+        compatibility and loads its agents (the explicit warm-up; `start_read` does it lazily).
+
+        Raises:
+          HandshakeError, IncompatibleEngineError: nothing is loaded then.
+        """
+        metas = []
+        try:
+            for address in addresses:
+                metas.append(fetch_metadata(tuple(address), engine_id, self.handshake_timeout_s,
+                                            self.handshake_retries))
+            merged = _merge(metas)
+            check_compatible(self.metadata, merged)
+        except (HandshakeError, IncompatibleEngineError, MetadataError):
+            self.stats.failed_handshakes += 1
+            raise
+        old = self._peers.pop(engine_id, None)
+        if old is not None:
+            for name in old.agents.values():
+                self.agent.remove_remote(name)
+                self._hello_sent.discard(name)
+        agents = {a.name: self.agent.add_remote(a.metadata) for a in merged.agents}
+        self._peers[engine_id] = _Peer(merged, tuple(tuple(a) for a in addresses), agents)
+        hello = encode_message(Hello(self.engine_id, self.generation, self.agent.name,
+                                     self.agent.metadata()))
+        for name in agents.values():
+            if self.agent.send(name, hello):
+                self._hello_sent.add(name)
+            else:
+                self.stats.failed_notifications += 1
+        return merged
+
+    def _peer(self, engine_id: str, addresses, generation: int = -1) -> _Peer:
+        peer = self._peers.get(engine_id)
+        if peer is None or (generation >= 0 and generation != peer.meta.generation):
+            self.add_peer(engine_id, addresses)
+            peer = self._peers[engine_id]
+        return peer
+
+    # -- producer -------------------------------------------------------------------------
+
+    def publish_request(self, request_id: str, block_ids: Sequence[int],
+                        lease_s: float | None = None) -> TransferParams:
+        """Pins a request's blocks until every consumer rank notified or the lease expired."""
+        lease = self.lease_s if lease_s is None else lease_s
+        ids = tuple(int(b) for b in block_ids)
+        self._pinned[request_id] = _Pinned(ids, time.monotonic() + lease,
+                                           {r: set() for r in self._ranks}, {})
+        return TransferParams(self.engine_id, [tuple(self.address)], request_id, list(ids), lease,
+                              self.generation)
+
+    def abort_request(self, request_id: str) -> None:
+        """Producer: releases a request's blocks now (reported by the next `poll` as freeable);
+        consumers still reading get their confirmation refused. Consumer: stops reading and
+        reports the request failed."""
+        if request_id in self._pinned:
+            self._pinned[request_id].deadline = -1.0
+        reading = self._reading.get(request_id)
+        if reading is not None and reading.error is None:
+            reading.error = "aborted"
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pinned)
+
+    @property
+    def num_reading(self) -> int:
+        return len(self._reading)
+
+    # -- consumer -------------------------------------------------------------------------
+
+    def start_read(self, params: TransferParams, local_block_ids: Sequence[int],
+                   timeout_s: float | None = None) -> None:
+        """Plans and posts the reads of a request for every local rank; returns at once.
+
+        Failures (handshake, planning, posting) are reported by `poll` as failed requests;
+        a request already in flight raises ValueError.
+        """
+        request_id = params.request_id
+        if request_id in self._reading:
+            raise ValueError(f"request {request_id!r} is already being read")
+        now = time.monotonic()
+        timeout = self.read_timeout_s if timeout_s is None else timeout_s
+        state = _Reading(request_id, params.engine_id, [], [], now, now + timeout,
+                         params.lease_s, now + params.lease_s / 3)
+        self._reading[request_id] = state
+        local_ids = np.asarray(local_block_ids, dtype=np.int64)
+        try:
+            peer = self._peer(params.engine_id, params.addresses, params.generation)
+            for rank in self.local_ranks:
+                plan = plan_read(self.metadata, rank, peer.meta, local_ids, params.block_ids,
+                                 check=False)
+                state.plans.append(plan)
+            for plan in state.plans:
+                for remote_rank in plan.read_ranks:
+                    loc, rem = plan.expanded_descriptors(self.metadata, peer.meta, remote_rank)
+                    info = peer.meta.rank_info(remote_rank)
+                    name = peer.agents[info.agent_name]
+                    kind = self._ranks[plan.local_rank].regions[0].memory_kind
+                    remote_kind = info.regions[0].memory_kind
+                    state.handles.append((name, self.agent.read(loc, rem, name, kind, remote_kind)))
+        except (HandshakeError, IncompatibleEngineError, MetadataError, PlanError,
+                ConnectionError, KeyError) as error:
+            state.error = f"{type(error).__name__}: {error}"
+
+    # -- polling --------------------------------------------------------------------------
+
+    def poll(self) -> PollResult:
+        """Makes progress on everything in flight; returns what changed since the last poll."""
+        result = PollResult()
+        now = time.monotonic()
+        self._handle_messages(now)
+        for request_id in list(self._reading):
+            self._progress_read(self._reading[request_id], now, result)
+        for request_id, pinned in list(self._pinned.items()):
+            complete = all(
+                len(pinned.notified[r]) >= pinned.expected.get(r, 1 << 30) for r in pinned.notified
+            )
+            if complete or now > pinned.deadline:
+                if not complete and pinned.deadline >= 0:
+                    self.stats.expired_leases += 1
+                del self._pinned[request_id]
+                result.freeable.append(request_id)
+        return result
+
+    def _handle_messages(self, now: float) -> None:
+        for sender, messages in self.agent.notifications().items():
+            for payload in messages:
+                try:
+                    message = decode_message(payload)
+                except ValueError:
+                    self.stats.malformed_messages += 1
+                    continue
+                if isinstance(message, Hello):
+                    old = self._consumers.pop(message.agent_name, None)
+                    if old is not None:
+                        self.agent.remove_remote(old)
+                    try:
+                        self._consumers[message.agent_name] = self.agent.add_remote(
+                            message.agent_metadata)
+                    except Exception:  # noqa: BLE001 - bad metadata from a peer
+                        self.stats.malformed_messages += 1
+                elif isinstance(message, Heartbeat):
+                    pinned = self._pinned.get(message.request_id)
+                    if pinned is not None and pinned.deadline >= 0:
+                        lease = self.lease_s
+                        pinned.deadline = max(pinned.deadline, now + lease)
+                elif isinstance(message, Done):
+                    self._on_done(message)
+                elif isinstance(message, Ack):
+                    reading = self._reading.get(message.request_id)
+                    if reading is not None and reading.done_at is not None:
+                        reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
+            del sender
+
+    def _on_done(self, message: Done) -> None:
+        pinned = self._pinned.get(message.request_id)
+        live = (pinned is not None and pinned.deadline >= 0
+                and time.monotonic() <= pinned.deadline
+                and message.producer_rank in pinned.notified)
+        if live:
+            pinned.notified[message.producer_rank].add((message.engine_id, message.consumer_rank))
+            pinned.expected[message.producer_rank] = message.expected
+        target = self._consumers.get(message.agent_name)
+        ack = encode_message(Ack(message.request_id, message.producer_rank,
+                                 message.consumer_rank, live))
+        if target is None or not self.agent.send(target, ack):
+            self.stats.failed_notifications += 1
+
+    def _progress_read(self, state: _Reading, now: float, result: PollResult) -> None:
+        if state.error is None and now > state.deadline:
+            state.error = (f"timed out after {now - state.started:.3f}s "
+                           f"({'confirming' if state.done_at else 'reading'})")
+        if state.error is None and state.done_at is None:
+            states = [self.agent.state(h) for _, h in state.handles]
+            if "ERR" in states:
+                state.error = "a NIXL READ failed"
+            elif all(s == "DONE" for s in states):
+                state.done_at = time.monotonic()
+                self._send_done(state, ok=True)
+        if state.error is None and state.done_at is not None and (
+            len(state.acks) >= state.expected_acks
+        ):
+            if all(state.acks.values()):
+                self._finish(state, result)
+                return
+            state.error = "the producer released the blocks before the read was confirmed"
+        if state.error is not None:
+            self._fail(state, result)
+            return
+        if now >= state.next_heartbeat:
+            self._heartbeat(state, now)
+
+    def _heartbeat(self, state: _Reading, now: float) -> None:
+        peer = self._peers.get(state.peer)
+        state.next_heartbeat = now + state.lease_s / 3
+        if peer is None:
+            return
+        message = encode_message(Heartbeat(state.request_id, self.engine_id))
+        for name in peer.agents.values():
+            if not self.agent.send(name, message):
+                self.stats.failed_notifications += 1
+
+    def _send_done(self, state: _Reading, ok: bool) -> None:
+        peer = self._peers.get(state.peer)
+        if peer is None:
+            return
+        expected = self.config.world_size
+        state.expected_acks = 0
+        for plan in state.plans:
+            for remote_rank in plan.notify_ranks:
+                info = peer.meta.rank_info(remote_rank)
+                name = peer.agents[info.agent_name]
+                message = encode_message(Done(state.request_id, self.engine_id, self.agent.name,
+                                              plan.local_rank, remote_rank, expected, ok))
+                if self.agent.send(name, message):
+                    state.expected_acks += 1
+                else:
+                    self.stats.failed_notifications += 1
+                    if ok:
+                        state.error = f"could not notify producer rank {remote_rank}"
+
+    def _release_handles(self, state: _Reading) -> bool:
+        clean = True
+        for _, handle in state.handles:
+            clean &= self.agent.release(handle)
+        state.handles = []
+        return clean
+
+    def _finish(self, state: _Reading, result: PollResult) -> None:
+        self._release_handles(state)
+        del self._reading[state.request_id]
+        plans = state.plans
+        self.stats.add(TransferRecord(
+            request_id=state.request_id,
+            bytes=sum(p.num_bytes for p in plans),
+            descriptors=sum(p.num_descriptors for p in plans),
+            expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
+            duration_s=(state.done_at or time.monotonic()) - state.started,
+            confirm_s=time.monotonic() - (state.done_at or time.monotonic()),
+        ))
+        result.finished.append(state.request_id)
+        posts = [step for p in plans for step in p.post]
+        if posts:
+            result.post[state.request_id] = posts
+
+    def _fail(self, state: _Reading, result: PollResult) -> None:
+        if state.done_at is None and state.plans:
+            self._send_done(state, ok=False)  # lets the producer free early
+        self._release_handles(state)
+        del self._reading[state.request_id]
+        self.stats.failed_transfers += 1
+        invalid = sorted({int(b) for p in state.plans for b in p.local_block_ids})
+        result.failed.append(FailedRead(state.request_id, state.error or "failed", tuple(invalid)))
+
+    # -- shutdown -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Releases handles, registrations, peers and the side channel (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for state in self._reading.values():
+            self._release_handles(state)
+        self._reading.clear()
+        self._pinned.clear()
+        self.server.close()
+        self.agent.close()
+        self._caches.clear()
+
+    def __enter__(self) -> KVTransferEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _merge(metas: list[EngineMetadata]) -> EngineMetadata:
+    """One engine's metadata from the partial views of its processes."""
+    first = metas[0]
+    ranks: dict[int, RankInfo] = {}
+    agents: dict[str, AgentInfo] = {}
+    for meta in metas:
+        shared = {k: v for k, v in msgspec.structs.asdict(meta).items()
+                  if k not in ("ranks", "agents", "generation")}
+        reference = {k: v for k, v in msgspec.structs.asdict(first).items()
+                     if k not in ("ranks", "agents", "generation")}
+        if shared != reference:
+            raise MetadataError(f"processes of engine {first.engine_id!r} disagree on the engine "
+                                "description")
+        for info in meta.ranks:
+            ranks[info.rank] = info
+        for agent in meta.agents:
+            agents[agent.name] = agent
+    missing = sorted(set(range(first.world_size)) - set(ranks))
+    if missing:
+        raise MetadataError(f"engine {first.engine_id!r}: no process publishes ranks {missing}")
+    generation = max(m.generation for m in metas)
+    return msgspec.structs.replace(first, ranks=[ranks[r] for r in sorted(ranks)],
+                                   agents=list(agents.values()), generation=generation)

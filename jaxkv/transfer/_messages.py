@@ -1,0 +1,75 @@
+"""Control messages between engines, carried as NIXL notifications (msgpack, tagged union,
+size-bounded, schema-validated like the metadata)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Union
+
+import msgspec
+
+from jaxkv.transfer._metadata import MAX_METADATA_BYTES
+
+__all__ = ["Ack", "Done", "Heartbeat", "Hello", "MAX_MESSAGE_BYTES", "decode_message",
+           "encode_message"]
+
+MAX_MESSAGE_BYTES = MAX_METADATA_BYTES + 4096
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+_Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, forbid_unknown_fields=True):
+    """Consumer -> producer, once per producer agent: lets the producer answer (`Ack`)."""
+
+    engine_id: _Id
+    generation: Annotated[int, msgspec.Meta(ge=0)]
+    agent_name: _Id
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA_BYTES)]
+
+
+class Heartbeat(msgspec.Struct, tag="hb", frozen=True, forbid_unknown_fields=True):
+    """Consumer -> producer while reading: extends the request's lease."""
+
+    request_id: _Id
+    engine_id: _Id
+
+
+class Done(msgspec.Struct, tag="done", frozen=True, forbid_unknown_fields=True):
+    """Consumer rank -> producer rank: finished with the request's blocks (read or failed).
+    Unique per (request, producer rank, consumer engine, consumer rank)."""
+
+    request_id: _Id
+    engine_id: _Id
+    agent_name: _Id
+    consumer_rank: _Rank
+    producer_rank: _Rank
+    expected: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    ok: bool
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
+    """Producer -> consumer answer to `Done`: whether the blocks were still pinned when the
+    consumer's `Done` arrived (after its read had completed)."""
+
+    request_id: _Id
+    producer_rank: _Rank
+    consumer_rank: _Rank
+    pinned: bool
+
+
+Message = Union[Hello, Heartbeat, Done, Ack]
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode_message(message: Message) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode_message(payload: bytes) -> Message:
+    """Raises ValueError for an oversized, malformed or unknown message."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {len(payload)} bytes is above {MAX_MESSAGE_BYTES}")
+    try:
+        return _DECODER.decode(payload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        raise ValueError(f"malformed message: {error}") from error
