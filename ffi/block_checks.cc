@@ -13,6 +13,12 @@ namespace ffi = xla::ffi;
 
 std::string Str(std::string_view s) { return std::string(s); }
 
+#define JAXKV_CHECKS_RETURN_IF_ERROR(expr)   \
+  do {                                       \
+    ffi::Error error_ = (expr);              \
+    if (error_.failure()) return error_;     \
+  } while (0)
+
 // Non-negative ids of a list, sorted, each with its position in the list.
 std::vector<std::pair<int32_t, int64_t>> SortedValidIds(const int32_t* ids, int64_t count) {
   std::vector<std::pair<int32_t, int64_t>> sorted;
@@ -107,6 +113,72 @@ ffi::Error CheckIdsDisjoint(const int32_t* a, std::string_view a_name, const int
       return ffi::Error::InvalidArgument(
           "block " + std::to_string(sorted_a[i].first) + " is both in " + Str(a_name) +
           " and in " + Str(b_name) + "; an in-place copy needs disjoint sources and destinations");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckLayout(std::string_view layout, int64_t rank, std::string_view name) {
+  const std::string message_prefix = Str(name) + " '" + Str(layout) + "'";
+  if (static_cast<int64_t>(layout.size()) != rank) {
+    return ffi::Error::InvalidArgument(message_prefix + " has " + std::to_string(layout.size()) +
+                                       " axes; the blocks have " + std::to_string(rank));
+  }
+  constexpr std::string_view kLetters = "LKHTD";
+  for (size_t i = 0; i < layout.size(); ++i) {
+    if (kLetters.find(layout[i]) == std::string_view::npos ||
+        layout.find(layout[i]) != i) {
+      return ffi::Error::InvalidArgument(message_prefix +
+                                         " must use distinct axis letters from LKHTD");
+    }
+  }
+  if (layout.find('T') == std::string_view::npos) {
+    return ffi::Error::InvalidArgument(message_prefix + " lacks the token axis 'T'");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckLayoutPair(std::string_view src_layout, std::string_view dst_layout,
+                           int64_t rank) {
+  JAXKV_CHECKS_RETURN_IF_ERROR(CheckLayout(src_layout, rank, "src_layout"));
+  JAXKV_CHECKS_RETURN_IF_ERROR(CheckLayout(dst_layout, rank, "dst_layout"));
+  for (char letter : src_layout) {
+    if (dst_layout.find(letter) == std::string_view::npos) {
+      return ffi::Error::InvalidArgument("layouts '" + Str(src_layout) + "' and '" +
+                                         Str(dst_layout) + "' have different axes");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckBox(const int64_t* dims, const int64_t* starts, const int64_t* sizes,
+                    int64_t rank, std::string_view what) {
+  for (int64_t i = 0; i < rank; ++i) {
+    if (sizes[i] < 1 || starts[i] < 0 || starts[i] > dims[i] - sizes[i]) {
+      return ffi::Error::InvalidArgument(
+          Str(what) + ": axis " + std::to_string(i) + " covers [" + std::to_string(starts[i]) +
+          ", " + std::to_string(starts[i] + sizes[i]) + ") of a block axis of " +
+          std::to_string(dims[i]));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckBoxesDisjoint(const int64_t* starts, const int64_t* sizes, int64_t count,
+                              int64_t rank) {
+  for (int64_t a = 0; a < count; ++a) {
+    for (int64_t b = a + 1; b < count; ++b) {
+      bool overlap = true;
+      for (int64_t i = 0; i < rank && overlap; ++i) {
+        const int64_t a0 = starts[a * rank + i];
+        const int64_t b0 = starts[b * rank + i];
+        overlap = a0 < b0 + sizes[b * rank + i] && b0 < a0 + sizes[a * rank + i];
+      }
+      if (overlap) {
+        return ffi::Error::InvalidArgument("buffers " + std::to_string(a) + " and " +
+                                           std::to_string(b) +
+                                           " cover overlapping parts of a block");
+      }
     }
   }
   return ffi::Error::Success();

@@ -40,6 +40,23 @@ xla::ffi::Error CheckIdsUnique(const int32_t* ids, int64_t count, std::string_vi
 xla::ffi::Error CheckIdsDisjoint(const int32_t* a, std::string_view a_name, const int32_t* b,
                                  std::string_view b_name, int64_t count);
 
+// Fails unless `layout` names the `rank` axes of a block: distinct letters from "LKHTD",
+// including 'T'.
+xla::ffi::Error CheckLayout(std::string_view layout, int64_t rank, std::string_view name);
+
+// CheckLayout for both, and fails unless they hold the same letters (another order).
+xla::ffi::Error CheckLayoutPair(std::string_view src_layout, std::string_view dst_layout,
+                                int64_t rank);
+
+// Fails unless the box [starts, starts + sizes) lies inside a block of `dims` (all of length
+// `rank`, sizes >= 1); `what` names the box in the message.
+xla::ffi::Error CheckBox(const int64_t* dims, const int64_t* starts, const int64_t* sizes,
+                         int64_t rank, std::string_view what);
+
+// Fails if two of `count` boxes (starts and sizes of `rank` axes each, back to back) overlap.
+xla::ffi::Error CheckBoxesDisjoint(const int64_t* starts, const int64_t* sizes, int64_t count,
+                                   int64_t rank);
+
 }  // namespace jaxkv
 
 #endif  // JAXKV_FFI_BLOCK_CHECKS_H_

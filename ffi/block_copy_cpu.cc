@@ -18,9 +18,69 @@ namespace {
 constexpr int64_t kParallelBytes = int64_t{4} << 20;
 constexpr unsigned kMaxThreads = 8;
 
+// Copies run by run from `src` to `dst` following `map`, with `run_bytes` per run. The outer
+// axes are walked with an odometer (no division per run) and the innermost one in a tight
+// loop: reshaping maps move many short runs (one head row of D elements, often 256 bytes).
+void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes) {
+  src += map.src_offset;
+  dst += map.dst_offset;
+  const size_t bytes = static_cast<size_t>(run_bytes);
+  if (map.ndim == 0) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const int32_t last = map.ndim - 1;
+  const int64_t inner_size = map.sizes[last];
+  const int64_t inner_src = map.src_strides[last];
+  const int64_t inner_dst = map.dst_strides[last];
+  int64_t index[kMaxRunDims] = {};
+  int64_t src_base = 0;
+  int64_t dst_base = 0;
+  while (true) {
+    const char* s = src + src_base;
+    char* d = dst + dst_base;
+    // Common short runs get a fixed-size memcpy the compiler turns into a few moves.
+    switch (bytes) {
+      case 16:
+        for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 16);
+        break;
+      case 32:
+        for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 32);
+        break;
+      case 64:
+        for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 64);
+        break;
+      case 128:
+        for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 128);
+        break;
+      case 256:
+        for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 256);
+        break;
+      default:
+        for (int64_t i = 0; i < inner_size; ++i) {
+          std::memcpy(d + i * inner_dst, s + i * inner_src, bytes);
+        }
+    }
+    // Advance the odometer over the outer axes (all but the innermost).
+    int32_t axis = last - 1;
+    for (; axis >= 0; --axis) {
+      src_base += map.src_strides[axis];
+      dst_base += map.dst_strides[axis];
+      if (++index[axis] < map.sizes[axis]) break;
+      src_base -= map.sizes[axis] * map.src_strides[axis];
+      dst_base -= map.sizes[axis] * map.dst_strides[axis];
+      index[axis] = 0;
+    }
+    if (axis < 0) return;
+  }
+}
+
 void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last) {
   const RunMap& map = request.map;
-  const int64_t num_runs = map.num_runs();
+  const int64_t run_bytes =
+      request.num_rows == nullptr
+          ? map.run_bytes
+          : EffectiveRows(*request.num_rows, request.max_rows) * request.row_bytes;
   for (int64_t pair = first; pair < last; ++pair) {
     const int64_t dst_block = ResolveBlock(request.dst_side, pair);
     if (dst_block < 0) continue;
@@ -33,17 +93,34 @@ void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last)
       continue;
     }
     const char* src = request.src + BlockOffset(request.src_side, src_block);
-    if (map.ndim == 0) {
-      std::memcpy(dst, src, static_cast<size_t>(map.run_bytes));
-      continue;
-    }
-    for (int64_t run = 0; run < num_runs; ++run) {
-      int64_t src_offset = 0;
-      int64_t dst_offset = 0;
-      map.RunOffsets(run, &src_offset, &dst_offset);
-      std::memcpy(dst + dst_offset, src + src_offset, static_cast<size_t>(map.run_bytes));
-    }
+    CopyRuns(map, src, dst, run_bytes);
   }
+}
+
+// Splits items [0, count) over `threads` threads (the calling one included).
+template <typename Fn>
+void ParallelFor(int64_t count, unsigned threads, Fn fn) {
+  if (threads <= 1 || count <= 1) {
+    fn(0u, int64_t{0}, count);
+    return;
+  }
+  std::vector<std::thread> workers;
+  workers.reserve(threads - 1);
+  const int64_t chunk = (count + threads - 1) / threads;
+  for (unsigned t = 1; t < threads; ++t) {
+    const int64_t first = std::min<int64_t>(count, t * chunk);
+    const int64_t last = std::min<int64_t>(count, first + chunk);
+    if (first >= last) break;
+    workers.emplace_back([&fn, t, first, last] { fn(t, first, last); });
+  }
+  fn(0u, int64_t{0}, std::min<int64_t>(count, chunk));
+  for (auto& worker : workers) worker.join();
+}
+
+unsigned ThreadsFor(int64_t total_bytes, int64_t items) {
+  if (total_bytes < kParallelBytes) return 1;
+  return std::min({std::max(1u, std::thread::hardware_concurrency()), kMaxThreads,
+                   static_cast<unsigned>(std::min<int64_t>(items, kMaxThreads))});
 }
 
 constexpr int64_t kHugePageBytes = int64_t{2} << 20;
@@ -68,28 +145,34 @@ void AdviseFreshOutput(void* data, int64_t bytes) {
 void CopyBlocksCpu(const BlockCopyRequest& request) {
   const int64_t bytes_per_pair =
       std::max(request.map.num_runs() * request.map.run_bytes, request.dst_side.block_stride);
-  const int64_t total_bytes = bytes_per_pair * request.num_pairs;
-  unsigned threads = 1;
-  if (total_bytes >= kParallelBytes) {
-    threads = std::min({std::max(1u, std::thread::hardware_concurrency()), kMaxThreads,
-                        static_cast<unsigned>(std::min<int64_t>(request.num_pairs, kMaxThreads))});
-  }
-  if (threads <= 1) {
-    CopyPairRange(request, 0, request.num_pairs);
-    return;
-  }
+  const unsigned threads = ThreadsFor(bytes_per_pair * request.num_pairs, request.num_pairs);
   // Destinations are unique and disjoint from sources (checked by the handlers), so pairs can
   // run in any order.
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  const int64_t chunk = (request.num_pairs + threads - 1) / threads;
-  for (unsigned t = 1; t < threads; ++t) {
-    const int64_t first = std::min<int64_t>(request.num_pairs, t * chunk);
-    const int64_t last = std::min<int64_t>(request.num_pairs, first + chunk);
-    workers.emplace_back(CopyPairRange, std::cref(request), first, last);
-  }
-  CopyPairRange(request, 0, std::min<int64_t>(request.num_pairs, chunk));
-  for (auto& worker : workers) worker.join();
+  ParallelFor(request.num_pairs, threads, [&request](unsigned, int64_t first, int64_t last) {
+    CopyPairRange(request, first, last);
+  });
+}
+
+void RewriteBlocksCpu(const BlockRewriteRequest& request) {
+  if (request.unit_bytes <= 0 || request.staging_bytes < request.unit_bytes) return;
+  const int64_t items = request.num_ids * request.units_per_block;
+  const int64_t slots = request.staging_bytes / request.unit_bytes;
+  unsigned threads = ThreadsFor(items * request.unit_bytes, items);
+  threads = static_cast<unsigned>(std::min<int64_t>(threads, slots));
+  // Item k is unit k % units of listed block k / units. Each thread stages a unit in its own
+  // slot (hot in its cache) and writes it back rearranged: the block's bytes are read and
+  // written once from memory.
+  ParallelFor(items, threads, [&request](unsigned thread, int64_t first, int64_t last) {
+    char* slot = request.staging + static_cast<int64_t>(thread) * request.unit_bytes;
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t block = ResolveBlock(request.side, item / request.units_per_block);
+      if (block < 0) continue;
+      char* unit = request.data + BlockOffset(request.side, block) +
+                   (item % request.units_per_block) * request.unit_bytes;
+      std::memcpy(slot, unit, static_cast<size_t>(request.unit_bytes));
+      CopyRuns(request.map, slot, unit, request.map.run_bytes);
+    }
+  });
 }
 
 }  // namespace jaxkv

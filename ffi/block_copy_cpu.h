@@ -1,4 +1,5 @@
-// The CPU block-copy engine: executes a BlockCopyRequest with memcpy runs.
+// The CPU block-copy engine: executes BlockCopyRequests and BlockRewriteRequests with memcpy
+// runs.
 #ifndef JAXKV_FFI_BLOCK_COPY_CPU_H_
 #define JAXKV_FFI_BLOCK_COPY_CPU_H_
 
@@ -10,6 +11,11 @@ namespace jaxkv {
 // caller; ids out of range are skipped here regardless, so memory outside the buffers is
 // never touched.
 void CopyBlocksCpu(const BlockCopyRequest& request);
+
+// Rewrites every listed block of `request` in place, one staged unit at a time (each thread
+// stages in its own unit-sized slice of `request.staging`). Ids out of range are skipped;
+// ids must be unique (checked by the caller), or a block would be rewritten twice.
+void RewriteBlocksCpu(const BlockRewriteRequest& request);
 
 // Advises the kernel to back a freshly allocated, not yet touched output buffer with huge
 // pages, so that writing it takes a few hundred page faults instead of one per 4 KiB (measured

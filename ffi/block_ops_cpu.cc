@@ -1,11 +1,13 @@
 // CPU FFI handlers: ids live in host memory, so they are always validated.
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "block_copy_cpu.h"
 #include "block_ops.h"
 #include "block_ops_impl.h"
+#include "reshape_ops_impl.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -22,10 +24,15 @@ struct CpuPlatform {
     CopyBlocksCpu(request);
     return ffi::Error::Success();
   }
+  ffi::Error RunRewrite(const BlockRewriteRequest& request) {
+    RewriteBlocksCpu(request);
+    return ffi::Error::Success();
+  }
   ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes) {
     std::memcpy(dst, src, static_cast<size_t>(bytes));
     return ffi::Error::Success();
   }
+  void AdviseFresh(void* data, int64_t bytes) { AdviseFreshOutput(data, bytes); }
 };
 
 // `validate_ids` is accepted for signature parity with CUDA; on CPU the ids are already in
@@ -56,6 +63,43 @@ ffi::Error ScatterBlocks(ffi::AnyBuffer cache, ffi::AnyBuffer blocks, IdBuffer i
   return ScatterBlocksImpl(platform, cache, blocks, ids, out);
 }
 
+ffi::Error RearrangeBlocks(ffi::AnyBuffer cache, IdBuffer ids, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> scratch, std::string_view src_layout,
+                           std::string_view dst_layout, int64_t ratio, bool /*validate_ids*/) {
+  CpuPlatform platform;
+  return RearrangeBlocksImpl(platform, cache, ids, out, scratch, src_layout, dst_layout, ratio);
+}
+
+ffi::Error CopyBlockPrefix(ffi::AnyBuffer src_cache, ffi::AnyBuffer dst_cache, IdBuffer src_ids,
+                           IdBuffer dst_ids, TokenCount num_tokens,
+                           ffi::Result<ffi::AnyBuffer> out, std::string_view layout,
+                           bool /*validate_ids*/) {
+  CpuPlatform platform;
+  return CopyBlockPrefixImpl(platform, src_cache, dst_cache, src_ids, dst_ids, num_tokens, out,
+                             layout);
+}
+
+ffi::Error CopyBlockPrefixInPlace(ffi::AnyBuffer cache, IdBuffer src_ids, IdBuffer dst_ids,
+                                  TokenCount num_tokens, ffi::Result<ffi::AnyBuffer> out,
+                                  std::string_view layout, bool /*validate_ids*/) {
+  CpuPlatform platform;
+  return CopyBlockPrefixInPlaceImpl(platform, cache, src_ids, dst_ids, num_tokens, out, layout);
+}
+
+ffi::Error SplitBlocks(ffi::AnyBuffer cache, IdBuffer ids, ffi::RemainingArgs into,
+                       ffi::RemainingRets outs, ffi::Span<const int64_t> box_starts,
+                       bool /*validate_ids*/) {
+  CpuPlatform platform;
+  return SplitBlocksImpl(platform, cache, ids, into, outs, box_starts);
+}
+
+ffi::Error ConcatBlocks(ffi::AnyBuffer cache, IdBuffer ids, ffi::RemainingArgs buffers,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> box_starts,
+                        bool /*validate_ids*/) {
+  CpuPlatform platform;
+  return ConcatBlocksImpl(platform, cache, ids, buffers, out, box_starts);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlocksCpu_Handler, CopyBlocks,
@@ -66,5 +110,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksIntoCpu_Handler, GatherBlocksInto,
                               BindGatherBlocksInto(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCpu_Handler, ScatterBlocks,
                               BindScatterBlocks(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RearrangeBlocksCpu_Handler, RearrangeBlocks,
+                              BindRearrangeBlocks(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlockPrefixCpu_Handler, CopyBlockPrefix,
+                              BindCopyBlockPrefix(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlockPrefixInPlaceCpu_Handler, CopyBlockPrefixInPlace,
+                              BindCopyBlockPrefixInPlace(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SplitBlocksCpu_Handler, SplitBlocks,
+                              BindSplitBlocks(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConcatBlocksCpu_Handler, ConcatBlocks,
+                              BindConcatBlocks(ffi::Ffi::Bind()));
 
 }  // namespace jaxkv

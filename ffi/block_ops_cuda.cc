@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "block_copy_cuda.h"
 #include "block_ops.h"
 #include "block_ops_impl.h"
+#include "reshape_ops_impl.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -46,11 +48,15 @@ struct CudaPlatform {
   ffi::Error Run(const BlockCopyRequest& request) {
     return CudaError(LaunchBlockCopy(request, stream), "block copy launch");
   }
+  ffi::Error RunRewrite(const BlockRewriteRequest& request) {
+    return CudaError(LaunchBlockRewrite(request, stream), "block rewrite launch");
+  }
   ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes) {
     return CudaError(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
                                      cudaMemcpyDeviceToDevice, stream),
                      "cache copy");
   }
+  void AdviseFresh(void*, int64_t) {}
 };
 
 ffi::Error CopyBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer src_ids,
@@ -78,6 +84,45 @@ ffi::Error ScatterBlocks(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyBuff
   return ScatterBlocksImpl(platform, cache, blocks, ids, out);
 }
 
+ffi::Error RearrangeBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer ids,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
+                           std::string_view src_layout, std::string_view dst_layout,
+                           int64_t ratio, bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return RearrangeBlocksImpl(platform, cache, ids, out, scratch, src_layout, dst_layout, ratio);
+}
+
+ffi::Error CopyBlockPrefix(cudaStream_t stream, ffi::AnyBuffer src_cache, ffi::AnyBuffer dst_cache,
+                           IdBuffer src_ids, IdBuffer dst_ids, TokenCount num_tokens,
+                           ffi::Result<ffi::AnyBuffer> out, std::string_view layout,
+                           bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return CopyBlockPrefixImpl(platform, src_cache, dst_cache, src_ids, dst_ids, num_tokens, out,
+                             layout);
+}
+
+ffi::Error CopyBlockPrefixInPlace(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer src_ids,
+                                  IdBuffer dst_ids, TokenCount num_tokens,
+                                  ffi::Result<ffi::AnyBuffer> out, std::string_view layout,
+                                  bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return CopyBlockPrefixInPlaceImpl(platform, cache, src_ids, dst_ids, num_tokens, out, layout);
+}
+
+ffi::Error SplitBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer ids,
+                       ffi::RemainingArgs into, ffi::RemainingRets outs,
+                       ffi::Span<const int64_t> box_starts, bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return SplitBlocksImpl(platform, cache, ids, into, outs, box_starts);
+}
+
+ffi::Error ConcatBlocks(cudaStream_t stream, ffi::AnyBuffer cache, IdBuffer ids,
+                        ffi::RemainingArgs buffers, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Span<const int64_t> box_starts, bool validate_ids) {
+  CudaPlatform platform{stream, validate_ids};
+  return ConcatBlocksImpl(platform, cache, ids, buffers, out, box_starts);
+}
+
 }  // namespace
 
 // The CUDA handlers take XLA's stream first, then the same operands as on CPU.
@@ -90,5 +135,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherBlocksIntoCuda_Handler, GatherBlocksInto,
                               BindGatherBlocksInto(BindStream()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ScatterBlocksCuda_Handler, ScatterBlocks,
                               BindScatterBlocks(BindStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RearrangeBlocksCuda_Handler, RearrangeBlocks,
+                              BindRearrangeBlocks(BindStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlockPrefixCuda_Handler, CopyBlockPrefix,
+                              BindCopyBlockPrefix(BindStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CopyBlockPrefixInPlaceCuda_Handler, CopyBlockPrefixInPlace,
+                              BindCopyBlockPrefixInPlace(BindStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SplitBlocksCuda_Handler, SplitBlocks, BindSplitBlocks(BindStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ConcatBlocksCuda_Handler, ConcatBlocks,
+                              BindConcatBlocks(BindStream()));
 
 }  // namespace jaxkv

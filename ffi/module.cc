@@ -34,6 +34,15 @@ PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
         targets["jaxkv_gather_blocks"] = Capsule(JAXKV_HANDLER(GatherBlocks));
         targets["jaxkv_gather_blocks_into"] = Capsule(JAXKV_HANDLER(GatherBlocksInto));
         targets["jaxkv_scatter_blocks"] = Capsule(JAXKV_HANDLER(ScatterBlocks));
+        // permute_blocks and merge_blocks share one handler (a permute is a merge of ratio 1);
+        // two target names keep the ops apart in HLO and profiles.
+        targets["jaxkv_permute_blocks"] = Capsule(JAXKV_HANDLER(RearrangeBlocks));
+        targets["jaxkv_merge_blocks"] = Capsule(JAXKV_HANDLER(RearrangeBlocks));
+        targets["jaxkv_copy_block_prefix"] = Capsule(JAXKV_HANDLER(CopyBlockPrefix));
+        targets["jaxkv_copy_block_prefix_in_place"] =
+            Capsule(JAXKV_HANDLER(CopyBlockPrefixInPlace));
+        targets["jaxkv_split_blocks"] = Capsule(JAXKV_HANDLER(SplitBlocks));
+        targets["jaxkv_concat_blocks"] = Capsule(JAXKV_HANDLER(ConcatBlocks));
         return targets;
       },
       "Maps each custom-call target name to its " JAXKV_PLATFORM_DOC " handler capsule.");

@@ -14,6 +14,12 @@ CUSTOM_CALL_TARGETS: tuple[str, ...] = (
     "jaxkv_gather_blocks",
     "jaxkv_gather_blocks_into",
     "jaxkv_scatter_blocks",
+    "jaxkv_permute_blocks",
+    "jaxkv_merge_blocks",
+    "jaxkv_copy_block_prefix",
+    "jaxkv_copy_block_prefix_in_place",
+    "jaxkv_split_blocks",
+    "jaxkv_concat_blocks",
 )
 """Every custom-call target jaxkv registers, for each platform it was built for."""
 

@@ -1,10 +1,30 @@
 """Block operations on blocks-first cache arrays, as in-place XLA FFI custom calls.
 
-`reference` holds the pure-jnp implementations that define their semantics.
+Block ops: `copy_blocks`, `gather_blocks`, `scatter_blocks`. Reshaping ops for engines that
+differ in layout, block size or parallelism: `permute_blocks`, `merge_blocks`,
+`copy_block_prefix`, `split_for_peers` / `concat_from_peers` with their pure plan
+(`plan_peers` -> `PeerPlan`). `reference` holds the pure-jnp implementations that define their
+semantics.
 """
 
+from jaxkv._parallel import PeerPlan, plan_peers
 from jaxkv.ops import reference
 from jaxkv.ops._block_ops import copy_blocks, gather_blocks, scatter_blocks
 from jaxkv.ops._ids import pad_block_ids
+from jaxkv.ops._peer_ops import concat_from_peers, split_for_peers
+from jaxkv.ops._reshape_ops import copy_block_prefix, merge_blocks, permute_blocks
 
-__all__ = ["copy_blocks", "gather_blocks", "pad_block_ids", "reference", "scatter_blocks"]
+__all__ = [
+    "PeerPlan",
+    "concat_from_peers",
+    "copy_block_prefix",
+    "copy_blocks",
+    "gather_blocks",
+    "merge_blocks",
+    "pad_block_ids",
+    "permute_blocks",
+    "plan_peers",
+    "reference",
+    "scatter_blocks",
+    "split_for_peers",
+]

@@ -1,0 +1,68 @@
+"""Layout arguments of the reshaping ops: resolution, checks and axis permutations (no JAX)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxkv._spec import validate_layout
+
+__all__ = ["check_ratio", "layout_pair", "one_layout", "source_shape"]
+
+
+def one_layout(layout: str, block_ndim: int, name: str = "layout") -> str:
+    """Resolves a layout (letters or preset name) for blocks with `block_ndim` axes.
+
+    Raises:
+      ValueError: an invalid layout, or one whose axis count differs from the blocks'.
+    """
+    try:
+        resolved = validate_layout(layout)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+    if len(resolved) != block_ndim:
+        raise ValueError(
+            f"{name} {resolved!r} has {len(resolved)} axes; the cache blocks have {block_ndim}"
+        )
+    return resolved
+
+
+def layout_pair(src_layout: str, dst_layout: str, block_ndim: int) -> tuple[str, str]:
+    """Resolves two layouts that must name the same axes in another order.
+
+    Raises:
+      ValueError: an invalid layout, a wrong axis count, or different axis sets.
+    """
+    src = one_layout(src_layout, block_ndim, "src_layout")
+    dst = one_layout(dst_layout, block_ndim, "dst_layout")
+    if set(src) != set(dst):
+        raise ValueError(
+            f"layouts {src!r} and {dst!r} have different axes ({sorted(set(src) ^ set(dst))} "
+            "in only one): a permute or merge can only reorder a block's axes"
+        )
+    return src, dst
+
+
+def check_ratio(ratio: int, block_size: int) -> int:
+    """Checks a block-size ratio against the receiver's tokens per block.
+
+    Raises:
+      ValueError: `ratio` is not a positive integer dividing `block_size`.
+    """
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+        raise ValueError(f"ratio must be a positive integer, got {ratio!r}")
+    if block_size % ratio:
+        raise ValueError(
+            f"ratio {ratio} does not divide the block size {block_size}: a block cannot hold "
+            f"{ratio} sender blocks of equal size"
+        )
+    return ratio
+
+
+def source_shape(
+    dst_shape: Sequence[int], src_layout: str, dst_layout: str, ratio: int = 1
+) -> tuple[int, ...]:
+    """The arrangement of a block's bytes before a merge: ``[ratio, *src_layout]`` with the
+    token axis ``T / ratio`` long (``ratio == 1``: just the axes in `src_layout` order)."""
+    sizes = dict(zip(dst_layout, dst_shape))
+    sizes["T"] //= ratio
+    return (ratio, *(sizes[axis] for axis in src_layout))

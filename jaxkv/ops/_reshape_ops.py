@@ -1,0 +1,326 @@
+"""Layout permute, block-size merge and partial block copy as in-place XLA FFI custom calls.
+
+Like the block ops (`_block_ops`), each op acts on one blocks-first array. Called on concrete
+arrays it runs a cached jitted program that donates the cache (the argument is consumed; a
+head-sharded cache runs per shard under `shard_map`); called on tracers it emits the custom
+call with the cache aliased to the result, and the caller's jit must donate the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxkv._placement import place_exactly
+from jaxkv.ops._block_ops import _block_partition, _check_blocks_first, _ffi_call
+from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._layouts import check_ratio, layout_pair, one_layout
+
+__all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
+
+# Scratch for staging blocks inside permute/merge: on CUDA, the fallback when a staging unit
+# exceeds shared memory (chunks of this many bytes); on CPU, one unit per thread. At least
+# `_MIN_SCRATCH_BLOCKS` blocks (threads) when that many ids are given.
+_SCRATCH_BYTES = 16 << 20
+_MIN_SCRATCH_BLOCKS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a per-shard op: eagerly (a cached, donating, jitted program; shard_map for a sharded
+# cache) or traced (the caller's jit or shard_map).
+
+
+@functools.lru_cache(maxsize=512)
+def _program(
+    local: Callable[..., Any],
+    static: tuple[tuple[str, Any], ...],
+    partition: tuple[jax.sharding.Mesh, PartitionSpec] | None,
+    operand_kinds: tuple[str, ...],
+    num_outputs: int | None,
+    donate_argnums: tuple[int, ...],
+) -> Callable[..., Any]:
+    """A jitted program running ``local(*operands, **static)`` on every shard. Operand kinds
+    are "blocks" (sharded like the cache) or "replicated"; outputs are blocks-like, one array
+    (`num_outputs` None) or a tuple of `num_outputs`."""
+    kwargs = dict(static)
+
+    def program(*operands):
+        return local(*operands, **kwargs)
+
+    if partition is not None:
+        mesh, spec = partition
+        in_specs = tuple(spec if kind == "blocks" else PartitionSpec() for kind in operand_kinds)
+        out_specs = spec if num_outputs is None else (spec,) * num_outputs
+        program = jax.shard_map(
+            program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+    return jax.jit(program, donate_argnums=donate_argnums)
+
+
+def run_per_shard(
+    local: Callable[..., Any],
+    operands: Sequence[Any],
+    kinds: Sequence[str],
+    static: dict[str, Any],
+    *,
+    donate_argnums: tuple[int, ...],
+    num_outputs: int | None = None,
+    partition_of: int = 0,
+):
+    """Runs `local` on `operands` (traced: directly; concrete: a cached donating program,
+    per shard of operand `partition_of`'s sharding). `static` values must be hashable."""
+    static_items = tuple(sorted(static.items()))
+    if any(isinstance(x, jax.core.Tracer) for x in operands):
+        return local(*operands, **static)
+    partition = _block_partition(operands[partition_of])
+    program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums)
+    placed = list(operands)
+    if partition is not None:
+        # Outside jit, shard_map wants its operands placed as its in_specs say.
+        mesh, spec = partition
+        for i, (x, kind) in enumerate(zip(operands, kinds)):
+            if i in donate_argnums and i == partition_of:
+                continue
+            target = NamedSharding(mesh, spec if kind == "blocks" else PartitionSpec())
+            placed[i] = place_exactly(x, target)
+    else:
+        device = next(iter(operands[partition_of].sharding.device_set))
+        for i, (x, kind) in enumerate(zip(operands, kinds)):
+            if kind == "blocks" and isinstance(x, jax.Array) and x.sharding.device_set != {device}:
+                placed[i] = place_exactly(x, device)
+    return program(*placed)
+
+
+def block_nbytes(array: Any) -> int:
+    """Bytes of one block of a (local) blocks-first array."""
+    return int(np.prod(array.shape[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# permute_blocks / merge_blocks
+
+
+def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: str, ratio: int,
+                     validate_ids: bool):
+    block_bytes = block_nbytes(cache)
+    slots = max(1, min(ids.shape[0], max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // max(1, block_bytes))))
+    results = (
+        jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        jax.ShapeDtypeStruct((slots * block_bytes,), jnp.uint8),
+    )
+    call = _ffi_call(target, results, {0: 0})
+    out, _ = call(cache, ids, src_layout=src_layout, dst_layout=dst_layout,
+                  ratio=np.int64(ratio), validate_ids=validate_ids)
+    return out
+
+
+def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target):
+    _check_blocks_first(cache, "cache")
+    if cache.ndim < 2:
+        raise ValueError("cache must be [num_blocks, *block] with at least one block axis")
+    src, dst = layout_pair(src_layout, dst_layout, cache.ndim - 1)
+    check_ratio(ratio, cache.shape[1 + dst.index("T")])
+    ids = as_id_array(ids, "ids")
+    host = concrete_ids(ids)
+    if host is not None:
+        check_ids(host, "ids", cache.shape[0], unique=True)
+    if (ratio == 1 and src == dst) or ids.shape[0] == 0:
+        return cache  # nothing moves
+    return run_per_shard(
+        _rearrange_local, (cache, ids), ("blocks", "replicated"),
+        dict(target=target, src_layout=src, dst_layout=dst, ratio=ratio,
+             validate_ids=validate_ids),
+        donate_argnums=(0,),
+    )
+
+
+def permute_blocks(
+    cache: jax.Array, block_ids: Any, src_layout: str, dst_layout: str, *,
+    validate_ids: bool = True,
+) -> jax.Array:
+    """Rewrites listed blocks, in place, from `src_layout` into `dst_layout` (the cache's).
+
+    The bytes of each listed block are currently arranged in `src_layout` (the same axes and
+    sizes as `dst_layout`, in another order; for example received from an engine with another
+    layout); afterwards they are arranged in `dst_layout`. Other blocks are untouched. This is
+    vLLM's layout post-processing after a receive (semantics.md section 3), e.g. ``"HTD"`` ->
+    ``"THD"``.
+
+    Args:
+      cache: blocks-first array ``[num_blocks, *block]`` whose blocks have `dst_layout`'s
+        shape; any dtype. Consumed (donated) when called outside jit.
+      block_ids: int32 ids of the blocks to rewrite, shape ``[n]``; negative ids are skipped;
+        ids must be unique.
+      src_layout, dst_layout: layout letters (or preset names, see `jaxkv.LAYOUT_PRESETS`)
+        naming the same axes, as many as the cache's block axes.
+      validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    Returns:
+      The updated cache (the same buffer when donated).
+
+    Raises:
+      ValueError: layouts with different axes or the wrong axis count, repeated ids.
+      IndexError: an id >= num_blocks (concrete ids; traced ones raise
+        ``jax.errors.JaxRuntimeError`` from the handler).
+
+    Example:
+      >>> hnd = jnp.array([0, 1, 10, 11.0]).reshape(1, 2, 2, 1)   # [H, T, D] bytes in block 0
+      >>> permute_blocks(hnd, [0], "HTD", "THD").ravel().tolist()
+      [0.0, 10.0, 1.0, 11.0]
+    """
+    return _rearrange(cache, block_ids, 1, src_layout, dst_layout, validate_ids,
+                      "jaxkv_permute_blocks")
+
+
+def merge_blocks(
+    cache: jax.Array, block_ids: Any, ratio: int, src_layout: str, dst_layout: str, *,
+    validate_ids: bool = True,
+) -> jax.Array:
+    """Merges sender-sized sub-blocks into receiver blocks, in place (with a layout change).
+
+    Each listed block of ``T`` tokens holds `ratio` sender blocks of ``n = T / ratio`` tokens
+    back to back, each arranged in `src_layout`; it is rewritten as one block in `dst_layout`
+    (the cache's) where token ``j * n + t`` comes from token ``t`` of sub-block ``j``: vLLM's
+    block-size and block-size-and-layout post-processing (semantics.md section 3).
+
+    Args:
+      cache: blocks-first array in `dst_layout`. Consumed (donated) outside jit.
+      block_ids: int32 ids of the blocks to rewrite; negative ids are skipped; unique.
+      ratio: sender blocks per receiver block; must divide the block size.
+      src_layout: the sender's layout (same axes as `dst_layout`).
+      dst_layout: the cache's layout.
+      validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      ValueError: a ratio that does not divide the block size, incompatible layouts, repeated
+        ids.
+      IndexError: an id >= num_blocks (concrete ids).
+
+    Example (semantics.md's worked example):
+      >>> received = jnp.array([0, 1, 10, 11, 2, 3, 12, 13.0])   # a0 a1 b0 b1 | a2 a3 b2 b3
+      >>> merge_blocks(received.reshape(1, 2, 4, 1), [0], 2, "HTD", "HTD").ravel().tolist()
+      [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
+      >>> merge_blocks(received.reshape(1, 4, 2, 1), [0], 2, "HTD", "THD").ravel().tolist()
+      [0.0, 10.0, 1.0, 11.0, 2.0, 12.0, 3.0, 13.0]
+    """
+    return _rearrange(cache, block_ids, ratio, src_layout, dst_layout, validate_ids,
+                      "jaxkv_merge_blocks")
+
+
+# ---------------------------------------------------------------------------------------------
+# copy_block_prefix
+
+
+def _prefix_local(src_cache, dst_cache, src_ids, dst_ids, num_tokens, *, layout: str,
+                  validate_ids: bool):
+    call = _ffi_call("jaxkv_copy_block_prefix",
+                     jax.ShapeDtypeStruct(dst_cache.shape, dst_cache.dtype), {1: 0})
+    return call(src_cache, dst_cache, src_ids, dst_ids, num_tokens, layout=layout,
+                validate_ids=validate_ids)
+
+
+def _prefix_in_place_local(cache, src_ids, dst_ids, num_tokens, *, layout: str,
+                           validate_ids: bool):
+    call = _ffi_call("jaxkv_copy_block_prefix_in_place",
+                     jax.ShapeDtypeStruct(cache.shape, cache.dtype), {0: 0})
+    return call(cache, src_ids, dst_ids, num_tokens, layout=layout, validate_ids=validate_ids)
+
+
+def _token_count(num_tokens: Any):
+    if isinstance(num_tokens, (jax.Array, jax.core.Tracer)):
+        if num_tokens.ndim != 0 or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
+            raise TypeError(f"num_tokens must be an integer scalar, got {num_tokens.dtype}"
+                            f"{list(num_tokens.shape)}")
+        return num_tokens.astype(jnp.int32)
+    value = np.asarray(num_tokens)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
+        raise TypeError(f"num_tokens must be an integer, got {num_tokens!r}")
+    return np.int32(np.clip(value, -1, np.iinfo(np.int32).max))
+
+
+def copy_block_prefix(
+    src_cache: jax.Array, dst_cache: jax.Array, src_ids: Any, dst_ids: Any, num_tokens: Any,
+    layout: str, *, validate_ids: bool = True,
+) -> jax.Array:
+    """Copies the first `num_tokens` tokens of each source block into its destination block.
+
+    For every index of the other axes, tokens ``[0, num_tokens)`` of block ``src_ids[i]`` of
+    `src_cache` overwrite those of block ``dst_ids[i]`` of `dst_cache`; the rest of each
+    destination block stays untouched (TensorRT-LLM's ``kvCacheBlockPartialCopy``, used for
+    copy-on-partial-reuse of a prefix block; semantics.md section 5). `num_tokens` outside
+    ``1 .. block_size-1`` copies whole blocks.
+
+    Args:
+      src_cache: blocks-first source array. Pass the same array as `dst_cache` to copy inside
+        one cache (then sources and destinations must be disjoint).
+      dst_cache: blocks-first destination array with the same per-block shape and dtype.
+        Updated in place (consumed outside jit).
+      src_ids, dst_ids: int32 block ids of equal length; a pair with a negative id is skipped;
+        destinations must be unique.
+      num_tokens: tokens to copy: a Python int or an int32 scalar array (an operand, so
+        changing it does not recompile).
+      layout: the blocks' layout (letters or a preset name), which says where the token axis
+        ``T`` is.
+      validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    Returns:
+      The updated destination cache.
+
+    Raises:
+      ValueError: mismatched shapes or dtypes, an invalid layout, id lists of different
+        lengths, repeated destinations, a block both source and destination in one cache.
+      IndexError: an id out of range (concrete ids).
+
+    Example:
+      >>> src, dst = jnp.ones((2, 4, 1)), jnp.zeros((2, 4, 1))
+      >>> copy_block_prefix(src, dst, [0], [1], 3, "TD")[1, :, 0].tolist()
+      [1.0, 1.0, 1.0, 0.0]
+    """
+    _check_blocks_first(src_cache, "src_cache")
+    _check_blocks_first(dst_cache, "dst_cache")
+    if dst_cache.ndim < 2:
+        raise ValueError("dst_cache must be [num_blocks, *block] with at least one block axis")
+    if src_cache.dtype != dst_cache.dtype or tuple(src_cache.shape[1:]) != tuple(
+        dst_cache.shape[1:]
+    ):
+        raise ValueError(
+            f"src_cache blocks {tuple(src_cache.shape[1:])} {src_cache.dtype} differ from "
+            f"dst_cache blocks {tuple(dst_cache.shape[1:])} {dst_cache.dtype}"
+        )
+    layout = one_layout(layout, dst_cache.ndim - 1)
+    src = as_id_array(src_ids, "src_ids")
+    dst = as_id_array(dst_ids, "dst_ids")
+    if src.shape != dst.shape:
+        raise ValueError(
+            f"src_ids and dst_ids must have the same length, got {src.shape[0]} and {dst.shape[0]}"
+        )
+    count = _token_count(num_tokens)
+    same = src_cache is dst_cache
+    src_host, dst_host = concrete_ids(src), concrete_ids(dst)
+    if src_host is not None:
+        check_ids(src_host, "src_ids", src_cache.shape[0])
+    if dst_host is not None:
+        disjoint = (src_host, "src_ids") if same and src_host is not None else None
+        check_ids(dst_host, "dst_ids", dst_cache.shape[0], unique=True, disjoint_from=disjoint)
+    if src.shape[0] == 0:
+        return dst_cache
+    static = dict(layout=layout, validate_ids=validate_ids)
+    if same:
+        return run_per_shard(
+            _prefix_in_place_local, (dst_cache, src, dst, count),
+            ("blocks", "replicated", "replicated", "replicated"), static, donate_argnums=(0,),
+        )
+    return run_per_shard(
+        _prefix_local, (src_cache, dst_cache, src, dst, count),
+        ("blocks", "blocks", "replicated", "replicated", "replicated"), static,
+        donate_argnums=(1,), partition_of=1,
+    )
