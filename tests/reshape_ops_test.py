@@ -15,15 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 import jaxkv
 from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
 from jaxkv.ops import reference
+from reshape_testing import SIZES, numpy_merge, numpy_prefix
+from reshape_testing import block_shape as _shape
 
 DTYPES = [d.name for d in SUPPORTED_DTYPES]
 LAYOUTS = sorted(set(LAYOUT_PRESETS.values()))
-SIZES = {"L": 3, "K": 2, "H": 4, "T": 8, "D": 8}
 NUM_BLOCKS = 10
 IDS = np.array([7, -1, 2, 9, 0], np.int32)
 
@@ -32,59 +33,10 @@ def _dtype(index: int) -> str:
     return DTYPES[index % len(DTYPES)]
 
 
-def _shape(layout: str, sizes=None) -> tuple[int, ...]:
-    sizes = {**SIZES, **(sizes or {})}
-    return tuple(sizes[a] for a in layout)
-
-
 def _cache(seed, layout, dtype, num_blocks=NUM_BLOCKS, sizes=None):
     rng = np.random.default_rng(seed)
     host = kv_testing.random_bits(rng, (num_blocks, *_shape(layout, sizes)), dtype)
     return host, jnp.asarray(host)
-
-
-# ---------------------------------------------------------------------------------------------
-# Independent numpy references, token by token, from semantics.md.
-
-
-def numpy_merge(cache, ids, ratio, src_layout, dst_layout):
-    """semantics.md section 3: a block's bytes are `ratio` sub-blocks [src_layout, T/ratio]
-    back to back; new[.., j*n + t, ..] = recv[j][.., t, ..] with the axes in dst order."""
-    out = cache.copy()
-    sizes = dict(zip(dst_layout, cache.shape[1:]))
-    n = sizes["T"] // ratio
-    sub_shape = tuple(n if a == "T" else sizes[a] for a in src_layout)
-    rest_src = [a for a in src_layout if a != "T"]
-    rest_dst = [a for a in dst_layout if a != "T"]
-    for b in ids:
-        if b < 0:
-            continue
-        received = cache[b].reshape(-1).reshape((ratio, *sub_shape))  # the raw bytes
-        new = np.empty_like(cache[b])
-        for j in range(ratio):
-            for t in range(n):
-                token = np.take(received[j], t, axis=src_layout.index("T"))
-                token = token.transpose([rest_src.index(a) for a in rest_dst])
-                index = [slice(None)] * len(dst_layout)
-                index[dst_layout.index("T")] = j * n + t
-                new[tuple(index)] = token
-        out[b] = new
-    return out
-
-
-def numpy_prefix(src, dst, src_ids, dst_ids, num_tokens, layout):
-    """semantics.md section 5: the first n token rows of every slab; n <= 0 or n >= T: all."""
-    out = dst.copy()
-    t_axis = layout.index("T")
-    tokens = dst.shape[1 + t_axis]
-    n = tokens if num_tokens <= 0 or num_tokens >= tokens else num_tokens
-    for s, d in zip(src_ids, dst_ids):
-        if s < 0 or d < 0:
-            continue
-        index = [slice(None)] * len(layout)
-        index[t_axis] = slice(0, n)
-        out[d][tuple(index)] = src[s][tuple(index)]
-    return out
 
 
 def _assert_bits(actual, expected, msg=""):
