@@ -31,7 +31,6 @@ def _meta(engine_id="prefill", generation=0, spec=SPEC, tp=2, pp=1):
 
 
 class MetadataTest(absltest.TestCase):
-
     def test_round_trip(self):
         meta = _meta()
         payload = encode_metadata(meta)
@@ -44,16 +43,22 @@ class MetadataTest(absltest.TestCase):
             decode_metadata(encode_metadata(_meta()), expected_engine_id="decode")
 
     def test_malformed(self):
-        for payload in (b"", b"\x00garbage", msgspec.msgpack.encode({"engine_id": "x"}),
-                        msgspec.msgpack.encode([1, 2, 3])):
+        for payload in (
+            b"",
+            b"\x00garbage",
+            msgspec.msgpack.encode({"engine_id": "x"}),
+            msgspec.msgpack.encode([1, 2, 3]),
+        ):
             with self.assertRaisesRegex(MetadataError, "malformed"):
                 decode_metadata(payload)
 
     def test_schema_violations(self):
         raw = msgspec.to_builtins(_meta(), builtin_types=(bytes,))
         for field, value, pattern in [
-            ("tp_size", 0, "tp_size"), ("engine_id", "", "engine_id"),
-            ("block_size", "16", "block_size"), ("compat_hash", "zz", "compat_hash"),
+            ("tp_size", 0, "tp_size"),
+            ("engine_id", "", "engine_id"),
+            ("block_size", "16", "block_size"),
+            ("compat_hash", "zz", "compat_hash"),
             ("unknown_field", 1, "unknown_field"),
         ]:
             bad = dict(raw, **{field: value})
@@ -77,14 +82,14 @@ class MetadataTest(absltest.TestCase):
 
     def test_incompatible_names_fields(self):
         other = _meta("decode", spec=SPEC.replace(head_dim=16, dtype="float32"))
-        with self.assertRaisesRegex(IncompatibleEngineError,
-                                    r"head_dim: local 8, remote 16.*dtype: local 'bfloat16'"):
+        with self.assertRaisesRegex(
+            IncompatibleEngineError, r"head_dim: local 8, remote 16.*dtype: local 'bfloat16'"
+        ):
             check_compatible(_meta(), other)
         check_compatible(_meta(), _meta("decode", spec=SPEC.replace(layout="THD"), tp=4, pp=2))
 
 
 class SideChannelTest(absltest.TestCase):
-
     def test_fetch(self):
         with MetadataServer() as server:
             server.publish(_meta())

@@ -18,8 +18,21 @@ REMOTE_IDS = [3, 4, 5, 9, 10, 2]  # runs of consecutive ids and a break
 LOCAL_IDS = [7, 8, 9, 12, 13, 14]
 
 
-def run_case(test, p_tp, d_tp, p_pp=1, d_pp=1, heads=4, p_layout="LKHTD", d_layout="LKHTD",
-             ratio=1, dtype="bfloat16", hit=0, mla=False, num_layers=4):
+def run_case(
+    test,
+    p_tp,
+    d_tp,
+    p_pp=1,
+    d_pp=1,
+    heads=4,
+    p_layout="LKHTD",
+    d_layout="LKHTD",
+    ratio=1,
+    dtype="bfloat16",
+    hit=0,
+    mla=False,
+    num_layers=4,
+):
     if mla:
         spec_p = KVCacheSpec.for_mla(num_layers, 8, 4, dtype=dtype, layout=p_layout)
     else:
@@ -45,12 +58,15 @@ def run_case(test, p_tp, d_tp, p_pp=1, d_pp=1, heads=4, p_layout="LKHTD", d_layo
                 break
             got = decode.region_blocks(rank, region, local_ids)
             np.testing.assert_array_equal(
-                got, want.reshape(len(local_ids), -1).view(np.uint8),
-                err_msg=f"rank {rank} region {region}")
+                got,
+                want.reshape(len(local_ids), -1).view(np.uint8),
+                err_msg=f"rank {rank} region {region}",
+            )
             untouched = np.setdiff1d(np.arange(NUM_BLOCKS), local_ids)
             np.testing.assert_array_equal(
                 decode.region_blocks(rank, region, untouched),
-                before[rank][region].reshape(NUM_BLOCKS, -1)[untouched])
+                before[rank][region].reshape(NUM_BLOCKS, -1)[untouched],
+            )
     return plan
 
 
@@ -59,7 +75,6 @@ LAYOUT_PAIRS = [("LKHTD", "LKHTD"), ("THD", "THD"), ("HTD", "KTHD"), ("LKTHD", "
 
 
 class PlanGridTest(parameterized.TestCase):
-
     @parameterized.product(tp=TP_PAIRS, heads=[1, 2, 4, 8])
     def test_tp_pairs_and_heads(self, tp, heads):
         run_case(self, *tp, heads=heads)
@@ -72,9 +87,10 @@ class PlanGridTest(parameterized.TestCase):
     def test_pipeline_parallel(self, tp, pp):
         run_case(self, *tp, p_pp=pp[0], d_pp=pp[1], heads=4, num_layers=5)
 
-    @parameterized.product(tp=[(1, 1), (1, 2), (2, 1), (4, 2)],
-                           layouts=[("LKHTD", "LKHTD"), ("THD", "HTD"), ("HTD", "THD"),
-                                    ("KTHD", "KTHD")])
+    @parameterized.product(
+        tp=[(1, 1), (1, 2), (2, 1), (4, 2)],
+        layouts=[("LKHTD", "LKHTD"), ("THD", "HTD"), ("HTD", "THD"), ("KTHD", "KTHD")],
+    )
     def test_block_size_ratio_2(self, tp, layouts):
         run_case(self, *tp, heads=4, p_layout=layouts[0], d_layout=layouts[1], ratio=2)
 
@@ -95,23 +111,48 @@ class PlanGridTest(parameterized.TestCase):
         run_case(self, 2, 4, heads=4, dtype=dtype, p_layout="THD", d_layout="THD")
 
     @parameterized.parameters(
-        itertools.product([(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)], [1, 2],
-                          ["LKHTD", "KTHD", "THD"], ["HTD", "LKTHD"], [1, 2], [(1, 1), (2, 1)]))
+        itertools.product(
+            [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)],
+            [1, 2],
+            ["LKHTD", "KTHD", "THD"],
+            ["HTD", "LKTHD"],
+            [1, 2],
+            [(1, 1), (2, 1)],
+        )
+    )
     @pytest.mark.slow
     def test_full_grid(self, tp, heads, p_layout, d_layout, ratio, pp):
         if tp[0] > heads * 4 or tp[1] > heads * 4:
             self.skipTest("too many ranks")
-        run_case(self, *tp, p_pp=pp[0], d_pp=pp[1], heads=heads, p_layout=p_layout,
-                 d_layout=d_layout, ratio=ratio)
+        run_case(
+            self,
+            *tp,
+            p_pp=pp[0],
+            d_pp=pp[1],
+            heads=heads,
+            p_layout=p_layout,
+            d_layout=d_layout,
+            ratio=ratio,
+        )
 
 
 class PlanPropertiesTest(absltest.TestCase):
-
-    def _metas(self, p_tp=1, d_tp=1, p_layout="HTD", d_layout="HTD", heads=8, layers=32,
-               num_blocks=4096, block=16):
+    def _metas(
+        self,
+        p_tp=1,
+        d_tp=1,
+        p_layout="HTD",
+        d_layout="HTD",
+        heads=8,
+        layers=32,
+        num_blocks=4096,
+        block=16,
+    ):
         spec = KVCacheSpec(layers, heads, 128, block, "bfloat16", layout=p_layout)
         meta_p = tt.fake_metadata("p", EngineConfig(spec, p_tp), num_blocks)
-        meta_d = tt.fake_metadata("d", EngineConfig(spec.replace(layout=d_layout), d_tp), num_blocks)
+        meta_d = tt.fake_metadata(
+            "d", EngineConfig(spec.replace(layout=d_layout), d_tp), num_blocks
+        )
         return meta_p, meta_d
 
     def test_coalescing_is_regions_times_runs(self):
@@ -127,8 +168,11 @@ class PlanPropertiesTest(absltest.TestCase):
     def test_nhd_heterogeneous_at_most_twice_hnd(self):
         ids = np.arange(0, 512)
         for p_tp, d_tp in [(1, 2), (2, 1), (2, 4), (4, 2)]:
-            hnd = plan_read(*reversed(self._metas(p_tp, d_tp, "HTD", "HTD")), 0, ids, ids) \
-                if False else None
+            hnd = (
+                plan_read(*reversed(self._metas(p_tp, d_tp, "HTD", "HTD")), 0, ids, ids)
+                if False
+                else None
+            )
             meta_p, meta_d = self._metas(p_tp, d_tp, "HTD", "HTD")
             hnd = plan_read(meta_d, 0, meta_p, ids, ids)
             meta_p, meta_d = self._metas(p_tp, d_tp, "THD", "THD")
@@ -165,7 +209,9 @@ class PlanPropertiesTest(absltest.TestCase):
             plan_read(meta_d, 0, meta_p, [1], [1])
         spec = KVCacheSpec(32, 8, 128, 8, "bfloat16", layout="HTD")
         meta_d = tt.fake_metadata("d", EngineConfig(spec, 1), 64)
-        with self.assertRaisesRegex(IncompatibleEngineError, "block_size: local 8 is not a multiple"):
+        with self.assertRaisesRegex(
+            IncompatibleEngineError, "block_size: local 8 is not a multiple"
+        ):
             plan_read(meta_d, 0, meta_p, [1], [1])
 
 
@@ -177,6 +223,7 @@ def _timed(fn) -> float:
 
 def _slow_machine() -> bool:
     import os
+
     return os.environ.get("JAXKV_SLOW_MACHINE") == "1"
 
 

@@ -7,7 +7,13 @@ that a `ReadPlan`'s byte copies can be simulated and checked bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import time
+
 import numpy as np
+from absl.testing import parameterized
+from kv_testing import bits
 
 from jaxkv import EngineConfig, KVCacheSpec
 from jaxkv.transfer import AgentInfo, RankInfo, RegionInfo, engine_metadata
@@ -22,19 +28,28 @@ def fake_regions(config: EngineConfig, rank: int, num_blocks: int) -> list[Regio
     h0, h1 = config.head_range(tp_rank)
     out = []
     for index, (layer, kv) in enumerate(local.array_keys()):
-        out.append(RegionInfo(
-            array_index=index, layer=-1 if layer is None else layer + layer_start,
-            kv=-1 if kv is None else kv, head_start=h0, head_stop=h1,
-            base_address=(rank << 44) + index * REGION_STRIDE,
-            block_len=local.block_nbytes(config.tp_size), num_blocks=num_blocks, device_id=0,
-            memory_kind="DRAM"))
+        out.append(
+            RegionInfo(
+                array_index=index,
+                layer=-1 if layer is None else layer + layer_start,
+                kv=-1 if kv is None else kv,
+                head_start=h0,
+                head_stop=h1,
+                base_address=(rank << 44) + index * REGION_STRIDE,
+                block_len=local.block_nbytes(config.tp_size),
+                num_blocks=num_blocks,
+                device_id=0,
+                memory_kind="DRAM",
+            )
+        )
     return out
 
 
 def fake_metadata(engine_id: str, config: EngineConfig, num_blocks: int, generation: int = 0):
-    ranks = [RankInfo(rank=r, agent_name=f"{engine_id}-{r}",
-                      regions=fake_regions(config, r, num_blocks))
-             for r in range(config.world_size)]
+    ranks = [
+        RankInfo(rank=r, agent_name=f"{engine_id}-{r}", regions=fake_regions(config, r, num_blocks))
+        for r in range(config.world_size)
+    ]
     agents = [AgentInfo(name=f"{engine_id}-{r}", metadata=b"md") for r in range(config.world_size)]
     return engine_metadata(engine_id, config, ranks, agents, generation)
 
@@ -59,8 +74,7 @@ class NumpyEngine:
         for rank in range(config.world_size):
             regions = fake_regions(config, rank, num_blocks)
             self.buffers[rank] = [
-                rng.integers(0, 256, size=r.block_len * num_blocks, dtype=np.uint8)
-                for r in regions
+                rng.integers(0, 256, size=r.block_len * num_blocks, dtype=np.uint8) for r in regions
             ]
 
     def _rank_blocks(self, rank: int, g_slice: np.ndarray) -> list[np.ndarray]:
@@ -81,18 +95,21 @@ class NumpyEngine:
             out.append(np.ascontiguousarray(np.transpose(x, perm)))
         return out
 
-    def slice_of(self, rank: int, g: np.ndarray, first_token: int, num_blocks: int) -> list[np.ndarray]:
+    def slice_of(
+        self, rank: int, g: np.ndarray, first_token: int, num_blocks: int
+    ) -> list[np.ndarray]:
         """What `rank`'s blocks holding tokens ``[first_token, ...)`` must contain (per region,
         ``[num_blocks, *block_shape]``), from G by independent indexing."""
         tp_rank, pp_rank = self.config.coordinates(rank)
         l0, l1 = self.config.layer_range(pp_rank)
         h0, h1 = self.config.head_range(tp_rank)
         t = self.spec.block_size
-        tokens = g[l0:l1, :, h0:h1, first_token:first_token + num_blocks * t, :]
+        tokens = g[l0:l1, :, h0:h1, first_token : first_token + num_blocks * t, :]
         pad = num_blocks * t - tokens.shape[3]
         if pad:
             tokens = np.concatenate(
-                [tokens, np.zeros((*tokens.shape[:3], pad, tokens.shape[4]), tokens.dtype)], axis=3)
+                [tokens, np.zeros((*tokens.shape[:3], pad, tokens.shape[4]), tokens.dtype)], axis=3
+            )
         # [L, K, H, blocks*T, D] -> [blocks, L, K, H, T, D]
         blocks = tokens.reshape(*tokens.shape[:3], num_blocks, t, tokens.shape[4])
         blocks = np.moveaxis(blocks, 3, 0)
@@ -102,12 +119,16 @@ class NumpyEngine:
         """Stores the request's tokens (from `first_token`) into `block_ids` on every rank."""
         ids = np.asarray(block_ids)
         for rank in range(self.config.world_size):
-            for region, blocks in zip(self.buffers[rank], self.slice_of(rank, g, first_token, len(ids))):
+            for region, blocks in zip(
+                self.buffers[rank], self.slice_of(rank, g, first_token, len(ids))
+            ):
                 view = region.reshape(self.num_blocks, -1)
                 view[ids] = blocks.reshape(len(ids), -1).view(np.uint8)
 
     def region_blocks(self, rank: int, region: int, block_ids) -> np.ndarray:
-        return self.buffers[rank][region].reshape(self.num_blocks, -1)[np.asarray(block_ids, dtype=np.int64)]
+        return self.buffers[rank][region].reshape(self.num_blocks, -1)[
+            np.asarray(block_ids, dtype=np.int64)
+        ]
 
 
 def apply_plan(plan, local: NumpyEngine, remote: NumpyEngine) -> None:
@@ -118,12 +139,12 @@ def apply_plan(plan, local: NumpyEngine, remote: NumpyEngine) -> None:
         for c in range(count):
             a, b = ro + c * rs, lo + c * ls
             assert a + length <= src.size and b + length <= dst[lg].size, "descriptor out of bounds"
-            dst[lg][b:b + length] = src[a:a + length]
+            dst[lg][b : b + length] = src[a : a + length]
     for step in plan.post:
         view = dst[step.region].reshape(local.num_blocks, -1)
         for offset in step.slab_offsets:
-            slabs = view[step.block_ids, offset:offset + step.slab_nbytes]
-            view[step.block_ids, offset:offset + step.slab_nbytes] = step.rearrange(slabs)
+            slabs = view[step.block_ids, offset : offset + step.slab_nbytes]
+            view[step.block_ids, offset : offset + step.slab_nbytes] = step.rearrange(slabs)
 
 
 # -- real transfers: a producer engine in a child process ------------------------------------
@@ -140,8 +161,15 @@ def child_env(num_devices: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def global_arrays(config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids, num_blocks: int,
-                  seed: int = 3, first_token: int = 0) -> list[np.ndarray]:
+def global_arrays(
+    config: EngineConfig,
+    pp_rank: int,
+    g: np.ndarray,
+    block_ids,
+    num_blocks: int,
+    seed: int = 3,
+    first_token: int = 0,
+) -> list[np.ndarray]:
     """The global (all heads) arrays of one pipeline rank's cache: random bits everywhere, the
     request's tokens from G in `block_ids`."""
     local = config.local_spec(pp_rank)
@@ -150,12 +178,15 @@ def global_arrays(config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids, 
     engine = NumpyEngine(full, num_blocks, seed=seed)
     engine.write_request(g[l0:l1], block_ids, first_token)
     width = np.dtype(f"u{local.itemsize}")
-    return [buf.view(width).reshape(local.array_shape(num_blocks)).view(local.dtype)
-            for buf in engine.buffers[0]]
+    return [
+        buf.view(width).reshape(local.array_shape(num_blocks)).view(local.dtype)
+        for buf in engine.buffers[0]
+    ]
 
 
-def expected_arrays(config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids,
-                    first_token: int = 0) -> list[np.ndarray]:
+def expected_arrays(
+    config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids, first_token: int = 0
+) -> list[np.ndarray]:
     """What the request's blocks of each global array must hold (uint view), from G."""
     local = config.local_spec(pp_rank)
     l0, l1 = config.layer_range(pp_rank)
@@ -164,8 +195,17 @@ def expected_arrays(config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids
     return engine.slice_of(0, g[l0:l1], first_token, len(block_ids))
 
 
-def producer_main(conn, spec_kwargs: dict, tp: int, pp_rank: int, pp: int, num_blocks: int,
-                  g_seed: int, num_tokens: int, engine_kwargs: dict) -> None:
+def producer_main(
+    conn,
+    spec_kwargs: dict,
+    tp: int,
+    pp_rank: int,
+    pp: int,
+    num_blocks: int,
+    g_seed: int,
+    num_tokens: int,
+    engine_kwargs: dict,
+) -> None:
     """A producer engine process: holds pipeline rank `pp_rank`'s cache over `tp` CPU devices,
     filled from G for every published request; serves commands from `conn`:
     ("register", block_ids) -> address (cache filled with G's tokens in block_ids);
@@ -200,12 +240,131 @@ def producer_main(conn, spec_kwargs: dict, tp: int, pp_rank: int, pp: int, num_b
                 elif command[0] == "pin":
                     _, request_id, block_ids, lease = command
                     conn.send(engine.publish_request(request_id, block_ids, lease))
+                elif command[0] == "pause":  # stop polling (no acks, no lease upkeep)
+                    time.sleep(command[1])
+                    conn.send(True)
                 elif command[0] == "abort":
                     engine.abort_request(command[1])
                     conn.send(True)
                 elif command[0] == "state":
-                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(),
-                               engine.agent.num_registrations))
+                    conn.send(
+                        (
+                            engine.num_pinned,
+                            list(freed),
+                            engine.stats.summary(),
+                            engine.agent.num_registrations,
+                        )
+                    )
             result = engine.poll()
             freed.extend(result.freeable)
             time.sleep(0)
+
+
+# -- test base for real transfers ------------------------------------------------------------
+
+NUM_BLOCKS = 16
+REMOTE_IDS = [3, 4, 5, 9, 10, 2]
+LOCAL_IDS = [7, 8, 9, 12, 13, 14]
+G_SEED = 11
+WAIT_S = 60.0
+
+
+def _mesh(tp):
+    import jax
+
+    return jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+
+
+class TransferTestBase(parameterized.TestCase):
+    """Spawns producer processes (`producer_main`) and consumer engines; cleans both up."""
+
+    def setUp(self):
+        super().setUp()
+        self._children = []
+        self._engines = []
+
+    def tearDown(self):
+        for engine in self._engines:
+            engine.close()
+        for process, conn in self._children:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(("exit",))
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+            conn.close()
+        super().tearDown()
+
+    def start_producer(self, spec_kwargs, tp, pp_rank=0, pp=1, engine_kwargs=None):
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(
+            target=producer_main,
+            args=(
+                child,
+                spec_kwargs,
+                tp,
+                pp_rank,
+                pp,
+                NUM_BLOCKS,
+                G_SEED,
+                len(REMOTE_IDS) * spec_kwargs["block_size"],
+                engine_kwargs or {},
+            ),
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        self._children.append((process, parent))
+        return process, parent
+
+    @staticmethod
+    def call(conn, *command, timeout=WAIT_S):
+        conn.send(command)
+        if not conn.poll(timeout):
+            raise TimeoutError(f"producer did not answer {command[0]!r}")
+        return conn.recv()
+
+    @staticmethod
+    def ready(conn):
+        if not conn.poll(WAIT_S):
+            raise TimeoutError("producer did not start")
+        return conn.recv()
+
+    def consumer(self, spec, tp, pp=1, pp_rank=0, **kwargs):
+        from jaxkv import PagedKVCache
+        from jaxkv.transfer import KVTransferEngine
+
+        config = EngineConfig(spec, tp, pp)
+        engine = KVTransferEngine("decode", config, **kwargs)
+        self._engines.append(engine)
+        cache = PagedKVCache.allocate(config.local_spec(pp_rank), NUM_BLOCKS, mesh=_mesh(tp))
+        engine.register_cache(cache, pp_rank=pp_rank)
+        return engine, cache, config
+
+    @staticmethod
+    def wait(engine, request_ids, timeout=WAIT_S):
+        finished, failed = [], []
+        deadline = time.monotonic() + timeout
+        pending = set(request_ids)
+        while pending and time.monotonic() < deadline:
+            result = engine.poll()
+            finished += result.finished
+            failed += result.failed
+            pending -= set(result.finished) | {f.request_id for f in result.failed}
+        if pending:
+            raise TimeoutError(f"requests {sorted(pending)} neither finished nor failed")
+        return finished, failed
+
+    def check_cache(self, cache, config, g, local_ids, pp_rank=0, first_token=0):
+        expected = expected_arrays(config, pp_rank, g, local_ids, first_token)
+        ids = np.asarray(local_ids)
+        others = np.setdiff1d(np.arange(NUM_BLOCKS), ids)
+        for index, (array, want) in enumerate(zip(cache.arrays, expected)):
+            got = bits(np.asarray(array))
+            np.testing.assert_array_equal(got[ids], want, err_msg=f"array {index}")
+            self.assertFalse(got[others].any(), f"array {index}: other blocks changed")

@@ -22,7 +22,14 @@ from jaxkv.transfer._metadata import (
     encode_metadata,
     engine_metadata,
 )
-from jaxkv.transfer._plan import COPY_COLUMNS, PlanError, PostProcess, ReadPlan, block_runs, plan_read
+from jaxkv.transfer._plan import (
+    COPY_COLUMNS,
+    PlanError,
+    PostProcess,
+    ReadPlan,
+    block_runs,
+    plan_read,
+)
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._stats import TransferRecord, TransferStats, WorkerAggregator
 

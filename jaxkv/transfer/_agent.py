@@ -5,6 +5,7 @@ NIXL is optional: nothing here imports it until an agent is created (`load_nixl`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import threading
@@ -69,7 +70,8 @@ class NixlAgent:
     sharing a base address but not a length are two registrations (vLLM 57661).
     """
 
-    def __init__(self, name: str, options: AgentOptions = AgentOptions()):
+    def __init__(self, name: str, options: AgentOptions | None = None):
+        options = options or AgentOptions()
         api = load_nixl()
         config = api.nixl_agent_config(
             enable_prog_thread=options.progress_thread,
@@ -82,10 +84,13 @@ class NixlAgent:
         self._agent = api.nixl_agent(name, config)
         missing = [b for b in options.backends if b not in self._agent.backends]
         if missing:
-            raise RuntimeError(f"NIXL could not create backends {missing} "
-                               f"(available plugins: {self._agent.plugin_list})")
+            raise RuntimeError(
+                f"NIXL could not create backends {missing} "
+                f"(available plugins: {self._agent.plugin_list})"
+            )
         self._registered: dict[tuple[int, int, int, str], tuple[Any, int]] = {}
         self._remote: set[str] = set()
+        self._inbox: dict[str, list[bytes]] = {}
         self._lock = threading.RLock()
 
     # -- registration ---------------------------------------------------------------------
@@ -101,8 +106,7 @@ class NixlAgent:
                     descs, refs = self._registered[key]
                     self._registered[key] = (descs, refs + 1)
                     continue
-                descs = self._agent.register_memory(
-                    np.array([key[:3]], dtype=np.uint64), key[3])
+                descs = self._agent.register_memory(np.array([key[:3]], dtype=np.uint64), key[3])
                 self._registered[key] = (descs, 1)
                 new += 1
         return new
@@ -137,14 +141,17 @@ class NixlAgent:
             self._remote.add(name)
             return name
 
+    def connect(self, name: str) -> None:
+        """Establishes the connection to a loaded peer now (warm-up; messages sent on an
+        endpoint that is still being wired up may be dropped)."""
+        self._agent.make_connection(name)
+
     def remove_remote(self, name: str) -> None:
         with self._lock:
             if name in self._remote:
                 self._remote.discard(name)
-                try:
+                with contextlib.suppress(Exception):  # best effort on a dead peer
                     self._agent.remove_remote_agent(name)
-                except Exception:  # noqa: BLE001 - best effort on a dead peer
-                    pass
 
     @property
     def remote_agents(self) -> frozenset[str]:
@@ -152,13 +159,21 @@ class NixlAgent:
 
     # -- transfers ------------------------------------------------------------------------
 
-    def read(self, local: np.ndarray, remote: np.ndarray, remote_name: str, kind: str = "DRAM",
-             remote_kind: str | None = None, notif: bytes = b"") -> Any:
+    def read(
+        self,
+        local: np.ndarray,
+        remote: np.ndarray,
+        remote_name: str,
+        kind: str = "DRAM",
+        remote_kind: str | None = None,
+        notif: bytes = b"",
+    ) -> Any:
         """Posts a READ of ``Nx3`` ``(address, length, device)`` descriptors; returns the
         handle (state via `state`, freed with `release`)."""
         local_descs = self._agent.get_xfer_descs(np.ascontiguousarray(local, np.uint64), kind)
         remote_descs = self._agent.get_xfer_descs(
-            np.ascontiguousarray(remote, np.uint64), remote_kind or kind)
+            np.ascontiguousarray(remote, np.uint64), remote_kind or kind
+        )
         handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote_name, notif)
         status = self._agent.transfer(handle)
         if status == "ERR":
@@ -167,7 +182,7 @@ class NixlAgent:
         return handle
 
     def state(self, handle: Any) -> str:
-        """"DONE", "PROC" or "ERR"."""
+        """ "DONE", "PROC" or "ERR"."""
         try:
             return self._agent.check_xfer_state(handle)
         except Exception:  # noqa: BLE001 - NIXL raises on a failed endpoint
@@ -180,9 +195,22 @@ class NixlAgent:
         except Exception:  # noqa: BLE001 - still active and not cancellable
             return False
 
-    def notifications(self) -> dict[str, list[bytes]]:
+    def progress(self) -> None:
+        """Progresses the backend (queued sends) without a progress thread; notifications
+        that arrive meanwhile are kept for the next `notifications` call."""
+        for name, messages in self._fetch().items():
+            self._inbox.setdefault(name, []).extend(messages)
+
+    def _fetch(self) -> dict[str, list[bytes]]:
         notifs = self._agent.get_new_notifs()
         return {(k.decode() if isinstance(k, bytes) else k): v for k, v in notifs.items()}
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications by sender agent name (each returned once)."""
+        inbox, self._inbox = self._inbox, {}
+        for name, messages in self._fetch().items():
+            inbox.setdefault(name, []).extend(messages)
+        return inbox
 
     def send(self, remote_name: str, message: bytes) -> bool:
         try:
@@ -197,8 +225,6 @@ class NixlAgent:
             for name in list(self._remote):
                 self.remove_remote(name)
             for descs, _ in list(self._registered.values()):
-                try:
+                with contextlib.suppress(Exception):
                     self._agent.deregister_memory(descs)
-                except Exception:  # noqa: BLE001
-                    pass
             self._registered.clear()

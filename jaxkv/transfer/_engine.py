@@ -104,6 +104,7 @@ class _Pinned:
     deadline: float
     notified: dict[int, set[tuple[str, int]]]  # producer rank -> {(consumer engine, rank)}
     expected: dict[int, int]
+    lease_s: float
 
 
 @dataclasses.dataclass
@@ -120,6 +121,7 @@ class _Reading:
     acks: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
     expected_acks: int = 0
     error: str | None = None
+    local_block_ids: tuple[int, ...] = ()
 
 
 class KVTransferEngine:
@@ -139,7 +141,7 @@ class KVTransferEngine:
         self,
         engine_id: str,
         config: EngineConfig,
-        agent_options: AgentOptions = AgentOptions(),
+        agent_options: AgentOptions | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         lease_s: float = 30.0,
@@ -154,7 +156,9 @@ class KVTransferEngine:
         self.read_timeout_s = read_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.handshake_retries = handshake_retries
-        self.agent = NixlAgent(f"{engine_id}/{os.getpid()}/{self.generation}", agent_options)
+        self.agent = NixlAgent(
+            f"{engine_id}/{os.getpid()}/{self.generation}", agent_options or AgentOptions()
+        )
         self.server = MetadataServer(host, port)
         self.stats = TransferStats()
         self._ranks: dict[int, RankInfo] = {}
@@ -200,8 +204,10 @@ class KVTransferEngine:
         buffers = cache.shard_buffers()
         if tp_rank is None:
             if cache.tp_size != config.tp_size:
-                raise ValueError(f"cache is sharded over tp={cache.tp_size}, the engine has "
-                                 f"tp={config.tp_size}; pass tp_rank for a one-rank cache")
+                raise ValueError(
+                    f"cache is sharded over tp={cache.tp_size}, the engine has "
+                    f"tp={config.tp_size}; pass tp_rank for a one-rank cache"
+                )
             expected_spec = local_spec
             mesh = cache.sharding.source_mesh
             names = list(mesh.axis_names)
@@ -209,8 +215,11 @@ class KVTransferEngine:
             devices = np.moveaxis(mesh.devices, tp_pos, 0).reshape(config.tp_size, -1)[:, 0]
             rank_of = {d.id: config.rank(i, pp_rank) for i, d in enumerate(devices)}
         else:
-            expected_spec = local_spec.replace(num_kv_heads=config.heads_per_rank) \
-                if not local_spec.mla else local_spec
+            expected_spec = (
+                local_spec.replace(num_kv_heads=config.heads_per_rank)
+                if not local_spec.mla
+                else local_spec
+            )
             rank_of = {b.device.id: config.rank(tp_rank, pp_rank) for b in buffers}
         if cache.spec != expected_spec:
             raise ValueError(f"cache spec {cache.spec} does not match the engine's {expected_spec}")
@@ -226,16 +235,25 @@ class KVTransferEngine:
             bufs.sort(key=lambda b: b.array_index)
             regions = [
                 RegionInfo(
-                    array_index=b.array_index, layer=-1 if b.layer is None else b.layer + l0,
-                    kv=-1 if b.kv is None else b.kv, head_start=h0, head_stop=h1,
-                    base_address=b.address, block_len=b.nbytes // cache.num_blocks,
-                    num_blocks=cache.num_blocks, device_id=b.device.id if b.memory_kind == "VRAM"
-                    else 0, memory_kind=b.memory_kind)
+                    array_index=b.array_index,
+                    layer=-1 if b.layer is None else b.layer + l0,
+                    kv=-1 if b.kv is None else b.kv,
+                    head_start=h0,
+                    head_stop=h1,
+                    base_address=b.address,
+                    block_len=b.nbytes // cache.num_blocks,
+                    num_blocks=cache.num_blocks,
+                    device_id=b.device.id if b.memory_kind == "VRAM" else 0,
+                    memory_kind=b.memory_kind,
+                )
                 for b in bufs
             ]
             new_ranks[rank] = RankInfo(rank=rank, agent_name=self.agent.name, regions=regions)
-        regs = [(r.base_address, r.block_len * r.num_blocks, r.device_id, r.memory_kind)
-                for info in new_ranks.values() for r in info.regions]
+        regs = [
+            (r.base_address, r.block_len * r.num_blocks, r.device_id, r.memory_kind)
+            for info in new_ranks.values()
+            for r in info.regions
+        ]
         self.agent.register(regs)
         self._ranks.update(new_ranks)
         self._caches.append((cache, buffers))
@@ -253,8 +271,9 @@ class KVTransferEngine:
 
     def _publish(self) -> None:
         agents = [AgentInfo(name=self.agent.name, metadata=self.agent.metadata())]
-        self._meta = engine_metadata(self.engine_id, self.config, list(self._ranks.values()),
-                                     agents, self.generation)
+        self._meta = engine_metadata(
+            self.engine_id, self.config, list(self._ranks.values()), agents, self.generation
+        )
         self.server.publish(self._meta)
 
     # -- handshake ------------------------------------------------------------------------
@@ -269,8 +288,11 @@ class KVTransferEngine:
         metas = []
         try:
             for address in addresses:
-                metas.append(fetch_metadata(tuple(address), engine_id, self.handshake_timeout_s,
-                                            self.handshake_retries))
+                metas.append(
+                    fetch_metadata(
+                        tuple(address), engine_id, self.handshake_timeout_s, self.handshake_retries
+                    )
+                )
             merged = _merge(metas)
             check_compatible(self.metadata, merged)
         except (HandshakeError, IncompatibleEngineError, MetadataError):
@@ -282,9 +304,12 @@ class KVTransferEngine:
                 self.agent.remove_remote(name)
                 self._hello_sent.discard(name)
         agents = {a.name: self.agent.add_remote(a.metadata) for a in merged.agents}
+        for name in agents.values():
+            self.agent.connect(name)
         self._peers[engine_id] = _Peer(merged, tuple(tuple(a) for a in addresses), agents)
-        hello = encode_message(Hello(self.engine_id, self.generation, self.agent.name,
-                                     self.agent.metadata()))
+        hello = encode_message(
+            Hello(self.engine_id, self.generation, self.agent.name, self.agent.metadata())
+        )
         for name in agents.values():
             if self.agent.send(name, hello):
                 self._hello_sent.add(name)
@@ -301,15 +326,18 @@ class KVTransferEngine:
 
     # -- producer -------------------------------------------------------------------------
 
-    def publish_request(self, request_id: str, block_ids: Sequence[int],
-                        lease_s: float | None = None) -> TransferParams:
+    def publish_request(
+        self, request_id: str, block_ids: Sequence[int], lease_s: float | None = None
+    ) -> TransferParams:
         """Pins a request's blocks until every consumer rank notified or the lease expired."""
         lease = self.lease_s if lease_s is None else lease_s
         ids = tuple(int(b) for b in block_ids)
-        self._pinned[request_id] = _Pinned(ids, time.monotonic() + lease,
-                                           {r: set() for r in self._ranks}, {})
-        return TransferParams(self.engine_id, [tuple(self.address)], request_id, list(ids), lease,
-                              self.generation)
+        self._pinned[request_id] = _Pinned(
+            ids, time.monotonic() + lease, {r: set() for r in self._ranks}, {}, lease
+        )
+        return TransferParams(
+            self.engine_id, [tuple(self.address)], request_id, list(ids), lease, self.generation
+        )
 
     def abort_request(self, request_id: str) -> None:
         """Producer: releases a request's blocks now (reported by the next `poll` as freeable);
@@ -331,8 +359,9 @@ class KVTransferEngine:
 
     # -- consumer -------------------------------------------------------------------------
 
-    def start_read(self, params: TransferParams, local_block_ids: Sequence[int],
-                   timeout_s: float | None = None) -> None:
+    def start_read(
+        self, params: TransferParams, local_block_ids: Sequence[int], timeout_s: float | None = None
+    ) -> None:
         """Plans and posts the reads of a request for every local rank; returns at once.
 
         Failures (handshake, planning, posting) are reported by `poll` as failed requests;
@@ -343,15 +372,25 @@ class KVTransferEngine:
             raise ValueError(f"request {request_id!r} is already being read")
         now = time.monotonic()
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
-        state = _Reading(request_id, params.engine_id, [], [], now, now + timeout,
-                         params.lease_s, now + params.lease_s / 3)
+        state = _Reading(
+            request_id,
+            params.engine_id,
+            [],
+            [],
+            now,
+            now + timeout,
+            params.lease_s,
+            now + params.lease_s / 3,
+        )
         self._reading[request_id] = state
-        local_ids = np.asarray(local_block_ids, dtype=np.int64)
+        local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        state.local_block_ids = tuple(int(b) for b in local_ids)
         try:
             peer = self._peer(params.engine_id, params.addresses, params.generation)
             for rank in self.local_ranks:
-                plan = plan_read(self.metadata, rank, peer.meta, local_ids, params.block_ids,
-                                 check=False)
+                plan = plan_read(
+                    self.metadata, rank, peer.meta, local_ids, params.block_ids, check=False
+                )
                 state.plans.append(plan)
             for plan in state.plans:
                 for remote_rank in plan.read_ranks:
@@ -361,8 +400,14 @@ class KVTransferEngine:
                     kind = self._ranks[plan.local_rank].regions[0].memory_kind
                     remote_kind = info.regions[0].memory_kind
                     state.handles.append((name, self.agent.read(loc, rem, name, kind, remote_kind)))
-        except (HandshakeError, IncompatibleEngineError, MetadataError, PlanError,
-                ConnectionError, KeyError) as error:
+        except (
+            HandshakeError,
+            IncompatibleEngineError,
+            MetadataError,
+            PlanError,
+            ConnectionError,
+            KeyError,
+        ) as error:
             state.error = f"{type(error).__name__}: {error}"
 
     # -- polling --------------------------------------------------------------------------
@@ -383,6 +428,7 @@ class KVTransferEngine:
                     self.stats.expired_leases += 1
                 del self._pinned[request_id]
                 result.freeable.append(request_id)
+        self.agent.progress()  # push what this poll sent, even if the caller goes idle
         return result
 
     def _handle_messages(self, now: float) -> None:
@@ -399,40 +445,48 @@ class KVTransferEngine:
                         self.agent.remove_remote(old)
                     try:
                         self._consumers[message.agent_name] = self.agent.add_remote(
-                            message.agent_metadata)
+                            message.agent_metadata
+                        )
                     except Exception:  # noqa: BLE001 - bad metadata from a peer
                         self.stats.malformed_messages += 1
                 elif isinstance(message, Heartbeat):
                     pinned = self._pinned.get(message.request_id)
-                    if pinned is not None and pinned.deadline >= 0:
-                        lease = self.lease_s
-                        pinned.deadline = max(pinned.deadline, now + lease)
+                    if pinned is not None and now <= pinned.deadline:  # not after expiry
+                        pinned.deadline = max(pinned.deadline, now + pinned.lease_s)
                 elif isinstance(message, Done):
                     self._on_done(message)
                 elif isinstance(message, Ack):
                     reading = self._reading.get(message.request_id)
                     if reading is not None and reading.done_at is not None:
-                        reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
+                        reading.acks[(message.producer_rank, message.consumer_rank)] = (
+                            message.pinned
+                        )
             del sender
 
     def _on_done(self, message: Done) -> None:
         pinned = self._pinned.get(message.request_id)
-        live = (pinned is not None and pinned.deadline >= 0
-                and time.monotonic() <= pinned.deadline
-                and message.producer_rank in pinned.notified)
+        live = (
+            pinned is not None
+            and pinned.deadline >= 0
+            and time.monotonic() <= pinned.deadline
+            and message.producer_rank in pinned.notified
+        )
         if live:
             pinned.notified[message.producer_rank].add((message.engine_id, message.consumer_rank))
             pinned.expected[message.producer_rank] = message.expected
         target = self._consumers.get(message.agent_name)
-        ack = encode_message(Ack(message.request_id, message.producer_rank,
-                                 message.consumer_rank, live))
+        ack = encode_message(
+            Ack(message.request_id, message.producer_rank, message.consumer_rank, live)
+        )
         if target is None or not self.agent.send(target, ack):
             self.stats.failed_notifications += 1
 
     def _progress_read(self, state: _Reading, now: float, result: PollResult) -> None:
         if state.error is None and now > state.deadline:
-            state.error = (f"timed out after {now - state.started:.3f}s "
-                           f"({'confirming' if state.done_at else 'reading'})")
+            state.error = (
+                f"timed out after {now - state.started:.3f}s "
+                f"({'confirming' if state.done_at else 'reading'})"
+            )
         if state.error is None and state.done_at is None:
             states = [self.agent.state(h) for _, h in state.handles]
             if "ERR" in states:
@@ -440,8 +494,10 @@ class KVTransferEngine:
             elif all(s == "DONE" for s in states):
                 state.done_at = time.monotonic()
                 self._send_done(state, ok=True)
-        if state.error is None and state.done_at is not None and (
-            len(state.acks) >= state.expected_acks
+        if (
+            state.error is None
+            and state.done_at is not None
+            and (len(state.acks) >= state.expected_acks)
         ):
             if all(state.acks.values()):
                 self._finish(state, result)
@@ -469,12 +525,21 @@ class KVTransferEngine:
             return
         expected = self.config.world_size
         state.expected_acks = 0
-        for plan in state.plans:
-            for remote_rank in plan.notify_ranks:
+        for local_rank in self.local_ranks:  # every consumer rank notifies every producer rank
+            for remote_rank in range(peer.meta.world_size):
                 info = peer.meta.rank_info(remote_rank)
                 name = peer.agents[info.agent_name]
-                message = encode_message(Done(state.request_id, self.engine_id, self.agent.name,
-                                              plan.local_rank, remote_rank, expected, ok))
+                message = encode_message(
+                    Done(
+                        state.request_id,
+                        self.engine_id,
+                        self.agent.name,
+                        local_rank,
+                        remote_rank,
+                        expected,
+                        ok,
+                    )
+                )
                 if self.agent.send(name, message):
                     state.expected_acks += 1
                 else:
@@ -493,26 +558,30 @@ class KVTransferEngine:
         self._release_handles(state)
         del self._reading[state.request_id]
         plans = state.plans
-        self.stats.add(TransferRecord(
-            request_id=state.request_id,
-            bytes=sum(p.num_bytes for p in plans),
-            descriptors=sum(p.num_descriptors for p in plans),
-            expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
-            duration_s=(state.done_at or time.monotonic()) - state.started,
-            confirm_s=time.monotonic() - (state.done_at or time.monotonic()),
-        ))
+        self.stats.add(
+            TransferRecord(
+                request_id=state.request_id,
+                bytes=sum(p.num_bytes for p in plans),
+                descriptors=sum(p.num_descriptors for p in plans),
+                expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
+                duration_s=(state.done_at or time.monotonic()) - state.started,
+                confirm_s=time.monotonic() - (state.done_at or time.monotonic()),
+            )
+        )
         result.finished.append(state.request_id)
         posts = [step for p in plans for step in p.post]
         if posts:
             result.post[state.request_id] = posts
 
     def _fail(self, state: _Reading, result: PollResult) -> None:
-        if state.done_at is None and state.plans:
-            self._send_done(state, ok=False)  # lets the producer free early
+        # Release (cancel) the READs first: releasing a handle may cancel messages queued
+        # behind it on the endpoint.
         self._release_handles(state)
+        if state.done_at is None:
+            self._send_done(state, ok=False)  # lets the producer free early
         del self._reading[state.request_id]
         self.stats.failed_transfers += 1
-        invalid = sorted({int(b) for p in state.plans for b in p.local_block_ids})
+        invalid = sorted({int(b) for b in state.local_block_ids})
         result.failed.append(FailedRead(state.request_id, state.error or "failed", tuple(invalid)))
 
     # -- shutdown -------------------------------------------------------------------------
@@ -543,13 +612,20 @@ def _merge(metas: list[EngineMetadata]) -> EngineMetadata:
     ranks: dict[int, RankInfo] = {}
     agents: dict[str, AgentInfo] = {}
     for meta in metas:
-        shared = {k: v for k, v in msgspec.structs.asdict(meta).items()
-                  if k not in ("ranks", "agents", "generation")}
-        reference = {k: v for k, v in msgspec.structs.asdict(first).items()
-                     if k not in ("ranks", "agents", "generation")}
+        shared = {
+            k: v
+            for k, v in msgspec.structs.asdict(meta).items()
+            if k not in ("ranks", "agents", "generation")
+        }
+        reference = {
+            k: v
+            for k, v in msgspec.structs.asdict(first).items()
+            if k not in ("ranks", "agents", "generation")
+        }
         if shared != reference:
-            raise MetadataError(f"processes of engine {first.engine_id!r} disagree on the engine "
-                                "description")
+            raise MetadataError(
+                f"processes of engine {first.engine_id!r} disagree on the engine description"
+            )
         for info in meta.ranks:
             ranks[info.rank] = info
         for agent in meta.agents:
@@ -558,5 +634,9 @@ def _merge(metas: list[EngineMetadata]) -> EngineMetadata:
     if missing:
         raise MetadataError(f"engine {first.engine_id!r}: no process publishes ranks {missing}")
     generation = max(m.generation for m in metas)
-    return msgspec.structs.replace(first, ranks=[ranks[r] for r in sorted(ranks)],
-                                   agents=list(agents.values()), generation=generation)
+    return msgspec.structs.replace(
+        first,
+        ranks=[ranks[r] for r in sorted(ranks)],
+        agents=list(agents.values()),
+        generation=generation,
+    )

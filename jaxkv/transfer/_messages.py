@@ -3,14 +3,21 @@ size-bounded, schema-validated like the metadata)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 
 from jaxkv.transfer._metadata import MAX_METADATA_BYTES
 
-__all__ = ["Ack", "Done", "Heartbeat", "Hello", "MAX_MESSAGE_BYTES", "decode_message",
-           "encode_message"]
+__all__ = [
+    "Ack",
+    "Done",
+    "Heartbeat",
+    "Hello",
+    "MAX_MESSAGE_BYTES",
+    "decode_message",
+    "encode_message",
+]
 
 MAX_MESSAGE_BYTES = MAX_METADATA_BYTES + 4096
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -56,7 +63,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     pinned: bool
 
 
-Message = Union[Hello, Heartbeat, Done, Ack]
+Message = Hello | Heartbeat | Done | Ack
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

@@ -243,7 +243,9 @@ def decode_metadata(
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise MetadataError(f"metadata payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:
-        raise MetadataError(f"metadata payload is {len(payload)} bytes, above the {max_bytes} limit")
+        raise MetadataError(
+            f"metadata payload is {len(payload)} bytes, above the {max_bytes} limit"
+        )
     try:
         meta = _DECODER.decode(payload)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
@@ -271,7 +273,9 @@ def validate_metadata(meta: EngineMetadata) -> None:
         validate_layout(meta.layout)
         config = meta.config()
     except ValueError as error:
-        raise MetadataError(f"engine {meta.engine_id!r}: invalid cache description: {error}") from error
+        raise MetadataError(
+            f"engine {meta.engine_id!r}: invalid cache description: {error}"
+        ) from error
     if meta.layout != config.spec.layout:
         raise MetadataError(f"engine {meta.engine_id!r}: layout must be given as letters")
     expected_hash = compute_compat_hash(compat_fields(meta))
@@ -295,7 +299,8 @@ def validate_metadata(meta: EngineMetadata) -> None:
         seen_ranks.add(info.rank)
         if info.agent_name not in agent_names:
             raise MetadataError(
-                f"engine {meta.engine_id!r}: rank {info.rank} names unknown agent {info.agent_name!r}"
+                f"engine {meta.engine_id!r}: rank {info.rank} names unknown agent "
+                f"{info.agent_name!r}"
             )
         tp_rank, pp_rank = config.coordinates(info.rank)
         layer_start, layer_stop = config.layer_range(pp_rank)
@@ -309,7 +314,9 @@ def validate_metadata(meta: EngineMetadata) -> None:
             )
         num_blocks = {r.num_blocks for r in info.regions}
         if len(num_blocks) != 1:
-            raise MetadataError(f"engine {meta.engine_id!r}: rank {info.rank} regions differ in num_blocks")
+            raise MetadataError(
+                f"engine {meta.engine_id!r}: rank {info.rank} regions differ in num_blocks"
+            )
         for index, (region, key) in enumerate(zip(info.regions, local_keys)):
             layer = -1 if key[0] is None else key[0] + layer_start
             kv = -1 if key[1] is None else key[1]
@@ -320,7 +327,8 @@ def validate_metadata(meta: EngineMetadata) -> None:
                 problems.append(f"(layer, kv) ({region.layer}, {region.kv}) != ({layer}, {kv})")
             if (region.head_start, region.head_stop) != (head_start, head_stop):
                 problems.append(
-                    f"heads [{region.head_start}, {region.head_stop}) != [{head_start}, {head_stop})"
+                    f"heads [{region.head_start}, {region.head_stop}) != "
+                    f"[{head_start}, {head_stop})"
                 )
             if region.block_len != block_len:
                 problems.append(f"block_len {region.block_len} != {block_len}")
@@ -342,7 +350,9 @@ def check_compatible(local: EngineMetadata, remote: EngineMetadata) -> None:
         block-size / layout relation the planner cannot convert.
     """
     ours, theirs = compat_fields(local), compat_fields(remote)
-    differing = [f"{k}: local {ours[k]!r}, remote {theirs[k]!r}" for k in ours if ours[k] != theirs[k]]
+    differing = [
+        f"{k}: local {ours[k]!r}, remote {theirs[k]!r}" for k in ours if ours[k] != theirs[k]
+    ]
     if local.block_size % remote.block_size:
         differing.append(
             f"block_size: local {local.block_size} is not a multiple of remote {remote.block_size}"

@@ -87,16 +87,22 @@ class PostProcess:
 
     @property
     def slab_nbytes(self) -> int:
-        return self.runs * self.heads_per_run * self.ratio * self.sub_tokens * self.head_dim * (
-            self.itemsize
+        return (
+            self.runs
+            * self.heads_per_run
+            * self.ratio
+            * self.sub_tokens
+            * self.head_dim
+            * (self.itemsize)
         )
 
     def rearrange(self, slab: np.ndarray) -> np.ndarray:
         """Applies the rearrangement to slabs ``[..., slab_nbytes]`` of raw bytes (numpy)."""
         lead = slab.shape[:-1]
         g, r, n, t, d = self.runs, self.ratio, self.heads_per_run, self.sub_tokens, self.head_dim
-        x = slab.reshape(*lead, g, r, *((n, t) if self.recv_order == "HTD" else (t, n)), d,
-                         self.itemsize)
+        x = slab.reshape(
+            *lead, g, r, *((n, t) if self.recv_order == "HTD" else (t, n)), d, self.itemsize
+        )
         k = len(lead)
         if self.recv_order == "THD":  # -> [g, r, n, t, d, b]
             x = np.swapaxes(x, k + 2, k + 3)
@@ -238,11 +244,18 @@ class _Side:
                     region = index
                     break
             if region is None:
-                raise PlanError(f"rank {self.rank} of {meta.engine_id!r} has no region for "
-                                f"layer {layer} kv {kv}")
+                raise PlanError(
+                    f"rank {self.rank} of {meta.engine_id!r} has no region for "
+                    f"layer {layer} kv {kv}"
+                )
             # stride of L and K axes inside the block
-            sizes = {"L": self.layer_stop - self.layer_start, "K": meta.kv_factor,
-                     "H": self.heads, "T": meta.block_size, "D": meta.head_dim}
+            sizes = {
+                "L": self.layer_stop - self.layer_start,
+                "K": meta.kv_factor,
+                "H": self.heads,
+                "T": meta.block_size,
+                "D": meta.head_dim,
+            }
             strides = {}
             acc = meta.dtype_itemsize
             for axis in reversed(spec_layout):
@@ -279,9 +292,18 @@ def _side(meta: EngineMetadata, rank: int) -> _Side:
     else:
         t_stride, h_stride = heads * d * item, d * item
     return _Side(
-        meta=meta, rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, layer_start=layer_start,
-        layer_stop=layer_stop, head_start=head_start, heads=heads, order=order,
-        slab_nbytes=heads * t * d * item, t_stride=t_stride, h_stride=h_stride,
+        meta=meta,
+        rank=rank,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        layer_start=layer_start,
+        layer_stop=layer_stop,
+        head_start=head_start,
+        heads=heads,
+        order=order,
+        slab_nbytes=heads * t * d * item,
+        t_stride=t_stride,
+        h_stride=h_stride,
         block_len=config.local_spec(pp_rank).block_nbytes(config.tp_size),
     )
 
@@ -293,7 +315,8 @@ def _source_ranks(local: _Side, remote_meta: EngineMetadata, layer: int) -> list
     out = []
     for h in range(local.head_start, local.head_start + local.heads):
         candidates = [
-            tp for tp in range(config.tp_size)
+            tp
+            for tp in range(config.tp_size)
             if config.head_range(tp)[0] <= h < config.head_range(tp)[1]
         ]
         tp = candidates[local.tp_rank % len(candidates)]
@@ -359,28 +382,38 @@ def plan_read(
             f"{len(local_ids)} local blocks but the {len(remote_all)} remote blocks of block "
             f"size {remote.block_size} fill only {n_local_total} local blocks of {local.block_size}"
         )
-    remote_ids = remote_all[hit * ratio:]
-    loc = _side(local, local_rank)
+    remote_ids = remote_all[hit * ratio :]
+    _side(local, local_rank)
     local_regions = local.rank_info(local_rank).regions
     _check_ids(local_ids, local_regions[0].num_blocks, f"local rank {local_rank}")
     if len(local_ids) != len(set(local_ids.tolist())):
         raise PlanError("local block ids repeat")
     notify = tuple(range(remote.world_size))
     if len(local_ids) == 0:
-        return ReadPlan(local_rank, remote.engine_id, np.zeros((0, 9), np.int64), (), (), notify,
-                        local_ids, remote_ids)
+        return ReadPlan(
+            local_rank,
+            remote.engine_id,
+            np.zeros((0, 9), np.int64),
+            (),
+            (),
+            notify,
+            local_ids,
+            remote_ids,
+        )
 
     tpl = _templates(local, local_rank, remote)
     for rr in tpl.read_ranks:
         _check_ids(remote_ids, remote.rank_info(rr).regions[0].num_blocks, f"remote rank {rr}")
     copies = _expand(tpl, local_ids, remote_ids, ratio)
     post = tuple(
-        PostProcess(**fields, array_index=local_regions[fields["region"]].array_index,
-                    block_ids=local_ids)
+        PostProcess(
+            **fields, array_index=local_regions[fields["region"]].array_index, block_ids=local_ids
+        )
         for fields in tpl.post
     )
-    return ReadPlan(local_rank, remote.engine_id, copies, post, tpl.read_ranks, notify,
-                    local_ids, remote_ids)
+    return ReadPlan(
+        local_rank, remote.engine_id, copies, post, tpl.read_ranks, notify, local_ids, remote_ids
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,9 +433,19 @@ _TEMPLATE_CACHE_SIZE = 256
 
 
 def _geometry_key(meta: EngineMetadata) -> tuple:
-    return (meta.tp_size, meta.pp_size, tuple(meta.layers_per_pp), meta.num_layers,
-            meta.num_kv_heads, meta.head_dim, meta.kv_factor, meta.mla, meta.dtype, meta.layout,
-            meta.block_size)
+    return (
+        meta.tp_size,
+        meta.pp_size,
+        tuple(meta.layers_per_pp),
+        meta.num_layers,
+        meta.num_kv_heads,
+        meta.head_dim,
+        meta.kv_factor,
+        meta.mla,
+        meta.dtype,
+        meta.layout,
+        meta.block_size,
+    )
 
 
 def _templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -> _Templates:
@@ -427,11 +470,16 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
     remote_sides: dict[int, _Side] = {}
     for layer in range(loc.layer_start, loc.layer_stop):
         sources = _source_ranks(loc, remote, layer)
-        runs: list[tuple[int, int, int, int]] = []  # (remote rank, local head idx, n, remote head idx)
+        runs: list[
+            tuple[int, int, int, int]
+        ] = []  # (remote rank, local head idx, n, remote head idx)
         for i, (rr, rh0) in enumerate(sources):
             h = loc.head_start + i
-            if runs and runs[-1][0] == rr and runs[-1][1] + runs[-1][2] == i and (
-                runs[-1][3] + runs[-1][2] == h - rh0
+            if (
+                runs
+                and runs[-1][0] == rr
+                and runs[-1][1] + runs[-1][2] == i
+                and (runs[-1][3] + runs[-1][2] == h - rh0)
             ):
                 runs[-1] = (rr, runs[-1][1], runs[-1][2] + 1, runs[-1][3])
             else:
@@ -456,8 +504,9 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
                 r_off = r_slab + ri * rem.h_stride
                 if direct:
                     length, count, rs, ls = _direct_pattern(n, t_local, item * d, rem, loc)
-                    templates.append((rr, rg, r_off, lg, l_slab + li * loc.h_stride, length,
-                                      count, rs, ls, 0))
+                    templates.append(
+                        (rr, rg, r_off, lg, l_slab + li * loc.h_stride, length, count, rs, ls, 0)
+                    )
                     continue
                 run_bytes = n * t_local * d * item
                 sub_bytes = n * t_remote * d * item
@@ -466,19 +515,42 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
                 else:  # THD remote, a head subset: one row of n heads per token
                     pattern = (n * d * item, t_remote, rem.t_stride, n * d * item)
                 for j in range(ratio):
-                    templates.append((rr, rg, r_off, lg, l_slab + li // n * run_bytes + j * sub_bytes,
-                                      *pattern, j))
+                    templates.append(
+                        (
+                            rr,
+                            rg,
+                            r_off,
+                            lg,
+                            l_slab + li // n * run_bytes + j * sub_bytes,
+                            *pattern,
+                            j,
+                        )
+                    )
     rows = np.array(templates, dtype=np.int64).reshape(-1, 10)
     rows = rows[np.argsort(rows[:, _RR], kind="stable")]
     rbl = np.array([remote_sides[int(r)].block_len for r in rows[:, _RR]], dtype=np.int64)
     post = []
     for (lg, g, n, recv_order), offsets in post_groups.items():
-        kind = "merge" if ratio > 1 and recv_order == loc.order else (
-            "permute" if ratio == 1 else "merge_permute")
-        post.append(dict(
-            kind=kind, region=lg, slab_offsets=tuple(offsets), runs=g, heads_per_run=n,
-            ratio=ratio, sub_tokens=t_remote, head_dim=d, itemsize=item,
-            recv_order=recv_order, target_order=loc.order))
+        kind = (
+            "merge"
+            if ratio > 1 and recv_order == loc.order
+            else ("permute" if ratio == 1 else "merge_permute")
+        )
+        post.append(
+            dict(
+                kind=kind,
+                region=lg,
+                slab_offsets=tuple(offsets),
+                runs=g,
+                heads_per_run=n,
+                ratio=ratio,
+                sub_tokens=t_remote,
+                head_dim=d,
+                itemsize=item,
+                recv_order=recv_order,
+                target_order=loc.order,
+            )
+        )
     return _Templates(rows, rbl, loc.block_len, tuple(sorted(remote_sides)), tuple(post))
 
 
@@ -486,11 +558,14 @@ def _check_ids(ids: np.ndarray, num_blocks: int, where: str) -> None:
     if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
         bad = ids[(ids < 0) | (ids >= num_blocks)]
         raise PlanError(
-            f"block ids {bad[:8].tolist()} are outside the {num_blocks} blocks registered by {where}"
+            f"block ids {bad[:8].tolist()} are outside the {num_blocks} blocks registered by "
+            f"{where}"
         )
 
 
-def _expand(tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int) -> np.ndarray:
+def _expand(
+    tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int
+) -> np.ndarray:
     """Instantiates the per-block templates over the request's blocks, merging runs of
     consecutive ids into one (strided) descriptor where the pattern allows it. Rows keep the
     templates' order (grouped by remote rank)."""
@@ -518,7 +593,8 @@ def _expand(tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, rati
             single = t[:, _CNT] == 1
             length = t[:, _LEN]
             dense = (length == np.where(single, rbl, t[:, _RS])) & (
-                length == np.where(single, lbl, t[:, _LS]))
+                length == np.where(single, lbl, t[:, _LS])
+            )
             rows[:, :, _RS] = np.where(single, rbl, t[:, _RS])[:, None]
             rows[:, :, _LS] = np.where(single, lbl, t[:, _LS])[:, None]
             total = t[:, _CNT][:, None] * n_at[None, :]

@@ -8,6 +8,7 @@ timeout; the client retries a bounded number of times with exponential backoff.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -60,8 +61,9 @@ class MetadataServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self._closed = threading.Event()
         self.requests_served = 0
-        self._thread = threading.Thread(target=self._serve, name=f"jaxkv-metadata-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"jaxkv-metadata-{self.port}", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -78,7 +80,7 @@ class MetadataServer:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -100,10 +102,8 @@ class MetadataServer:
     def close(self) -> None:
         """Stops the thread and closes the socket (idempotent)."""
         self._closed.set()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
         self._thread.join(timeout=2.0)
 
     def __enter__(self) -> MetadataServer:

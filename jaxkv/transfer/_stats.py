@@ -42,8 +42,13 @@ class TransferStats:
     def merge(self, other: TransferStats) -> TransferStats:
         """Stats of two workers together (records concatenated, counters summed)."""
         out = TransferStats(records=self.records + other.records)
-        for field in ("failed_transfers", "failed_notifications", "failed_handshakes",
-                      "expired_leases", "malformed_messages"):
+        for field in (
+            "failed_transfers",
+            "failed_notifications",
+            "failed_handshakes",
+            "expired_leases",
+            "malformed_messages",
+        ):
             setattr(out, field, getattr(self, field) + getattr(other, field))
         return out
 
@@ -62,9 +67,12 @@ class TransferStats:
         dur = np.array([r.duration_s for r in self.records])
         total = np.array([r.duration_s + r.confirm_s + r.post_s for r in self.records])
         nbytes = np.array([r.bytes for r in self.records], dtype=np.float64)
-        for name, values in (("duration_ms", dur * 1e3), ("total_ms", total * 1e3),
-                             ("post_ms", np.array([r.post_s for r in self.records]) * 1e3),
-                             ("descriptors", np.array([r.descriptors for r in self.records]))):
+        for name, values in (
+            ("duration_ms", dur * 1e3),
+            ("total_ms", total * 1e3),
+            ("post_ms", np.array([r.post_s for r in self.records]) * 1e3),
+            ("descriptors", np.array([r.descriptors for r in self.records])),
+        ):
             out[f"{name}_mean"] = float(values.mean())
             for q in (50, 90, 99):
                 out[f"{name}_p{q}"] = float(np.percentile(values, q))
