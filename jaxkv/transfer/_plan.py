@@ -526,7 +526,7 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
                             j,
                         )
                     )
-    rows = np.array(templates, dtype=np.int64).reshape(-1, 10)
+    rows = _coalesce_templates(np.array(templates, dtype=np.int64).reshape(-1, 10))
     rows = rows[np.argsort(rows[:, _RR], kind="stable")]
     rbl = np.array([remote_sides[int(r)].block_len for r in rows[:, _RR]], dtype=np.int64)
     post = []
@@ -552,6 +552,35 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
             )
         )
     return _Templates(rows, rbl, loc.block_len, tuple(sorted(remote_sides)), tuple(post))
+
+
+def _coalesce_templates(rows: np.ndarray) -> np.ndarray:
+    """Merges plain templates that are adjacent on both sides (e.g. the per-layer slabs of a
+    cross-layer block read whole), so a block read whole is one template."""
+    if len(rows) < 2:
+        return rows
+    order = np.lexsort(
+        (rows[:, _LO], rows[:, _RO], rows[:, _LG], rows[:, _RG], rows[:, _RR], rows[:, 9])
+    )
+    merged: list[list[int]] = []
+    for row in rows[order].tolist():
+        if merged:
+            last = merged[-1]
+            if (
+                row[_CNT] == 1
+                and last[_CNT] == 1
+                and row[9] == last[9]
+                and row[_RR] == last[_RR]
+                and row[_RG] == last[_RG]
+                and row[_LG] == last[_LG]
+                and last[_RO] + last[_LEN] == row[_RO]
+                and last[_LO] + last[_LEN] == row[_LO]
+            ):
+                last[_LEN] += row[_LEN]
+                last[_RS] = last[_LS] = last[_LEN]
+                continue
+        merged.append(list(row))
+    return np.array(merged, dtype=np.int64)
 
 
 def _check_ids(ids: np.ndarray, num_blocks: int, where: str) -> None:
