@@ -186,9 +186,12 @@ class PlanPropertiesTest(absltest.TestCase):
         remote = rng.permutation(8192)[:2048]  # worst case: no runs at all
         local = rng.permutation(8192)[:2048]
         plan_read(meta_d, 0, meta_p, local, remote)
-        best = min(_timed(lambda: plan_read(meta_d, 0, meta_p, local, remote)) for _ in range(5))
+        # CPU time of this thread, best of 10: wall time on the shared 2-core machine includes
+        # waiting for other processes (Bazel runs two test files at once).
+        best = min(_cpu_seconds(lambda: plan_read(meta_d, 0, meta_p, local, remote))
+                   for _ in range(10))
         self.assertEqual(plan_read(meta_d, 0, meta_p, local, remote).num_descriptors, 64 * 2048)
-        self.assertLess(best, 0.005 if not _slow_machine() else 0.02)
+        self.assertLess(best, 0.005)
 
     def test_ids_out_of_range_refused(self):
         meta_p, meta_d = self._metas(num_blocks=64)
@@ -215,16 +218,10 @@ class PlanPropertiesTest(absltest.TestCase):
             plan_read(meta_d, 0, meta_p, [1], [1])
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _cpu_seconds(fn) -> float:
+    start = time.thread_time()
     fn()
-    return time.perf_counter() - start
-
-
-def _slow_machine() -> bool:
-    import os
-
-    return os.environ.get("JAXKV_SLOW_MACHINE") == "1"
+    return time.thread_time() - start
 
 
 if __name__ == "__main__":
