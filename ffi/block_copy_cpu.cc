@@ -2,6 +2,10 @@
 
 #include <sys/mman.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,16 +21,65 @@ namespace {
 // saturate memory bandwidth, nor take the page faults of a freshly allocated output alone.
 constexpr int64_t kParallelBytes = int64_t{4} << 20;
 constexpr unsigned kMaxThreads = 8;
+// Requests writing at least this many bytes (half of a large L3) use non-temporal stores for
+// their runs: the destination is not read soon, and streaming stores skip reading each
+// destination line before writing it (a third of the traffic of a cached copy; this is what
+// glibc's memcpy does for large copies, i.e. what a numpy copy of the same bytes gets).
+constexpr int64_t kStreamBytes = int64_t{16} << 20;
+
+// Copies `bytes` (a multiple of 16) to a 16-byte aligned `dst` with streaming stores.
+inline void StreamCopy(char* dst, const char* src, size_t bytes) {
+#if defined(__SSE2__)
+  size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  for (; i < bytes; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  }
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// Orders this thread's streaming stores before whatever it does next (joining included).
+inline void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Whether runs of `run_bytes` at every offset of `map` from `dst` can be streamed: 16-byte
+// aligned destinations and lengths, and long enough to be worth it.
+bool Streamable(const RunMap& map, const char* dst, int64_t run_bytes) {
+  uint64_t bits = reinterpret_cast<uintptr_t>(dst) | static_cast<uint64_t>(run_bytes) |
+                  static_cast<uint64_t>(map.dst_offset);
+  for (int32_t i = 0; i < map.ndim; ++i) bits |= static_cast<uint64_t>(map.dst_strides[i]);
+  return run_bytes >= 256 && (bits & 15) == 0;
+}
 
 // Copies run by run from `src` to `dst` following `map`, with `run_bytes` per run. The outer
 // axes are walked with an odometer (no division per run) and the innermost one in a tight
 // loop: reshaping maps move many short runs (one head row of D elements, often 256 bytes).
-void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes) {
+void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes,
+              bool stream = false) {
   src += map.src_offset;
   dst += map.dst_offset;
   const size_t bytes = static_cast<size_t>(run_bytes);
   if (map.ndim == 0) {
-    std::memcpy(dst, src, bytes);
+    if (stream) {
+      StreamCopy(dst, src, bytes);
+    } else {
+      std::memcpy(dst, src, bytes);
+    }
     return;
   }
   const int32_t last = map.ndim - 1;
@@ -40,7 +93,10 @@ void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes) 
     const char* s = src + src_base;
     char* d = dst + dst_base;
     // Common short runs get a fixed-size memcpy the compiler turns into a few moves.
-    switch (bytes) {
+    switch (stream ? 0 : bytes) {
+      case 0:
+        for (int64_t i = 0; i < inner_size; ++i) StreamCopy(d + i * inner_dst, s + i * inner_src, bytes);
+        break;
       case 16:
         for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 16);
         break;
@@ -75,12 +131,15 @@ void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes) 
   }
 }
 
-void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last) {
+void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last,
+                   bool stream) {
   const RunMap& map = request.map;
   const int64_t run_bytes =
       request.num_rows == nullptr
           ? map.run_bytes
           : EffectiveRows(*request.num_rows, request.max_rows) * request.row_bytes;
+  stream = stream && Streamable(map, request.dst, run_bytes) &&
+           request.dst_side.block_stride % 16 == 0;
   for (int64_t pair = first; pair < last; ++pair) {
     const int64_t dst_block = ResolveBlock(request.dst_side, pair);
     if (dst_block < 0) continue;
@@ -93,8 +152,9 @@ void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last)
       continue;
     }
     const char* src = request.src + BlockOffset(request.src_side, src_block);
-    CopyRuns(map, src, dst, run_bytes);
+    CopyRuns(map, src, dst, run_bytes, stream);
   }
+  if (stream) StreamFence();
 }
 
 // Splits items [0, count) over `threads` threads (the calling one included).
@@ -145,12 +205,15 @@ void AdviseFreshOutput(void* data, int64_t bytes) {
 void CopyBlocksCpu(const BlockCopyRequest& request) {
   const int64_t bytes_per_pair =
       std::max(request.map.num_runs() * request.map.run_bytes, request.dst_side.block_stride);
-  const unsigned threads = ThreadsFor(bytes_per_pair * request.num_pairs, request.num_pairs);
+  const int64_t total_bytes = bytes_per_pair * request.num_pairs;
+  const unsigned threads = ThreadsFor(total_bytes, request.num_pairs);
+  const bool stream = total_bytes >= kStreamBytes;
   // Destinations are unique and disjoint from sources (checked by the handlers), so pairs can
   // run in any order.
-  ParallelFor(request.num_pairs, threads, [&request](unsigned, int64_t first, int64_t last) {
-    CopyPairRange(request, first, last);
-  });
+  ParallelFor(request.num_pairs, threads,
+              [&request, stream](unsigned, int64_t first, int64_t last) {
+                CopyPairRange(request, first, last, stream);
+              });
 }
 
 void RewriteBlocksCpu(const BlockRewriteRequest& request) {

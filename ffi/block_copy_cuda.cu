@@ -17,6 +17,12 @@ constexpr int64_t kMaxGridX = 2147483647;
 constexpr int64_t kVectorsPerThread = 4;
 // Shared memory a kernel may use without opting in.
 constexpr int64_t kDefaultSharedBytes = 48 << 10;
+// Units up to this size are staged in shared memory (opting in above 48 KiB): at least two
+// CTAs of kRewriteThreads fit an SM of sm_80/sm_90, enough to keep memory busy. Larger units
+// take the two-launch path through global scratch (twice the traffic, full occupancy).
+// Unmeasured on a GPU: a starting point to tune.
+constexpr int64_t kMaxSharedUnitBytes = 80 << 10;
+constexpr int kRewriteThreads = 512;
 
 // Moves vectors [first, total) with step `stride` of a map from `src` to `dst`, where run r
 // holds `vectors_per_run` vectors. `Index` is 32-bit when the counts allow (cheap divisions).
@@ -139,7 +145,7 @@ cudaError_t LaunchRewriteShared(const BlockRewriteRequest& request, int64_t item
                                 cudaStream_t stream) {
   const size_t shared = static_cast<size_t>(request.unit_bytes);
   const bool small = FitsInt32(request.unit_bytes / static_cast<int64_t>(sizeof(Vec)) +
-                               kThreadsPerBlock);
+                               kRewriteThreads);
   auto kernel = small ? BlockRewriteSharedKernel<Vec, uint32_t>
                       : BlockRewriteSharedKernel<Vec, int64_t>;
   if (request.unit_bytes > kDefaultSharedBytes) {
@@ -147,7 +153,7 @@ cudaError_t LaunchRewriteShared(const BlockRewriteRequest& request, int64_t item
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared));
     if (status != cudaSuccess) return status;
   }
-  kernel<<<static_cast<unsigned>(items), kThreadsPerBlock, shared, stream>>>(request);
+  kernel<<<static_cast<unsigned>(items), kRewriteThreads, shared, stream>>>(request);
   return cudaGetLastError();
 }
 
@@ -158,10 +164,10 @@ int64_t MaxSharedUnitBytes() {
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
           cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error state; fall back to the default
+    cudaGetLastError();  // clear the (non-sticky) error; fall back to the default
     return kDefaultSharedBytes;
   }
-  return std::max<int64_t>(kDefaultSharedBytes, optin);
+  return std::clamp<int64_t>(optin, kDefaultSharedBytes, kMaxSharedUnitBytes);
 }
 
 cudaError_t DispatchCopy(const BlockCopyRequest& request, cudaStream_t stream) {

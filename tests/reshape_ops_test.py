@@ -302,6 +302,48 @@ class CopyBlockPrefixTest(parameterized.TestCase):
         _assert_bits(dst, host)
 
 
+class LargeRequestTest(parameterized.TestCase):
+    """Requests of >= 16 MiB take the CPU engine's streaming-store path (and its fallback when
+    a run is not 16-byte aligned)."""
+
+    @parameterized.parameters(("bfloat16", 128, 5), ("int8", 3, 7))
+    def test_streaming_copies(self, dtype, head_dim, num_tokens):
+        sizes = {"L": 4, "K": 2, "H": 8, "T": 16, "D": head_dim}
+        block = int(np.prod(_shape("LKHTD", sizes))) * np.dtype(dtype).itemsize
+        count = max(8, (40 << 20) // block)
+        src_host, src = _cache(40, "LKHTD", dtype, num_blocks=count, sizes=sizes)
+        dst_host, dst = _cache(41, "LKHTD", dtype, num_blocks=count, sizes=sizes)
+        ids = np.random.default_rng(42).permutation(count).astype(np.int32)
+        ids[::7] = -1
+        result = ops.copy_block_prefix(src, dst, ids, ids[::-1].copy(), num_tokens, "LKHTD")
+        _assert_bits(result, numpy_prefix(src_host, dst_host, ids, ids[::-1], num_tokens,
+                                          "LKHTD"))
+        half = count // 2
+        copy_src = np.arange(half, dtype=np.int32)
+        copy_dst = (half + np.random.default_rng(43).permutation(half)).astype(np.int32)
+        result = ops.copy_blocks(result, copy_src, copy_dst)
+        expected = kv_testing.numpy_copy_blocks(
+            numpy_prefix(src_host, dst_host, ids, ids[::-1], num_tokens, "LKHTD"),
+            copy_src, copy_dst)
+        _assert_bits(result, expected)
+
+    def test_streaming_split_and_concat(self):
+        spec = KVCacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16,
+                           dtype="float16")
+        one, two = jaxkv.EngineConfig(spec, 1), jaxkv.EngineConfig(spec, 2)
+        host, cache = _cache(44, "LKHTD", "float16", num_blocks=96,
+                             sizes={"L": 4, "K": 2, "H": 8, "T": 16, "D": 128})
+        ids = np.random.default_rng(45).permutation(96)[:80].astype(np.int32)
+        buffers = ops.split_for_peers(cache, ids, one, two, 0)
+        _assert_bits(buffers[0], host[ids][:, :, :, :4])
+        _assert_bits(buffers[1], host[ids][:, :, :, 4:])
+        target = jnp.zeros_like(cache)
+        rebuilt = ops.concat_from_peers(target, buffers, ids[::-1].copy(), one, two, 0)
+        expected = np.zeros_like(host)
+        expected[ids[::-1]] = host[ids]
+        _assert_bits(rebuilt, expected)
+
+
 class ShardedTest(parameterized.TestCase):
     """A head-sharded cache: each device rewrites its own shard's bytes."""
 
