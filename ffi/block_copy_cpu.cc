@@ -21,6 +21,7 @@ namespace {
 // saturate memory bandwidth, nor take the page faults of a freshly allocated output alone.
 constexpr int64_t kParallelBytes = int64_t{4} << 20;
 constexpr unsigned kMaxThreads = 8;
+constexpr int64_t kMaxRequests = 64;
 // Requests writing at least this many bytes (half of a large L3) use non-temporal stores for
 // their runs: the destination is not read soon, and streaming stores skip reading each
 // destination line before writing it (a third of the traffic of a cached copy; this is what
@@ -131,30 +132,40 @@ void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes,
   }
 }
 
-void CopyPairRange(const BlockCopyRequest& request, int64_t first, int64_t last,
-                   bool stream) {
-  const RunMap& map = request.map;
-  const int64_t run_bytes =
-      request.num_rows == nullptr
-          ? map.run_bytes
-          : EffectiveRows(*request.num_rows, request.max_rows) * request.row_bytes;
-  stream = stream && Streamable(map, request.dst, run_bytes) &&
-           request.dst_side.block_stride % 16 == 0;
-  for (int64_t pair = first; pair < last; ++pair) {
-    const int64_t dst_block = ResolveBlock(request.dst_side, pair);
-    if (dst_block < 0) continue;
-    char* dst = request.dst + BlockOffset(request.dst_side, dst_block);
-    const int64_t src_block = ResolveBlock(request.src_side, pair);
-    if (src_block < 0) {
-      if (request.zero_fill_skipped) {
-        std::memset(dst, 0, static_cast<size_t>(request.dst_side.block_stride));
-      }
-      continue;
-    }
-    const char* src = request.src + BlockOffset(request.src_side, src_block);
-    CopyRuns(map, src, dst, run_bytes, stream);
+// Copies pairs [first, last) of every request (pair-major: for one pair, each request in turn,
+// so that a source block read by several requests, as in a split, is read from memory once).
+void CopyPairRange(const BlockCopyRequest* requests, int64_t count, int64_t first, int64_t last,
+                   bool stream_requested) {
+  int64_t run_bytes[kMaxRequests];
+  bool stream[kMaxRequests];
+  bool any_stream = false;
+  for (int64_t r = 0; r < count; ++r) {
+    const BlockCopyRequest& request = requests[r];
+    run_bytes[r] = request.num_rows == nullptr
+                       ? request.map.run_bytes
+                       : EffectiveRows(*request.num_rows, request.max_rows) * request.row_bytes;
+    stream[r] = stream_requested && Streamable(request.map, request.dst, run_bytes[r]) &&
+                request.dst_side.block_stride % 16 == 0;
+    any_stream = any_stream || stream[r];
   }
-  if (stream) StreamFence();
+  for (int64_t pair = first; pair < last; ++pair) {
+    for (int64_t r = 0; r < count; ++r) {
+      const BlockCopyRequest& request = requests[r];
+      const int64_t dst_block = ResolveBlock(request.dst_side, pair);
+      if (dst_block < 0) continue;
+      char* dst = request.dst + BlockOffset(request.dst_side, dst_block);
+      const int64_t src_block = ResolveBlock(request.src_side, pair);
+      if (src_block < 0) {
+        if (request.zero_fill_skipped) {
+          std::memset(dst, 0, static_cast<size_t>(request.dst_side.block_stride));
+        }
+        continue;
+      }
+      const char* src = request.src + BlockOffset(request.src_side, src_block);
+      CopyRuns(request.map, src, dst, run_bytes[r], stream[r]);
+    }
+  }
+  if (any_stream) StreamFence();
 }
 
 // Splits items [0, count) over `threads` threads (the calling one included).
@@ -202,17 +213,30 @@ void AdviseFreshOutput(void* data, int64_t bytes) {
 #endif
 }
 
-void CopyBlocksCpu(const BlockCopyRequest& request) {
-  const int64_t bytes_per_pair =
-      std::max(request.map.num_runs() * request.map.run_bytes, request.dst_side.block_stride);
-  const int64_t total_bytes = bytes_per_pair * request.num_pairs;
-  const unsigned threads = ThreadsFor(total_bytes, request.num_pairs);
+void CopyBlocksCpu(const BlockCopyRequest& request) { CopyBlocksCpu(&request, 1); }
+
+void CopyBlocksCpu(const BlockCopyRequest* requests, int64_t count) {
+  if (count > kMaxRequests) {  // never from the handlers; keeps the fixed arrays above safe
+    for (int64_t first = 0; first < count; first += kMaxRequests) {
+      CopyBlocksCpu(requests + first, std::min(kMaxRequests, count - first));
+    }
+    return;
+  }
+  int64_t num_pairs = 0;
+  int64_t total_bytes = 0;
+  for (int64_t r = 0; r < count; ++r) {
+    const BlockCopyRequest& request = requests[r];
+    num_pairs = std::max(num_pairs, request.num_pairs);
+    total_bytes += std::max(request.map.num_runs() * request.map.run_bytes,
+                            request.dst_side.block_stride) * request.num_pairs;
+  }
+  const unsigned threads = ThreadsFor(total_bytes, num_pairs);
   const bool stream = total_bytes >= kStreamBytes;
   // Destinations are unique and disjoint from sources (checked by the handlers), so pairs can
   // run in any order.
-  ParallelFor(request.num_pairs, threads,
-              [&request, stream](unsigned, int64_t first, int64_t last) {
-                CopyPairRange(request, first, last, stream);
+  ParallelFor(num_pairs, threads,
+              [requests, count, stream](unsigned, int64_t first, int64_t last) {
+                CopyPairRange(requests, count, first, last, stream);
               });
 }
 

@@ -12,6 +12,12 @@ namespace jaxkv {
 // never touched.
 void CopyBlocksCpu(const BlockCopyRequest& request);
 
+// Several requests over the same pairs (`num_pairs` equal), run pair-major: pair i of every
+// request before pair i + 1, so a source block that several requests read (the buffers of a
+// split) or a destination block that several requests write (a concat) moves through memory
+// once. The requests must not write bytes that another one reads.
+void CopyBlocksCpu(const BlockCopyRequest* requests, int64_t count);
+
 // Rewrites every listed block of `request` in place, one staged unit at a time (each thread
 // stages in its own unit-sized slice of `request.staging`). Ids out of range are skipped;
 // ids must be unique (checked by the caller), or a block would be rewritten twice.

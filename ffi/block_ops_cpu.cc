@@ -28,6 +28,10 @@ struct CpuPlatform {
     RewriteBlocksCpu(request);
     return ffi::Error::Success();
   }
+  ffi::Error RunMany(const std::vector<BlockCopyRequest>& requests) {
+    CopyBlocksCpu(requests.data(), static_cast<int64_t>(requests.size()));
+    return ffi::Error::Success();
+  }
   ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes) {
     std::memcpy(dst, src, static_cast<size_t>(bytes));
     return ffi::Error::Success();

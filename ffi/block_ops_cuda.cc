@@ -48,6 +48,13 @@ struct CudaPlatform {
   ffi::Error Run(const BlockCopyRequest& request) {
     return CudaError(LaunchBlockCopy(request, stream), "block copy launch");
   }
+  ffi::Error RunMany(const std::vector<BlockCopyRequest>& requests) {
+    for (const BlockCopyRequest& request : requests) {
+      ffi::Error error = Run(request);
+      if (error.failure()) return error;
+    }
+    return ffi::Error::Success();
+  }
   ffi::Error RunRewrite(const BlockRewriteRequest& request) {
     return CudaError(LaunchBlockRewrite(request, stream), "block rewrite launch");
   }

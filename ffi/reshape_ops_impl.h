@@ -3,6 +3,8 @@
 // and a Platform provides, besides HostIds / EngineIds / Run / CopyBytes:
 //
 //   xla::ffi::Error RunRewrite(const BlockRewriteRequest& request);
+//   // Requests over the same pairs, none writing what another reads (split, concat).
+//   xla::ffi::Error RunMany(const std::vector<BlockCopyRequest>& requests);
 //   void AdviseFresh(void* data, int64_t bytes);  // a fresh output (CPU: huge pages)
 //
 // Every op is a BlockCopyRequest or BlockRewriteRequest whose RunMap comes from
@@ -257,6 +259,7 @@ xla::ffi::Error SplitBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, I
     }
   }
   if (count == 0) return xla::ffi::Error::Success();
+  std::vector<BlockCopyRequest> requests;
   for (int64_t i = 0; i < num_out; ++i) {
     xla::ffi::AnyBuffer& buffer = results[i];
     if (buffer.size_bytes() == 0) continue;
@@ -270,9 +273,9 @@ xla::ffi::Error SplitBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, I
     request.num_pairs = count;
     request.map = maps[i];
     request.zero_fill_skipped = true;
-    JAXKV_RETURN_IF_ERROR(platform.Run(request));
+    requests.push_back(request);
   }
-  return xla::ffi::Error::Success();
+  return platform.RunMany(requests);
 }
 
 // Concat, the inverse: the box of every listed block starting at box_starts[i * rank ...] takes
@@ -329,6 +332,7 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
   }
   JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
   if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
+  std::vector<BlockCopyRequest> requests;
   for (int64_t i = 0; i < num_in; ++i) {
     const xla::ffi::AnyBuffer& buffer = inputs[i];
     if (buffer.size_bytes() == 0) continue;
@@ -339,9 +343,9 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
     request.dst_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(ids)};
     request.num_pairs = count;
     request.map = maps[i];
-    JAXKV_RETURN_IF_ERROR(platform.Run(request));
+    requests.push_back(request);
   }
-  return xla::ffi::Error::Success();
+  return platform.RunMany(requests);
 }
 
 // Operand lists, shared by both platforms (see block_ops_impl.h).
