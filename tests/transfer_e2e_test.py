@@ -34,6 +34,26 @@ class TransferE2ETest(tt.TransferTestBase):
         (1, 4, "HTD", "HTD"),
     )
     def test_read_tp(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16"):
+        self.read_case(p_tp, d_tp, p_layout, d_layout, heads=heads, dtype=dtype)
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_layout, d_layout, ratio, kind): HND <-> NHD, block-size ratio 2
+        (2, 1, "KHTD", "KTHD", 1, "permute"),
+        (1, 1, "THD", "HTD", 1, "permute"),
+        (1, 2, "HTD", "HTD", 2, "merge"),
+        (2, 2, "KHTD", "KTHD", 2, "merge_permute"),
+        (1, 1, "LKTHD", "LKHTD", 2, "merge_permute"),
+    )
+    def test_post_processing(self, p_tp, d_tp, p_layout, d_layout, ratio, kind):
+        engine, cache = self.read_case(p_tp, d_tp, p_layout, d_layout, ratio=ratio)
+        record = engine.stats.records[-1]
+        self.assertGreater(record.post_s, 0.0)
+        self.assertGreater(engine.stats.summary()["post_ms_mean"], 0.0)
+        engine.check_registrations(cache)  # rewritten in place: registrations still valid
+        self.assertIs(engine.caches[0], cache)
+
+    def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
+                  kind=None):
         spec_kwargs = dict(
             num_layers=2, num_kv_heads=heads, head_dim=8, block_size=4, dtype=dtype, layout=p_layout
         )
@@ -41,13 +61,24 @@ class TransferE2ETest(tt.TransferTestBase):
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
         params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
-        spec_d = KVCacheSpec(**dict(spec_kwargs, layout=d_layout))
+        spec_d = KVCacheSpec(**dict(spec_kwargs, layout=d_layout, block_size=4 * ratio))
         engine, cache, config = self.consumer(spec_d, d_tp)
-        engine.start_read(params, LOCAL_IDS)
-        finished, failed = self.wait(engine, ["req-1"])
+        local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio]
+        engine.start_read(params, local_ids)
+        deadline = time.monotonic() + WAIT_S
+        finished, failed, applied = [], [], {}
+        while "req-1" not in finished and not failed and time.monotonic() < deadline:
+            result = engine.poll()
+            finished += result.finished
+            failed += result.failed
+            applied.update(result.post_applied)
         self.assertEqual((finished, failed), (["req-1"], []))
+        if ratio > 1 or p_layout[-3:] != d_layout[-3:]:
+            self.assertTrue(applied.get("req-1"), "post-processing expected")
+        else:
+            self.assertNotIn("req-1", applied)
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
-        self.check_cache(cache, config, g, LOCAL_IDS)
+        self.check_cache(cache, config, g, local_ids)
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             pinned, freed, _, _ = self.call(conn, "state")
@@ -55,7 +86,8 @@ class TransferE2ETest(tt.TransferTestBase):
                 break
         self.assertEqual((pinned, freed), (0, ["req-1"]))
         record = engine.stats.records[-1]
-        self.assertEqual(record.bytes, spec_d.cache_nbytes(len(LOCAL_IDS)) // 1)
+        self.assertEqual(record.bytes, spec_d.cache_nbytes(len(local_ids)))
+        return engine, cache
 
     def test_pipeline_parallel_producer(self):
         spec_kwargs = dict(

@@ -142,9 +142,8 @@ def apply_plan(plan, local: NumpyEngine, remote: NumpyEngine) -> None:
             dst[lg][b : b + length] = src[a : a + length]
     for step in plan.post:
         view = dst[step.region].reshape(local.num_blocks, -1)
-        for offset in step.slab_offsets:
-            slabs = view[step.block_ids, offset : offset + step.slab_nbytes]
-            view[step.block_ids, offset : offset + step.slab_nbytes] = step.rearrange(slabs)
+        assert view.shape[1] == step.block_nbytes
+        view[step.block_ids] = step.rearrange(view[step.block_ids])
 
 
 # -- real transfers: a producer engine in a child process ------------------------------------

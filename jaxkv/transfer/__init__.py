@@ -30,6 +30,7 @@ from jaxkv.transfer._plan import (
     block_runs,
     plan_read,
 )
+from jaxkv.transfer._post import apply_post_processing, group_post_steps
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._stats import TransferRecord, TransferStats, WorkerAggregator
 
@@ -59,7 +60,9 @@ __all__ = [
     "RankInfo",
     "ReadPlan",
     "RegionInfo",
+    "apply_post_processing",
     "block_runs",
+    "group_post_steps",
     "check_compatible",
     "compat_fields",
     "compute_compat_hash",

@@ -13,7 +13,13 @@ one process) or one (a process per rank). Both roles live in the same object:
   successful only after every producer rank acknowledged (`Ack`) that the blocks were still
   pinned when the consumer's `Done` (sent after the READs completed) arrived, so data read
   after a lease expired is never reported as good. A failed request lists its local block ids
-  as invalid.
+  as invalid. Blocks that arrived in the sender's arrangement (another layout with several
+  heads per read, a smaller sender block size) are rewritten in place (`permute_blocks` /
+  `merge_blocks` on exactly the received blocks) right after the READs complete, before the
+  request is reported finished: a finished request's blocks are always in the local layout.
+  The registered `PagedKVCache` object is kept current (its donated arrays are replaced by the
+  results, in the same registered buffers); after updating the cache elsewhere with donated
+  operations, hand the new version to `update_cache`.
 
 Every wait is bounded: handshakes (`handshake_timeout_s`, retries), reads and confirmations
 (`read_timeout_s`), leases (`lease_s`).
@@ -45,7 +51,8 @@ from jaxkv.transfer._metadata import (
     check_compatible,
     engine_metadata,
 )
-from jaxkv.transfer._plan import PlanError, ReadPlan, plan_read
+from jaxkv.transfer._plan import PlanError, PostProcess, ReadPlan, plan_read
+from jaxkv.transfer._post import apply_post_processing, group_post_steps
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._stats import TransferRecord, TransferStats
 
@@ -88,7 +95,16 @@ class PollResult:
     finished: list[str] = dataclasses.field(default_factory=list)
     failed: list[FailedRead] = dataclasses.field(default_factory=list)
     freeable: list[str] = dataclasses.field(default_factory=list)
-    post: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    post_applied: dict[str, list[PostProcess]] = dataclasses.field(default_factory=dict)
+    """Per finished request, the post-processing steps the engine already applied to the
+    registered cache (informational: do not apply them again)."""
+
+
+@dataclasses.dataclass
+class _Registered:
+    cache: Any  # the current PagedKVCache (kept alive; post-processing updates it in place)
+    buffers: tuple  # ShardBuffers as registered with NIXL
+    ranks: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -122,6 +138,7 @@ class _Reading:
     expected_acks: int = 0
     error: str | None = None
     local_block_ids: tuple[int, ...] = ()
+    post_s: float = 0.0
 
 
 class KVTransferEngine:
@@ -162,7 +179,8 @@ class KVTransferEngine:
         self.server = MetadataServer(host, port)
         self.stats = TransferStats()
         self._ranks: dict[int, RankInfo] = {}
-        self._caches: list[tuple[Any, tuple]] = []  # (cache, shard buffers) kept alive
+        self._caches: list[_Registered] = []
+        self._rank_cache: dict[int, _Registered] = {}
         self._meta: EngineMetadata | None = None
         self._peers: dict[str, _Peer] = {}
         self._hello_sent: set[str] = set()
@@ -256,18 +274,49 @@ class KVTransferEngine:
         ]
         self.agent.register(regs)
         self._ranks.update(new_ranks)
-        self._caches.append((cache, buffers))
+        entry = _Registered(cache, buffers, tuple(sorted(new_ranks)))
+        self._caches.append(entry)
+        for rank in new_ranks:
+            self._rank_cache[rank] = entry
         self._publish()
 
     def check_registrations(self, cache: Any) -> None:
         """Raises `BufferMovedError` if a registered shard of `cache` moved (call after updates
         that should have been in place); re-register with `register_cache` after fixing."""
-        for _, buffers in self._caches:
-            ids = {b.device.id for b in cache.shard_buffers()}
-            mine = [b for b in buffers if b.device.id in ids]
-            if mine and len(mine) == len(cache.shard_buffers()):
-                cache.verify_unmoved(mine)
-                return
+        entry = self._entry_of(cache)
+        if entry is not None:
+            cache.verify_unmoved(entry.buffers)
+
+    def _entry_of(self, cache: Any) -> _Registered | None:
+        current = cache.shard_buffers()
+        keys = {(b.array_index, b.device.id) for b in current}
+        for entry in self._caches:
+            if entry.cache is cache:
+                return entry
+        for entry in self._caches:
+            if {(b.array_index, b.device.id) for b in entry.buffers} == keys:
+                return entry
+        return None
+
+    def update_cache(self, cache: Any) -> None:
+        """Makes `cache` the current version of a registered cache (after the caller updated
+        it with donated, in-place operations: `cache = step(cache)`). Post-processing of
+        received blocks acts on the current version.
+
+        Raises:
+          BufferMovedError: a buffer is not where it was registered (re-register).
+          ValueError: no registered cache has these arrays and devices.
+        """
+        entry = self._entry_of(cache)
+        if entry is None:
+            raise ValueError("update_cache: no registered cache has these arrays and devices")
+        cache.verify_unmoved(entry.buffers)
+        entry.cache = cache
+
+    @property
+    def caches(self) -> tuple[Any, ...]:
+        """The registered caches, current versions (post-processing updates them)."""
+        return tuple(entry.cache for entry in self._caches)
 
     def _publish(self) -> None:
         agents = [AgentInfo(name=self.agent.name, metadata=self.agent.metadata())]
@@ -494,6 +543,8 @@ class KVTransferEngine:
             elif all(s == "DONE" for s in states):
                 state.done_at = time.monotonic()
                 self._send_done(state, ok=True)
+                # Overlaps the producer's acknowledgement round trip.
+                self._post_process(state)
         if (
             state.error is None
             and state.done_at is not None
@@ -508,6 +559,51 @@ class KVTransferEngine:
             return
         if now >= state.next_heartbeat:
             self._heartbeat(state, now)
+
+    def _post_process(self, state: _Reading) -> None:
+        """Rewrites the received blocks that arrived in the sender's arrangement, in place,
+        in every registered cache they belong to; any failure fails the request."""
+        per_entry: dict[int, tuple[_Registered, list[PostProcess], set[int]]] = {}
+        for plan in state.plans:
+            entry = self._rank_cache[plan.local_rank]
+            _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
+            ranks.add(plan.local_rank)
+            steps.extend(plan.post)
+        if not any(steps for _, steps, _ in per_entry.values()):
+            return
+        start = time.perf_counter()
+        try:
+            for entry, steps, ranks in per_entry.values():
+                if not steps:
+                    continue
+                by_rank = {
+                    r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post)
+                    for r in ranks
+                }
+                first = next(iter(by_rank.values()))
+                if any(
+                    g.keys() != first.keys()
+                    or any(g[k][0] != first[k][0] for k in g)
+                    for g in by_rank.values()
+                ):
+                    raise ValueError(
+                        "the ranks of one sharded cache need different post-processing"
+                    )
+                cache = entry.cache
+                if any(a.is_deleted() for a in cache.arrays):
+                    raise ValueError(
+                        "the registered cache was consumed by another update: pass the current "
+                        "cache to update_cache() after each donated update"
+                    )
+                updated = apply_post_processing(cache, steps)
+                updated.verify_unmoved(entry.buffers)
+                # Keep the caller's object current: its donated arrays are replaced by the
+                # results, which live in the same (registered) buffers.
+                cache.arrays = updated.arrays
+        except Exception as error:  # noqa: BLE001 - reported as a failed request
+            log.error("post-processing of %s failed: %s", state.request_id, error)
+            state.error = f"post-processing failed: {type(error).__name__}: {error}"
+        state.post_s = time.perf_counter() - start
 
     def _heartbeat(self, state: _Reading, now: float) -> None:
         peer = self._peers.get(state.peer)
@@ -565,13 +661,17 @@ class KVTransferEngine:
                 descriptors=sum(p.num_descriptors for p in plans),
                 expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
                 duration_s=(state.done_at or time.monotonic()) - state.started,
-                confirm_s=time.monotonic() - (state.done_at or time.monotonic()),
+                # READs complete -> confirmed, less the post-processing done meanwhile
+                confirm_s=max(
+                    0.0, time.monotonic() - (state.done_at or time.monotonic()) - state.post_s
+                ),
+                post_s=state.post_s,
             )
         )
         result.finished.append(state.request_id)
         posts = [step for p in plans for step in p.post]
         if posts:
-            result.post[state.request_id] = posts
+            result.post_applied[state.request_id] = posts
 
     def _fail(self, state: _Reading, result: PollResult) -> None:
         # Release (cancel) the READs first: releasing a handle may cancel messages queued

@@ -59,58 +59,52 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PostProcess:
-    """Rearrange received bytes inside local blocks (semantics.md section 3, generalised).
+    """Rearrange received blocks of one local array in place (semantics.md section 3).
 
-    For every block in `block_ids` and every slab offset in `slab_offsets` of local region
-    `region`, the slab's ``H*T*D`` elements arrived as ``[runs, ratio, *recv]`` where `recv`
-    is ``[heads_per_run, sub_tokens, D]`` (``recv_order == "HTD"``) or
-    ``[sub_tokens, heads_per_run, D]`` ("THD"); they must become ``[H, T, D]`` or ``[T, H, D]``
-    (`target_order`) with head ``run * heads_per_run + h`` and token ``j * sub_tokens + t``.
+    The bytes of each block in `block_ids` of local region `region` (cache array
+    `array_index`) arrived as ``[ratio, *src_layout]`` with ``T / ratio`` tokens (``ratio``
+    sender blocks back to back, each in `src_layout`, the receiver's layout with its H/T
+    letters in the sender's order); they must become one block in `dst_layout` (the local
+    layout) where token ``j * (T / ratio) + t`` comes from token ``t`` of sub-block ``j``.
+    This is exactly `jaxkv.ops.permute_blocks` (``ratio == 1``) / `jaxkv.ops.merge_blocks`.
 
     Attributes:
       kind: "permute" (layout only), "merge" (block size only) or "merge_permute" (both).
+      block_shape: the local block's sizes in `dst_layout` order (this rank's heads).
     """
 
     kind: str
     region: int
     array_index: int
-    slab_offsets: tuple[int, ...]
     block_ids: np.ndarray
-    runs: int
-    heads_per_run: int
     ratio: int
-    sub_tokens: int
-    head_dim: int
+    src_layout: str
+    dst_layout: str
+    block_shape: tuple[int, ...]
     itemsize: int
-    recv_order: str
-    target_order: str
 
     @property
-    def slab_nbytes(self) -> int:
-        return (
-            self.runs
-            * self.heads_per_run
-            * self.ratio
-            * self.sub_tokens
-            * self.head_dim
-            * (self.itemsize)
-        )
+    def block_nbytes(self) -> int:
+        return int(np.prod(self.block_shape)) * self.itemsize
 
-    def rearrange(self, slab: np.ndarray) -> np.ndarray:
-        """Applies the rearrangement to slabs ``[..., slab_nbytes]`` of raw bytes (numpy)."""
-        lead = slab.shape[:-1]
-        g, r, n, t, d = self.runs, self.ratio, self.heads_per_run, self.sub_tokens, self.head_dim
-        x = slab.reshape(
-            *lead, g, r, *((n, t) if self.recv_order == "HTD" else (t, n)), d, self.itemsize
-        )
+    def op_args(self) -> tuple:
+        """``(src_layout, dst_layout, ratio)`` for the ops (hashable: groups equal steps)."""
+        return (self.src_layout, self.dst_layout, self.ratio)
+
+    def rearrange(self, blocks: np.ndarray) -> np.ndarray:
+        """Applies the rearrangement to raw blocks ``[..., block_nbytes]`` (uint8, numpy):
+        the reference the custom calls are checked against."""
+        lead = blocks.shape[:-1]
+        sizes = dict(zip(self.dst_layout, self.block_shape))
+        sizes["T"] //= self.ratio
+        x = blocks.reshape(*lead, self.ratio, *(sizes[a] for a in self.src_layout), self.itemsize)
         k = len(lead)
-        if self.recv_order == "THD":  # -> [g, r, n, t, d, b]
-            x = np.swapaxes(x, k + 2, k + 3)
-        # axes now: lead, g, r, n, t, d, b
-        if self.target_order == "HTD":  # [g, n, r, t, d, b]
-            perm = (*range(k), k, k + 2, k + 1, k + 3, k + 4, k + 5)
-        else:  # [r, t, g, n, d, b]
-            perm = (*range(k), k + 1, k + 3, k, k + 2, k + 4, k + 5)
+        perm: list[int] = list(range(k))
+        for letter in self.dst_layout:
+            if letter == "T":
+                perm.append(k)  # the sub-block index is the outer part of the token
+            perm.append(k + 1 + self.src_layout.index(letter))
+        perm.append(k + 1 + len(self.src_layout))
         return np.ascontiguousarray(np.transpose(x, perm)).reshape(*lead, -1)
 
 
@@ -459,6 +453,21 @@ def _templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -
     return cached
 
 
+def _staging_layout(local_layout: str, remote_order: str) -> str:
+    """The local layout with its H/T letters in the sender's order (`remote_order`)."""
+    inner = [c for c in remote_order[:2] if c in local_layout]
+    letters = iter(inner)
+    return "".join(next(letters) if c in "HT" else c for c in local_layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staging:
+    """Strides of a run inside a staging slab (``[H_local, n, D]`` or ``[n, H_local, D]``)."""
+
+    h_stride: int
+    t_stride: int
+
+
 def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -> _Templates:
     loc = _side(local, local_rank)
     ratio = local.block_size // remote.block_size
@@ -466,8 +475,10 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
     d = local.head_dim
     t_local, t_remote = local.block_size, remote.block_size
     templates: list[tuple[int, ...]] = []  # (rr, rg, r_off, lg, l_off, len, cnt, rs, ls, sub)
-    post_groups: dict[tuple, list[int]] = {}
+    post_regions: dict[int, str] = {}  # local region -> sender's H/T order (staged)
     remote_sides: dict[int, _Side] = {}
+    sub_len = loc.block_len // ratio  # one sender-sized sub-block of a staged local block
+    directs = set()
     for layer in range(loc.layer_start, loc.layer_stop):
         sources = _source_ranks(loc, remote, layer)
         runs: list[
@@ -492,12 +503,8 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
             _direct_pattern(n, t_local, item * d, remote_sides[rr], loc) is not None
             for rr, _, n, _ in runs
         )
-        if not direct and len({r[2] for r in runs}) != 1:
-            raise PlanError("runs of unequal head counts need a direct copy")
+        directs.add(direct)
         for kv, (lg, l_slab) in enumerate(local_slabs):
-            if not direct:
-                key = (lg, len(runs), runs[0][2], remote_sides[runs[0][0]].order)
-                post_groups.setdefault(key, []).append(l_slab)
             for rr, li, n, ri in runs:
                 rem = remote_sides[rr]
                 rg, r_slab = rem.slab(layer)[kv]
@@ -508,47 +515,46 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
                         (rr, rg, r_off, lg, l_slab + li * loc.h_stride, length, count, rs, ls, 0)
                     )
                     continue
-                run_bytes = n * t_local * d * item
-                sub_bytes = n * t_remote * d * item
-                if rem.order == "HTD" or n == rem.heads:
-                    pattern = (sub_bytes, 1, sub_bytes, sub_bytes)
-                else:  # THD remote, a head subset: one row of n heads per token
-                    pattern = (n * d * item, t_remote, rem.t_stride, n * d * item)
+                # Staged: the block is read as `ratio` sender-sized sub-blocks, each in the
+                # local layout with the sender's H/T order ([ratio, *src_layout]), then
+                # rearranged in place by permute_blocks / merge_blocks.
+                post_regions[lg] = rem.order
+                if rem.order == "HTD":
+                    stage = _Staging(h_stride=t_remote * d * item, t_stride=d * item)
+                else:
+                    stage = _Staging(h_stride=d * item, t_stride=loc.heads * d * item)
+                pattern = _direct_pattern(n, t_remote, item * d, rem, stage)  # type: ignore[arg-type]
+                assert pattern is not None  # same order on both sides
+                # L/K are outer axes: a slab's offset scales with the tokens per block.
+                s_off = l_slab // ratio + li * stage.h_stride
                 for j in range(ratio):
-                    templates.append(
-                        (
-                            rr,
-                            rg,
-                            r_off,
-                            lg,
-                            l_slab + li // n * run_bytes + j * sub_bytes,
-                            *pattern,
-                            j,
-                        )
-                    )
+                    templates.append((rr, rg, r_off, lg, j * sub_len + s_off, *pattern, j))
+    if len(directs) > 1:
+        raise PlanError("layers of one rank need different read patterns")
     rows = _coalesce_templates(np.array(templates, dtype=np.int64).reshape(-1, 10))
     rows = rows[np.argsort(rows[:, _RR], kind="stable")]
     rbl = np.array([remote_sides[int(r)].block_len for r in rows[:, _RR]], dtype=np.int64)
+    sizes = {
+        "L": loc.layer_stop - loc.layer_start,
+        "K": local.kv_factor,
+        "H": loc.heads,
+        "T": t_local,
+        "D": d,
+    }
     post = []
-    for (lg, g, n, recv_order), offsets in post_groups.items():
-        kind = (
-            "merge"
-            if ratio > 1 and recv_order == loc.order
-            else ("permute" if ratio == 1 else "merge_permute")
-        )
+    for lg, recv_order in sorted(post_regions.items()):
+        src_layout = _staging_layout(local.layout, recv_order)
+        permuted = src_layout != local.layout
+        kind = "merge" if not permuted else ("permute" if ratio == 1 else "merge_permute")
         post.append(
             dict(
                 kind=kind,
                 region=lg,
-                slab_offsets=tuple(offsets),
-                runs=g,
-                heads_per_run=n,
                 ratio=ratio,
-                sub_tokens=t_remote,
-                head_dim=d,
+                src_layout=src_layout,
+                dst_layout=local.layout,
+                block_shape=tuple(sizes[a] for a in local.layout),
                 itemsize=item,
-                recv_order=recv_order,
-                target_order=loc.order,
             )
         )
     return _Templates(rows, rbl, loc.block_len, tuple(sorted(remote_sides)), tuple(post))
