@@ -52,11 +52,26 @@ class TransferE2ETest(tt.TransferTestBase):
         engine.check_registrations(cache)  # rewritten in place: registrations still valid
         self.assertIs(engine.caches[0], cache)
 
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_layout, d_layout, heads): KV heads 1 (replicated on decode) and 8
+        (1, 2, "HTD", "HTD", 1),
+        (2, 4, "THD", "KTHD", 8),
+    )
+    def test_kv_heads(self, p_tp, d_tp, p_layout, d_layout, heads):
+        self.read_case(p_tp, d_tp, p_layout, d_layout, heads=heads, dtype="float32")
+
+    @parameterized.parameters((1, 2, 1), (2, 1, 2))
+    def test_mla(self, p_tp, d_tp, ratio):
+        # MLA: one read per decode rank (replicas on the producer), block-size ratio 2 merged
+        self.read_case(p_tp, d_tp, "LKTD", "LKTD", ratio=ratio, mla=True)
+
     def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
-                  kind=None):
+                  mla=False):
         spec_kwargs = dict(
             num_layers=2, num_kv_heads=heads, head_dim=8, block_size=4, dtype=dtype, layout=p_layout
         )
+        if mla:
+            spec_kwargs.update(num_kv_heads=1, kv_factor=1, mla=True)
         _, conn = self.start_producer(spec_kwargs, p_tp)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
@@ -73,7 +88,7 @@ class TransferE2ETest(tt.TransferTestBase):
             failed += result.failed
             applied.update(result.post_applied)
         self.assertEqual((finished, failed), (["req-1"], []))
-        if ratio > 1 or p_layout[-3:] != d_layout[-3:]:
+        if ratio > 1 or ("H" in p_layout and p_layout[-3:] != d_layout[-3:] and heads > 1):
             self.assertTrue(applied.get("req-1"), "post-processing expected")
         else:
             self.assertNotIn("req-1", applied)
@@ -86,7 +101,8 @@ class TransferE2ETest(tt.TransferTestBase):
                 break
         self.assertEqual((pinned, freed), (0, ["req-1"]))
         record = engine.stats.records[-1]
-        self.assertEqual(record.bytes, spec_d.cache_nbytes(len(local_ids)))
+        replicas = max(1, d_tp // spec_d.num_kv_heads)  # each decode replica reads its copy
+        self.assertEqual(record.bytes, spec_d.cache_nbytes(len(local_ids)) * replicas)
         return engine, cache
 
     def test_pipeline_parallel_producer(self):
@@ -112,6 +128,31 @@ class TransferE2ETest(tt.TransferTestBase):
         self.assertEqual((finished, failed), (["req-pp"], []))
         g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, LOCAL_IDS)
+
+    def test_pipeline_parallel_consumer(self):
+        # decode PP=2 (3 layers: 2 + 1), one engine object per pipeline rank, TP 2 -> 1
+        spec_kwargs = dict(
+            num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", layout="KHTD"
+        )
+        _, conn = self.start_producer(spec_kwargs, 2)
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "req-dpp", REMOTE_IDS, 30.0)
+        spec = KVCacheSpec(**dict(spec_kwargs, layout="KTHD"))
+        consumers = [self.consumer(spec, 1, pp=2, pp_rank=r) for r in range(2)]
+        for engine, _, _ in consumers:
+            engine.start_read(params, LOCAL_IDS)
+        for engine, _, _ in consumers:
+            self.assertEqual(self.wait(engine, ["req-dpp"]), (["req-dpp"], []))
+        g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
+        for r, (_, cache, config) in enumerate(consumers):
+            self.check_cache(cache, config, g, LOCAL_IDS, pp_rank=r)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:  # freed only after both decode PP ranks confirmed
+            pinned, freed, _, _ = self.call(conn, "state")
+            if freed:
+                break
+        self.assertEqual((pinned, freed), (0, ["req-dpp"]))
 
 
 if __name__ == "__main__":

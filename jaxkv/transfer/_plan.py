@@ -319,7 +319,7 @@ def _source_ranks(local: _Side, remote_meta: EngineMetadata, layer: int) -> list
 
 
 def _direct_pattern(
-    n: int, t: int, item_d: int, rem: _Side, loc: _Side
+    n: int, t: int, item_d: int, rem: _Side, loc: _Side | _Staging
 ) -> tuple[int, int, int, int] | None:
     """``(length, count, remote_stride, local_stride)`` copying an ``n``-head run in place, or
     None when it is not one strided descriptor."""
@@ -523,7 +523,7 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
                     stage = _Staging(h_stride=t_remote * d * item, t_stride=d * item)
                 else:
                     stage = _Staging(h_stride=d * item, t_stride=loc.heads * d * item)
-                pattern = _direct_pattern(n, t_remote, item * d, rem, stage)  # type: ignore[arg-type]
+                pattern = _direct_pattern(n, t_remote, item * d, rem, stage)
                 assert pattern is not None  # same order on both sides
                 # L/K are outer axes: a slab's offset scales with the tokens per block.
                 s_off = l_slab // ratio + li * stage.h_stride
