@@ -6,7 +6,9 @@ For each op (copy, gather, scatter) on a cache of at least 256 MiB, in one proce
     elementwise device kernel reading and writing the same bytes on GPU);
   * jnp: the pure-jnp reference (XLA gather/scatter) under jit, cache donated.
 "gather_blocks" allocates its output every call (on CPU a fresh multi-MiB buffer is
-page-faulted in each time); "gather_blocks (out=)" writes into a reused, donated buffer.
+page-faulted in, and zeroed by the kernel, each time), so on CPU it is also compared with
+numpy doing the same job, `np.take` into a new array; "gather_blocks (out=)" writes into a
+reused, donated buffer.
 Bandwidth counts bytes read + bytes written. The contenders run interleaved, round by round,
 after a warm-up; reported: median GB/s of each, and the median over rounds of the per-round
 time ratios (robust to background load). Writes JSON (--json_out) with machine and versions.
@@ -17,6 +19,7 @@ Usage: python benchmarks/bench_block_ops.py --json_out=benchmarks/results/block_
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -147,8 +150,14 @@ def _main(argv):
         contenders = {limit_name: limit_fn, "jaxkv": custom}
         if jnp_ref is not None:
             contenders["jnp reference"] = jnp_ref
+        if op == "gather_blocks" and device.platform == "cpu":
+            # What numpy pays for the same job: a gather into a newly allocated array.
+            host_cache = np.asarray(fresh_cache())
+            host_ids = np.asarray(src)
+            contenders["numpy take (new array)"] = functools.partial(
+                np.take, host_cache, host_ids, axis=0)
         steps = {
-            name: fn if name == limit_name
+            name: fn if name in (limit_name, "numpy take (new array)")
             else _stateful_step(fn, call, fresh_cache(), updates, staging)
             for name, fn in contenders.items()
         }
@@ -162,6 +171,9 @@ def _main(argv):
         if "jnp reference" in times:
             row["jaxkv_vs_jnp"] = statistics.median(
                 r / j for r, j in zip(times["jnp reference"], times["jaxkv"]))
+        if "numpy take (new array)" in times:
+            row["jaxkv_vs_numpy_take"] = statistics.median(
+                r / j for r, j in zip(times["numpy take (new array)"], times["jaxkv"]))
         del steps
 
     report = {
@@ -180,12 +192,13 @@ def _main(argv):
         "results": results,
     }
     print(f"{'op':<22}{'limit GB/s':>12}{'jaxkv GB/s':>12}{'jnp GB/s':>10}"
-          f"{'vs limit':>10}{'vs jnp':>8}")
+          f"{'vs limit':>10}{'vs jnp':>8}{'vs np.take':>12}")
     for op, row in results.items():
         jnp_gbs = row.get("jnp reference", {}).get("gb_per_s", float("nan"))
         print(f"{op:<22}{row[limit_name]['gb_per_s']:>12.2f}{row['jaxkv']['gb_per_s']:>12.2f}"
               f"{jnp_gbs:>10.2f}{row['jaxkv_vs_limit']:>10.2f}"
-              f"{row.get('jaxkv_vs_jnp', float('nan')):>8.2f}")
+              f"{row.get('jaxkv_vs_jnp', float('nan')):>8.2f}"
+              f"{row.get('jaxkv_vs_numpy_take', float('nan')):>12.2f}")
     if FLAGS.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
         with open(FLAGS.json_out, "w") as out:

@@ -2,9 +2,10 @@
 
 Public names:
   KVCacheSpec, LAYOUT_PRESETS, SUPPORTED_DTYPES   (jaxkv._spec; no JAX needed)
-  EngineConfig                                    (jaxkv._parallel; TP/PP split; no JAX)
+  EngineConfig, PeerPlan, plan_peers              (jaxkv._parallel; TP/PP split; no JAX)
   PagedKVCache, ShardBuffer, BufferMovedError     (jaxkv._cache)
-  ops                                             (block operations: copy, gather, scatter)
+  ops                                             (block ops: copy, gather, scatter; reshaping
+                                                   ops: permute, merge, prefix, split, concat)
   blocks                                          (block manager; no JAX needed)
   transfer                                        (KV transfer between engines over NIXL)
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from jaxkv._parallel import EngineConfig
+from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
 from jaxkv._version import __version__
 
@@ -31,11 +32,13 @@ __all__ = [
     "KVCacheSpec",
     "LAYOUT_PRESETS",
     "PagedKVCache",
+    "PeerPlan",
     "SUPPORTED_DTYPES",
     "ShardBuffer",
     "__version__",
     "blocks",
     "ops",
+    "plan_peers",
     "transfer",
 ]
 

@@ -23,6 +23,9 @@ MODULES = [
     "jaxkv.ops._block_ops",
     "jaxkv.ops._ids",
     "jaxkv.ops.reference",
+    "jaxkv.ops._reshape_ops",
+    "jaxkv.ops._peer_ops",
+    "jaxkv.ops._layouts",
 ]
 
 

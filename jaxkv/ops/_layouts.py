@@ -14,6 +14,10 @@ def one_layout(layout: str, block_ndim: int, name: str = "layout") -> str:
 
     Raises:
       ValueError: an invalid layout, or one whose axis count differs from the blocks'.
+
+    Example:
+      >>> one_layout("flashinfer_nhd", 4)
+      'KTHD'
     """
     try:
         resolved = validate_layout(layout)
@@ -31,6 +35,10 @@ def layout_pair(src_layout: str, dst_layout: str, block_ndim: int) -> tuple[str,
 
     Raises:
       ValueError: an invalid layout, a wrong axis count, or different axis sets.
+
+    Example:
+      >>> layout_pair("hnd", "nhd", 3)
+      ('HTD', 'THD')
     """
     src = one_layout(src_layout, block_ndim, "src_layout")
     dst = one_layout(dst_layout, block_ndim, "dst_layout")
@@ -47,6 +55,10 @@ def check_ratio(ratio: int, block_size: int) -> int:
 
     Raises:
       ValueError: `ratio` is not a positive integer dividing `block_size`.
+
+    Example:
+      >>> check_ratio(2, 16)
+      2
     """
     if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
         raise ValueError(f"ratio must be a positive integer, got {ratio!r}")
@@ -62,7 +74,12 @@ def source_shape(
     dst_shape: Sequence[int], src_layout: str, dst_layout: str, ratio: int = 1
 ) -> tuple[int, ...]:
     """The arrangement of a block's bytes before a merge: ``[ratio, *src_layout]`` with the
-    token axis ``T / ratio`` long (``ratio == 1``: just the axes in `src_layout` order)."""
+    token axis ``T / ratio`` long (``ratio == 1``: just the axes in `src_layout` order).
+
+    Example:
+      >>> source_shape((16, 8, 128), "HTD", "THD", ratio=2)
+      (2, 8, 8, 128)
+    """
     sizes = dict(zip(dst_layout, dst_shape))
     sizes["T"] //= ratio
     return (ratio, *(sizes[axis] for axis in src_layout))
