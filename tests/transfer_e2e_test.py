@@ -129,6 +129,43 @@ class TransferE2ETest(tt.TransferTestBase):
         g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, LOCAL_IDS)
 
+    @parameterized.parameters(
+        # producer TP=2 as one process per rank -> decode in this process
+        (1, "KHTD", "KHTD"),
+        (2, "THD", "HTD"),  # two CPU devices here; NHD -> HND permuted after the read
+    )
+    def test_tp_rank_per_process(self, d_tp, p_layout, d_layout):
+        spec_kwargs = dict(
+            num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16",
+            layout=p_layout,
+        )
+        conns = [self.start_producer(spec_kwargs, 2, tp_rank=r)[1] for r in range(2)]
+        addresses = [self.ready(c)[1] for c in conns]
+        for c in conns:
+            self.call(c, "register", REMOTE_IDS)
+        params = [self.call(c, "pin", "req-tpr", REMOTE_IDS, 30.0) for c in conns]
+        self.assertEqual([p.addresses for p in params], [[a] for a in addresses])
+        merged = _with_addresses(params[0], addresses)
+        spec = KVCacheSpec(**dict(spec_kwargs, layout=d_layout))
+        engine, cache, config = self.consumer(spec, d_tp)
+        meta = engine.add_peer("prefill", addresses)  # one agent per producer rank
+        self.assertEqual(meta.world_size, 2)
+        self.assertEqual(len({info.agent_name for info in meta.ranks}), 2)
+        engine.start_read(merged, LOCAL_IDS)
+        self.assertEqual(self.wait(engine, ["req-tpr"]), (["req-tpr"], []))
+        g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(cache, config, g, LOCAL_IDS)
+        engine.check_registrations(cache)
+        for c in conns:  # each producer rank frees once every decode rank confirmed
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
+                pinned, freed, _, _ = self.call(c, "state")
+                if freed:
+                    break
+            self.assertEqual((pinned, freed), (0, ["req-tpr"]))
+        record = engine.stats.records[-1]
+        self.assertEqual(record.bytes, spec.cache_nbytes(len(LOCAL_IDS)))
+
     def test_pipeline_parallel_consumer(self):
         # decode PP=2 (3 layers: 2 + 1), one engine object per pipeline rank, TP 2 -> 1
         spec_kwargs = dict(
@@ -153,6 +190,13 @@ class TransferE2ETest(tt.TransferTestBase):
             if freed:
                 break
         self.assertEqual((pinned, freed), (0, ["req-dpp"]))
+
+
+def _with_addresses(params, addresses):
+    """The params of one producer process, naming every process of the engine (what a router
+    hands to the consumer); generation -1: whatever the processes publish now."""
+    fields = {f: getattr(params, f) for f in params.__struct_fields__}
+    return params.__class__(**{**fields, "addresses": list(addresses), "generation": -1})
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 
+import ctypes  # noqa: E402
 import resource  # noqa: E402
 import time  # noqa: E402
 
@@ -106,6 +107,67 @@ class FaultTest(e2e.TransferTestBase):
         finished, failed = self.wait(engine, ["next"])
         self.assertEqual((finished, failed), (["next"], []))
 
+    def test_producer_killed_mid_transfer(self):
+        # An 80 MiB read (10 blocks of 8 MiB). UCX over tcp only: the bytes flow only while
+        # both sides progress, so they land block by block during this process's polls. The
+        # producer is killed right after a poll that left some blocks landed and the last not,
+        # i.e. truly mid-transfer (at most a few MiB of socket buffers are still on the way).
+        old_tls = os.environ.get("UCX_TLS")
+        os.environ["UCX_TLS"] = "tcp"  # read by the agents created below and the children
+        self.addCleanup(_restore_env, "UCX_TLS", old_tls)
+        big = dict(SPEC_KWARGS, head_dim=128, block_size=2048)
+        spec = KVCacheSpec(**big)
+        ids = list(range(10))
+        process, conn = self.start_producer(big, 1, num_tokens=len(ids) * 2048)
+        self.ready(conn)
+        self.call(conn, "register", ids)
+        params = self.call(conn, "pin", "huge", ids, 30.0)
+        engine, cache, config = self.consumer(spec, 1, read_timeout_s=3.0)
+        engine.add_peer("prefill", params.addresses)
+        local = [i + 6 for i in ids]
+        regions = engine.metadata.rank_info(0).regions
+        self.assertEqual(spec.cache_nbytes(len(ids)), 80 << 20)
+
+        def landed(block):  # the block's last bytes in the last region are no longer zero
+            r = regions[-1]
+            tail = ctypes.string_at(r.base_address + (block + 1) * r.block_len - 256, 256)
+            return tail != bytes(256)
+
+        self.assertFalse(any(landed(b) for b in local))
+        engine.start_read(params, local)
+        deadline = time.monotonic() + 10
+        arrived = 0
+        while time.monotonic() < deadline:
+            result = engine.poll()
+            self.assertEqual((result.finished, result.failed), ([], []))
+            arrived = sum(landed(b) for b in local)
+            if arrived:
+                break
+        self.assertFalse(landed(local[-1]), "the read completed before the kill")
+        process.kill()
+        process.join(timeout=10)
+        start = time.monotonic()
+        finished, failed = self.wait(engine, ["huge"], timeout=10)
+        self.assertLess(time.monotonic() - start, 3.0 + 1.5)  # within read_timeout_s
+        self.assertGreaterEqual(arrived, 1)
+        self.assertEqual(finished, [])
+        self.assertEqual(failed[0].invalid_block_ids, tuple(local))
+        self.assertFalse(landed(local[-1]))  # never completed
+        self.assertEqual(engine.stats.failed_transfers, 1)
+        self.assertEqual(engine.num_reading, 0)
+        # The consumer keeps serving: a new producer, a new request, bit-exact.
+        _, conn2 = self.start_producer(big, 1, num_tokens=2 * 2048)
+        self.ready(conn2)
+        self.call(conn2, "register", [3, 4])
+        params2 = self.call(conn2, "pin", "after", [3, 4], 30.0)
+        engine.start_read(params2, [0, 1])
+        self.assertEqual(self.wait(engine, ["after"]), (["after"], []))
+        g = tt.global_cache(spec, 2 * 2048, seed=e2e.G_SEED)
+        want = tt.expected_arrays(config, 0, g, [0, 1])
+        for index, (array, expected) in enumerate(zip(cache.arrays, want)):
+            got = kv_testing.bits(np.asarray(array))
+            np.testing.assert_array_equal(got[[0, 1]], expected, err_msg=f"array {index}")
+
     def test_remote_ids_out_of_range_refused_before_posting(self):
         _, conn, _ = self.producer()
         params = self.call(conn, "pin", "bad", [3, 4, e2e.NUM_BLOCKS], 30.0)
@@ -200,6 +262,13 @@ class FaultTest(e2e.TransferTestBase):
         self.assertEqual(len(engine.stats.records), count)
         self.assertLess(rss[-1] - rss[0], 20 * 1024)  # KiB: flat after warm-up
         del producer_regs
+
+
+def _restore_env(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 if __name__ == "__main__":

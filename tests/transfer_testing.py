@@ -194,6 +194,29 @@ def expected_arrays(
     return engine.slice_of(0, g[l0:l1], first_token, len(block_ids))
 
 
+def rank_arrays(
+    config: EngineConfig,
+    tp_rank: int,
+    pp_rank: int,
+    g: np.ndarray,
+    block_ids,
+    num_blocks: int,
+    seed: int = 3,
+) -> list[np.ndarray]:
+    """One TP rank's arrays (its heads only) of pipeline rank `pp_rank`'s cache: random bits
+    everywhere, the request's tokens from G in `block_ids`."""
+    local = config.local_spec(pp_rank)
+    l0, l1 = config.layer_range(pp_rank)
+    engine = NumpyEngine(EngineConfig(local, config.tp_size), num_blocks, seed=seed)
+    engine.write_request(g[l0:l1], block_ids)
+    rank_spec = local if local.mla else local.replace(num_kv_heads=config.heads_per_rank)
+    width = np.dtype(f"u{local.itemsize}")
+    return [
+        buf.view(width).reshape(rank_spec.array_shape(num_blocks)).view(local.dtype)
+        for buf in engine.buffers[tp_rank]
+    ]
+
+
 def producer_main(
     conn,
     spec_kwargs: dict,
@@ -204,13 +227,16 @@ def producer_main(
     g_seed: int,
     num_tokens: int,
     engine_kwargs: dict,
+    tp_rank: int | None = None,
 ) -> None:
-    """A producer engine process: holds pipeline rank `pp_rank`'s cache over `tp` CPU devices,
+    """A producer engine process: holds pipeline rank `pp_rank`'s cache over `tp` CPU devices
+    (or, with `tp_rank`, only that TP rank's shard on one device: one process per rank),
     filled from G for every published request; serves commands from `conn`:
     ("register", block_ids) -> address (cache filled with G's tokens in block_ids);
     ("pin", request_id, block_ids, lease_s) -> TransferParams;
+    ("slow", seconds) -> sleep that long between polls; ("pause", seconds) -> stop polling;
     ("abort", request_id); ("state",) -> (pinned, freed, stats summary); ("exit",)."""
-    child_env(max(tp, 1))
+    child_env(1 if tp_rank is not None else max(tp, 1))
     import time
 
     import jax
@@ -221,8 +247,11 @@ def producer_main(
     spec = KVCacheSpec(**spec_kwargs)
     config = EngineConfig(spec, tp, pp)
     g = global_cache(spec, num_tokens, seed=g_seed)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[: 1 if tp_rank is not None else tp]), ("tp",)
+    )
     freed: list[str] = []
+    idle = 0.0  # seconds between polls ("slow": a producer that serves reads slowly)
     with KVTransferEngine("prefill", config, **engine_kwargs) as engine:
         cache = None
         conn.send(("ready", engine.address))
@@ -232,15 +261,25 @@ def producer_main(
                 if command[0] == "exit":
                     break
                 if command[0] == "register":
-                    arrays = global_arrays(config, pp_rank, g, command[1], num_blocks)
-                    cache = PagedKVCache.from_arrays(config.local_spec(pp_rank), arrays, mesh=mesh)
-                    engine.register_cache(cache, pp_rank=pp_rank)
+                    if tp_rank is None:
+                        arrays = global_arrays(config, pp_rank, g, command[1], num_blocks)
+                        spec_r = config.local_spec(pp_rank)
+                    else:
+                        arrays = rank_arrays(config, tp_rank, pp_rank, g, command[1], num_blocks)
+                        spec_r = config.local_spec(pp_rank)
+                        if not spec_r.mla:
+                            spec_r = spec_r.replace(num_kv_heads=config.heads_per_rank)
+                    cache = PagedKVCache.from_arrays(spec_r, arrays, mesh=mesh)
+                    engine.register_cache(cache, pp_rank=pp_rank, tp_rank=tp_rank)
                     conn.send(engine.address)
                 elif command[0] == "pin":
                     _, request_id, block_ids, lease = command
                     conn.send(engine.publish_request(request_id, block_ids, lease))
                 elif command[0] == "pause":  # stop polling (no acks, no lease upkeep)
                     time.sleep(command[1])
+                    conn.send(True)
+                elif command[0] == "slow":
+                    idle = command[1]
                     conn.send(True)
                 elif command[0] == "abort":
                     engine.abort_request(command[1])
@@ -256,7 +295,7 @@ def producer_main(
                     )
             result = engine.poll()
             freed.extend(result.freeable)
-            time.sleep(0)
+            time.sleep(idle)
 
 
 # -- test base for real transfers ------------------------------------------------------------
@@ -298,7 +337,9 @@ class TransferTestBase(parameterized.TestCase):
             conn.close()
         super().tearDown()
 
-    def start_producer(self, spec_kwargs, tp, pp_rank=0, pp=1, engine_kwargs=None):
+    def start_producer(
+        self, spec_kwargs, tp, pp_rank=0, pp=1, engine_kwargs=None, tp_rank=None, num_tokens=None
+    ):
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(
@@ -311,8 +352,9 @@ class TransferTestBase(parameterized.TestCase):
                 pp,
                 NUM_BLOCKS,
                 G_SEED,
-                len(REMOTE_IDS) * spec_kwargs["block_size"],
+                num_tokens or len(REMOTE_IDS) * spec_kwargs["block_size"],
                 engine_kwargs or {},
+                tp_rank,
             ),
             daemon=True,
         )
