@@ -14,6 +14,6 @@ export JAXKV_PYTHON="$ROOT/.venv/bin/python"
 CONFIG=()
 if command -v nvcc >/dev/null; then CONFIG=(--config=cuda); fi
 rc=0
-bazel test "${CONFIG[@]}" //... || rc=$?
+bazel test "${CONFIG[@]}" --test_env=CI //... || rc=$?  # CI: derandomized property tests
 bazel shutdown >/dev/null 2>&1 || true  # leave no Bazel server (a JVM) running
 exit $rc
