@@ -39,6 +39,47 @@ xla::ffi::Error AliasCache(Platform& platform, const xla::ffi::AnyBuffer& cache,
                             static_cast<int64_t>(cache.size_bytes()));
 }
 
+// Validates one id list against a buffer of `num_blocks` blocks where the platform exposes ids
+// on the host (always on CPU; on CUDA with validate_ids): every id in range, and with `unique`
+// no id repeated (the list names blocks that are written).
+template <typename Platform>
+xla::ffi::Error CheckIds(Platform& platform, const IdBuffer& ids, int64_t num_blocks,
+                         const char* name, bool unique) {
+  std::vector<int32_t> storage;
+  auto host = platform.HostIds(ids, &storage);
+  if (!host) return host.error();
+  if (*host == nullptr) return xla::ffi::Error::Success();
+  const int64_t count = static_cast<int64_t>(ids.element_count());
+  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, num_blocks, name));
+  if (unique) JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*host, count, name));
+  return xla::ffi::Error::Success();
+}
+
+// Validates the (src_ids[i], dst_ids[i]) pairs of a copy between buffers of `src_blocks` and
+// `dst_blocks` blocks: equal lengths, ids in range, unique destinations, and with `disjoint`
+// (both sides are one buffer updated in place) no block both a source and a destination.
+template <typename Platform>
+xla::ffi::Error CheckIdPairs(Platform& platform, const IdBuffer& src_ids, int64_t src_blocks,
+                             const IdBuffer& dst_ids, int64_t dst_blocks, bool disjoint) {
+  const int64_t count = static_cast<int64_t>(src_ids.element_count());
+  JAXKV_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(dst_ids.element_count()), count,
+                                   "number of dst_ids (must equal the number of src_ids)"));
+  std::vector<int32_t> src_storage;
+  std::vector<int32_t> dst_storage;
+  auto src_host = platform.HostIds(src_ids, &src_storage);
+  if (!src_host) return src_host.error();
+  auto dst_host = platform.HostIds(dst_ids, &dst_storage);
+  if (!dst_host) return dst_host.error();
+  if (*src_host == nullptr || *dst_host == nullptr) return xla::ffi::Error::Success();
+  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*src_host, count, src_blocks, "src_ids"));
+  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*dst_host, count, dst_blocks, "dst_ids"));
+  JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*dst_host, count, "dst_ids"));
+  if (disjoint) {
+    JAXKV_RETURN_IF_ERROR(CheckIdsDisjoint(*src_host, "src_ids", *dst_host, "dst_ids", count));
+  }
+  return xla::ffi::Error::Success();
+}
+
 // cache[dst_ids[i]] = cache[src_ids[i]] for every pair whose ids are both non-negative.
 template <typename Platform>
 xla::ffi::Error CopyBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,
@@ -47,23 +88,11 @@ xla::ffi::Error CopyBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,
   auto geometry = BlocksFirstGeometry(cache, "cache");
   if (!geometry) return geometry.error();
   const int64_t count = static_cast<int64_t>(src_ids.element_count());
-  JAXKV_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(dst_ids.element_count()), count,
-                                   "number of dst_ids (must equal the number of src_ids)"));
   JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", *out, "result"));
   JAXKV_RETURN_IF_ERROR(CheckCount(out->dimensions()[0], geometry->num_blocks,
                                    "blocks in the result"));
-  std::vector<int32_t> src_storage;
-  std::vector<int32_t> dst_storage;
-  auto src_host = platform.HostIds(src_ids, &src_storage);
-  if (!src_host) return src_host.error();
-  auto dst_host = platform.HostIds(dst_ids, &dst_storage);
-  if (!dst_host) return dst_host.error();
-  if (*src_host != nullptr && *dst_host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*src_host, count, geometry->num_blocks, "src_ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*dst_host, count, geometry->num_blocks, "dst_ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*dst_host, count, "dst_ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsDisjoint(*src_host, "src_ids", *dst_host, "dst_ids", count));
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIdPairs(platform, src_ids, geometry->num_blocks, dst_ids,
+                                     geometry->num_blocks, /*disjoint=*/true));
   JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
   if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
 
@@ -86,12 +115,7 @@ xla::ffi::Error GatherBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
   const int64_t count = static_cast<int64_t>(ids.element_count());
   JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", *out, "result"));
   JAXKV_RETURN_IF_ERROR(CheckCount(out->dimensions()[0], count, "rows in the result"));
-  std::vector<int32_t> storage;
-  auto host = platform.HostIds(ids, &storage);
-  if (!host) return host.error();
-  if (*host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/false));
   if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
 
   BlockCopyRequest request;
@@ -131,13 +155,7 @@ xla::ffi::Error ScatterBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache,
   JAXKV_RETURN_IF_ERROR(CheckSameBlockShape(cache, "cache", *out, "result"));
   JAXKV_RETURN_IF_ERROR(CheckCount(out->dimensions()[0], geometry->num_blocks,
                                    "blocks in the result"));
-  std::vector<int32_t> storage;
-  auto host = platform.HostIds(ids, &storage);
-  if (!host) return host.error();
-  if (*host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*host, count, "ids"));
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/true));
   JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
   if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
 

@@ -83,13 +83,7 @@ xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cach
     return xla::ffi::Error::InvalidArgument("scratch of " + std::to_string(scratch_bytes) +
                                             " bytes is smaller than one block");
   }
-  std::vector<int32_t> storage;
-  auto host = platform.HostIds(ids, &storage);
-  if (!host) return host.error();
-  if (*host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*host, count, "ids"));
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/true));
   RearrangePlan plan;
   if (!RearrangeMap(src_layout.data(), dst_layout.data(), rank, dims->data(), ratio,
                     reshape_internal::ItemSize(cache), &plan)) {
@@ -131,25 +125,8 @@ xla::ffi::Error CopyBlockPrefixCommon(Platform& platform, const xla::ffi::AnyBuf
                                    "blocks in the result"));
   JAXKV_RETURN_IF_ERROR(CheckLayout(layout, rank, "layout"));
   const int64_t count = static_cast<int64_t>(src_ids.element_count());
-  JAXKV_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(dst_ids.element_count()), count,
-                                   "number of dst_ids (must equal the number of src_ids)"));
-  std::vector<int32_t> src_storage;
-  std::vector<int32_t> dst_storage;
-  auto src_host = platform.HostIds(src_ids, &src_storage);
-  if (!src_host) return src_host.error();
-  auto dst_host = platform.HostIds(dst_ids, &dst_storage);
-  if (!dst_host) return dst_host.error();
-  if (*src_host != nullptr && *dst_host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(
-        CheckIdsInRange(*src_host, count, src_geometry->num_blocks, "src_ids"));
-    JAXKV_RETURN_IF_ERROR(
-        CheckIdsInRange(*dst_host, count, dst_geometry->num_blocks, "dst_ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*dst_host, count, "dst_ids"));
-    if (same_cache) {
-      JAXKV_RETURN_IF_ERROR(
-          CheckIdsDisjoint(*src_host, "src_ids", *dst_host, "dst_ids", count));
-    }
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIdPairs(platform, src_ids, src_geometry->num_blocks, dst_ids,
+                                     dst_geometry->num_blocks, /*disjoint=*/same_cache));
   const int t_axis = static_cast<int>(layout.find('T'));
   RunMap map;
   int64_t row_bytes = 0;
@@ -244,12 +221,7 @@ xla::ffi::Error SplitBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, I
     }
     results.push_back(buffer);
   }
-  std::vector<int32_t> storage;
-  auto host = platform.HostIds(ids, &storage);
-  if (!host) return host.error();
-  if (*host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/false));
   std::vector<RunMap> maps(static_cast<size_t>(num_out));
   for (int64_t i = 0; i < num_out; ++i) {
     if (!BoxMap(dims->data(), box_starts.begin() + i * rank, &sizes[i * rank],
@@ -315,13 +287,7 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
     inputs.push_back(*arg);
   }
   JAXKV_RETURN_IF_ERROR(CheckBoxesDisjoint(box_starts.begin(), sizes.data(), num_in, rank));
-  std::vector<int32_t> storage;
-  auto host = platform.HostIds(ids, &storage);
-  if (!host) return host.error();
-  if (*host != nullptr) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, geometry->num_blocks, "ids"));
-    JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*host, count, "ids"));
-  }
+  JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/true));
   std::vector<RunMap> maps(static_cast<size_t>(num_in));
   for (int64_t i = 0; i < num_in; ++i) {
     if (!BoxMap(dims->data(), box_starts.begin() + i * rank, &sizes[i * rank],
