@@ -24,8 +24,8 @@ import json
 import os
 import platform
 import statistics
-import time
 
+from _timing import interleaved_seconds, median_ratio
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -50,22 +50,6 @@ def _stateful_step(fn, call, cache, updates, staging):
         return out
 
     return step
-
-
-def _interleaved_seconds(steps, iters: int) -> dict[str, list[float]]:
-    """Runs every step once (compile, warm up), then `iters` rounds of one run each, so that
-    each round's ratios compare runs made under the same background load."""
-    import jax
-
-    for step in steps.values():
-        jax.block_until_ready(step())
-    times = {name: [] for name in steps}
-    for _ in range(iters):
-        for name, step in steps.items():
-            begin = time.perf_counter()
-            jax.block_until_ready(step())
-            times[name].append(time.perf_counter() - begin)
-    return times
 
 
 def _main(argv):
@@ -161,19 +145,17 @@ def _main(argv):
             else _stateful_step(fn, call, fresh_cache(), updates, staging)
             for name, fn in contenders.items()
         }
-        times = _interleaved_seconds(steps, FLAGS.iters)
+        times = interleaved_seconds(steps, FLAGS.iters)
         row = results.setdefault(op, {})
         for name, samples in times.items():
             row[name] = {"median_seconds": statistics.median(samples),
                          "gb_per_s": traffic / statistics.median(samples) / 1e9}
-        row["jaxkv_vs_limit"] = statistics.median(
-            l / j for l, j in zip(times[limit_name], times["jaxkv"]))
+        row["jaxkv_vs_limit"] = median_ratio(times[limit_name], times["jaxkv"])
         if "jnp reference" in times:
-            row["jaxkv_vs_jnp"] = statistics.median(
-                r / j for r, j in zip(times["jnp reference"], times["jaxkv"]))
+            row["jaxkv_vs_jnp"] = median_ratio(times["jnp reference"], times["jaxkv"])
         if "numpy take (new array)" in times:
-            row["jaxkv_vs_numpy_take"] = statistics.median(
-                r / j for r, j in zip(times["numpy take (new array)"], times["jaxkv"]))
+            row["jaxkv_vs_numpy_take"] = median_ratio(times["numpy take (new array)"],
+                                                      times["jaxkv"])
         del steps
 
     report = {

@@ -30,8 +30,8 @@ import json
 import os
 import platform
 import statistics
-import time
 
+from _timing import interleaved_seconds, median_ratio
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -248,23 +248,15 @@ def _main(argv):
             return step
 
         steps = {name: step_for(name) for name in contenders}
-        for step in steps.values():
-            jax.block_until_ready(step())  # compile and warm up
-        times = {name: [] for name in steps}
-        for _ in range(FLAGS.iters):
-            for name, step in steps.items():
-                begin = time.perf_counter()
-                jax.block_until_ready(step())
-                times[name].append(time.perf_counter() - begin)
+        times = interleaved_seconds(steps, FLAGS.iters)
         row = {"setup": s["setup"], "traffic_bytes": s["traffic"], "limit": limit_name}
         for name, samples in times.items():
             row[name] = {"median_seconds": statistics.median(samples),
                          "gb_per_s": s["traffic"] / statistics.median(samples) / 1e9}
-        row["jaxkv_vs_limit"] = statistics.median(
-            l / j for l, j in zip(times[limit_name], times["jaxkv"]))
+        row["jaxkv_vs_limit"] = median_ratio(times[limit_name], times["jaxkv"])
         for other, key in (("jnp reference", "jaxkv_vs_jnp"), ("torch (vLLM)", "jaxkv_vs_torch")):
             if other in times:
-                row[key] = statistics.median(o / j for o, j in zip(times[other], times["jaxkv"]))
+                row[key] = median_ratio(times[other], times["jaxkv"])
         results[op] = row
         del state
         print(f"{op:<32} limit {row[limit_name]['gb_per_s']:6.2f} GB/s  jaxkv "
