@@ -12,19 +12,12 @@ from absl.testing import absltest, parameterized
 from jaxkv import SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
 
 
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-@absltest.skipIf(not _gpus(), "no GPU visible to JAX")
+@absltest.skipIf(not kv_testing.gpus(), "no GPU visible to JAX")
 class CudaOpsTest(parameterized.TestCase):
     def _cache(self, seed, dtype, block_shape=(2, 4, 16, 64), num_blocks=64):
         rng = np.random.default_rng(seed)
         host = kv_testing.random_bits(rng, (num_blocks, *block_shape), dtype)
-        return host, jax.device_put(host, _gpus()[0])
+        return host, jax.device_put(host, kv_testing.gpus()[0])
 
     @parameterized.product(dtype=[d.name for d in SUPPORTED_DTYPES],
                            block_shape=[(2, 4, 16, 64), (3, 5), (7,)])
@@ -36,7 +29,8 @@ class CudaOpsTest(parameterized.TestCase):
         host = kv_testing.numpy_copy_blocks(host, src, dst)
         gathered = ops.gather_blocks(cache, [60, -1, 2, 2])
         blocks = kv_testing.random_bits(np.random.default_rng(1), (3, *block_shape), dtype)
-        cache = ops.scatter_blocks(cache, jax.device_put(blocks, _gpus()[0]), [11, -1, 63])
+        on_gpu = jax.device_put(blocks, kv_testing.gpus()[0])
+        cache = ops.scatter_blocks(cache, on_gpu, [11, -1, 63])
         self.assertEqual(cache.unsafe_buffer_pointer(), address)
         np.testing.assert_array_equal(
             kv_testing.bits(gathered),
@@ -61,7 +55,7 @@ class CudaOpsTest(parameterized.TestCase):
         np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(expected))
 
     def test_paged_cache_on_gpu(self):
-        mesh = jax.make_mesh((1,), ("tp",), devices=_gpus()[:1])
+        mesh = jax.make_mesh((1,), ("tp",), devices=kv_testing.gpus()[:1])
         spec = KVCacheSpec(4, 8, 128, 16, "bfloat16", "KHTD")
         cache = PagedKVCache.allocate(spec, 32, mesh=mesh)
         before = cache.shard_buffers()

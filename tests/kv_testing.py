@@ -68,3 +68,13 @@ def assert_same_values(actual, expected) -> None:
         same |= nan_a & nan_e
     mismatches = np.argwhere(~same)
     assert mismatches.size == 0, f"{len(mismatches)} mismatches, first at {mismatches[0].tolist()}"
+
+
+def gpus() -> list:
+    """The GPUs JAX sees (empty without a CUDA backend); CUDA test modules skip on []."""
+    import jax
+
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []

@@ -6,26 +6,19 @@ Skipped where JAX sees no GPU.
 
 import jax
 import jax.numpy as jnp
+import kv_testing
 import numpy as np
+import reshape_testing as ref
 from absl.testing import absltest, parameterized
 
-import kv_testing
-import reshape_testing as ref
 from jaxkv import SUPPORTED_DTYPES, ops
 
 
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
 def _on_gpu(host):
-    return jax.device_put(host, _gpus()[0])
+    return jax.device_put(host, kv_testing.gpus()[0])
 
 
-@absltest.skipIf(not _gpus(), "no GPU visible to JAX")
+@absltest.skipIf(not kv_testing.gpus(), "no GPU visible to JAX")
 class ReshapeCudaTest(parameterized.TestCase):
     @parameterized.product(
         dtype=[d.name for d in SUPPORTED_DTYPES],
