@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _ffi
