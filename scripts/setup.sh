@@ -34,6 +34,10 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# One set-up at a time per environment: concurrent test runs would otherwise build into the
+# same build directory and install over each other.
+exec 9>"$VENV/.jaxkv-setup.lock"
+flock -w 1800 9 || { echo "[setup] timed out waiting for $VENV/.jaxkv-setup.lock" >&2; exit 1; }
 PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 # 1. Dependencies (pip is a no-op when they are already satisfied).
