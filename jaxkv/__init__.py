@@ -8,6 +8,7 @@ Public names:
                                                    ops: permute, merge, prefix, split, concat)
   blocks                                          (block manager; no JAX needed)
   transfer                                        (KV transfer between engines over NIXL)
+  offload                                         (device <-> host <-> file tiers for blocks)
 
 Names that need JAX are loaded on first access, so `import jaxkv.blocks` (host-side
 bookkeeping) never starts a JAX backend.
@@ -23,7 +24,7 @@ from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
 from jaxkv._version import __version__
 
 if TYPE_CHECKING:
-    from jaxkv import blocks, ops, transfer
+    from jaxkv import blocks, offload, ops, transfer
     from jaxkv._cache import BufferMovedError, PagedKVCache, ShardBuffer
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ShardBuffer",
     "__version__",
     "blocks",
+    "offload",
     "ops",
     "plan_peers",
     "transfer",
@@ -50,7 +52,7 @@ _LAZY_ATTRIBUTES = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ops", "blocks", "transfer"):
+    if name in ("ops", "blocks", "transfer", "offload"):
         return importlib.import_module(f"jaxkv.{name}")
     if name in _LAZY_ATTRIBUTES:
         return getattr(importlib.import_module(_LAZY_ATTRIBUTES[name]), name)

@@ -33,11 +33,15 @@ from jaxkv.blocks._hashing import xxhash128 as xxhash128
 from jaxkv.blocks._manager import Allocation as Allocation
 from jaxkv.blocks._manager import CacheHit as CacheHit
 from jaxkv.blocks._manager import KVCacheManager as KVCacheManager
+from jaxkv.blocks._manager import TieredCacheHit as TieredCacheHit
 from jaxkv.blocks._metrics import PrefixCacheStats as PrefixCacheStats
 from jaxkv.blocks._metrics import PrefixCachingMetrics as PrefixCachingMetrics
 from jaxkv.blocks._pool import NULL_BLOCK_ID as NULL_BLOCK_ID
 from jaxkv.blocks._pool import BlockId as BlockId
 from jaxkv.blocks._pool import BlockPool as BlockPool
+from jaxkv.blocks._pool import EvictedBlock as EvictedBlock
+from jaxkv.blocks._pool import EvictionHook as EvictionHook
+from jaxkv.blocks._pool import TieredBlock as TieredBlock
 from jaxkv.blocks._sizing import AttentionLayers as AttentionLayers
 from jaxkv.blocks._sizing import KVCacheBuffer as KVCacheBuffer
 from jaxkv.blocks._sizing import KVCacheGroup as KVCacheGroup
@@ -61,6 +65,8 @@ __all__ = [
     "BlockStored",
     "CacheHit",
     "DoubleFreeError",
+    "EvictedBlock",
+    "EvictionHook",
     "ExtraKeys",
     "FreeBlockQueue",
     "HashFunction",
@@ -76,6 +82,8 @@ __all__ = [
     "PartialBlockError",
     "PrefixCacheStats",
     "PrefixCachingMetrics",
+    "TieredBlock",
+    "TieredCacheHit",
     "RequestBlockHasher",
     "UnknownRequestError",
     "block_extra_keys",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,12 +40,12 @@ from jaxkv.blocks._hashing import (
     sha256,
 )
 from jaxkv.blocks._metrics import PrefixCacheStats, PrefixCachingMetrics
-from jaxkv.blocks._pool import NULL_BLOCK_ID, BlockId, BlockPool
+from jaxkv.blocks._pool import NULL_BLOCK_ID, BlockId, BlockPool, EvictionHook, TieredBlock
 
 if TYPE_CHECKING:
     from jaxkv.blocks._sizing import KVCachePlan
 
-__all__ = ["Allocation", "CacheHit", "KVCacheManager"]
+__all__ = ["Allocation", "CacheHit", "KVCacheManager", "TieredCacheHit"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -84,6 +84,47 @@ class CacheHit:
     def num_blocks(self) -> int:
         """Blocks per group in the hit."""
         return len(self.block_ids[0]) if self.block_ids else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredCacheHit:
+    """A prefix hit over the device pool and lower tiers (`get_computed_blocks_tiered`).
+
+    Attributes:
+      device_hit: the leading device blocks, as a `CacheHit` to pass to `allocate_slots`.
+      blocks: one `TieredBlock` per block of the whole hit (tier name and, for device blocks,
+        the block id); blocks after the device prefix must be loaded into newly allocated
+        blocks (e.g. `jaxkv.offload.OffloadManager.load_hit`).
+      block_hashes: the hashes of those blocks.
+      block_size: tokens per block.
+
+    Example:
+      >>> manager = KVCacheManager(num_blocks=8, block_size=2)
+      >>> manager.add_request("r", [1, 2, 3, 4, 5])
+      >>> hit = manager.get_computed_blocks_tiered("r", [])
+      >>> hit.tiers, hit.num_hit_tokens
+      ((), 0)
+    """
+
+    device_hit: CacheHit
+    blocks: tuple[TieredBlock, ...]
+    block_hashes: tuple[BlockHash, ...]
+    block_size: int
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tier of each hit block ("device" or a lower tier's name)."""
+        return tuple(block.tier for block in self.blocks)
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Tokens covered by the hit in all tiers."""
+        return len(self.blocks) * self.block_size
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Leading blocks found on the device (reused without a copy)."""
+        return self.device_hit.num_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,6 +619,89 @@ class KVCacheManager:
             epoch,
             tuple(np.fromiter(r, np.int64, len(r)) for r in results),
         )
+
+    def set_eviction_hook(self, hook: EvictionHook | None) -> None:
+        """Lets an offload tier save cached blocks the pool evicts (see
+        `BlockPool.set_eviction_hook`).
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=4, block_size=2)
+          >>> manager.set_eviction_hook(lambda blocks: None)
+        """
+        self._pool.set_eviction_hook(hook)
+
+    def get_computed_blocks_tiered(
+        self,
+        request_id: str,
+        lower_tiers: Sequence[tuple[str, Callable[[BlockHash], bool]]],
+        *,
+        max_hit_tokens: int | None = None,
+    ) -> TieredCacheHit:
+        """Finds the longest cached prefix of a request on the device, then in lower tiers.
+
+        Each block is looked up on the device first, then in each lower tier in order; the
+        hit ends at the first block found nowhere. Lookup only. Records a hit-rate
+        observation counting hits of every tier. One full-attention group only.
+
+        Args:
+          request_id: a request before its first allocation.
+          lower_tiers: ``(name, contains)`` per lower tier, e.g.
+            `jaxkv.offload.OffloadManager.lower_tiers()`.
+          max_hit_tokens: as in `get_computed_blocks`.
+
+        Returns:
+          The `TieredCacheHit`; its `device_hit` goes to `allocate_slots`.
+
+        Raises:
+          UnknownRequestError: unknown request.
+          BlockError: the request already has blocks, ``max_hit_tokens < 0``, or the manager
+            has sliding-window or several groups.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=8, block_size=2)
+          >>> manager.add_request("a", [1, 2, 3, 4, 5]); _ = manager.allocate_slots("a", 5)
+          >>> manager.add_request("b", [1, 2, 3, 4, 5, 6, 7])
+          >>> hashes = manager.get_block_hashes("b")
+          >>> host = {hashes[2]}.__contains__
+          >>> manager.get_computed_blocks_tiered("b", [("host", host)]).tiers
+          ('device', 'device', 'host')
+        """
+        state = self._request(request_id)
+        if not self._single_full_group:
+            raise BlockError("tiered lookups support one full-attention KV-cache group")
+        if state.allocated:
+            raise BlockError(
+                f"request {request_id!r} already has blocks; look up its prefix before the "
+                "first allocate_slots"
+            )
+        num_tokens = state.num_tokens
+        if max_hit_tokens is None:
+            limit = num_tokens - 1
+        else:
+            if max_hit_tokens < 0:
+                raise BlockError(f"max_hit_tokens must be >= 0, got {max_hit_tokens}")
+            limit = min(int(max_hit_tokens), num_tokens)
+        epoch = self._pool.cache_epoch
+        if state.hasher is None:
+            return TieredCacheHit(CacheHit(request_id, self._empty_hit_blocks, 0, epoch), (), (),
+                                  self._block_size)
+        hashes = state.hasher.block_hashes
+        length = min(limit // self._block_size, len(hashes))
+        blocks = self._pool.find_longest_tiered_hit(hashes[:length], lower_tiers)
+        device = []
+        for block in blocks:
+            if block.tier != "device":
+                break
+            device.append(block.block_id)
+        self._metrics.observe(PrefixCacheStats(
+            requests=1, queries=num_tokens, hits=len(blocks) * self._block_size))
+        if device:
+            device_hit = CacheHit(request_id, (tuple(device),), len(device) * self._block_size,
+                                  epoch, (np.fromiter(device, np.int64, len(device)),))
+        else:
+            device_hit = CacheHit(request_id, self._empty_hit_blocks, 0, epoch)
+        return TieredCacheHit(device_hit, tuple(blocks), tuple(hashes[: len(blocks)]),
+                              self._block_size)
 
     def _check_hit(self, state: _Request, hit: CacheHit) -> None:
         if hit.request_id != state.request_id:

@@ -16,9 +16,10 @@ tail-first).
 from __future__ import annotations
 
 import collections
+import logging
 import operator
-from collections.abc import Sequence
-from typing import Any, NewType
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NewType
 
 import numpy as np
 
@@ -32,7 +33,9 @@ from jaxkv.blocks._events import AllBlocksCleared, BlockRemoved, BlockStored, KV
 from jaxkv.blocks._free_queue import FreeBlockQueue
 from jaxkv.blocks._hashing import BlockHash, ExtraKeys
 
-__all__ = ["NULL_BLOCK_ID", "BlockId", "BlockPool"]
+__all__ = ["NULL_BLOCK_ID", "BlockId", "BlockPool", "EvictedBlock", "EvictionHook", "TieredBlock"]
+
+_log = logging.getLogger(__name__)
 
 BlockId = NewType("BlockId", int)
 """A physical block id: the block's index in the cache arrays, in ``[0, num_blocks)``."""
@@ -41,6 +44,45 @@ NULL_BLOCK_ID: BlockId = BlockId(0)
 """The null block: a placeholder in block tables (e.g. positions a sliding window dropped)."""
 
 _SCALAR_MAX = 8  # Up to this many ids, plain Python beats numpy's per-call overhead.
+
+
+class EvictedBlock(NamedTuple):
+    """A cached block whose hash was dropped because the block was handed out again; its
+    bytes are still intact until the new owner writes it (for an offload tier to save them).
+
+    Attributes:
+      block_id: the physical block.
+      block_hash: the hash it cached.
+      group: the KV-cache group of the hash.
+
+    Example:
+      >>> EvictedBlock(BlockId(3), b"h", 0).block_hash
+      b'h'
+    """
+
+    block_id: BlockId
+    block_hash: BlockHash
+    group: int
+
+
+EvictionHook = Callable[[list[EvictedBlock]], None]
+"""Called by `BlockPool.allocate` with the cached blocks it evicted (see `set_eviction_hook`)."""
+
+
+class TieredBlock(NamedTuple):
+    """One block of a tiered prefix hit (`BlockPool.find_longest_tiered_hit`).
+
+    Attributes:
+      tier: "device" for a block of this pool, else the name of the lower tier that holds it.
+      block_id: the device block for "device", None otherwise.
+
+    Example:
+      >>> TieredBlock("host", None).tier
+      'host'
+    """
+
+    tier: str
+    block_id: BlockId | None
 
 
 class BlockPool:
@@ -102,6 +144,7 @@ class BlockPool:
         self._epoch = 0
         self._queue = FreeBlockQueue(num_blocks, np.arange(1, num_blocks))
         self._events: list[KVCacheEvent] | None = [] if enable_events else None
+        self._evict_hook: EvictionHook | None = None
 
     def __repr__(self) -> str:
         return (
@@ -224,6 +267,7 @@ class BlockPool:
         if count == 0:
             return []
         removed: dict[int, list[BlockHash]] | None = None
+        evicted: list[EvictedBlock] = []
         if count <= _SCALAR_MAX:
             popleft = self._queue.popleft
             refv = self._refv
@@ -232,6 +276,8 @@ class BlockPool:
             for _ in range(count):
                 block = popleft()
                 if hashedv[block]:
+                    if self._evict_hook is not None:
+                        evicted.append(EvictedBlock(block, self._hash[block], self._groupv[block]))
                     removed = self._drop_hash(block, removed)
                 refv[block] = 1
                 out.append(block)
@@ -239,6 +285,8 @@ class BlockPool:
             return self._allocate_array(count).tolist()
         if removed:
             self._emit_removed(removed)
+        if evicted:
+            self._notify_evicted(evicted)
         return out
 
     def _allocate_array(self, count: int) -> np.ndarray:
@@ -247,9 +295,54 @@ class BlockPool:
         if self._num_cached:
             cached = self._hashed[ids]
             if cached.any():
-                self._drop_hashes(ids[cached])
+                dropped = ids[cached]
+                evicted = None
+                if self._evict_hook is not None:
+                    evicted = [
+                        EvictedBlock(block, self._hash[block], int(self._group[block]))
+                        for block in dropped.tolist()
+                    ]
+                self._drop_hashes(dropped)
+                if evicted:
+                    self._ref[ids] = 1
+                    self._notify_evicted(evicted)
+                    return ids
         self._ref[ids] = 1
         return ids
+
+    def set_eviction_hook(self, hook: EvictionHook | None) -> None:
+        """Calls `hook` with the cached blocks that `allocate` evicts (hands out again), so an
+        offload tier can save their bytes instead of dropping them. Explicit `evict` and
+        `reset_prefix_cache` (invalid data) do not call it.
+
+        The hook runs after the allocation is complete, before `allocate` returns: the evicted
+        blocks' bytes are intact until their new owner writes them. An exception from the
+        hook is logged and the blocks are dropped as without a hook.
+
+        Args:
+          hook: a callable taking a list of `EvictedBlock`, or None to remove it.
+
+        Example:
+          >>> pool = BlockPool(2)
+          >>> seen = []
+          >>> pool.set_eviction_hook(seen.extend)
+          >>> block = pool.allocate(1); _ = pool.cache_blocks(block, [b"h"]); pool.free(block)
+          >>> _ = pool.allocate(1); seen
+          [EvictedBlock(block_id=1, block_hash=b'h', group=0)]
+        """
+        if hook is not None and not callable(hook):
+            raise TypeError(f"the eviction hook must be callable, got {type(hook).__name__}")
+        self._evict_hook = hook
+
+    def _notify_evicted(self, evicted: list[EvictedBlock]) -> None:
+        hook = self._evict_hook
+        if hook is None:
+            return
+        try:
+            hook(evicted)
+        except Exception:  # The pool is consistent: the blocks are just not saved.
+            _log.exception("block pool eviction hook failed; %d evicted blocks dropped",
+                           len(evicted))
 
     def _drop_hashes(self, ids: np.ndarray) -> None:
         """Evicts the hashes of distinct cached blocks, vectorised where possible."""
@@ -688,6 +781,48 @@ class BlockPool:
             found.extend(map(get, block_hashes[64:]))
         if None in found:
             del found[found.index(None) :]
+        return found
+
+    def find_longest_tiered_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        lower_tiers: Sequence[tuple[str, Callable[[BlockHash], bool]]],
+        group: int = 0,
+    ) -> list[TieredBlock]:
+        """The longest prefix of a hash chain found in this pool or in lower tiers.
+
+        Each block is looked up on the device first (this pool), then in each lower tier in
+        order (e.g. host, then disk); the prefix ends at the first block found nowhere.
+        Lookup only: nothing is touched.
+
+        Args:
+          block_hashes: a request's block hashes, first block first.
+          lower_tiers: ``(name, contains)`` per lower tier, fastest first.
+          group: the KV-cache group.
+
+        Returns:
+          One `TieredBlock` per block of the prefix.
+
+        Example:
+          >>> pool = BlockPool(8)
+          >>> _ = pool.cache_blocks(pool.allocate(1), [b"a"])
+          >>> host = {b"b"}.__contains__
+          >>> [t.tier for t in pool.find_longest_tiered_hit([b"a", b"b", b"c"], [("host", host)])]
+          ['device', 'host']
+        """
+        found: list[TieredBlock] = []
+        cache = self._maps[group] if group < len(self._maps) else {}
+        for block_hash in block_hashes:
+            block = cache.get(block_hash)
+            if block is not None:
+                found.append(TieredBlock("device", block))  # type: ignore[arg-type]
+                continue
+            for name, contains in lower_tiers:
+                if contains(block_hash):
+                    found.append(TieredBlock(name, None))
+                    break
+            else:
+                break
         return found
 
     def evict(self, block_ids: Sequence[int] | np.ndarray) -> int:

@@ -1,0 +1,818 @@
+"""The file tier: KV blocks in files named by their prefix hash, so a restarted engine (or
+another engine of the same model) finds them.
+
+Directory layout (``<root>/<compat key>/``): ``blocks/<hash hex>.kvb`` (one file per block: a
+4 KiB header, then the payload), ``tmp/`` (files being written), ``quarantine/`` (files that
+failed their checks) and ``manifest.msgpack`` (the blocks in LRU order). The compat key hashes
+the model id, the cache geometry, dtype, layout and TP arrangement, so an engine of another
+model or shape never sees (let alone loads) these blocks; every header repeats it and is checked
+on read.
+
+Writes go to a temporary file, are fsynced and then renamed into place (`os.replace`): a crash
+never leaves a half-written block visible. Reads verify an xxh3-128 checksum of the payload; a
+mismatch is a miss and the file is quarantined. Payload bytes move through NIXL's POSIX backend
+when NIXL is importable (``backend="nixl"``) or through ``os.pwritev`` / ``os.preadv``
+(``backend="files"``), directly between the caller's memory and the file.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ctypes
+import dataclasses
+import hashlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+from absl import logging
+
+from jaxkv._spec import KVCacheSpec
+from jaxkv.offload._ordering import Dependency, wait_for
+from jaxkv.offload._types import BlockCorruptError, IncompatibleTierError, OffloadTimeoutError
+
+__all__ = ["FORMAT_VERSION", "FileTier", "FileTierStats", "file_compat_fields"]
+
+FORMAT_VERSION = 1
+_MAGIC = b"JAXKVBK1"
+_HEADER_BYTES = 4096  # The payload starts here (page aligned).
+_SUFFIX = ".kvb"
+
+Region = tuple[int, int]
+"""``(address, nbytes)`` of host memory."""
+
+
+class _Header(msgspec.Struct, frozen=True):
+    format_version: int
+    compat_key: str
+    block_hash: str
+    payload_nbytes: int
+    checksum: str
+
+
+class _Manifest(msgspec.Struct):
+    format_version: int
+    compat_key: str
+    fields: dict[str, Any]
+    entries: list[tuple[str, int]]  # (hash hex, file bytes), least recently used first.
+
+
+@dataclasses.dataclass
+class FileTierStats:
+    """Counters of a `FileTier` (cumulative).
+
+    Attributes:
+      writes: blocks published. write_bytes: their payload bytes.
+      skipped_writes: writes of blocks already on disk (content-addressed: nothing to do).
+      rejected_writes: writes refused because every other block was being read (budget full).
+      reads: blocks looked up. hits: blocks loaded. misses: not on disk.
+      corrupt: blocks that failed the header or checksum check (quarantined).
+      evictions: blocks removed to stay within the size budget.
+      write_s, read_s: seconds spent in file I/O (workers).
+    """
+
+    writes: int = 0
+    write_bytes: int = 0
+    skipped_writes: int = 0
+    rejected_writes: int = 0
+    reads: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    write_s: float = 0.0
+    read_s: float = 0.0
+
+
+def file_compat_fields(spec: KVCacheSpec, model_id: str, tp_size: int = 1) -> dict[str, Any]:
+    """What must match for block files to be reusable: the model id, the cache geometry, dtype,
+    layout, and the TP arrangement of the payload (shards in head order).
+
+    Example:
+      >>> spec = KVCacheSpec(2, 4, 8, 16, "bfloat16")
+      >>> file_compat_fields(spec, "llama-3-8b@rev1")["dtype"]
+      'bfloat16'
+    """
+    return {
+        "format_version": FORMAT_VERSION,
+        "model_id": str(model_id),
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "block_size": spec.block_size,
+        "dtype": spec.dtype.name,
+        "layout": spec.layout,
+        "kv_factor": spec.kv_factor,
+        "mla": spec.mla,
+        "num_arrays": spec.num_arrays,
+        "tp_size": int(tp_size),
+    }
+
+
+def _compat_key(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(msgspec.msgpack.encode(sorted(fields.items()))).hexdigest()
+
+
+def _view(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of raw host memory (no copy)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _checksum(regions: Sequence[Region]) -> str:
+    digest = xxhash.xxh3_128()
+    for address, nbytes in regions:
+        digest.update(_view(address, nbytes))
+    return digest.hexdigest()
+
+
+def _publish(tmp_path: str, final_path: str) -> None:
+    """The atomic publish of a written block (a seam for crash tests)."""
+    os.replace(tmp_path, final_path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _FilesIO:
+    """Payload I/O with os.pwritev / os.preadv on raw memory views."""
+
+    name = "files"
+
+    def write(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> None:
+        views = [_view(a, n) for a, n in regions]
+        total = sum(n for _, n in regions)
+        done = os.pwritev(fd, views, offset)
+        if done != total:  # Short write: finish it region by region.
+            position = 0
+            for view in views:
+                end = position + len(view)
+                if end > done:
+                    start = max(0, done - position)
+                    chunk = view[start:]
+                    while chunk:
+                        written = os.pwrite(fd, chunk, offset + position + start)
+                        chunk = chunk[written:]
+                        start += written
+                position = end
+
+    def read(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> int:
+        views = [_view(a, n) for a, n in regions]
+        return os.preadv(fd, views, offset)
+
+
+class _NixlIO:
+    """Payload I/O through a NIXL agent with the POSIX backend (loopback DRAM <-> FILE)."""
+
+    name = "nixl"
+
+    def __init__(self) -> None:
+        from jaxkv.transfer import load_nixl
+
+        nixl = load_nixl()
+        self._name = f"jaxkv-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        config = nixl.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                        backends=[])
+        self._agent = nixl.nixl_agent(self._name, config)
+        self._agent.create_backend("POSIX", {})
+        self._lock = threading.Lock()
+        self._registered: list[tuple[int, int, Any]] = []
+
+    def register(self, buffers: Sequence[Region]) -> None:
+        """Registers long-lived host buffers (e.g. the host pool) once."""
+        with self._lock:
+            for address, nbytes in buffers:
+                if any(a <= address and address + nbytes <= a + n for a, n, _ in self._registered):
+                    continue
+                handle = self._agent.register_memory(
+                    np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM")
+                self._registered.append((address, nbytes, handle))
+
+    def unregister_all(self) -> None:
+        with self._lock:
+            for _, _, handle in self._registered:
+                self._agent.deregister_memory(handle)
+            self._registered = []
+
+    def _covered(self, address: int, nbytes: int) -> bool:
+        return any(a <= address and address + nbytes <= a + n for a, n, _ in self._registered)
+
+    def _transfer(self, op: str, fd: int, offset: int, regions: Sequence[Region],
+                  deadline: float) -> None:
+        agent = self._agent
+        with self._lock:
+            extra = [(a, n) for a, n in regions if not self._covered(a, n)]
+            dram_handle = (agent.register_memory(np.array([[a, n, 0] for a, n in extra],
+                                                          dtype=np.uint64), "DRAM")
+                           if extra else None)
+            total = sum(n for _, n in regions)
+            file_handle = agent.register_memory([(0, offset + total, fd, "")], "FILE")
+            handle = None
+            try:
+                dram = agent.get_xfer_descs(
+                    np.array([[a, n, 0] for a, n in regions], dtype=np.uint64), "DRAM")
+                files, position = [], offset
+                for _, n in regions:
+                    files.append((position, n, fd))
+                    position += n
+                file_descs = agent.get_xfer_descs(files, "FILE")
+                handle = agent.initialize_xfer(op, dram, file_descs, self._name)
+                state = agent.transfer(handle)
+                pause = 1e-5
+                while state not in ("DONE", "ERR"):
+                    if time.monotonic() > deadline:
+                        raise OffloadTimeoutError(f"NIXL {op} of a block file timed out")
+                    time.sleep(pause)
+                    pause = min(2 * pause, 1e-3)
+                    state = agent.check_xfer_state(handle)
+                if state == "ERR":
+                    raise OSError(f"NIXL POSIX {op} failed")
+            finally:
+                if handle is not None:
+                    agent.release_xfer_handle(handle)
+                agent.deregister_memory(file_handle)
+                if dram_handle is not None:
+                    agent.deregister_memory(dram_handle)
+
+    def write(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> None:
+        self._transfer("WRITE", fd, offset, regions, deadline)
+
+    def read(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> int:
+        size = os.fstat(fd).st_size
+        total = sum(n for _, n in regions)
+        if size < offset + total:
+            return max(0, size - offset)  # Truncated file: NIXL would fail; report short.
+        self._transfer("READ", fd, offset, regions, deadline)
+        return total
+
+
+class FileTier:
+    """A content-addressed, size-bounded store of KV blocks in files, with LRU eviction.
+
+    Thread-safe. I/O runs on a bounded pool of worker threads; `write_async` / `read_async`
+    return futures, and every wait has a timeout.
+
+    Args:
+      directory: root directory (shared by models: each compat key gets its own
+        subdirectory).
+      spec: the cache spec of the blocks.
+      model_id: identifies the model weights (e.g. name and revision): blocks of another model
+        with the same geometry must never be loaded.
+      capacity_bytes: size budget of the files (headers included); the least recently used
+        blocks are removed to make room.
+      tp_size: the TP size of the pool the blocks come from (the payload holds the shards in
+        head order).
+      backend: "auto" (NIXL's POSIX backend when NIXL is importable, else plain files),
+        "nixl" or "files".
+      num_workers: I/O threads.
+      durable: fsync each block file and the directory before the block becomes visible.
+      create: create `directory` when missing (otherwise a missing directory is an error).
+      timeout_s: default timeout of every wait.
+
+    Raises:
+      FileNotFoundError: `directory` does not exist and `create` is False.
+      ValueError: bad arguments (e.g. a budget smaller than one block).
+      ImportError: ``backend="nixl"`` without NIXL.
+
+    Example:
+      >>> import tempfile
+      >>> spec = KVCacheSpec(1, 1, 4, 2, "float32", layout="THD")
+      >>> tier = FileTier(tempfile.mkdtemp(), spec=spec, model_id="m", capacity_bytes=1 << 20,
+      ...                 backend="files")
+      >>> block = np.arange(16, dtype=np.float32)
+      >>> tier.put(b"h0", block); out = np.zeros_like(block)
+      True
+      >>> tier.get(b"h0", out), bool((out == block).all()), tier.get(b"h1", out)
+      (True, True, False)
+      >>> tier.close()
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        spec: KVCacheSpec,
+        model_id: str,
+        capacity_bytes: int,
+        tp_size: int = 1,
+        backend: str = "auto",
+        num_workers: int = 2,
+        durable: bool = True,
+        create: bool = False,
+        timeout_s: float = 60.0,
+    ) -> None:
+        root = os.fspath(directory)
+        if not os.path.isdir(root):
+            if not create:
+                raise FileNotFoundError(
+                    f"file tier directory {root!r} does not exist (pass create=True to create it)")
+            os.makedirs(root, exist_ok=True)
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError("model_id must be a non-empty string naming the model weights")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.spec = spec
+        self.fields = file_compat_fields(spec, model_id, tp_size)
+        self.compat_key = _compat_key(self.fields)
+        self.payload_nbytes = spec.block_nbytes() * spec.num_arrays
+        self.file_nbytes = _HEADER_BYTES + self.payload_nbytes
+        if capacity_bytes < self.file_nbytes:
+            raise ValueError(f"capacity_bytes={capacity_bytes} is smaller than one block file "
+                             f"({self.file_nbytes} bytes)")
+        self.capacity_bytes = int(capacity_bytes)
+        self.durable = bool(durable)
+        self.timeout_s = float(timeout_s)
+        self.directory = os.path.join(root, self.compat_key[:32])
+        self._blocks = os.path.join(self.directory, "blocks")
+        self._tmp = os.path.join(self.directory, "tmp")
+        self._quarantine = os.path.join(self.directory, "quarantine")
+        for path in (self._blocks, self._tmp, self._quarantine):
+            os.makedirs(path, exist_ok=True)
+        if backend == "auto":
+            from jaxkv.transfer import nixl_available
+
+            backend = "nixl" if nixl_available() else "files"
+        if backend == "nixl":
+            self._io: _FilesIO | _NixlIO = _NixlIO()
+        elif backend == "files":
+            self._io = _FilesIO()
+        else:
+            raise ValueError(f"backend must be 'auto', 'nixl' or 'files', got {backend!r}")
+        self._lock = threading.RLock()
+        self._manifest_lock = threading.Lock()
+        self._entries: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._readers: collections.Counter[bytes] = collections.Counter()
+        self._writing: set[bytes] = set()
+        self._bytes_used = 0
+        self.stats = FileTierStats()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=num_workers, thread_name_prefix="jaxkv-file-tier")
+        self._closed = False
+        self._recover()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def backend(self) -> str:
+        """The payload I/O backend in use: "nixl" or "files"."""
+        return self._io.name
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the published block files."""
+        with self._lock:
+            return self._bytes_used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (f"FileTier({self.directory!r}, blocks={len(self)}, bytes_used={self.bytes_used}, "
+                f"capacity_bytes={self.capacity_bytes}, backend={self.backend!r})")
+
+    def contains(self, block_hash: bytes) -> bool:
+        """Whether a published file holds the block (it may still fail its checksum on read).
+
+        Example:
+          >>> import tempfile
+          >>> tier = FileTier(tempfile.mkdtemp(), spec=KVCacheSpec(1, 1, 4, 2, "float32"),
+          ...                 model_id="m", capacity_bytes=1 << 20, backend="files")
+          >>> tier.contains(b"h")
+          False
+        """
+        with self._lock:
+            return bytes(block_hash) in self._entries
+
+    def block_hashes(self) -> list[bytes]:
+        """The stored block hashes, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def path_of(self, block_hash: bytes) -> str:
+        """The file name a block is (or would be) published under."""
+        return os.path.join(self._blocks, bytes(block_hash).hex() + _SUFFIX)
+
+    def register_memory(self, buffers: Sequence[Region]) -> None:
+        """Registers long-lived host buffers (a host pool) with the NIXL backend once, instead
+        of per transfer; a no-op for plain files."""
+        if isinstance(self._io, _NixlIO):
+            self._io.register(buffers)
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self) -> None:
+        """Loads the manifest, reconciles it with the files and removes leftovers."""
+        for name in os.listdir(self._tmp):  # Writes that never published (crash).
+            try:
+                os.unlink(os.path.join(self._tmp, name))
+            except FileNotFoundError:
+                pass
+        manifest_path = os.path.join(self.directory, "manifest.msgpack")
+        order: list[str] = []
+        if os.path.exists(manifest_path):
+            try:
+                with open(manifest_path, "rb") as handle:
+                    manifest = msgspec.msgpack.decode(handle.read(), type=_Manifest)
+                if manifest.compat_key != self.compat_key:
+                    raise IncompatibleTierError(
+                        f"{manifest_path} belongs to compat key {manifest.compat_key[:12]}..., "
+                        f"this tier is {self.compat_key[:12]}...")
+                order = [entry[0] for entry in manifest.entries]
+            except (msgspec.DecodeError, msgspec.ValidationError, OSError) as error:
+                logging.warning("jaxkv file tier: ignoring unreadable manifest %s (%s); "
+                                "scanning the files", manifest_path, error)
+        on_disk = {}
+        for name in os.listdir(self._blocks):
+            if not name.endswith(_SUFFIX):
+                continue
+            try:
+                digest = bytes.fromhex(name[: -len(_SUFFIX)])
+                on_disk[digest] = os.stat(os.path.join(self._blocks, name)).st_size
+            except (ValueError, OSError):
+                continue
+        listed = []
+        for hex_hash in order:
+            try:
+                digest = bytes.fromhex(hex_hash)
+            except ValueError:
+                continue
+            if digest in on_disk:
+                listed.append(digest)
+        unlisted = [d for d in on_disk if d not in set(listed)]  # Published after the manifest.
+        for digest in unlisted + listed:
+            self._entries[digest] = on_disk[digest]
+            self._bytes_used += on_disk[digest]
+        with self._lock:
+            self._evict_to_fit(0)
+        self.flush()
+
+    # ------------------------------------------------------------------ budget
+
+    def _evict_to_fit(self, incoming: int) -> bool:
+        """Removes LRU blocks not being read until `incoming` more bytes fit (lock held)."""
+        if self._bytes_used + incoming <= self.capacity_bytes:
+            return True
+        for digest in list(self._entries):
+            if self._bytes_used + incoming <= self.capacity_bytes:
+                break
+            if self._readers[digest]:
+                continue
+            self._remove_locked(digest)
+            self.stats.evictions += 1
+        return self._bytes_used + incoming <= self.capacity_bytes
+
+    def _remove_locked(self, digest: bytes) -> None:
+        nbytes = self._entries.pop(digest)
+        self._bytes_used -= nbytes
+        try:
+            os.unlink(self.path_of(digest))
+        except FileNotFoundError:
+            pass
+
+    def remove(self, block_hash: bytes) -> bool:
+        """Deletes a block's file (not while it is being read).
+
+        Returns:
+          Whether a block was removed.
+        """
+        digest = bytes(block_hash)
+        with self._lock:
+            if digest not in self._entries or self._readers[digest]:
+                return False
+            self._remove_locked(digest)
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Writes the manifest (atomically: temporary file, fsync, rename)."""
+        with self._lock:
+            entries = [(d.hex(), n) for d, n in self._entries.items()]
+        manifest = _Manifest(FORMAT_VERSION, self.compat_key, self.fields, entries)
+        data = msgspec.msgpack.encode(manifest)
+        with self._manifest_lock:
+            tmp = os.path.join(self._tmp, f"manifest.{uuid.uuid4().hex}")
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                if self.durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            os.replace(tmp, os.path.join(self.directory, "manifest.msgpack"))
+
+    # ------------------------------------------------------------------ submit
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("the file tier is closed")
+        return self._executor.submit(fn, *args)
+
+    def write_async(
+        self,
+        items: Sequence[tuple[bytes, Sequence[Region]]],
+        *,
+        after: Sequence[Dependency] = (),
+        skip: Callable[[], Sequence[bool]] | None = None,
+        keepalive: Any = None,
+        future: concurrent.futures.Future | None = None,
+    ) -> concurrent.futures.Future:
+        """Writes blocks from host memory into files, on a worker thread.
+
+        Args:
+          items: ``(block hash, regions)`` per block; the regions (address, nbytes) are the
+            payload in order and add up to `payload_nbytes`. The memory must stay valid and
+            unchanged until the future is done.
+          after: copies that must finish first (e.g. the copy that filled the memory).
+          skip: evaluated on the worker once `after` is done: one bool per block, True to not
+            write it (its result is False), e.g. memory whose fill failed.
+          keepalive: any object to keep referenced until the write is done (e.g. the numpy
+            buffers behind the regions).
+          future: a future to complete instead of a new one (for callers that registered it in
+            an ordering first).
+
+        Returns:
+          A future of one bool per block: True when the block is on disk afterwards (written
+          now, or already there), False when the budget could not make room (every other block
+          was being read). It raises the I/O error if a write failed (nothing is published).
+
+        Raises:
+          ValueError: regions that do not add up to one block payload; a hash that is not bytes.
+        """
+        checked = []
+        for block_hash, regions in items:
+            if not isinstance(block_hash, bytes) or not block_hash:
+                raise ValueError(f"block hashes must be non-empty bytes, got {block_hash!r}")
+            regions = [(int(a), int(n)) for a, n in regions]
+            if sum(n for _, n in regions) != self.payload_nbytes:
+                raise ValueError(f"regions of block {block_hash.hex()[:12]} hold "
+                                 f"{sum(n for _, n in regions)} bytes, a block has "
+                                 f"{self.payload_nbytes}")
+            checked.append((block_hash, regions))
+        deadline = time.monotonic() + self.timeout_s
+        result = future if future is not None else concurrent.futures.Future()
+        self._submit(self._run, result, self._write_batch, (checked, skip), list(after),
+                     deadline, keepalive)
+        return result
+
+    def read_async(
+        self,
+        items: Sequence[tuple[bytes, Sequence[Region]]],
+        *,
+        replicas: Sequence[Sequence[Sequence[Region]]] | None = None,
+        after: Sequence[Dependency] = (),
+        keepalive: Any = None,
+        future: concurrent.futures.Future | None = None,
+    ) -> concurrent.futures.Future:
+        """Reads blocks from files into host memory, on a worker thread.
+
+        Args:
+          items: ``(block hash, regions)`` per block: where the payload goes, in order.
+          replicas: per block, extra copies of the regions (same lengths) to fill after the
+            checksum passed (replicated heads); None for none.
+          after: copies that must finish first (earlier readers and writers of the memory).
+          keepalive, future: as in `write_async`.
+
+        Returns:
+          A future of one bool per block: True when loaded and verified; False for a miss
+          (not on disk, or a file that failed its header or checksum check: it is
+          quarantined). The destination memory of a missed block is undefined.
+
+        Raises:
+          ValueError: regions that do not add up to one block payload.
+        """
+        checked = []
+        for index, (block_hash, regions) in enumerate(items):
+            regions = [(int(a), int(n)) for a, n in regions]
+            if sum(n for _, n in regions) != self.payload_nbytes:
+                raise ValueError(f"regions of block {bytes(block_hash).hex()[:12]} hold "
+                                 f"{sum(n for _, n in regions)} bytes, a block has "
+                                 f"{self.payload_nbytes}")
+            extra = [] if replicas is None else [
+                [(int(a), int(n)) for a, n in copy] for copy in replicas[index]]
+            checked.append((bytes(block_hash), regions, extra))
+        deadline = time.monotonic() + self.timeout_s
+        result = future if future is not None else concurrent.futures.Future()
+        self._submit(self._run, result, self._read_batch, checked, list(after), deadline,
+                     keepalive)
+        return result
+
+    @staticmethod
+    def _run(result: concurrent.futures.Future, fn, items, after, deadline, keepalive) -> None:
+        del keepalive  # Referenced until here.
+        if not result.set_running_or_notify_cancel():
+            return
+        try:
+            wait_for(after, deadline, "file tier I/O")
+            result.set_result(fn(items, deadline))
+        except BaseException as error:  # noqa: BLE001 - delivered through the future.
+            result.set_exception(error)
+
+    # ------------------------------------------------------------------ convenience
+
+    def put(self, block_hash: bytes, block: np.ndarray, timeout: float | None = None) -> bool:
+        """Writes one block from a C-contiguous numpy array and waits (see `write_async`).
+
+        Raises:
+          ValueError: the array does not hold exactly one block payload.
+          OffloadTimeoutError: the write did not finish in time.
+        """
+        block = np.ascontiguousarray(block)
+        future = self.write_async([(block_hash, [(block.ctypes.data, block.nbytes)])],
+                                  keepalive=block)
+        return self._wait(future, timeout)[0]
+
+    def get(self, block_hash: bytes, out: np.ndarray, timeout: float | None = None) -> bool:
+        """Reads one block into a C-contiguous numpy array and waits (see `read_async`).
+
+        Returns:
+          True when loaded and verified, False for a miss.
+        """
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("out must be a writeable C-contiguous array")
+        future = self.read_async([(block_hash, [(out.ctypes.data, out.nbytes)])], keepalive=out)
+        return self._wait(future, timeout)[0]
+
+    def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
+        try:
+            return future.result(timeout=self.timeout_s if timeout is None else timeout)
+        except concurrent.futures.TimeoutError:
+            raise OffloadTimeoutError("file tier operation timed out") from None
+
+    def close(self, timeout: float | None = None) -> None:
+        """Waits for pending I/O (bounded), writes the manifest and stops the workers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False)
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        for thread in list(getattr(self._executor, "_threads", ())):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.flush()
+        if isinstance(self._io, _NixlIO):
+            self._io.unregister_all()
+
+    # ------------------------------------------------------------------ workers
+
+    def _write_batch(self, work, deadline: float) -> list[bool]:
+        items, skip = work
+        skipped = [False] * len(items) if skip is None else list(skip())
+        results = []
+        changed = False
+        for (block_hash, regions), skipped_one in zip(items, skipped):
+            if skipped_one:
+                results.append(False)
+                continue
+            with self._lock:
+                if block_hash in self._entries or block_hash in self._writing:
+                    if block_hash in self._entries:
+                        self._entries.move_to_end(block_hash)
+                    self.stats.skipped_writes += 1
+                    results.append(True)
+                    continue
+                if not self._evict_to_fit(self.file_nbytes + self._pending_bytes()):
+                    self.stats.rejected_writes += 1
+                    results.append(False)
+                    continue
+                self._writing.add(block_hash)
+            try:
+                begin = time.perf_counter()
+                self._write_one(block_hash, regions, deadline)
+                with self._lock:
+                    self._entries[block_hash] = self.file_nbytes
+                    self._bytes_used += self.file_nbytes
+                    self.stats.writes += 1
+                    self.stats.write_bytes += self.payload_nbytes
+                    self.stats.write_s += time.perf_counter() - begin
+                changed = True
+                results.append(True)
+            finally:
+                with self._lock:
+                    self._writing.discard(block_hash)
+        if changed:
+            self.flush()
+        return results
+
+    def _pending_bytes(self) -> int:
+        return self.file_nbytes * len(self._writing)
+
+    def _write_one(self, block_hash: bytes, regions: Sequence[Region], deadline: float) -> None:
+        header = _Header(FORMAT_VERSION, self.compat_key, block_hash.hex(), self.payload_nbytes,
+                         _checksum(regions))
+        encoded = msgspec.msgpack.encode(header)
+        head = _MAGIC + len(encoded).to_bytes(4, "little") + encoded
+        tmp = os.path.join(self._tmp, f"{block_hash.hex()}.{uuid.uuid4().hex[:12]}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        published = False
+        try:
+            os.pwrite(fd, head, 0)
+            self._io.write(fd, _HEADER_BYTES, regions, deadline)
+            if self.durable:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            _publish(tmp, self.path_of(block_hash))
+            published = True
+            if self.durable:
+                _fsync_dir(self._blocks)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if not published:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+
+    def _read_batch(self, items, deadline: float) -> list[bool]:
+        results = []
+        for block_hash, regions, replicas in items:
+            with self._lock:
+                self.stats.reads += 1
+                if block_hash not in self._entries:
+                    self.stats.misses += 1
+                    results.append(False)
+                    continue
+                self._readers[block_hash] += 1
+            begin = time.perf_counter()
+            try:
+                ok = self._read_one(block_hash, regions, deadline)
+            except BlockCorruptError as error:
+                logging.warning("jaxkv file tier: %s; quarantined, treated as a miss", error)
+                ok = False
+                with self._lock:
+                    self.stats.corrupt += 1
+                    self._quarantine_locked(block_hash)
+            except FileNotFoundError:
+                ok = False
+                with self._lock:
+                    if block_hash in self._entries:
+                        self._bytes_used -= self._entries.pop(block_hash)
+            finally:
+                with self._lock:
+                    self._readers[block_hash] -= 1
+                    if not self._readers[block_hash]:
+                        del self._readers[block_hash]
+            with self._lock:
+                if ok:
+                    self.stats.hits += 1
+                    if block_hash in self._entries:
+                        self._entries.move_to_end(block_hash)
+                else:
+                    self.stats.misses += 1
+                self.stats.read_s += time.perf_counter() - begin
+            if ok:
+                for copy in replicas:
+                    for (src, nbytes), (dst, _) in zip(regions, copy):
+                        ctypes.memmove(dst, src, nbytes)
+            results.append(ok)
+        return results
+
+    def _quarantine_locked(self, block_hash: bytes) -> None:
+        if block_hash in self._entries:
+            self._bytes_used -= self._entries.pop(block_hash)
+        try:
+            os.replace(self.path_of(block_hash), os.path.join(
+                self._quarantine, f"{block_hash.hex()}.{uuid.uuid4().hex[:8]}{_SUFFIX}"))
+        except FileNotFoundError:
+            pass
+
+    def _read_one(self, block_hash: bytes, regions: Sequence[Region], deadline: float) -> bool:
+        path = self.path_of(block_hash)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            head = os.pread(fd, _HEADER_BYTES, 0)
+            if len(head) < 12 or head[:8] != _MAGIC:
+                raise BlockCorruptError(f"{path}: not a jaxkv block file (bad magic)")
+            length = int.from_bytes(head[8:12], "little")
+            try:
+                header = msgspec.msgpack.decode(head[12 : 12 + length], type=_Header)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                raise BlockCorruptError(f"{path}: unreadable header ({error})") from None
+            if header.compat_key != self.compat_key:
+                raise BlockCorruptError(f"{path}: written for another model or spec "
+                                        f"(compat key {header.compat_key[:12]}...)")
+            if header.block_hash != block_hash.hex() or header.payload_nbytes != (
+                self.payload_nbytes
+            ):
+                raise BlockCorruptError(f"{path}: header names another block or size")
+            got = self._io.read(fd, _HEADER_BYTES, regions, deadline)
+            if got != self.payload_nbytes:
+                raise BlockCorruptError(f"{path}: truncated ({got} of {self.payload_nbytes} "
+                                        "payload bytes)")
+            if _checksum(regions) != header.checksum:
+                raise BlockCorruptError(f"{path}: checksum mismatch")
+            return True
+        finally:
+            os.close(fd)

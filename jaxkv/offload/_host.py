@@ -1,0 +1,373 @@
+"""The host tier: a pool of block slots in host memory, and batched copies between a device
+cache and the pool through the block custom calls.
+
+On CPU the pool is a set of plain host arrays with the cache's sharding, and both directions are
+one `copy_block_prefix` custom call per array (device block -> host slot and back, in place,
+`num_tokens` for partial onboarding). Where the platform has pinned host memory (GPU:
+``memory_kind="pinned_host"``), the pool lives there and the copies stage through a device
+buffer: `gather_blocks` on the device, a device-to-host copy, a slot update (and the reverse).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxkv._cache import PagedKVCache
+from jaxkv._sharding import HeadSharding
+from jaxkv._spec import KVCacheSpec
+from jaxkv.ops._block_ops import _gather_local
+from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._reshape_ops import _prefix_local, _token_count
+
+__all__ = ["HostPool", "onboard_blocks", "offload_blocks"]
+
+
+@jax.tree_util.register_pytree_node_class
+class HostPool:
+    """Host-memory slots for KV blocks: one ``[num_slots, *block_shape]`` array per cache array,
+    sharded like the cache (a rank's slots hold its heads).
+
+    A pytree (its arrays are the leaves), so it passes through ``jax.jit``; donate it to keep
+    updates in place.
+
+    Attributes:
+      spec: the cache spec.
+      arrays: one array per `spec.array_keys()` entry.
+      sharding: the cache's `HeadSharding`.
+      memory_kind: None for the default memory (CPU: host memory), or "pinned_host".
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=4, block_size=4,
+      ...                    dtype="float32", layout="KHTD")
+      >>> cache = PagedKVCache.allocate(spec, num_blocks=8)
+      >>> pool = HostPool.allocate(cache, num_slots=4)
+      >>> pool.num_slots, pool.arrays[0].shape
+      (4, (4, 2, 2, 4, 4))
+    """
+
+    def __init__(self, spec: KVCacheSpec, arrays: Any, sharding: HeadSharding,
+                 memory_kind: str | None) -> None:
+        self.spec = spec
+        self.arrays = tuple(arrays)
+        self.sharding = sharding
+        self.memory_kind = memory_kind
+
+    def tree_flatten(self):
+        return self.arrays, (self.spec, self.sharding, self.memory_kind)
+
+    @classmethod
+    def tree_unflatten(cls, aux, arrays):
+        return cls(aux[0], arrays, aux[1], aux[2])
+
+    def __repr__(self) -> str:
+        return (f"HostPool(num_slots={self.num_slots}, arrays={len(self.arrays)}, "
+                f"memory_kind={self.memory_kind!r})")
+
+    @classmethod
+    def allocate(cls, cache: PagedKVCache, num_slots: int, *,
+                 memory_kind: str | None = "auto") -> HostPool:
+        """Allocates a zero-filled pool for blocks of `cache`.
+
+        Args:
+          cache: the device cache whose blocks the pool will hold (spec and sharding).
+          num_slots: slots in the pool (each holds one block of every array).
+          memory_kind: "auto" (pinned host memory on GPU, the default memory on CPU), None
+            (the devices' default memory) or "pinned_host".
+
+        Returns:
+          The pool.
+
+        Raises:
+          ValueError: `num_slots` < 1 or an unknown memory kind.
+        """
+        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or (
+            num_slots < 1
+        ):
+            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+        if memory_kind == "auto":
+            platforms = {d.platform for d in cache.sharding.mesh.devices.flat}
+            memory_kind = None if platforms == {"cpu"} else "pinned_host"
+        if memory_kind not in (None, "pinned_host"):
+            raise ValueError(f"memory_kind must be 'auto', None or 'pinned_host', got "
+                             f"{memory_kind!r}")
+        spec = cache.spec
+        shape = spec.array_shape(int(num_slots))
+        named = _pool_sharding(spec, cache.sharding, memory_kind)
+        count = spec.num_arrays
+        arrays = jax.jit(
+            lambda: tuple(jnp.zeros(shape, spec.dtype) for _ in range(count)),
+            out_shardings=(named,) * count,
+        )()
+        return cls(spec, arrays, cache.sharding, memory_kind)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the pool."""
+        return int(self.arrays[0].shape[0])
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Global bytes of one slot over all arrays (every head once)."""
+        return self.spec.block_nbytes() * len(self.arrays)
+
+    @property
+    def nbytes(self) -> int:
+        """Global bytes of the pool."""
+        return self.slot_nbytes * self.num_slots
+
+    def block_until_ready(self) -> HostPool:
+        """Waits for every pending update of the pool."""
+        jax.block_until_ready(self.arrays)
+        return self
+
+
+def _pool_sharding(spec: KVCacheSpec, sharding: HeadSharding,
+                   memory_kind: str | None) -> NamedSharding:
+    named = sharding.named_sharding(spec)
+    return named if memory_kind is None else named.with_memory_kind(memory_kind)
+
+
+def _check_pair(cache: PagedKVCache, pool: HostPool) -> None:
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    if not isinstance(pool, HostPool):
+        raise TypeError(f"pool must be a HostPool, got {type(pool).__name__}")
+    if cache.spec != pool.spec:
+        raise ValueError(f"the pool holds blocks of {pool.spec}, the cache is {cache.spec}")
+    if cache.sharding != pool.sharding:
+        raise ValueError("the pool and the cache are sharded differently; allocate the pool "
+                         "with HostPool.allocate(cache, ...)")
+
+
+def _check_ids(device_ids: Any, host_slots: Any, cache: PagedKVCache, pool: HostPool,
+               writes: str) -> tuple[Any, Any]:
+    device = as_id_array(device_ids, "device_ids")
+    slots = as_id_array(host_slots, "host_slots")
+    if device.shape != slots.shape:
+        raise ValueError(f"device_ids and host_slots must have the same length, got "
+                         f"{device.shape[0]} and {slots.shape[0]}")
+    device_host, slots_host = concrete_ids(device), concrete_ids(slots)
+    if device_host is not None:
+        check_ids(device_host, "device_ids", cache.num_blocks, unique=writes == "device")
+    if slots_host is not None:
+        check_ids(slots_host, "host_slots", pool.num_slots, unique=writes == "host")
+    return device, slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Programs. Each returns the updated arrays and a completion token: a small output of the same
+# executable, never donated, that says when the copy is done (see _ordering.JaxCompletion).
+
+
+def _map_arrays(sharding: HeadSharding, spec: KVCacheSpec, body, num_blocks_operands: int,
+                num_replicated: int):
+    array_spec = (sharding.partition_spec(spec),) * spec.num_arrays
+    in_specs = (array_spec,) * num_blocks_operands + (PartitionSpec(),) * num_replicated
+    return jax.shard_map(body, mesh=sharding.mesh, in_specs=in_specs, out_specs=array_spec,
+                         check_vma=False)
+
+
+def _direct_copy(spec: KVCacheSpec, sharding: HeadSharding, validate_ids: bool):
+    """src arrays, dst arrays, src ids, dst ids, num_tokens -> dst arrays (custom call)."""
+    layout = spec.layout
+
+    def body(src, dst, src_ids, dst_ids, num_tokens):
+        return tuple(
+            _prefix_local(s, d, src_ids, dst_ids, num_tokens, layout=layout,
+                          validate_ids=validate_ids)
+            for s, d in zip(src, dst)
+        )
+
+    return _map_arrays(sharding, spec, body, 2, 3)
+
+
+def _offload_traced(cache: PagedKVCache, pool: HostPool, device_ids, host_slots,
+                    validate_ids: bool) -> tuple[jax.Array, ...]:
+    spec, sharding = cache.spec, cache.sharding
+    if pool.memory_kind is None:
+        copy = _direct_copy(spec, sharding, validate_ids)
+        return copy(cache.arrays, pool.arrays, device_ids, host_slots, jnp.int32(0))
+    # Pinned host pool: gather on the device, copy to host memory, update the slots there.
+
+    def gather(arrays, ids):
+        return tuple(_gather_local(a, ids, validate_ids=validate_ids) for a in arrays)
+
+    staged = _map_arrays(sharding, spec, gather, 1, 1)(cache.arrays, device_ids)
+    host = _pool_sharding(spec, sharding, pool.memory_kind)
+    staged = jax.device_put(staged, (host,) * len(staged))
+    valid = (device_ids >= 0) & (host_slots >= 0)
+    slots = jax.device_put(
+        jnp.where(valid, host_slots, pool.num_slots),  # Out of range: dropped.
+        NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=pool.memory_kind))
+    # XLA's scatter and gather may canonicalise NaN payloads: move unsigned bits instead.
+    return tuple(
+        _from_bits(_bits(p).at[slots].set(_bits(s), mode="drop"), p.dtype)
+        for p, s in zip(pool.arrays, staged)
+    )
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(x: jax.Array, dtype: Any) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _onboard_traced(pool: HostPool, cache: PagedKVCache, host_slots, device_ids, num_tokens,
+                    validate_ids: bool) -> tuple[jax.Array, ...]:
+    spec, sharding = cache.spec, cache.sharding
+    copy = _direct_copy(spec, sharding, validate_ids)
+    if pool.memory_kind is None:
+        return copy(pool.arrays, cache.arrays, host_slots, device_ids, num_tokens)
+    host_ids = jax.device_put(
+        jnp.clip(host_slots, 0, pool.num_slots - 1),
+        NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=pool.memory_kind))
+    rows = tuple(_from_bits(_bits(p)[host_ids], p.dtype) for p in pool.arrays)
+    rows = jax.device_put(rows, (sharding.named_sharding(spec),) * len(rows))
+    count = host_slots.shape[0]
+    row_ids = jnp.where(host_slots >= 0, jnp.arange(count, dtype=jnp.int32), -1)
+    return copy(rows, cache.arrays, row_ids, device_ids, num_tokens)
+
+
+def offload_blocks(cache: PagedKVCache, pool: HostPool, device_ids: Any, host_slots: Any, *,
+                   validate_ids: bool = True) -> HostPool:
+    """Copies device blocks into host slots: ``pool[host_slots[i]] = cache[device_ids[i]]``.
+
+    Works on concrete arrays and inside ``jax.jit`` (donate the pool there to keep it in
+    place). Only the pool is written; the cache is read. Ordering against other copies follows
+    the data flow (pass the latest cache and pool); `OffloadManager` adds the file tier.
+
+    Args:
+      cache: the device cache.
+      pool: a pool allocated for this cache (`HostPool.allocate`).
+      device_ids: int32 device block ids ``[n]``.
+      host_slots: int32 host slots ``[n]``; pairs with a negative id on either side are skipped.
+      validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    Returns:
+      The updated pool.
+
+    Raises:
+      IndexError: an id or slot out of range (concrete ids).
+      ValueError: a repeated slot, lists of different lengths, or a pool for another cache.
+
+    Example:
+      >>> spec = KVCacheSpec(1, 1, 2, 2, "float32", layout="THD")
+      >>> cache = PagedKVCache.from_arrays(spec, [jnp.arange(16.0).reshape(4, 2, 1, 2)] * 2)
+      >>> pool = offload_blocks(cache, HostPool.allocate(cache, 2), [3], [1])
+      >>> pool.arrays[0][1].ravel().tolist()
+      [12.0, 13.0, 14.0, 15.0]
+    """
+    _check_pair(cache, pool)
+    device, slots = _check_ids(device_ids, host_slots, cache, pool, "host")
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((cache, pool)))
+    if traced or isinstance(device, jax.core.Tracer) or isinstance(slots, jax.core.Tracer):
+        arrays = _offload_traced(cache, pool, device, slots, validate_ids)
+        return HostPool(pool.spec, arrays, pool.sharding, pool.memory_kind)
+    arrays, _ = _program("offload", pool.memory_kind, validate_ids)(cache, pool, device, slots)
+    return HostPool(pool.spec, arrays, pool.sharding, pool.memory_kind)
+
+
+def onboard_blocks(pool: HostPool, cache: PagedKVCache, host_slots: Any, device_ids: Any,
+                   num_tokens: Any = None, *, validate_ids: bool = True) -> PagedKVCache:
+    """Copies host slots into device blocks: ``cache[device_ids[i]] = pool[host_slots[i]]``,
+    or only the first `num_tokens` tokens of each block (semantics.md section 5).
+
+    Works on concrete arrays and inside ``jax.jit`` (donate the cache there).
+
+    Args:
+      pool: the host pool.
+      cache: the device cache; updated in place (consumed outside jit).
+      host_slots: int32 host slots ``[n]``.
+      device_ids: int32 destination device block ids ``[n]`` (unique); pairs with a negative
+        id on either side are skipped.
+      num_tokens: None for whole blocks, or a token count (Python int or int32 scalar array;
+        an operand, so no recompilation): tokens ``[0, num_tokens)`` of every row of each
+        block are copied, the rest of the destination stays as it was. Outside
+        ``1 .. block_size - 1`` whole blocks are copied.
+      validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      IndexError: an id or slot out of range (concrete ids).
+      ValueError: a repeated device id, lists of different lengths, or a pool for another
+        cache.
+      TypeError: `num_tokens` is not an integer.
+
+    Example:
+      >>> spec = KVCacheSpec(1, 1, 1, 4, "float32", layout="THD")
+      >>> cache = PagedKVCache.from_arrays(spec, [jnp.ones((2, 4, 1, 1))] * 2)
+      >>> pool = offload_blocks(cache, HostPool.allocate(cache, 1), [0], [0])
+      >>> cache = PagedKVCache.from_arrays(spec, [jnp.zeros((2, 4, 1, 1))] * 2)
+      >>> onboard_blocks(pool, cache, [0], [1], num_tokens=3).arrays[0][1].ravel().tolist()
+      [1.0, 1.0, 1.0, 0.0]
+    """
+    _check_pair(cache, pool)
+    device, slots = _check_ids(device_ids, host_slots, cache, pool, "device")
+    count = _token_count(0 if num_tokens is None else num_tokens)
+    traced = any(isinstance(x, jax.core.Tracer)
+                 for x in (*jax.tree.leaves((cache, pool)), device, slots, count))
+    if traced:
+        arrays = _onboard_traced(pool, cache, slots, device, count, validate_ids)
+        return PagedKVCache(cache.spec, arrays, cache.sharding)
+    arrays, _ = _program("onboard", pool.memory_kind, validate_ids)(pool, cache, slots, device,
+                                                                    count)
+    return PagedKVCache(cache.spec, arrays, cache.sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(direction: str, memory_kind: str | None, validate_ids: bool):
+    """The jitted, donating program of one direction; returns (arrays, completion token)."""
+    if direction == "offload":
+
+        def offload(cache, pool, device_ids, host_slots):
+            arrays = _offload_traced(cache, pool, device_ids, host_slots, validate_ids)
+            return arrays, _completion_token(arrays[0], pool.sharding, pool.spec,
+                                             pool.memory_kind)
+
+        return jax.jit(offload, donate_argnums=(1,))
+
+    def onboard(pool, cache, host_slots, device_ids, num_tokens):
+        arrays = _onboard_traced(pool, cache, host_slots, device_ids, num_tokens, validate_ids)
+        return arrays, _completion_token(arrays[0], cache.sharding, cache.spec, None)
+
+    return jax.jit(onboard, donate_argnums=(1,))
+
+
+def _completion_token(array: jax.Array, sharding: HeadSharding, spec: KVCacheSpec,
+                      memory_kind: str | None) -> jax.Array:
+    """One element of `array` from every device (a data dependency on each device's part of
+    the program), as a small array that is ready when the whole copy is done."""
+    mesh = sharding.mesh
+    array_spec = sharding.partition_spec(spec)
+    if memory_kind is not None:
+        array = jax.device_put(array[:1], NamedSharding(mesh, array_spec))  # Pinned pool.
+    return jax.shard_map(
+        lambda a: _bits(a.reshape(-1)[:1]), mesh=mesh, in_specs=(array_spec,),
+        out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False,
+    )(array)
+
+
+def run_offload(cache: PagedKVCache, pool: HostPool, device_ids: np.ndarray,
+                host_slots: np.ndarray) -> tuple[HostPool, jax.Array]:
+    """`offload_blocks` on checked, padded numpy ids; also returns the completion token."""
+    arrays, token = _program("offload", pool.memory_kind, True)(cache, pool, device_ids,
+                                                                host_slots)
+    return HostPool(pool.spec, arrays, pool.sharding, pool.memory_kind), token
+
+
+def run_onboard(pool: HostPool, cache: PagedKVCache, host_slots: np.ndarray,
+                device_ids: np.ndarray, num_tokens: int) -> tuple[PagedKVCache, jax.Array]:
+    """`onboard_blocks` on checked, padded numpy ids; also returns the completion token."""
+    arrays, token = _program("onboard", pool.memory_kind, True)(
+        pool, cache, host_slots, device_ids, np.int32(num_tokens))
+    return PagedKVCache(cache.spec, arrays, cache.sharding), token
