@@ -4,6 +4,7 @@
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
+#include <xmmintrin.h>
 #endif
 
 #include <algorithm>
@@ -27,6 +28,10 @@ constexpr int64_t kMaxRequests = 64;
 // destination line before writing it (a third of the traffic of a cached copy; this is what
 // glibc's memcpy does for large copies, i.e. what a numpy copy of the same bytes gets).
 constexpr int64_t kStreamBytes = int64_t{16} << 20;
+// Software prefetch of strided runs (see StreamCopyPrefetch): runs up to this long, fetched
+// about this far ahead.
+constexpr int64_t kPrefetchMaxRun = int64_t{16} << 10;
+constexpr int64_t kPrefetchDistance = int64_t{16} << 10;
 
 // Copies `bytes` (a multiple of 16) to a 16-byte aligned `dst` with streaming stores.
 inline void StreamCopy(char* dst, const char* src, size_t bytes) {
@@ -47,6 +52,33 @@ inline void StreamCopy(char* dst, const char* src, size_t bytes) {
                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
   }
 #else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+// StreamCopy that also prefetches the `bytes` at `next` (the run copied after the next few),
+// one cache line per line copied. Short runs separated by gaps (a token prefix of every head
+// row) defeat the hardware prefetchers, which stop at each gap and then fetch the gap too;
+// measured here: 2 KiB runs every 4 KiB went from 0.5x to 0.7x (one thread) and from 1.0x to
+// 1.4x (two threads) of a plain copy of the same bytes. Prefetches never fault, so `next` may
+// point past the source buffer.
+inline void StreamCopyPrefetch(char* dst, const char* src, size_t bytes, const char* next) {
+#if defined(__SSE2__)
+  size_t i = 0;
+  for (; i + 64 <= bytes; i += 64) {
+    _mm_prefetch(next + i, _MM_HINT_T0);
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  if (i < bytes) StreamCopy(dst + i, src + i, bytes - i);
+#else
+  (void)next;
   std::memcpy(dst, src, bytes);
 #endif
 }
@@ -87,6 +119,14 @@ void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes,
   const int64_t inner_size = map.sizes[last];
   const int64_t inner_src = map.src_strides[last];
   const int64_t inner_dst = map.dst_strides[last];
+  // Streamed runs shorter than their source stride leave gaps: prefetch the run
+  // `prefetch_ahead` strides on (about 16 KiB ahead). Past the innermost axis that address is
+  // the right one when the outer axes continue with the same stride (a prefix of every head
+  // row of a contiguous block) and a harmless wasted hint otherwise.
+  int64_t prefetch_ahead = 0;
+  if (stream && inner_src > run_bytes && run_bytes <= kPrefetchMaxRun) {
+    prefetch_ahead = std::clamp<int64_t>(kPrefetchDistance / inner_src, 1, 16);
+  }
   int64_t index[kMaxRunDims] = {};
   int64_t src_base = 0;
   int64_t dst_base = 0;
@@ -96,7 +136,14 @@ void CopyRuns(const RunMap& map, const char* src, char* dst, int64_t run_bytes,
     // Common short runs get a fixed-size memcpy the compiler turns into a few moves.
     switch (stream ? 0 : bytes) {
       case 0:
-        for (int64_t i = 0; i < inner_size; ++i) StreamCopy(d + i * inner_dst, s + i * inner_src, bytes);
+        if (prefetch_ahead > 0) {
+          for (int64_t i = 0; i < inner_size; ++i) {
+            StreamCopyPrefetch(d + i * inner_dst, s + i * inner_src, bytes,
+                               s + (i + prefetch_ahead) * inner_src);
+          }
+        } else {
+          for (int64_t i = 0; i < inner_size; ++i) StreamCopy(d + i * inner_dst, s + i * inner_src, bytes);
+        }
         break;
       case 16:
         for (int64_t i = 0; i < inner_size; ++i) std::memcpy(d + i * inner_dst, s + i * inner_src, 16);
