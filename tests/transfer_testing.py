@@ -235,7 +235,11 @@ def producer_main(
     ("register", block_ids) -> address (cache filled with G's tokens in block_ids);
     ("pin", request_id, block_ids, lease_s) -> TransferParams;
     ("slow", seconds) -> sleep that long between polls; ("pause", seconds) -> stop polling;
-    ("abort", request_id); ("state",) -> (pinned, freed, stats summary); ("exit",)."""
+    ("abort", request_id); ("state",) -> (pinned, freed, stats summary); ("exit",).
+    Layer-wise: ("register", block_ids, written) -> the request's layers >= `written` hold
+    scrambled bytes; ("pin_lw", request_id, block_ids, lease_s) -> TransferParams (layer-wise);
+    ("layers", request_id, stop) -> writes layers [.., stop) correctly, then publishes them;
+    ("publications",) -> the engine's PublishRecords."""
     child_env(1 if tp_rank is not None else max(tp, 1))
     import time
 
@@ -261,6 +265,7 @@ def producer_main(
                 if command[0] == "exit":
                     break
                 if command[0] == "register":
+                    written = command[2] if len(command) > 2 else None
                     if tp_rank is None:
                         arrays = global_arrays(config, pp_rank, g, command[1], num_blocks)
                         spec_r = config.local_spec(pp_rank)
@@ -269,9 +274,26 @@ def producer_main(
                         spec_r = config.local_spec(pp_rank)
                         if not spec_r.mla:
                             spec_r = spec_r.replace(num_kv_heads=config.heads_per_rank)
+                    good, ids = arrays, list(command[1])
+                    l0 = config.layer_range(pp_rank)[0]
+                    if written is not None:
+                        arrays = layer_mix(spec_r, good, ids, l0, written)
                     cache = PagedKVCache.from_arrays(spec_r, arrays, mesh=mesh)
                     engine.register_cache(cache, pp_rank=pp_rank, tp_rank=tp_rank)
                     conn.send(engine.address)
+                elif command[0] == "pin_lw":
+                    _, request_id, block_ids, lease = command
+                    conn.send(engine.publish_request(request_id, block_ids, lease, layerwise=True))
+                elif command[0] == "layers":
+                    _, request_id, stop = command
+                    mixed = layer_mix(spec_r, good, ids, l0, stop)
+                    dense = [a[np.asarray(ids)] for a in mixed]
+                    cache = engine.caches[0].scatter_blocks(dense, np.asarray(ids, np.int32))
+                    engine.update_cache(cache)
+                    engine.publish_layers(request_id, stop)
+                    conn.send(True)
+                elif command[0] == "publications":
+                    conn.send(list(engine.stats.publications))
                 elif command[0] == "pin":
                     _, request_id, block_ids, lease = command
                     conn.send(engine.publish_request(request_id, block_ids, lease))
@@ -296,6 +318,29 @@ def producer_main(
             result = engine.poll()
             freed.extend(result.freeable)
             time.sleep(idle)
+
+
+def layer_mix(spec: KVCacheSpec, good, block_ids, layer_start: int, written: int) -> list:
+    """`good` arrays where the global layers >= `written` of `block_ids` are scrambled
+    (bitwise not): what a producer holds before prefill wrote those layers."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    out = []
+    for (layer, _), array in zip(spec.array_keys(), good):
+        width = np.dtype(f"u{spec.itemsize}")
+        u = np.array(array).view(width)
+        if layer is not None:
+            if layer + layer_start >= written:
+                u[ids] = ~u[ids]
+        elif "L" in spec.layout:
+            axis = 1 + spec.layout.index("L")
+            first = max(0, written - layer_start)
+            index = [slice(None)] * u.ndim
+            index[axis] = slice(first, None)
+            block = u[ids]
+            block[tuple(index)] = ~block[tuple(index)]
+            u[ids] = block
+        out.append(u.view(array.dtype))
+    return out
 
 
 # -- test base for real transfers ------------------------------------------------------------

@@ -6,6 +6,7 @@ read planning are pure Python/numpy; only creating an agent imports NIXL.
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
 from jaxkv.transfer._engine import FailedRead, KVTransferEngine, PollResult, TransferParams
+from jaxkv.transfer._jit import publish_in_jit, wait_in_jit
 from jaxkv.transfer._metadata import (
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
@@ -32,21 +33,26 @@ from jaxkv.transfer._plan import (
 )
 from jaxkv.transfer._post import apply_post_processing, group_post_steps
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
-from jaxkv.transfer._stats import TransferRecord, TransferStats, WorkerAggregator
+from jaxkv.transfer._staging import HostMirror
+from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats, WorkerAggregator
 
 __all__ = [
     "AgentInfo",
     "AgentOptions",
     "FailedRead",
+    "HostMirror",
     "KVTransferEngine",
     "NixlAgent",
     "PollResult",
+    "PublishRecord",
     "TransferParams",
     "TransferRecord",
     "TransferStats",
     "WorkerAggregator",
     "load_nixl",
     "nixl_available",
+    "publish_in_jit",
+    "wait_in_jit",
     "COPY_COLUMNS",
     "EngineMetadata",
     "HandshakeError",

@@ -23,6 +23,21 @@ one process) or one (a process per rank). Both roles live in the same object:
 
 Every wait is bounded: handshakes (`handshake_timeout_s`, retries), reads and confirmations
 (`read_timeout_s`), leases (`lease_s`).
+
+Readiness (layer-wise publishing, publishing from inside a jitted step): a request published
+with ``layerwise=True`` is pinned but not readable yet; `publish_layers(request_id, stop)`
+declares the global layers ``[0, stop)`` written (monotonic). Its consumers subscribe
+(`Want`) and read each layer as the producer processes announce it (`Ready`); the request is
+finished only when every layer arrived (`TransferRecord.layer_arrival` has the per-layer wall
+times, `TransferStats.publications` the producer's).
+
+Host staging (``host_staging=True``, automatic for devices NIXL cannot register, e.g. TPUs):
+NIXL moves a registered host mirror of the cache (`HostMirror`); the producer copies published
+blocks device -> mirror with the gather custom call, the consumer mirror -> device with the
+scatter custom call before post-processing. Same bytes as the direct mode.
+
+The engine is thread-safe (one lock): host callbacks of jitted steps (`jaxkv.transfer`'s
+`publish_in_jit` / `wait_in_jit`) call into it from XLA's threads.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +56,16 @@ import numpy as np
 
 from jaxkv._parallel import EngineConfig
 from jaxkv.transfer._agent import AgentOptions, NixlAgent
-from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, decode_message, encode_message
+from jaxkv.transfer._messages import (
+    Ack,
+    Done,
+    Heartbeat,
+    Hello,
+    Ready,
+    Want,
+    decode_message,
+    encode_message,
+)
 from jaxkv.transfer._metadata import (
     AgentInfo,
     EngineMetadata,
@@ -54,12 +79,15 @@ from jaxkv.transfer._metadata import (
 from jaxkv.transfer._plan import PlanError, PostProcess, ReadPlan, plan_read
 from jaxkv.transfer._post import apply_post_processing, group_post_steps
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
-from jaxkv.transfer._stats import TransferRecord, TransferStats
+from jaxkv.transfer._staging import HostMirror
+from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats
 
 __all__ = ["FailedRead", "KVTransferEngine", "PollResult", "TransferParams"]
 
 log = logging.getLogger("jaxkv.transfer")
 _generation_counter = itertools.count()
+_MAX_HANDLES = 1 << 16
+_MAX_OUTCOMES = 4096
 
 
 class TransferParams(msgspec.Struct, frozen=True):
@@ -71,6 +99,9 @@ class TransferParams(msgspec.Struct, frozen=True):
       request_id: the request.
       block_ids: the request's blocks on the producer, in token order.
       lease_s: how long the producer pins them without a heartbeat.
+      generation: the producer's generation (-1: whatever its processes publish now).
+      layerwise: the blocks become readable layer by layer (`KVTransferEngine.publish_layers`);
+        the consumer waits for the producer's announcements before reading each layer.
     """
 
     engine_id: str
@@ -79,6 +110,7 @@ class TransferParams(msgspec.Struct, frozen=True):
     block_ids: list[int]
     lease_s: float
     generation: int = -1
+    layerwise: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +130,17 @@ class PollResult:
     post_applied: dict[str, list[PostProcess]] = dataclasses.field(default_factory=dict)
     """Per finished request, the post-processing steps the engine already applied to the
     registered cache (informational: do not apply them again)."""
+    layers: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Layer-wise reads in flight whose progress changed: the number of this process's
+    layers that arrived so far (in every local rank)."""
+
+    def extend(self, other: PollResult) -> None:
+        """Appends another result (used to carry results found inside host callbacks)."""
+        self.finished += other.finished
+        self.failed += other.failed
+        self.freeable += other.freeable
+        self.post_applied.update(other.post_applied)
+        self.layers.update(other.layers)
 
 
 @dataclasses.dataclass
@@ -105,6 +148,9 @@ class _Registered:
     cache: Any  # the current PagedKVCache (kept alive; post-processing updates it in place)
     buffers: tuple  # ShardBuffers as registered with NIXL
     ranks: tuple[int, ...]
+    mirror: HostMirror | None = None  # host staging: NIXL registers the mirror instead
+    layer_start: int = 0  # first global layer of the cache (its pipeline rank's)
+    layer_stop: int = 0
 
 
 @dataclasses.dataclass
@@ -121,6 +167,10 @@ class _Pinned:
     notified: dict[int, set[tuple[str, int]]]  # producer rank -> {(consumer engine, rank)}
     expected: dict[int, int]
     lease_s: float
+    layer_stop: int = 0  # global layers [0, layer_stop) are written and readable
+    subscribers: set[str] = dataclasses.field(default_factory=set)  # consumer NIXL agents
+    published_at: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    staged_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -139,6 +189,15 @@ class _Reading:
     error: str | None = None
     local_block_ids: tuple[int, ...] = ()
     post_s: float = 0.0
+    layerwise: bool = False
+    # layer-wise: (global layer, remote rank, remote agent, local descs, remote descs, kinds)
+    pending: list[tuple] = dataclasses.field(default_factory=list)
+    ready: dict[int, int] = dataclasses.field(default_factory=dict)  # remote rank -> stop
+    layer_handles: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    layers_total: tuple[int, ...] = ()  # global layers this process reads
+    layer_arrival: dict[int, float] = dataclasses.field(default_factory=dict)  # wall time
+    started_wall: float = 0.0
+    needs_jax: bool = False  # post-processing or host staging (not inside a host callback)
 
 
 class KVTransferEngine:
@@ -152,6 +211,9 @@ class KVTransferEngine:
       lease_s: producer lease without heartbeats.
       read_timeout_s: consumer deadline for reads plus confirmations.
       handshake_timeout_s, handshake_retries: side-channel fetch bounds.
+      host_staging: register a host mirror of each cache instead of its device buffers (True),
+        the device buffers (False), or decide per cache (None: staging for devices NIXL cannot
+        register, i.e. other than CPU and CUDA GPUs).
     """
 
     def __init__(
@@ -165,6 +227,7 @@ class KVTransferEngine:
         read_timeout_s: float = 30.0,
         handshake_timeout_s: float = 5.0,
         handshake_retries: int = 2,
+        host_staging: bool | None = None,
     ):
         self.engine_id = engine_id
         self.config = config
@@ -188,6 +251,16 @@ class KVTransferEngine:
         self._pinned: dict[str, _Pinned] = {}
         self._reading: dict[str, _Reading] = {}
         self._closed = False
+        self.host_staging = host_staging
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._early_wants: dict[str, tuple[set[str], float]] = {}
+        self._stashed = PollResult()  # found by polls inside host callbacks
+        self._deferred: list[tuple[str, int | None]] = []  # publications that need JAX
+        self._handles: dict[int, str] = {}
+        self._handle_of: dict[str, int] = {}
+        self._next_handle = 1
+        self._outcomes: dict[str, bool] = {}  # recent request outcomes (for in-jit waits)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -213,10 +286,15 @@ class KVTransferEngine:
             engine (one device per TP rank), or one TP rank's cache (``tp_rank`` given, its
             spec holding that rank's heads).
           pp_rank: the pipeline rank the cache belongs to.
+          tp_rank: the TP rank of a one-rank cache.
 
         Raises:
           ValueError: the cache does not match the engine config (nothing is registered).
         """
+        with self._lock:
+            self._register_cache(cache, pp_rank, tp_rank)
+
+    def _register_cache(self, cache: Any, pp_rank: int, tp_rank: int | None) -> None:
         config = self.config
         local_spec = config.local_spec(pp_rank)
         buffers = cache.shard_buffers()
@@ -241,6 +319,10 @@ class KVTransferEngine:
             rank_of = {b.device.id: config.rank(tp_rank, pp_rank) for b in buffers}
         if cache.spec != expected_spec:
             raise ValueError(f"cache spec {cache.spec} does not match the engine's {expected_spec}")
+        staging = self.host_staging
+        if staging is None:
+            staging = any(b.device.platform not in ("cpu", "gpu", "cuda") for b in buffers)
+        mirror = HostMirror(cache) if staging else None
         per_rank: dict[int, list] = {}
         for b in buffers:
             if b.device.id in rank_of:
@@ -258,11 +340,13 @@ class KVTransferEngine:
                     kv=-1 if b.kv is None else b.kv,
                     head_start=h0,
                     head_stop=h1,
-                    base_address=b.address,
+                    base_address=(
+                        b.address if mirror is None else mirror.address(b.array_index, b.device.id)
+                    ),
                     block_len=b.nbytes // cache.num_blocks,
                     num_blocks=cache.num_blocks,
-                    device_id=b.device.id if b.memory_kind == "VRAM" else 0,
-                    memory_kind=b.memory_kind,
+                    device_id=b.device.id if b.memory_kind == "VRAM" and mirror is None else 0,
+                    memory_kind=b.memory_kind if mirror is None else "DRAM",
                 )
                 for b in bufs
             ]
@@ -274,7 +358,8 @@ class KVTransferEngine:
         ]
         self.agent.register(regs)
         self._ranks.update(new_ranks)
-        entry = _Registered(cache, buffers, tuple(sorted(new_ranks)))
+        l0, l1 = config.layer_range(pp_rank)
+        entry = _Registered(cache, buffers, tuple(sorted(new_ranks)), mirror, l0, l1)
         self._caches.append(entry)
         for rank in new_ranks:
             self._rank_cache[rank] = entry
@@ -307,11 +392,12 @@ class KVTransferEngine:
           BufferMovedError: a buffer is not where it was registered (re-register).
           ValueError: no registered cache has these arrays and devices.
         """
-        entry = self._entry_of(cache)
-        if entry is None:
-            raise ValueError("update_cache: no registered cache has these arrays and devices")
-        cache.verify_unmoved(entry.buffers)
-        entry.cache = cache
+        with self._lock:
+            entry = self._entry_of(cache)
+            if entry is None:
+                raise ValueError("update_cache: no registered cache has these arrays and devices")
+            cache.verify_unmoved(entry.buffers)
+            entry.cache = cache
 
     @property
     def caches(self) -> tuple[Any, ...]:
@@ -376,27 +462,145 @@ class KVTransferEngine:
     # -- producer -------------------------------------------------------------------------
 
     def publish_request(
-        self, request_id: str, block_ids: Sequence[int], lease_s: float | None = None
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        lease_s: float | None = None,
+        *,
+        layerwise: bool = False,
     ) -> TransferParams:
-        """Pins a request's blocks until every consumer rank notified or the lease expired."""
+        """Pins a request's blocks until every consumer rank notified or the lease expired.
+
+        Args:
+          request_id: the request.
+          block_ids: its blocks on this engine, in token order.
+          lease_s: the lease (default: the engine's `lease_s`).
+          layerwise: the blocks are not written yet: consumers read each layer once
+            `publish_layers` announced it (the request's params say so). Otherwise the blocks
+            are readable now (host staging copies them to the mirror before returning).
+
+        Returns:
+          The `TransferParams` to hand to the consumer.
+
+        Example:
+          >>> params = engine.publish_request("req-1", [3, 4, 5])  # doctest: +SKIP
+        """
         lease = self.lease_s if lease_s is None else lease_s
         ids = tuple(int(b) for b in block_ids)
-        self._pinned[request_id] = _Pinned(
-            ids, time.monotonic() + lease, {r: set() for r in self._ranks}, {}, lease
-        )
+        with self._lock:
+            pinned = _Pinned(
+                ids, time.monotonic() + lease, {r: set() for r in self._ranks}, {}, lease
+            )
+            self._pinned[request_id] = pinned
+            early = self._early_wants.pop(request_id, None)
+            if early is not None:
+                pinned.subscribers |= early[0]
+            if not layerwise:
+                self._publish_layers(request_id, pinned, self.config.spec.num_layers)
         return TransferParams(
-            self.engine_id, [tuple(self.address)], request_id, list(ids), lease, self.generation
+            self.engine_id,
+            [tuple(self.address)],
+            request_id,
+            list(ids),
+            lease,
+            self.generation,
+            layerwise,
         )
+
+    def publish_layers(self, request_id: str, layer_stop: int | None = None) -> None:
+        """Declares the global layers ``[0, layer_stop)`` of a layer-wise request written.
+
+        Call it as prefill finishes each layer (or group of layers); consumers read the newly
+        ready layers at once. Only increasing values have an effect. With host staging the
+        new layers' bytes are copied to the host mirror first (from the current registered
+        cache: pass updated caches to `update_cache`).
+
+        Args:
+          request_id: a request published with ``layerwise=True``.
+          layer_stop: one past the last written layer (None: every layer).
+
+        Raises:
+          KeyError: the request is not pinned (never published, freed or expired).
+          ValueError: `layer_stop` is outside ``[0, num_layers]``.
+
+        Example:
+          >>> for layer in range(num_layers):  # doctest: +SKIP
+          ...     cache = prefill_layer(cache, layer)
+          ...     engine.publish_layers("req-1", layer + 1)
+        """
+        num_layers = self.config.spec.num_layers
+        stop = num_layers if layer_stop is None else int(layer_stop)
+        if not 0 <= stop <= num_layers:
+            raise ValueError(f"layer_stop {stop} is outside [0, {num_layers}]")
+        with self._lock:
+            pinned = self._pinned.get(request_id)
+            if pinned is None:
+                raise KeyError(f"request {request_id!r} is not pinned")
+            self._publish_layers(request_id, pinned, stop)
+
+    def _publish_layers(self, request_id: str, pinned: _Pinned, stop: int) -> None:
+        start = pinned.layer_stop
+        if stop <= start:
+            return
+        t0 = time.perf_counter()
+        for entry in self._caches:
+            if entry.mirror is None:
+                continue
+            lo, hi = max(start, entry.layer_start), min(stop, entry.layer_stop)
+            if lo >= hi:
+                continue
+            layers = (lo - entry.layer_start, hi - entry.layer_start)
+            whole = layers == (0, entry.layer_stop - entry.layer_start)
+            entry.mirror.stage_out(entry.cache, pinned.block_ids, None if whole else layers)
+        pinned.staged_s += time.perf_counter() - t0
+        pinned.layer_stop = stop
+        pinned.published_at.append((stop, time.time()))
+        if stop == self.config.spec.num_layers:
+            self.stats.add_publication(
+                PublishRecord(request_id, tuple(pinned.published_at), pinned.staged_s)
+            )
+        message = encode_message(Ready(request_id, list(self.local_ranks), stop))
+        for target in pinned.subscribers:
+            if not self.agent.send(target, message):
+                self.stats.failed_notifications += 1
+
+    def handle(self, request_id: str) -> int:
+        """A small positive int naming `request_id` inside jitted code (host callbacks carry
+        ids, not strings); stable while the engine remembers the request.
+
+        Example:
+          >>> h = engine.handle("req-1")  # doctest: +SKIP
+        """
+        with self._lock:
+            handle = self._handle_of.get(request_id)
+            if handle is None:
+                handle = self._next_handle
+                self._next_handle = self._next_handle % ((1 << 31) - 2) + 1
+                old = self._handles.pop(handle, None)
+                if old is not None:
+                    self._handle_of.pop(old, None)
+                self._handles[handle] = request_id
+                self._handle_of[request_id] = handle
+                while len(self._handles) > _MAX_HANDLES:
+                    oldest = next(iter(self._handles))
+                    self._handle_of.pop(self._handles.pop(oldest), None)
+            return handle
+
+    def request_of(self, handle: int) -> str:
+        """The request id of a `handle` (KeyError if unknown)."""
+        with self._lock:
+            return self._handles[int(handle)]
 
     def abort_request(self, request_id: str) -> None:
         """Producer: releases a request's blocks now (reported by the next `poll` as freeable);
         consumers still reading get their confirmation refused. Consumer: stops reading and
         reports the request failed."""
-        if request_id in self._pinned:
-            self._pinned[request_id].deadline = -1.0
-        reading = self._reading.get(request_id)
-        if reading is not None and reading.error is None:
-            reading.error = "aborted"
+        with self._lock:
+            if request_id in self._pinned:
+                self._pinned[request_id].deadline = -1.0
+            reading = self._reading.get(request_id)
+            if reading is not None and reading.error is None:
+                reading.error = "aborted"
 
     @property
     def num_pinned(self) -> int:
@@ -413,9 +617,18 @@ class KVTransferEngine:
     ) -> None:
         """Plans and posts the reads of a request for every local rank; returns at once.
 
+        A layer-wise request (``params.layerwise``) subscribes to the producer's
+        announcements; each layer's reads are posted when its producer rank announced it.
+
         Failures (handshake, planning, posting) are reported by `poll` as failed requests;
         a request already in flight raises ValueError.
         """
+        with self._lock:
+            self._start_read(params, local_block_ids, timeout_s)
+
+    def _start_read(
+        self, params: TransferParams, local_block_ids: Sequence[int], timeout_s: float | None
+    ) -> None:
         request_id = params.request_id
         if request_id in self._reading:
             raise ValueError(f"request {request_id!r} is already being read")
@@ -431,7 +644,10 @@ class KVTransferEngine:
             params.lease_s,
             now + params.lease_s / 3,
         )
+        state.layerwise = bool(getattr(params, "layerwise", False))
+        state.started_wall = time.time()
         self._reading[request_id] = state
+        self._outcomes.pop(request_id, None)
         local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
         state.local_block_ids = tuple(int(b) for b in local_ids)
         try:
@@ -441,6 +657,17 @@ class KVTransferEngine:
                     self.metadata, rank, peer.meta, local_ids, params.block_ids, check=False
                 )
                 state.plans.append(plan)
+            state.needs_jax = len(local_ids) > 0 and (
+                any(p.post for p in state.plans)
+                or any(self._rank_cache[p.local_rank].mirror is not None for p in state.plans)
+            )
+            if state.layerwise:
+                self._plan_layers(state, peer, local_ids, params.block_ids)
+                want = encode_message(Want(request_id, self.agent.name))
+                for name in peer.agents.values():
+                    if not self.agent.send(name, want):
+                        raise ConnectionError(f"could not subscribe to producer agent {name!r}")
+                return
             for plan in state.plans:
                 for remote_rank in plan.read_ranks:
                     loc, rem = plan.expanded_descriptors(self.metadata, peer.meta, remote_rank)
@@ -459,15 +686,110 @@ class KVTransferEngine:
         ) as error:
             state.error = f"{type(error).__name__}: {error}"
 
+    def _plan_layers(self, state: _Reading, peer: _Peer, local_ids: np.ndarray, remote_ids) -> None:
+        """Per (global layer, remote rank): the descriptors, posted once announced."""
+        layers: set[int] = set()
+        for plan in state.plans:
+            entry = self._rank_cache[plan.local_rank]
+            kind = self._ranks[plan.local_rank].regions[0].memory_kind
+            for layer in range(entry.layer_start, entry.layer_stop):
+                layers.add(layer)
+                if not len(local_ids):
+                    continue
+                sub = plan_read(
+                    self.metadata,
+                    plan.local_rank,
+                    peer.meta,
+                    local_ids,
+                    remote_ids,
+                    check=False,
+                    layers=(layer, layer + 1),
+                )
+                for remote_rank in sub.read_ranks:
+                    loc, rem = sub.expanded_descriptors(self.metadata, peer.meta, remote_rank)
+                    info = peer.meta.rank_info(remote_rank)
+                    name = peer.agents[info.agent_name]
+                    state.pending.append(
+                        (layer, remote_rank, name, loc, rem, kind, info.regions[0].memory_kind)
+                    )
+        state.layers_total = tuple(sorted(layers))
+        for layer in state.layers_total:
+            state.layer_handles[layer] = []
+
+    def _post_ready(self, state: _Reading) -> None:
+        """Posts the pending layer reads whose producer rank announced the layer."""
+        still = []
+        for item in state.pending:
+            layer, remote_rank, name, loc, rem, kind, remote_kind = item
+            if state.ready.get(remote_rank, 0) > layer:
+                handle = self.agent.read(loc, rem, name, kind, remote_kind)
+                state.handles.append((name, handle))
+                state.layer_handles[layer].append(handle)
+            else:
+                still.append(item)
+        state.pending = still
+
+    def _layers_arrived(self, state: _Reading, result: PollResult) -> bool:
+        """Records the arrival time of completed layers; True when every layer arrived."""
+        waiting = {item[0] for item in state.pending}
+        changed = False
+        for layer in state.layers_total:
+            if layer in state.layer_arrival or layer in waiting:
+                continue
+            handles = state.layer_handles[layer]
+            if not handles and not any(
+                state.ready.get(r, 0) > layer for r in self._source_ranks_of(state, layer)
+            ):
+                continue  # nothing to read for this layer, but not announced yet
+            states = [self.agent.state(h) for h in handles]
+            if "ERR" in states:
+                state.error = f"a NIXL READ of layer {layer} failed"
+                return False
+            if all(st == "DONE" for st in states):
+                state.layer_arrival[layer] = time.time()
+                changed = True
+        if changed:
+            result.layers[state.request_id] = len(state.layer_arrival)
+        return len(state.layer_arrival) == len(state.layers_total)
+
+    def _source_ranks_of(self, state: _Reading, layer: int) -> list[int]:
+        peer = self._peers.get(state.peer)
+        if peer is None:
+            return []
+        config = peer.meta.config()
+        pp = config.layer_owner(layer)
+        return [config.rank(tp, pp) for tp in range(config.tp_size)]
+
     # -- polling --------------------------------------------------------------------------
 
     def poll(self) -> PollResult:
         """Makes progress on everything in flight; returns what changed since the last poll."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            for request_id, stop in deferred:  # publications from host callbacks (staging)
+                pinned = self._pinned.get(request_id)
+                if pinned is not None:
+                    try:
+                        self._publish_layers(request_id, pinned, stop)
+                    except Exception as error:  # noqa: BLE001 - the request is aborted
+                        log.error("publishing %s failed: %s", request_id, error)
+                        pinned.deadline = -1.0
+            result, self._stashed = self._stashed, PollResult()
+            result.extend(self._poll(allow_jax=True))
+            return result
+
+    def _poll(self, allow_jax: bool) -> PollResult:
         result = PollResult()
         now = time.monotonic()
         self._handle_messages(now)
         for request_id in list(self._reading):
-            self._progress_read(self._reading[request_id], now, result)
+            state = self._reading[request_id]
+            if state.needs_jax and not allow_jax and state.error is None and now <= state.deadline:
+                continue  # its rewrite runs JAX: left to the next `poll` outside callbacks
+            self._progress_read(state, now, result)
+        for request_id, (_, expiry) in list(self._early_wants.items()):
+            if now > expiry:
+                del self._early_wants[request_id]
         for request_id, pinned in list(self._pinned.items()):
             complete = all(
                 len(pinned.notified[r]) >= pinned.expected.get(r, 1 << 30) for r in pinned.notified
@@ -510,7 +832,31 @@ class KVTransferEngine:
                         reading.acks[(message.producer_rank, message.consumer_rank)] = (
                             message.pinned
                         )
+                elif isinstance(message, Want):
+                    self._on_want(message, now)
+                elif isinstance(message, Ready):
+                    reading = self._reading.get(message.request_id)
+                    if reading is not None:
+                        for rank in message.ranks:
+                            reading.ready[rank] = max(reading.ready.get(rank, 0), message.layer_stop)
             del sender
+
+    def _on_want(self, message: Want, now: float) -> None:
+        target = self._consumers.get(message.agent_name)
+        if target is None:
+            self.stats.failed_notifications += 1
+            return
+        pinned = self._pinned.get(message.request_id)
+        if pinned is None:  # subscribed before this process published: remember for a lease
+            targets, _ = self._early_wants.get(message.request_id, (set(), 0.0))
+            targets.add(target)
+            self._early_wants[message.request_id] = (targets, now + self.lease_s)
+            return
+        pinned.subscribers.add(target)
+        if pinned.layer_stop > 0:
+            ready = Ready(message.request_id, list(self.local_ranks), pinned.layer_stop)
+            if not self.agent.send(target, encode_message(ready)):
+                self.stats.failed_notifications += 1
 
     def _on_done(self, message: Done) -> None:
         pinned = self._pinned.get(message.request_id)
@@ -536,7 +882,16 @@ class KVTransferEngine:
                 f"timed out after {now - state.started:.3f}s "
                 f"({'confirming' if state.done_at else 'reading'})"
             )
-        if state.error is None and state.done_at is None:
+        if state.error is None and state.done_at is None and state.layerwise:
+            try:
+                self._post_ready(state)
+            except ConnectionError as error:
+                state.error = f"{type(error).__name__}: {error}"
+            if state.error is None and self._layers_arrived(state, result):
+                state.done_at = time.monotonic()
+                self._send_done(state, ok=True)
+                self._post_process(state)
+        elif state.error is None and state.done_at is None:
             states = [self.agent.state(h) for _, h in state.handles]
             if "ERR" in states:
                 state.error = "a NIXL READ failed"
@@ -569,11 +924,16 @@ class KVTransferEngine:
             _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
             ranks.add(plan.local_rank)
             steps.extend(plan.post)
-        if not any(steps for _, steps, _ in per_entry.values()):
+        if not state.needs_jax:
             return
         start = time.perf_counter()
         try:
             for entry, steps, ranks in per_entry.values():
+                if entry.mirror is not None and state.local_block_ids:
+                    self._check_current(entry)
+                    updated = entry.mirror.stage_in(entry.cache, state.local_block_ids)
+                    updated.verify_unmoved(entry.buffers)
+                    entry.cache.arrays = updated.arrays
                 if not steps:
                     continue
                 by_rank = {
@@ -590,11 +950,7 @@ class KVTransferEngine:
                         "the ranks of one sharded cache need different post-processing"
                     )
                 cache = entry.cache
-                if any(a.is_deleted() for a in cache.arrays):
-                    raise ValueError(
-                        "the registered cache was consumed by another update: pass the current "
-                        "cache to update_cache() after each donated update"
-                    )
+                self._check_current(entry)
                 updated = apply_post_processing(cache, steps)
                 updated.verify_unmoved(entry.buffers)
                 # Keep the caller's object current: its donated arrays are replaced by the
@@ -604,6 +960,14 @@ class KVTransferEngine:
             log.error("post-processing of %s failed: %s", state.request_id, error)
             state.error = f"post-processing failed: {type(error).__name__}: {error}"
         state.post_s = time.perf_counter() - start
+
+    @staticmethod
+    def _check_current(entry: _Registered) -> None:
+        if any(a.is_deleted() for a in entry.cache.arrays):
+            raise ValueError(
+                "the registered cache was consumed by another update: pass the current "
+                "cache to update_cache() after each donated update"
+            )
 
     def _heartbeat(self, state: _Reading, now: float) -> None:
         peer = self._peers.get(state.peer)
@@ -666,8 +1030,11 @@ class KVTransferEngine:
                     0.0, time.monotonic() - (state.done_at or time.monotonic()) - state.post_s
                 ),
                 post_s=state.post_s,
+                layer_arrival=tuple(sorted(state.layer_arrival.items())),
+                started_at=state.started_wall,
             )
         )
+        self._remember(state.request_id, True)
         result.finished.append(state.request_id)
         posts = [step for p in plans for step in p.post]
         if posts:
@@ -682,7 +1049,80 @@ class KVTransferEngine:
         del self._reading[state.request_id]
         self.stats.failed_transfers += 1
         invalid = sorted({int(b) for b in state.local_block_ids})
+        self._remember(state.request_id, False)
         result.failed.append(FailedRead(state.request_id, state.error or "failed", tuple(invalid)))
+
+    def _remember(self, request_id: str, ok: bool) -> None:
+        self._outcomes[request_id] = ok
+        while len(self._outcomes) > _MAX_OUTCOMES:
+            del self._outcomes[next(iter(self._outcomes))]
+
+    # -- host callbacks (jaxkv.transfer._jit) ---------------------------------------------
+
+    def _callback_publish(self, handle: int, block_ids: np.ndarray, layer_stop: int) -> int:
+        """From a jitted step's host callback: publish (or mark written) a request's layers
+        ``[0, layer_stop)``. Returns 1, or 0 when refused (logged). Never runs JAX: with
+        host staging the copy to the mirror is left to the next `poll`."""
+        ids = [int(b) for b in np.asarray(block_ids).reshape(-1) if b >= 0]
+        num_layers = self.config.spec.num_layers
+        stop = num_layers if layer_stop < 0 else min(int(layer_stop), num_layers)
+        if not self._lock.acquire(timeout=self.read_timeout_s):
+            log.error("publish from a jitted step: the engine stayed busy")
+            return 0
+        try:
+            request_id = self._handles.get(int(handle))
+            if request_id is None:
+                log.error("publish from a jitted step: unknown handle %d", handle)
+                return 0
+            pinned = self._pinned.get(request_id)
+            if pinned is None:
+                log.error("publish from a jitted step: %s is not published", request_id)
+                return 0
+            if ids and tuple(ids) != pinned.block_ids:
+                log.error(
+                    "publish from a jitted step: %s wrote blocks %s, it was published with %s",
+                    request_id, ids, list(pinned.block_ids),
+                )
+                pinned.deadline = -1.0
+                return 0
+            if any(entry.mirror is not None for entry in self._caches):
+                self._deferred.append((request_id, stop))
+            else:
+                self._publish_layers(request_id, pinned, stop)
+            self.agent.progress()
+            return 1
+        finally:
+            self._lock.release()
+
+    def _callback_wait(self, handle: int, timeout_s: float) -> int:
+        """From a jitted step's host callback: wait until a request finished (1), failed (0),
+        the wait timed out (-1) or the request needs JAX work outside the callback (-2:
+        post-processing or host staging; `poll` outside jit instead). Polls the engine
+        itself (no JAX), stashing what it finds for the next `poll`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._lock.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
+                try:
+                    request_id = self._handles.get(int(handle))
+                    if request_id is None:
+                        return 0
+                    outcome = self._outcomes.get(request_id)
+                    if outcome is not None:
+                        return 1 if outcome else 0
+                    state = self._reading.get(request_id)
+                    if state is None:
+                        return 0
+                    if state.needs_jax:
+                        return -2
+                    self._stashed.extend(self._poll(allow_jax=False))
+                    outcome = self._outcomes.get(request_id)
+                    if outcome is not None:
+                        return 1 if outcome else 0
+                finally:
+                    self._lock.release()
+            if time.monotonic() >= deadline:
+                return -1
+            time.sleep(0.0002)
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -691,13 +1131,18 @@ class KVTransferEngine:
         if self._closed:
             return
         self._closed = True
-        for state in self._reading.values():
-            self._release_handles(state)
-        self._reading.clear()
-        self._pinned.clear()
-        self.server.close()
-        self.agent.close()
-        self._caches.clear()
+        locked = self._lock.acquire(timeout=self.read_timeout_s)
+        try:
+            for state in self._reading.values():
+                self._release_handles(state)
+            self._reading.clear()
+            self._pinned.clear()
+            self.server.close()
+            self.agent.close()
+            self._caches.clear()
+        finally:
+            if locked:
+                self._lock.release()
 
     def __enter__(self) -> KVTransferEngine:
         return self

@@ -15,6 +15,8 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "MAX_MESSAGE_BYTES",
+    "Ready",
+    "Want",
     "decode_message",
     "encode_message",
 ]
@@ -63,7 +65,24 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     pinned: bool
 
 
-Message = Hello | Heartbeat | Done | Ack
+class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
+    """Consumer -> producer process: send me `Ready` updates for this request (a request
+    published layer by layer, or from inside a jitted step, is read only as it becomes ready)."""
+
+    request_id: _Id
+    agent_name: _Id
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):
+    """Producer process -> consumer: the global layers ``[0, layer_stop)`` that `ranks` hold
+    of the request are written (monotonic; ``layer_stop`` = the model's layer count: all)."""
+
+    request_id: _Id
+    ranks: Annotated[list[_Rank], msgspec.Meta(max_length=1 << 16)]
+    layer_stop: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+
+
+Message = Hello | Heartbeat | Done | Ack | Want | Ready
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

@@ -345,6 +345,7 @@ def plan_read(
     local_block_ids: Sequence[int] | np.ndarray,
     remote_block_ids: Sequence[int] | np.ndarray,
     check: bool = True,
+    layers: tuple[int, int] | None = None,
 ) -> ReadPlan:
     """Plans the reads of one local rank for one request.
 
@@ -358,6 +359,8 @@ def plan_read(
       remote_block_ids: the request's blocks on the remote engine (remote block size), all of
         them, in token order.
       check: run `check_compatible` first.
+      layers: only the global layers ``[start, stop)`` (layer-wise reads); the descriptors
+        are a subset of the whole request's, `post` lists the steps of the arrays touched.
 
     Raises:
       IncompatibleEngineError: from `check_compatible`.
@@ -395,7 +398,7 @@ def plan_read(
             remote_ids,
         )
 
-    tpl = _templates(local, local_rank, remote)
+    tpl = _templates(local, local_rank, remote, layers)
     for rr in tpl.read_ranks:
         _check_ids(remote_ids, remote.rank_info(rr).regions[0].num_blocks, f"remote rank {rr}")
     copies = _expand(tpl, local_ids, remote_ids, ratio)
@@ -442,11 +445,16 @@ def _geometry_key(meta: EngineMetadata) -> tuple:
     )
 
 
-def _templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -> _Templates:
-    key = (_geometry_key(local), local_rank, _geometry_key(remote))
+def _templates(
+    local: EngineMetadata,
+    local_rank: int,
+    remote: EngineMetadata,
+    layers: tuple[int, int] | None = None,
+) -> _Templates:
+    key = (_geometry_key(local), local_rank, _geometry_key(remote), layers)
     cached = _TEMPLATE_CACHE.get(key)
     if cached is None:
-        cached = _build_templates(local, local_rank, remote)
+        cached = _build_templates(local, local_rank, remote, layers)
         if len(_TEMPLATE_CACHE) >= _TEMPLATE_CACHE_SIZE:
             _TEMPLATE_CACHE.pop(next(iter(_TEMPLATE_CACHE)))
         _TEMPLATE_CACHE[key] = cached
@@ -468,8 +476,16 @@ class _Staging:
     t_stride: int
 
 
-def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetadata) -> _Templates:
+def _build_templates(
+    local: EngineMetadata,
+    local_rank: int,
+    remote: EngineMetadata,
+    layers: tuple[int, int] | None = None,
+) -> _Templates:
     loc = _side(local, local_rank)
+    first, stop = loc.layer_start, loc.layer_stop
+    if layers is not None:
+        first, stop = max(first, layers[0]), min(stop, layers[1])
     ratio = local.block_size // remote.block_size
     item = local.dtype_itemsize
     d = local.head_dim
@@ -479,7 +495,7 @@ def _build_templates(local: EngineMetadata, local_rank: int, remote: EngineMetad
     remote_sides: dict[int, _Side] = {}
     sub_len = loc.block_len // ratio  # one sender-sized sub-block of a staged local block
     directs = set()
-    for layer in range(loc.layer_start, loc.layer_stop):
+    for layer in range(first, stop):
         sources = _source_ranks(loc, remote, layer)
         runs: list[
             tuple[int, int, int, int]

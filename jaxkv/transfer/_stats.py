@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TransferRecord", "TransferStats", "WorkerAggregator"]
+__all__ = ["PublishRecord", "TransferRecord", "TransferStats", "WorkerAggregator"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +19,25 @@ class TransferRecord:
     expanded_descriptors: int
     duration_s: float  # start_read -> every READ complete
     confirm_s: float  # READ complete -> every producer rank acknowledged
-    post_s: float = 0.0  # post-processing (layout / block-size fix)
+    post_s: float = 0.0  # post-processing (layout / block-size fix; host staging -> device)
+    layer_arrival: tuple[tuple[int, float], ...] = ()  # layer-wise: (global layer, wall time)
+    started_at: float = 0.0  # wall time (time.time()) of start_read
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishRecord:
+    """One request fully published by a producer process.
+
+    Attributes:
+      request_id: the request.
+      layers: ``(layer_stop, wall time)`` of each announcement (one for a request published
+        whole; one per `publish_layers` call for a layer-wise one).
+      staged_s: time spent copying its blocks to the host mirror (host staging).
+    """
+
+    request_id: str
+    layers: tuple[tuple[int, float], ...]
+    staged_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -27,6 +45,7 @@ class TransferStats:
     """Counters and records of one engine process (`KVTransferEngine.stats`)."""
 
     records: list[TransferRecord] = dataclasses.field(default_factory=list)
+    publications: list[PublishRecord] = dataclasses.field(default_factory=list)
     failed_transfers: int = 0
     failed_notifications: int = 0
     failed_handshakes: int = 0
@@ -39,9 +58,17 @@ class TransferStats:
         if len(self.records) > self.max_records:
             del self.records[: len(self.records) - self.max_records]
 
+    def add_publication(self, record: PublishRecord) -> None:
+        self.publications.append(record)
+        if len(self.publications) > self.max_records:
+            del self.publications[: len(self.publications) - self.max_records]
+
     def merge(self, other: TransferStats) -> TransferStats:
         """Stats of two workers together (records concatenated, counters summed)."""
-        out = TransferStats(records=self.records + other.records)
+        out = TransferStats(
+            records=self.records + other.records,
+            publications=self.publications + other.publications,
+        )
         for field in (
             "failed_transfers",
             "failed_notifications",

@@ -1,0 +1,146 @@
+"""Host staging: a registered host mirror of a cache, for devices NIXL cannot register.
+
+vLLM's host-buffer mode. The mirror has one host buffer per device buffer of the cache (same
+length, same block geometry), so block ``b`` of the mirror holds block ``b`` of the device
+cache and the read planner works unchanged on the mirror's addresses:
+
+* the producer copies the published blocks device -> mirror: `jaxkv.ops` gather custom call
+  into a reused dense buffer (``gather_blocks(out=...)``), then one host copy per shard into
+  the mirror rows (only the published layers' bytes for a layer-wise publication);
+* the consumer's READs land in its mirror; the received rows go mirror -> device with the
+  scatter custom call (``scatter_blocks``), in place in the registered cache, before the
+  post-processing and before the request is reported finished.
+
+The mirror is plain page-aligned numpy memory registered as NIXL "DRAM". On a GPU a pinned
+host allocation would make the device copies DMA; here the copy to host is ``np.asarray`` of
+the gathered shard (zero-copy on CPU devices, one device-to-host copy elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HostMirror"]
+
+_ALIGN = 4096
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start : start + nbytes]
+
+
+class HostMirror:
+    """Host buffers mirroring every device buffer of one `PagedKVCache`.
+
+    Args:
+      cache: the device cache (its `shard_buffers()` define the mirror's buffers).
+
+    Example:
+      >>> from jaxkv import KVCacheSpec, PagedKVCache
+      >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=2,
+      ...                    dtype="float32", layout="LKHTD")
+      >>> cache = PagedKVCache.allocate(spec, num_blocks=8)
+      >>> mirror = HostMirror(cache)
+      >>> mirror.stage_out(cache, [1, 2])
+      >>> cache = mirror.stage_in(cache, [3])
+      >>> len(mirror.buffers)
+      1
+    """
+
+    def __init__(self, cache: Any):
+        self.spec = cache.spec
+        self.num_blocks = cache.num_blocks
+        self.buffers: dict[tuple[int, int], np.ndarray] = {}
+        for b in cache.shard_buffers():
+            self.buffers[(b.array_index, b.device.id)] = _aligned(b.nbytes)
+        self._dense: dict[int, tuple] = {}  # padded length -> reusable gather output
+
+    def address(self, array_index: int, device_id: int) -> int:
+        """Base address of the mirror of one device buffer."""
+        return int(self.buffers[(array_index, device_id)].ctypes.data)
+
+    def nbytes(self) -> int:
+        """Host bytes held by the mirror."""
+        return sum(b.nbytes for b in self.buffers.values())
+
+    def _rows(
+        self, array_index: int, device_id: int, shape: tuple[int, ...], width: np.dtype
+    ) -> np.ndarray:
+        buffer = self.buffers[(array_index, device_id)].view(width)
+        return buffer.reshape(self.num_blocks, *shape)
+
+    def stage_out(
+        self, cache: Any, block_ids: Sequence[int], layers: tuple[int, int] | None = None
+    ) -> None:
+        """Copies blocks device -> mirror (the producer side), waiting for the copy.
+
+        Args:
+          cache: the current version of the mirrored cache.
+          block_ids: blocks to copy.
+          layers: only these local layers ``[start, stop)`` of cross-layer arrays and only
+            the per-layer arrays of these layers (None: everything).
+        """
+        from jaxkv.ops import pad_block_ids
+
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if not len(ids):
+            return
+        padded = pad_block_ids(ids)
+        out = self._dense.pop(len(padded), None)
+        dense = cache.gather_blocks(padded, out=out) if out is not None else None
+        if dense is None:
+            dense = cache.gather_blocks(padded)
+        layout = self.spec.layout
+        for index, ((layer, _), array) in enumerate(zip(cache.array_keys, dense)):
+            if layers is not None and layer is not None and not layers[0] <= layer < layers[1]:
+                continue
+            select: tuple = (ids,)
+            if layers is not None and "L" in layout:
+                select += tuple(slice(*layers) if a == "L" else slice(None) for a in layout)
+            for shard in array.addressable_shards:
+                rows = np.asarray(shard.data)
+                width = np.dtype(f"u{rows.dtype.itemsize}")
+                rows = rows.view(width)
+                target = self._rows(index, shard.device.id, rows.shape[1:], width)
+                target[select] = rows[(slice(0, len(ids)),) + select[1:]]
+                del rows
+        self._dense[len(padded)] = dense
+
+    def stage_in(self, cache: Any, block_ids: Sequence[int]) -> Any:
+        """Copies blocks mirror -> device (the consumer side), in place.
+
+        Args:
+          cache: the current version of the mirrored cache (consumed).
+          block_ids: blocks to copy.
+
+        Returns:
+          The updated cache (same buffers).
+        """
+        import jax
+
+        from jaxkv.ops import pad_block_ids
+
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if not len(ids):
+            return cache
+        padded = pad_block_ids(ids)
+        dense = []
+        for index, array in enumerate(cache.arrays):
+            pieces = []
+            for shard in array.addressable_shards:
+                local_shape = shard.data.shape[1:]
+                width = np.dtype(f"u{array.dtype.itemsize}")
+                rows = np.zeros((len(padded), *local_shape), dtype=width)
+                rows[: len(ids)] = self._rows(index, shard.device.id, local_shape, width)[ids]
+                pieces.append(jax.device_put(rows.view(array.dtype), shard.device))
+            dense.append(
+                jax.make_array_from_single_device_arrays(
+                    (len(padded), *array.shape[1:]), array.sharding, pieces
+                )
+            )
+        return cache.scatter_blocks(dense, padded)
