@@ -4,7 +4,9 @@ torch way.
 For each op, on at least 256 MiB of blocks (`--moved_mib`), in one process:
   * jaxkv: the custom call under jit, cache (or staging buffers) donated, so in place;
   * limit: a plain copy of the same bytes (numpy `copyto` into a preallocated buffer on CPU; an
-    elementwise device kernel reading and writing the same bytes on GPU);
+    elementwise device kernel reading and writing the same bytes on GPU); for an op returning
+    new buffers, also the copy into a newly allocated numpy array (the kernel must fault in and
+    zero fresh pages either way);
   * jnp: the pure-jnp reference (`jaxkv.ops.reference`: gather, transpose, scatter) under jit,
     cache donated;
   * torch (permute and merge, CPU): vLLM's post-processing, ``index_select`` -> ``permute`` ->
@@ -87,6 +89,15 @@ def _main(argv):
         buffer = jax.device_put(np.zeros(nbytes // 2, np.uint16), device)
         negate = jax.jit(jnp.negative)
         return "device elementwise copy", lambda: negate(buffer)
+
+    def fresh_limit_for(nbytes):
+        """The same copy into newly allocated memory, as an op returning new buffers does."""
+        if on_cpu:
+            src = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+            return "numpy copy (new array)", lambda: src.copy()
+        buffer = jax.device_put(np.zeros(nbytes // 2, np.uint16), device)
+        negate = jax.jit(jnp.negative)
+        return "device elementwise copy (new array)", lambda: negate(buffer)
 
     # vLLM FlashAttention blocks [T, H, D] (one layer, K or V), received as HTD.
     vllm_spec = KVCacheSpec(num_layers=1, num_kv_heads=8, head_dim=128, block_size=16,
@@ -208,13 +219,17 @@ def _main(argv):
     for op, s in setups.items():
         limit_name, limit_fn = limit_for(s["traffic"] // 2)
         contenders = {limit_name: None, "jaxkv": s["jaxkv"]}
+        fresh_limit_name = None
+        if s["setup"].get("new_buffers"):
+            fresh_limit_name, fresh_limit_fn = fresh_limit_for(s["traffic"] // 2)
+            contenders[fresh_limit_name] = None
         if s["jnp"] is not None:
             contenders["jnp reference"] = s["jnp"]
         if s.get("torch") is not None:
             contenders["torch (vLLM)"] = s["torch"]
         state = {}
         for name in contenders:
-            if name == limit_name:
+            if name in (limit_name, fresh_limit_name):
                 continue
             if name == "torch (vLLM)":
                 t = torch.from_numpy(s["host"].view(np.uint16) if s["host"].dtype.itemsize == 2
@@ -231,6 +246,8 @@ def _main(argv):
         def step_for(name):
             if name == limit_name:
                 return limit_fn
+            if name == fresh_limit_name:
+                return fresh_limit_fn
             st = state[name]
             fn = contenders[name]
             if name == "torch (vLLM)":
@@ -254,6 +271,9 @@ def _main(argv):
             row[name] = {"median_seconds": statistics.median(samples),
                          "gb_per_s": s["traffic"] / statistics.median(samples) / 1e9}
         row["jaxkv_vs_limit"] = median_ratio(times[limit_name], times["jaxkv"])
+        if fresh_limit_name is not None:
+            row["fresh_limit"] = fresh_limit_name
+            row["jaxkv_vs_fresh_limit"] = median_ratio(times[fresh_limit_name], times["jaxkv"])
         for other, key in (("jnp reference", "jaxkv_vs_jnp"), ("torch (vLLM)", "jaxkv_vs_torch")):
             if other in times:
                 row[key] = median_ratio(times[other], times["jaxkv"])
@@ -262,7 +282,9 @@ def _main(argv):
         print(f"{op:<32} limit {row[limit_name]['gb_per_s']:6.2f} GB/s  jaxkv "
               f"{row['jaxkv']['gb_per_s']:6.2f} GB/s  vs limit {row['jaxkv_vs_limit']:.2f}  "
               f"vs jnp {row.get('jaxkv_vs_jnp', float('nan')):6.2f}  "
-              f"vs torch {row.get('jaxkv_vs_torch', float('nan')):6.2f}", flush=True)
+              f"vs torch {row.get('jaxkv_vs_torch', float('nan')):6.2f}"
+              + (f"  vs {fresh_limit_name} {row['jaxkv_vs_fresh_limit']:.2f}"
+                 if fresh_limit_name else ""), flush=True)
 
     report = {
         "benchmark": "reshape_ops",
