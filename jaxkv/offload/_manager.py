@@ -243,9 +243,13 @@ class OffloadManager:
         deps = self._order.claim(
             reads=[SlotKey(Tier.DEVICE, int(d)) for d in device],
             writes=[SlotKey(Tier.HOST, int(s)) for s in slots], op=op)
-        self._wait_file_ops(deps, "offload")
-        padded_device, padded_slots = _pad_pair(device, slots)
-        self._pool, token = run_offload(cache, self._pool, padded_device, padded_slots)
+        try:
+            self._wait_file_ops(deps, "offload")
+            padded_device, padded_slots = _pad_pair(device, slots)
+            self._pool, token = run_offload(cache, self._pool, padded_device, padded_slots)
+        except BaseException:
+            op.cancel()  # Never dispatched: later copies must not wait for it.
+            raise
         op.attach(token)
         self._check_unmoved()
         with self._valid_lock:
@@ -288,16 +292,19 @@ class OffloadManager:
         deps = self._order.claim(
             reads=[SlotKey(Tier.HOST, int(s)) for s in slots],
             writes=[SlotKey(Tier.DEVICE, int(d)) for d in device], op=op)
-        self._wait_file_ops(deps, "onboard")
-        with self._valid_lock:
-            invalid = slots[~self._valid[slots]]
-        if invalid.size:
-            op.cancel()  # Nothing dispatched.
-            raise UnknownSlotError(f"host slot {int(invalid[0])} holds no block (never "
-                                   "offloaded, or its file read missed)")
-        padded_slots, padded_device = _pad_pair(slots, device)
-        cache, token = run_onboard(self._pool, cache, padded_slots, padded_device,
-                                   0 if num_tokens is None else int(num_tokens))
+        try:
+            self._wait_file_ops(deps, "onboard")
+            with self._valid_lock:
+                invalid = slots[~self._valid[slots]]
+            if invalid.size:
+                raise UnknownSlotError(f"host slot {int(invalid[0])} holds no block (never "
+                                       "offloaded, or its file read missed)")
+            padded_slots, padded_device = _pad_pair(slots, device)
+            cache, token = run_onboard(self._pool, cache, padded_slots, padded_device,
+                                       0 if num_tokens is None else int(num_tokens))
+        except BaseException:
+            op.cancel()  # Never dispatched: later copies must not wait for it.
+            raise
         op.attach(token)
         self.stats.onboarded += int(device.size)
         return cache

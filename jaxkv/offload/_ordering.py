@@ -143,7 +143,8 @@ class SlotOrdering:
         return list(found.values())
 
     def pending(self) -> list[Dependency]:
-        """Every recorded copy that is not done yet (for a full sync point)."""
+        """The unfinished copies last recorded per key (for a full sync point). Copies they
+        superseded are covered: a later copy of a key waits for them before it completes."""
         with self._lock:
             ops = {id(d): d for d in self._writer.values() if not _done(d)}
             for readers in self._readers.values():

@@ -1,0 +1,266 @@
+"""The file tier: atomic publish (a crash between write and rename leaves no visible block),
+checksums (a corrupted file is a miss, quarantined, never loaded), restart in a second process,
+LRU size budget, other models' blocks never loaded, bad input."""
+
+import kv_testing
+
+kv_testing.force_cpu_devices()
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import offload_testing as ot
+from jaxkv.offload import FileTier, IncompatibleTierError, OffloadManager, UnknownSlotError
+from jaxkv.offload import _file
+from jaxkv.transfer import nixl_available
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_SPEC = ot.spec_for("LKHTD", "bfloat16")
+
+
+def _run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (the installed jaxkv, not the source tree)."""
+    prelude = f"import sys; sys.path.insert(0, {_TESTS!r})\n"
+    return subprocess.run([sys.executable, "-P", "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _tier(directory, **kwargs) -> FileTier:
+    options = dict(spec=_SPEC, model_id="model-a", capacity_bytes=1 << 20, backend="files")
+    options.update(kwargs)
+    return FileTier(directory, **options)
+
+
+def _block(seed: int, tier: FileTier) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, tier.payload_nbytes, dtype=np.uint8)
+
+
+class CrashAndCorruptionTest(parameterized.TestCase):
+
+    def test_crash_between_write_and_rename_leaves_no_visible_block(self):
+        root = self.create_tempdir().full_path
+        result = _run_child(f"""
+            import os
+            import numpy as np
+            import offload_testing as ot
+            from jaxkv.offload import FileTier, _file
+            tier = FileTier({root!r}, spec=ot.spec_for("LKHTD", "bfloat16"), model_id="model-a",
+                            capacity_bytes=1 << 20, backend="files")
+            block = np.full(tier.payload_nbytes, 7, np.uint8)
+            assert tier.put(b"good", block)
+            _file._publish = lambda tmp, final: os._exit(3)   # the process dies before rename
+            tier.put(b"torn", block)
+        """)
+        self.assertEqual(result.returncode, 3, result.stderr)
+        subdirs = os.listdir(root)
+        self.assertLen(subdirs, 1)
+        blocks = os.path.join(root, subdirs[0], "blocks")
+        tmp = os.path.join(root, subdirs[0], "tmp")
+        self.assertEqual(os.listdir(blocks), [b"good".hex() + ".kvb"])
+        self.assertTrue(any(name.startswith(b"torn".hex()) for name in os.listdir(tmp)),
+                        "the child wrote the torn block's temporary file")
+        tier = _tier(root)                      # a restart: leftovers removed, torn block absent
+        self.assertTrue(tier.contains(b"good"))
+        self.assertFalse(tier.contains(b"torn"))
+        self.assertEqual([n for n in os.listdir(tmp) if n.startswith(b"torn".hex())], [])
+        out = np.zeros(tier.payload_nbytes, np.uint8)
+        self.assertFalse(tier.get(b"torn", out))
+        self.assertTrue(tier.get(b"good", out))
+        np.testing.assert_array_equal(out, np.full(tier.payload_nbytes, 7, np.uint8))
+        tier.close()
+
+    def test_failed_publish_in_process_leaves_nothing(self):
+        tier = _tier(self.create_tempdir().full_path)
+
+        def fail(tmp, final):
+            raise OSError("simulated failure before rename")
+
+        original, _file._publish = _file._publish, fail
+        try:
+            with self.assertRaisesRegex(OSError, "simulated"):
+                tier.put(b"h", _block(0, tier))
+        finally:
+            _file._publish = original
+        self.assertFalse(tier.contains(b"h"))
+        self.assertEqual(os.listdir(tier._tmp), [])
+        self.assertEqual(os.listdir(tier._blocks), [])
+        tier.close()
+
+    @parameterized.parameters(
+        dict(where="payload", backend="files"), dict(where="payload", backend="nixl"),
+        dict(where="header", backend="files"), dict(where="truncate", backend="files"))
+    def test_corrupted_file_is_a_miss_and_never_loaded(self, where, backend):
+        if backend == "nixl" and not nixl_available():
+            self.skipTest("NIXL is not installed")
+        spec = _SPEC
+        cache, hosts = ot.filled_cache(spec, 4, seed=11)
+        tier = _tier(self.create_tempdir().full_path, backend=backend)
+        offloader = OffloadManager(cache, 2, file_tier=tier)
+        offloader.offload(cache, [1, 2], [0, 1])
+        self.assertEqual(offloader.write_file([0, 1], [b"b1", b"b2"]).result(10), [True, True])
+        path = tier.path_of(b"b1")
+        with open(path, "r+b") as handle:
+            if where == "payload":
+                handle.seek(_file._HEADER_BYTES + 100)
+                byte = handle.read(1)
+                handle.seek(_file._HEADER_BYTES + 100)
+                handle.write(bytes([byte[0] ^ 0x01]))          # one flipped bit
+            elif where == "header":
+                handle.write(b"NOTJAXKV")
+            else:
+                handle.truncate(_file._HEADER_BYTES + 10)
+        offloader.offload(cache, [3, 0], [0, 1])                # other bytes in both slots
+        result = offloader.read_file([b"b1", b"b2"], [0, 1]).result(10)
+        self.assertEqual(result, [False, True])
+        self.assertFalse(tier.contains(b"b1"))
+        self.assertFalse(os.path.exists(path))
+        self.assertLen(os.listdir(tier._quarantine), 1)
+        self.assertEqual(tier.stats.corrupt, 1)
+        with self.assertRaises(UnknownSlotError):              # the corrupt bytes never load
+            offloader.onboard(cache, [0], [3])
+        cache = offloader.onboard(cache, [1], [3])
+        for array, host in zip(cache.arrays, hosts):
+            ot.assert_bits_equal(np.asarray(array)[3], host[2])
+        offloader.close()
+
+    def test_other_models_blocks_are_never_loaded(self):
+        root = self.create_tempdir().full_path
+        a = _tier(root, model_id="model-a")
+        b = _tier(root, model_id="model-b")                    # same geometry, other weights
+        c = _tier(root, model_id="model-a", spec=_SPEC.replace(dtype="float16"))
+        self.assertNotEqual(a.directory, b.directory)
+        self.assertTrue(a.put(b"h", _block(1, a)))
+        self.assertFalse(b.contains(b"h"))
+        self.assertFalse(c.contains(b"h"))
+        # A file copied into another model's directory fails the header check: a miss.
+        os.link(a.path_of(b"h"), b.path_of(b"h"))
+        b2 = _tier(root, model_id="model-b")
+        self.assertTrue(b2.contains(b"h"))
+        out = np.zeros(b2.payload_nbytes, np.uint8)
+        self.assertFalse(b2.get(b"h", out))
+        self.assertEqual(b2.stats.corrupt, 1)
+        for tier in (a, b, c, b2):
+            tier.close()
+
+    def test_manifest_of_another_tier_is_refused(self):
+        root = self.create_tempdir().full_path
+        tier = _tier(root)
+        tier.close()
+        manifest = os.path.join(tier.directory, "manifest.msgpack")
+        other = _tier(self.create_tempdir().full_path, model_id="other")
+        other.close()
+        os.replace(os.path.join(other.directory, "manifest.msgpack"), manifest)
+        with self.assertRaises(IncompatibleTierError):
+            _tier(root)
+
+    def test_unreadable_manifest_falls_back_to_the_files(self):
+        root = self.create_tempdir().full_path
+        tier = _tier(root)
+        tier.put(b"x", _block(2, tier))
+        tier.close()
+        with open(os.path.join(tier.directory, "manifest.msgpack"), "wb") as handle:
+            handle.write(b"\x00garbage")
+        again = _tier(root)
+        self.assertTrue(again.contains(b"x"))
+        again.close()
+
+
+class RestartTest(parameterized.TestCase):
+
+    def test_second_process_finds_the_blocks_of_the_first(self):
+        root = self.create_tempdir().full_path
+        result = _run_child(f"""
+            import offload_testing as ot
+            from jaxkv.offload import FileTier, OffloadManager
+            spec = ot.spec_for("LKHTD", "bfloat16")
+            cache, _ = ot.filled_cache(spec, 8, seed=21)
+            tier = FileTier({root!r}, spec=spec, model_id="model-a", capacity_bytes=1 << 20)
+            offloader = OffloadManager(cache, 4, file_tier=tier)
+            offloader.offload(cache, [3, 5, 6], [0, 1, 2])
+            assert offloader.write_file([0, 1, 2], [b"p0", b"p1", b"p2"]).result(30) == [True] * 3
+            offloader.close()
+            print("backend", tier.backend)
+        """)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        tier = FileTier(root, spec=_SPEC, model_id="model-a", capacity_bytes=1 << 20)
+        self.assertEqual(sorted(tier.block_hashes()), [b"p0", b"p1", b"p2"])
+        _, hosts = ot.filled_cache(_SPEC, 8, seed=21)          # what the first process held
+        cache, _ = ot.filled_cache(_SPEC, 8, seed=22)
+        offloader = OffloadManager(cache, 4, file_tier=tier)
+        self.assertEqual(offloader.read_file([b"p2", b"p0", b"p1"], [0, 1, 2]).result(30),
+                         [True] * 3)
+        cache = offloader.onboard(cache, [0, 1, 2], [1, 2, 3])
+        for array, host in zip(cache.arrays, hosts):
+            ot.assert_bits_equal(np.asarray(array)[[1, 2, 3]], host[[6, 3, 5]])
+        offloader.close()
+
+
+class BudgetAndInputTest(parameterized.TestCase):
+
+    def test_lru_eviction_keeps_the_budget(self):
+        directory = self.create_tempdir().full_path
+        probe = _tier(directory)
+        capacity = 3 * probe.file_nbytes
+        probe.close()
+        tier = _tier(directory, capacity_bytes=capacity)
+        blocks = {bytes([i]): _block(i, tier) for i in range(1, 6)}
+        for key in (b"\x01", b"\x02", b"\x03"):
+            tier.put(key, blocks[key])
+        out = np.zeros(tier.payload_nbytes, np.uint8)
+        self.assertTrue(tier.get(b"\x01", out))                # 1 is now the most recent
+        tier.put(b"\x04", blocks[b"\x04"])                     # evicts 2 (least recent)
+        tier.put(b"\x05", blocks[b"\x05"])                     # evicts 3
+        self.assertEqual(tier.block_hashes(), [b"\x01", b"\x04", b"\x05"])
+        self.assertLessEqual(tier.bytes_used, capacity)
+        self.assertEqual(tier.stats.evictions, 2)
+        self.assertLen(os.listdir(tier._blocks), 3)
+        for key in (b"\x01", b"\x04", b"\x05"):
+            self.assertTrue(tier.get(key, out))
+            np.testing.assert_array_equal(out, blocks[key])
+        tier.close()
+        smaller = _tier(directory, capacity_bytes=2 * tier.file_nbytes)   # reopened smaller
+        self.assertEqual(smaller.block_hashes(), [b"\x04", b"\x05"])
+        smaller.close()
+
+    def test_full_budget_with_every_block_being_read_rejects_the_write(self):
+        directory = self.create_tempdir().full_path
+        probe = _tier(directory)
+        tier = _tier(directory, capacity_bytes=probe.file_nbytes)
+        probe.close()
+        tier.put(b"a", _block(1, tier))
+        tier._readers[b"a"] += 1                                # a read in progress
+        self.assertFalse(tier.put(b"b", _block(2, tier)))
+        self.assertEqual(tier.stats.rejected_writes, 1)
+        tier._readers[b"a"] -= 1
+        self.assertTrue(tier.put(b"b", _block(2, tier)))      # now a is evicted
+        self.assertEqual(tier.block_hashes(), [b"b"])
+        tier.close()
+
+    def test_bad_input(self):
+        missing = os.path.join(self.create_tempdir().full_path, "no", "such", "dir")
+        with self.assertRaisesRegex(FileNotFoundError, "does not exist"):
+            _tier(missing)
+        tier = _tier(missing, create=True)
+        self.assertTrue(os.path.isdir(tier.directory))
+        with self.assertRaisesRegex(ValueError, "smaller than one block"):
+            _tier(missing, capacity_bytes=100)
+        with self.assertRaisesRegex(ValueError, "model_id"):
+            _tier(missing, model_id="")
+        with self.assertRaisesRegex(ValueError, "backend"):
+            _tier(missing, backend="s3")
+        with self.assertRaisesRegex(ValueError, "a block has"):
+            tier.put(b"h", np.zeros(10, np.uint8))
+        with self.assertRaisesRegex(ValueError, "non-empty bytes"):
+            tier.put("h", _block(0, tier))
+        tier.close()
+        with self.assertRaisesRegex(RuntimeError, "closed"):
+            tier.put(b"h", _block(0, tier))
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,147 @@
+"""Offload tiers: bit-exact round trips device -> host -> file -> host -> device for every dtype
+and layout, partial onboarding, jit, sharded caches, pinned host memory."""
+
+import kv_testing
+
+kv_testing.force_cpu_devices()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import absltest, parameterized
+
+import offload_testing as ot
+from jaxkv import SUPPORTED_DTYPES
+from jaxkv.offload import FileTier, HostPool, OffloadManager, offload_blocks, onboard_blocks
+from jaxkv.transfer import nixl_available
+
+_DTYPES = [d.name for d in SUPPORTED_DTYPES]
+# Every layout once (dtypes take turns, file backends alternate) runs by default; the full
+# layout x dtype grid is slow.
+_SAMPLE = [dict(layout=layout, dtype=_DTYPES[i % len(_DTYPES)]) for i, layout in
+           enumerate(ot.LAYOUTS)]
+_GRID = [dict(layout=layout, dtype=dtype) for layout in ot.LAYOUTS for dtype in _DTYPES]
+
+
+def _mesh(tp):
+    return jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+
+
+class RoundTripTest(parameterized.TestCase):
+
+    def _round_trip(self, layout, dtype, tp=1, backend="files", memory_kind="auto"):
+        spec = ot.spec_for(layout, dtype)
+        mesh = _mesh(tp)
+        cache, hosts = ot.filled_cache(spec, 8, seed=len(layout) * 7 + len(dtype), mesh=mesh)
+        tier = FileTier(self.create_tempdir().full_path, spec=spec, model_id="test-model",
+                        capacity_bytes=1 << 20, tp_size=cache.tp_size, backend=backend)
+        offloader = OffloadManager(cache, 4, file_tier=tier, memory_kind=memory_kind)
+        hashes = [b"block-1", b"block-5", b"block-2"]
+        offloader.offload(cache, [1, 5, 2], [0, 3, 1])
+        written = offloader.write_file([0, 3, 1], hashes)
+        offloader.offload(cache, [7, 6, 4], [0, 3, 1])          # the slots get other blocks
+        read = offloader.read_file([hashes[2], hashes[0], hashes[1]], [2, 0, 1])
+        target, targets = ot.filled_cache(spec, 8, seed=99, mesh=mesh)
+        target = offloader.onboard(target, [0, 1, 2, 3], [6, 7, 0, 3])
+        offloader.wait()
+        self.assertEqual(written.result(), [True] * 3)
+        self.assertEqual(read.result(), [True] * 3)
+        for array, host, before in zip(target.arrays, hosts, targets):
+            expected = before.copy()
+            expected[[6, 7, 0, 3]] = host[[1, 5, 2, 6]]
+            ot.assert_bits_equal(array, expected, f"{layout} {dtype} tp={tp}")
+        offloader.close()
+
+    @parameterized.parameters(*_SAMPLE)
+    def test_round_trip_every_layout(self, layout, dtype):
+        backend = "nixl" if nixl_available() and layout in ("LKHTD", "THD", "TD") else "files"
+        self._round_trip(layout, dtype, backend=backend)
+
+    @parameterized.parameters(*_GRID)
+    @pytest.mark.slow  # innermost, so that every generated case carries the mark
+    def test_round_trip_grid(self, layout, dtype):
+        self._round_trip(layout, dtype)
+
+    @parameterized.parameters(
+        dict(layout="KHTD", tp=2), dict(layout="HTD", tp=4), dict(layout="LKHTD", tp=8),
+        dict(layout="TD", tp=2))
+    def test_round_trip_sharded(self, layout, tp):
+        # tp=4 and 8 over 2 heads replicate heads; MLA is replicated on every rank.
+        self._round_trip(layout, "bfloat16", tp=tp)
+
+    def test_round_trip_pinned_host_pool(self):
+        # The staging path used for pinned host memory (GPU) also runs on CPU.
+        self._round_trip("THD", "float8_e5m2", tp=2, memory_kind="pinned_host")
+
+    @parameterized.parameters("nixl", "files")
+    def test_both_file_backends(self, backend):
+        if backend == "nixl" and not nixl_available():
+            self.skipTest("NIXL is not installed")
+        self._round_trip("KTHD", "float16", backend=backend)
+
+
+class PartialOnboardTest(parameterized.TestCase):
+
+    @parameterized.parameters(
+        dict(layout="LKHTD", num_tokens=1), dict(layout="KTHD", num_tokens=3),
+        dict(layout="THD", num_tokens=2), dict(layout="TD", num_tokens=1),
+        dict(layout="HTD", num_tokens=0), dict(layout="LKTHD", num_tokens=4),
+        dict(layout="KHTD", num_tokens=-1))
+    def test_copies_exactly_the_first_tokens(self, layout, num_tokens):
+        spec = ot.spec_for(layout, "bfloat16")
+        cache, hosts = ot.filled_cache(spec, 6, seed=3)
+        offloader = OffloadManager(cache, 3)
+        offloader.offload(cache, [4, 1], [2, 0])
+        target, before = ot.filled_cache(spec, 6, seed=4)
+        target = offloader.onboard(target, [2, 0], [0, 5], num_tokens=num_tokens)
+        for array, host, old in zip(target.arrays, hosts, before):
+            expected = old.copy()
+            ot.prefix_copy(expected[0], host[4], num_tokens, spec)
+            ot.prefix_copy(expected[5], host[1], num_tokens, spec)
+            ot.assert_bits_equal(array, expected, f"{layout} n={num_tokens}")
+            if 0 < num_tokens < spec.block_size:  # The tail really stayed.
+                self.assertFalse(np.array_equal(kv_testing.bits(np.asarray(array)[0]),
+                                                kv_testing.bits(host[4])))
+
+
+class FunctionalApiTest(parameterized.TestCase):
+
+    def test_inside_jit_with_traced_ids_and_tokens(self):
+        spec = ot.spec_for("KHTD", "float32")
+        cache, hosts = ot.filled_cache(spec, 8, seed=5, mesh=_mesh(2))
+        pool = HostPool.allocate(cache, 4)
+        before = [s.data.unsafe_buffer_pointer() for s in pool.arrays[0].addressable_shards]
+
+        @jax.jit
+        def round_trip(cache, pool, ids, slots, back, num_tokens):
+            pool = offload_blocks(cache, pool, ids, slots)
+            cache = onboard_blocks(pool, cache, slots, back, num_tokens)
+            return cache, pool
+
+        step = jax.jit(round_trip, donate_argnums=(0, 1))
+        cache, pool = step(cache, pool, jnp.array([3, 1, -1]), jnp.array([0, 2, 1]),
+                           jnp.array([6, 7, 5]), jnp.int32(2))
+        after = [s.data.unsafe_buffer_pointer() for s in pool.arrays[0].addressable_shards]
+        self.assertEqual(before, after)  # donated: the pool stayed in place
+        expected = hosts[0].copy()
+        ot.prefix_copy(expected[6], hosts[0][3], 2, spec)
+        ot.prefix_copy(expected[7], hosts[0][1], 2, spec)
+        ot.prefix_copy(expected[5], np.zeros_like(expected[5]), 2, spec)  # slot 1: never filled
+        ot.assert_bits_equal(cache.arrays[0], expected)
+        ot.assert_bits_equal(np.asarray(pool.arrays[0])[[0, 2]], hosts[0][[3, 1]])
+
+    def test_pool_for_another_cache_is_refused(self):
+        cache, _ = ot.filled_cache(ot.spec_for("THD", "float32"), 4, seed=1)
+        other, _ = ot.filled_cache(ot.spec_for("THD", "float16"), 4, seed=1)
+        pool = HostPool.allocate(other, 2)
+        with self.assertRaisesRegex(ValueError, "pool holds blocks"):
+            offload_blocks(cache, pool, [0], [0])
+        with self.assertRaisesRegex(ValueError, "num_slots"):
+            HostPool.allocate(cache, 0)
+        with self.assertRaisesRegex(ValueError, "memory_kind"):
+            HostPool.allocate(cache, 2, memory_kind="unpinned")
+
+
+if __name__ == "__main__":
+    absltest.main()
