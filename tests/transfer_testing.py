@@ -454,3 +454,97 @@ class TransferTestBase(parameterized.TestCase):
             got = bits(np.asarray(array))
             np.testing.assert_array_equal(got[ids], want, err_msg=f"array {index}")
             self.assertFalse(got[others].any(), f"array {index}: other blocks changed")
+
+
+# -- jitted steps that publish / consume (transfer_jit_test) ---------------------------------
+
+
+def slow_values(shape, seed, iters):
+    """uint32 values from an LCG iterated `iters` times over an iota (jnp, inside jit): a
+    deliberately slow, exactly reproducible write."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32) + jnp.uint32(seed)
+
+    def body(_, x):
+        return x * jnp.uint32(1664525) + jnp.uint32(1013904223)
+
+    x = jax.lax.fori_loop(0, iters, body, x)
+    return (x ^ (x >> 16)).reshape(shape)
+
+
+def slow_values_numpy(shape, seed, iters):
+    """`slow_values` in numpy (the reference)."""
+    x = np.arange(int(np.prod(shape)), dtype=np.uint64) + np.uint64(seed)
+    # x_k = a^k x + c (a^k - 1) / (a - 1) mod 2^32, by repeated squaring of the affine map
+    a, c = np.uint64(1664525), np.uint64(1013904223)
+    mask = np.uint64(0xFFFFFFFF)
+    ra, rc = np.uint64(1), np.uint64(0)
+    k = iters
+    while k:
+        if k & 1:
+            ra, rc = (a * ra) & mask, (a * rc + c) & mask
+        a, c = (a * a) & mask, (a * c + c) & mask
+        k >>= 1
+    x = (ra * x + rc) & mask
+    x = x ^ (x >> np.uint64(16))
+    return x.astype(np.uint32).reshape(shape)
+
+
+def make_prefill_step(engine, iters):
+    """A jitted prefill step: writes `slow_values` into the request's blocks of every cache
+    array (float32 bit patterns), then publishes them with `publish_in_jit`."""
+    import functools
+
+    import jax
+
+    from jaxkv.transfer import publish_in_jit
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def prefill(cache, ids, handle, seed):
+        blocks = []
+        for index, array in enumerate(cache.arrays):
+            values = slow_values((ids.shape[0], *array.shape[1:]), seed + index, iters)
+            blocks.append(jax.lax.bitcast_convert_type(values, array.dtype))
+        cache = cache.scatter_blocks(blocks, ids)
+        return cache, publish_in_jit(engine, handle, ids, cache)
+
+    return prefill
+
+
+def jit_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: int) -> None:
+    """A producer process whose prefill step is jitted and publishes from inside jit:
+    ("pin", request_id, block_ids) -> (params, handle); ("prefill", handle, padded_ids, seed)
+    -> the callback's status (after the step finished); ("state",) as `producer_main`."""
+    child_env(tp)
+    import jax
+
+    from jaxkv import PagedKVCache
+    from jaxkv.transfer import KVTransferEngine
+
+    spec = KVCacheSpec(**spec_kwargs)
+    config = EngineConfig(spec, tp)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    freed: list[str] = []
+    with KVTransferEngine("prefill", config) as engine:
+        cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
+        engine.register_cache(cache)
+        prefill = make_prefill_step(engine, iters)
+        conn.send(("ready", engine.address))
+        while True:
+            if conn.poll(0.0005):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "pin":
+                    params = engine.publish_request(command[1], command[2], layerwise=True)
+                    conn.send((params, engine.handle(command[1])))
+                elif command[0] == "prefill":
+                    _, handle, ids, seed = command
+                    cache, status = prefill(engine.caches[0], ids, np.int32(handle), seed)
+                    engine.update_cache(cache)
+                    conn.send(int(status))
+                elif command[0] == "state":
+                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(), 0))
+            freed.extend(engine.poll().freeable)

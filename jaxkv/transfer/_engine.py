@@ -392,6 +392,9 @@ class KVTransferEngine:
           BufferMovedError: a buffer is not where it was registered (re-register).
           ValueError: no registered cache has these arrays and devices.
         """
+        # Wait outside the lock: the step that produced `cache` may be blocked in a host
+        # callback that needs the lock (publish_in_jit / wait_in_jit).
+        cache.block_until_ready()
         with self._lock:
             entry = self._entry_of(cache)
             if entry is None:

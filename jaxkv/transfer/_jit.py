@@ -7,14 +7,18 @@ host callback (``jax.experimental.io_callback``) whose operands are only a reque
 go through the callback (on a GPU, callback operands are copied to host and the stream is
 synchronised; NIXL reads the registered cache buffers directly instead).
 
-Ordering is by data dependence, not by callback ordering: the operands of the publishing
-callback go through ``lax.optimization_barrier`` together with the written cache, so XLA can
-only compute them, hence run the callback, after the computation that produced the cache
-(the block writes). On a GPU the callback's device-to-host copy of its operands is enqueued
-after those writes on the same stream and synchronised before the callback runs. The waiting
-callback's result goes through a barrier with the cache the same way, so every read of the
-returned cache is scheduled after the wait returned. (``ordered=True`` callbacks would only
-order callbacks among themselves, and are refused in multi-device programs.)
+Ordering is by data dependence, never by barriers or callback ordering: XLA drops
+``optimization_barrier`` after SPMD partitioning without leaving control dependencies (seen in
+the compiled program of a two-device step: the callback and the block writes were independent
+instructions), and ``ordered=True`` only orders callbacks among themselves. So:
+
+* the publishing callback takes one more int32 scalar, a *token* computed from the written
+  cache: the sum of the bits of a few elements of every array (one per KV head, so every shard of a
+  head-sharded cache contributes through the reduction). It cannot be computed before every
+  block write finished, so neither can the callback run; its value is ignored. On a GPU the
+  callback's operand copy is enqueued after those writes and synchronised before it runs.
+* the waiting callback's status masks the block ids the step reads the received blocks with
+  (``-1`` unless finished): every op that uses the returned ids is data dependent on the wait.
 
 Pass the cache with ``donate_argnums`` so that it stays in its registered buffers.
 """
@@ -26,15 +30,44 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["publish_in_jit", "wait_in_jit"]
+__all__ = ["publish_in_jit", "wait_in_jit", "written_token"]
 
 
-def _publish_callback(engine: Any, handle, block_ids, layer_stop) -> np.ndarray:
+def _publish_callback(engine: Any, handle, block_ids, layer_stop, token) -> np.ndarray:
+    del token  # only orders the callback after the writes
     return np.int32(engine._callback_publish(int(handle), np.asarray(block_ids), int(layer_stop)))
 
 
 def _wait_callback(engine: Any, timeout_s: float, handle) -> np.ndarray:
     return np.int32(engine._callback_wait(int(handle), timeout_s))
+
+
+def written_token(written: Any) -> Any:
+    """An int32 scalar that depends on every array of `written` (a `PagedKVCache` or any
+    pytree of arrays): the wrapping sum of the bits of a few elements (index 0 on every axis but the
+    KV-head axis of a cache's arrays). Cheap, and not foldable by XLA.
+
+    Example:
+      >>> token = written_token(cache)  # doctest: +SKIP
+    """
+    import jax
+    import jax.numpy as jnp
+
+    head_axis = None
+    if hasattr(written, "spec") and hasattr(written, "arrays"):
+        layout = written.spec.layout
+        head_axis = 1 + layout.index("H") if "H" in layout else None
+        leaves = list(written.arrays)
+    else:
+        leaves = jax.tree.leaves(written)
+    acc = jnp.uint32(0)
+    for leaf in leaves:
+        index = tuple(slice(None) if axis == head_axis else 0 for axis in range(leaf.ndim))
+        x = jnp.asarray(leaf)[index].reshape(-1)
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+        acc = acc + jnp.sum(bits, dtype=jnp.uint32)  # an add all-reduce across shards
+    return jax.lax.bitcast_convert_type(acc, jnp.int32)
 
 
 def publish_in_jit(
@@ -56,7 +89,7 @@ def publish_in_jit(
       handle: int32 scalar, the request's `KVTransferEngine.handle`.
       block_ids: int32 ``[n]`` block ids written (negative ids are padding; must equal the
         published ids; empty: not checked).
-      written: the pytree (the updated cache) whose computation must finish first.
+      written: the updated cache (or pytree) whose computation must finish first.
       layer_stop: int32 scalar, one past the last written global layer, or -1 for all.
 
     Returns:
@@ -79,18 +112,19 @@ def publish_in_jit(
     handle = jnp.asarray(handle, jnp.int32).reshape(())
     ids = jnp.asarray(block_ids, jnp.int32).reshape(-1)
     stop = jnp.asarray(layer_stop, jnp.int32).reshape(())
-    # The barrier makes the callback's operands depend on `written`: see the module docstring.
-    handle, ids, stop, _ = jax.lax.optimization_barrier((handle, ids, stop, written))
     return io_callback(
         functools.partial(_publish_callback, engine),
         jax.ShapeDtypeStruct((), jnp.int32),
         handle,
         ids,
         stop,
+        written_token(written),  # the data dependence on the writes (module docstring)
     )
 
 
-def wait_in_jit(engine: Any, handle: Any, cache: Any, timeout_s: float = 30.0) -> tuple[Any, Any]:
+def wait_in_jit(
+    engine: Any, handle: Any, block_ids: Any, timeout_s: float = 30.0
+) -> tuple[Any, Any]:
     """Waits inside a jitted step until a request's blocks arrived (call inside `jax.jit`).
 
     The read must have been started outside jit (`KVTransferEngine.start_read`); the callback
@@ -102,18 +136,19 @@ def wait_in_jit(engine: Any, handle: Any, cache: Any, timeout_s: float = 30.0) -
     Args:
       engine: the consumer `KVTransferEngine` (closed over).
       handle: int32 scalar, the request's `KVTransferEngine.handle`.
-      cache: the cache the step reads the received blocks from.
+      block_ids: int32 ``[n]`` local block ids the step reads the received blocks with.
       timeout_s: the longest the callback blocks.
 
     Returns:
-      ``(cache, status)``: the cache ordered after the wait (read the blocks from this one),
-      and an int32 scalar: 1 finished, 0 failed (blocks invalid), -1 timed out, -2 needs
-      `poll` outside jit. Finished / failed requests are also reported by the next `poll`.
+      ``(block_ids, status)``: the ids to read with (data dependent on the wait, so every op
+      using them runs after it; all ``-1``, i.e. skipped, unless the request finished), and
+      an int32 scalar: 1 finished, 0 failed (blocks invalid), -1 timed out, -2 needs `poll`
+      outside jit. Finished / failed requests are also reported by the next `poll`.
 
     Example:
       >>> @functools.partial(jax.jit, donate_argnums=0)  # doctest: +SKIP
       ... def decode(cache, ids, handle):
-      ...     cache, status = wait_in_jit(engine, handle, cache)
+      ...     ids, status = wait_in_jit(engine, handle, ids)
       ...     return cache, cache.gather_blocks(ids), status
     """
     import jax
@@ -121,10 +156,10 @@ def wait_in_jit(engine: Any, handle: Any, cache: Any, timeout_s: float = 30.0) -
     from jax.experimental import io_callback
 
     handle = jnp.asarray(handle, jnp.int32).reshape(())
+    ids = jnp.asarray(block_ids, jnp.int32).reshape(-1)
     status = io_callback(
         functools.partial(_wait_callback, engine, float(timeout_s)),
         jax.ShapeDtypeStruct((), jnp.int32),
         handle,
     )
-    cache, status = jax.lax.optimization_barrier((cache, status))
-    return cache, status
+    return jnp.where(status == 1, ids, -1), status
