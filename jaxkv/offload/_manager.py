@@ -85,7 +85,8 @@ class OffloadManager:
 
     Example:
       >>> spec = KVCacheSpec(1, 2, 4, 4, "float32", layout="KHTD")
-      >>> cache = PagedKVCache.from_arrays(spec, [np.arange(256.0).reshape(8, 2, 2, 4, 4)])
+      >>> data = np.arange(512, dtype=np.float32).reshape(8, 2, 2, 4, 4)
+      >>> cache = PagedKVCache.from_arrays(spec, [data])
       >>> offloader = OffloadManager(cache, num_host_slots=4)
       >>> offloader.offload(cache, device_ids=[5, 6], host_slots=[0, 1])
       >>> cache = offloader.onboard(cache, host_slots=[0], device_ids=[2])   # async dispatch
@@ -476,7 +477,8 @@ class OffloadManager:
         after this read).
 
         When the host pool is full, its least recently used entries are dropped (they are in
-        the file tier already with `write_through`).
+        the file tier already with `write_through`); with more blocks than host slots, the
+        blocks go through the pool in chunks (without a file tier only the last chunk stays).
 
         Returns:
           The number of blocks saved.
@@ -490,16 +492,21 @@ class OffloadManager:
             todo[block.block_hash] = int(block.block_id)
         if not todo:
             return 0
-        todo_items = list(todo.items())[-self._pool.num_slots:]  # The most recent fit.
-        slots = self._claim_slots(len(todo_items), set())
-        self.offload(cache, [d for _, d in todo_items], slots)
-        for (block_hash, _), slot in zip(todo_items, slots):
-            self._remember(slot, block_hash)
-        if self.file_tier is not None and self.write_through:
-            new = [(h, s) for (h, _), s in zip(todo_items, slots)
-                   if not self.file_tier.contains(h)]
-            if new:
-                self.write_file([s for _, s in new], [h for h, _ in new])
+        todo_items = list(todo.items())
+        size = self._pool.num_slots
+        for start in range(0, len(todo_items), size):
+            # More blocks than slots: chunks reuse slots; ordering makes each chunk's offload
+            # wait for the previous chunk's file writes from the same slots.
+            chunk = todo_items[start : start + size]
+            slots = self._claim_slots(len(chunk), set())
+            self.offload(cache, [d for _, d in chunk], slots)
+            for (block_hash, _), slot in zip(chunk, slots):
+                self._remember(slot, block_hash)
+            if self.file_tier is not None and self.write_through:
+                new = [(h, s) for (h, _), s in zip(chunk, slots)
+                       if not self.file_tier.contains(h)]
+                if new:
+                    self.write_file([s for _, s in new], [h for h, _ in new])
         self.stats.evictions_saved += len(todo_items)
         return len(todo_items)
 
@@ -529,36 +536,67 @@ class OffloadManager:
         hashes = hit.block_hashes[hit.num_device_blocks:]
         if len(device_ids) < len(todo):
             raise ValueError(f"{len(todo)} blocks to load but {len(device_ids)} device ids")
-        device_ids = [int(d) for d in device_ids[: len(todo)]]
-        slots: list[int | None] = [None] * len(todo)
+        targets = [int(d) for d in device_ids[: len(todo)]]
         protect = {self._host_index[h] for h in hashes if h in self._host_index}
-        disk = [i for i, (b, h) in enumerate(zip(todo, hashes))
-                if b.tier != "device" and h not in self._host_index]
-        for i, (b, h) in enumerate(zip(todo, hashes)):
-            if h in self._host_index:
-                slots[i] = self._host_index[h]
-                self._lru.move_to_end(slots[i])
-        loaded = [b.tier == "device" or slots[i] is not None for i, b in enumerate(todo)]
-        if disk and self.file_tier is not None:
-            fresh = self._claim_slots(len(disk), protect)
-            results = self.read_file([hashes[i] for i in disk], fresh).result(
-                timeout=self.timeout_s)
-            for i, slot, ok in zip(disk, fresh, results):
-                if ok:
-                    slots[i] = slot
-                    loaded[i] = True
-                    self._remember(slot, hashes[i])
-        count = loaded.index(False) if False in loaded else len(todo)
-        pairs = [(slots[i], device_ids[i]) for i in range(count) if todo[i].tier != "device"
-                 or slots[i] is not None]
-        if pairs:
-            cache = self.onboard(cache, [s for s, _ in pairs], [d for _, d in pairs])
-        copies = [(int(todo[i].block_id), device_ids[i]) for i in range(count)
-                  if todo[i].tier == "device" and slots[i] is None
-                  and int(todo[i].block_id) != device_ids[i]]
+        capacity = self._pool.num_slots - len(protect)
+        pairs: list[tuple[int, int]] = []       # (host slot, device block) to onboard
+        copies: list[tuple[int, int]] = []      # (device block, device block)
+        count, index = 0, 0
+        while index < len(todo):
+            block_hash = hashes[index]
+            slot = self._host_index.get(block_hash)
+            if slot is not None:
+                self._lru.move_to_end(slot)
+                pairs.append((slot, targets[index]))
+                index += 1
+                count = index
+                continue
+            if todo[index].tier == "device":
+                if int(todo[index].block_id) != targets[index]:
+                    copies.append((int(todo[index].block_id), targets[index]))
+                index += 1
+                count = index
+                continue
+            if self.file_tier is None or capacity < 1:
+                if self.file_tier is not None:
+                    raise HostPoolFullError("every host slot holds a block of this hit; no slot "
+                                            "left to read disk blocks into")
+                break
+            # A run of disk blocks, at most `capacity` at a time: read them into host slots
+            # (waiting, bounded), then onboard; a later run may reuse the slots (ordered).
+            run = []
+            while (index + len(run) < len(todo) and len(run) < capacity
+                   and todo[index + len(run)].tier != "device"
+                   and hashes[index + len(run)] not in self._host_index):
+                run.append(index + len(run))
+            fresh = self._claim_slots(len(run), protect)
+            try:
+                results = self.read_file([hashes[i] for i in run], fresh).result(
+                    timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise OffloadTimeoutError("load_hit: file reads did not finish in time") from None
+            for i, slot_read, ok in zip(run, fresh, results):
+                if not ok:
+                    break
+                self._remember(slot_read, hashes[i])
+                pairs.append((slot_read, targets[i]))
+                count = i + 1
+            else:
+                index = run[-1] + 1
+                cache = self._onboard_pairs(cache, pairs)
+                pairs = []
+                continue
+            break
+        cache = self._onboard_pairs(cache, pairs)
+        copies = [(s, d) for s, d in copies if targets.index(d) < count]
         if copies:
             cache = cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
         return cache, count
+
+    def _onboard_pairs(self, cache: PagedKVCache, pairs: list[tuple[int, int]]) -> PagedKVCache:
+        if not pairs:
+            return cache
+        return self.onboard(cache, [s for s, _ in pairs], [d for _, d in pairs])
 
     def close(self) -> None:
         """Waits for pending copies (bounded) and closes the file tier."""
