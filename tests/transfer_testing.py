@@ -548,3 +548,38 @@ def jit_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: 
                 elif command[0] == "state":
                     conn.send((engine.num_pinned, list(freed), engine.stats.summary(), 0))
             freed.extend(engine.poll().freeable)
+
+
+# -- cache groups (transfer_groups_test) -----------------------------------------------------
+
+
+def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, block_ids: dict):
+    """A producer with one cache per group (`GroupedTransferEngine`), group `i`'s cache
+    filled from its own G (seed ``G_SEED + i``) in ``block_ids[group]``:
+    ("pin", request_id, lease_s) -> GroupedParams; ("state",) -> freed request ids."""
+    child_env(tp)
+    import jax
+
+    from jaxkv import PagedKVCache
+    from jaxkv.transfer import GroupedTransferEngine
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    configs = {g: EngineConfig(KVCacheSpec(**kw), tp) for g, kw in group_specs.items()}
+    freed: list[str] = []
+    with GroupedTransferEngine("prefill", configs) as engine:
+        for i, (group, config) in enumerate(configs.items()):
+            ids = block_ids[group]
+            g = global_cache(config.spec, len(ids) * config.spec.block_size, seed=G_SEED + i)
+            arrays = global_arrays(config, 0, g, ids, num_blocks)
+            engine.register_cache(group, PagedKVCache.from_arrays(config.spec, arrays, mesh=mesh))
+        conn.send(("ready", engine.addresses))
+        while True:
+            if conn.poll(0.0005):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "pin":
+                    conn.send(engine.publish_request(command[1], block_ids, command[2]))
+                elif command[0] == "state":
+                    conn.send(list(freed))
+            freed.extend(engine.poll().freeable)

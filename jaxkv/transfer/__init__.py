@@ -6,7 +6,14 @@ read planning are pure Python/numpy; only creating an agent imports NIXL.
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
 from jaxkv.transfer._engine import FailedRead, KVTransferEngine, PollResult, TransferParams
-from jaxkv.transfer._jit import publish_in_jit, wait_in_jit
+from jaxkv.transfer._groups import (
+    GroupedParams,
+    GroupedPollResult,
+    GroupedTransferEngine,
+    LayoutAdvice,
+    recommend_layout,
+)
+from jaxkv.transfer._jit import publish_in_jit, wait_in_jit, written_token
 from jaxkv.transfer._metadata import (
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
@@ -40,6 +47,10 @@ __all__ = [
     "AgentInfo",
     "AgentOptions",
     "FailedRead",
+    "GroupedParams",
+    "GroupedPollResult",
+    "GroupedTransferEngine",
+    "LayoutAdvice",
     "HostMirror",
     "KVTransferEngine",
     "NixlAgent",
@@ -52,7 +63,9 @@ __all__ = [
     "load_nixl",
     "nixl_available",
     "publish_in_jit",
+    "recommend_layout",
     "wait_in_jit",
+    "written_token",
     "COPY_COLUMNS",
     "EngineMetadata",
     "HandshakeError",

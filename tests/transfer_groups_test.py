@@ -1,0 +1,133 @@
+"""Cache groups (a full-attention and a sliding-window cache with their own block ids per
+request) moved between two processes, and the layout advice."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+
+import multiprocessing  # noqa: E402
+import time  # noqa: E402
+
+import kv_testing  # noqa: E402
+
+kv_testing.force_cpu_devices()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import transfer_testing as tt  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+
+from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
+from jaxkv.transfer import GroupedTransferEngine, nixl_available, recommend_layout  # noqa: E402
+
+NUM_BLOCKS, WAIT_S, G_SEED = tt.NUM_BLOCKS, tt.WAIT_S, tt.G_SEED
+GROUPS = {  # group -> producer spec; the decode side may change layout
+    "full": dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16",
+                 layout="LKHTD"),
+    "swa": dict(num_layers=1, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16",
+                layout="KHTD"),
+}
+REMOTE = {"full": [3, 4, 5, 9, 10, 2], "swa": [11, 12]}
+LOCAL = {"full": [7, 8, 9, 12, 13, 14], "swa": [1, 2]}
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+class TransferGroupsTest(tt.TransferTestBase):
+    @parameterized.parameters(
+        (1, 1, {"full": "LKHTD", "swa": "KHTD"}),
+        (2, 1, {"full": "LKHTD", "swa": "KTHD"}),  # the swa group permuted after its read
+    )
+    def test_two_groups_different_ids(self, p_tp, d_tp, d_layouts):
+        import jax
+
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=tt.groups_producer_main,
+                              args=(child, GROUPS, p_tp, NUM_BLOCKS, REMOTE), daemon=True)
+        process.start()
+        child.close()
+        self._children.append((process, parent))
+        self.ready(parent)
+        params = self.call(parent, "pin", "req-g", 30.0)
+        self.assertEqual({g: p.block_ids for g, p in params.groups.items()}, REMOTE)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:d_tp]), ("tp",))
+        specs = {g: KVCacheSpec(**dict(kw, layout=d_layouts[g])) for g, kw in GROUPS.items()}
+        configs = {g: EngineConfig(s, d_tp) for g, s in specs.items()}
+        engine = GroupedTransferEngine("decode", configs)
+        self.addCleanup(engine.close)
+        for g, s in specs.items():
+            engine.register_cache(g, PagedKVCache.allocate(s, NUM_BLOCKS, mesh=mesh))
+        engine.start_read(params, LOCAL)
+        finished, failed = [], []
+        deadline = time.monotonic() + WAIT_S
+        while not (finished or failed) and time.monotonic() < deadline:
+            result = engine.poll()
+            finished += result.finished
+            failed += result.failed
+        self.assertEqual((finished, failed), (["req-g"], []))
+        for i, g in enumerate(GROUPS):
+            spec = KVCacheSpec(**GROUPS[g])
+            ref = tt.global_cache(spec, len(REMOTE[g]) * 4, seed=G_SEED + i)
+            self.check_cache(engine.engines[g].caches[0], configs[g], ref, LOCAL[g])
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            freed = self.call(parent, "state")
+            if freed:
+                break
+        self.assertEqual(freed, ["req-g"])  # freed once, when every group was confirmed
+
+    def test_groups_must_match(self):
+        spec = KVCacheSpec(**GROUPS["full"])
+        engine = GroupedTransferEngine("decode", {"full": EngineConfig(spec, 1)})
+        self.addCleanup(engine.close)
+        with self.assertRaisesRegex(ValueError, "groups"):
+            engine.publish_request("r", {"full": [1], "swa": [2]})
+        with self.assertRaisesRegex(KeyError, "no cache group 'swa'"):
+            engine.register_cache("swa", None)
+
+
+class RecommendLayoutTest(parameterized.TestCase):
+    @parameterized.parameters(
+        # (self layout, self tp, [(peer layout, peer tp)], layout, post-processing left)
+        ("LKTHD", 2, [("LKTHD", 4)], "LKHTD", True),  # hetero TP: HND; the NHD peer permutes
+        ("KTHD", 2, [("KHTD", 1)], "KHTD", False),  # hetero TP, HND peer: HND, nothing left
+        ("THD", 2, [("THD", 2)], "THD", False),  # homogeneous, peers NHD: keep NHD
+        ("LKHTD", 2, [("LKTHD", 2)], "LKTHD", False),  # homogeneous: follow the peers
+        ("HTD", 2, [("HTD", 2), ("THD", 2)], "HTD", True),  # peers disagree: HND
+    )
+    def test_advice(self, layout, tp, peers, want, post):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=8, block_size=4,
+                           layout=layout)
+        advice = recommend_layout(
+            EngineConfig(spec, tp),
+            [EngineConfig(spec.replace(layout=pl), ptp) for pl, ptp in peers],
+        )
+        self.assertEqual((advice.layout, advice.post_processing), (want, post))
+        self.assertTrue(advice.reason)
+
+    def test_advice_avoids_post_processing_in_the_plan(self):
+        # the recommended layout really plans without post-processing (hetero TP, HND peer)
+        from jaxkv.transfer import plan_read
+
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           layout="KHTD")
+        prefill = EngineConfig(spec, 1)
+        decode = EngineConfig(spec.replace(layout="KTHD"), 2)
+        advice = recommend_layout(decode, [prefill])
+        remote = tt.fake_metadata("p", prefill, 16)
+        before = tt.fake_metadata("d", decode, 16)
+        after = tt.fake_metadata("d", EngineConfig(spec.replace(layout=advice.layout), 2), 16)
+        self.assertTrue(plan_read(before, 0, remote, [1, 2], [3, 4]).post)
+        self.assertFalse(plan_read(after, 0, remote, [1, 2], [3, 4]).post)
+
+    def test_mla(self):
+        spec = KVCacheSpec.for_mla(num_layers=2, latent_dim=16, block_size=4)
+        advice = recommend_layout(EngineConfig(spec, 2), [EngineConfig(spec, 1)])
+        self.assertEqual(advice.layout, spec.layout)
+        self.assertFalse(advice.post_processing)
+
+
+if __name__ == "__main__":
+    absltest.main()
