@@ -38,6 +38,7 @@ from jaxkv.transfer._plan import (
     block_runs,
     plan_read,
 )
+from jaxkv.transfer._prometheus import BUCKETS_S, TransferStatsCollector, prometheus_text
 from jaxkv.transfer._post import apply_post_processing, group_post_steps
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._staging import HostMirror
@@ -59,6 +60,8 @@ __all__ = [
     "TransferParams",
     "TransferRecord",
     "TransferStats",
+    "TransferStatsCollector",
+    "BUCKETS_S",
     "WorkerAggregator",
     "load_nixl",
     "nixl_available",
@@ -90,4 +93,5 @@ __all__ = [
     "engine_metadata",
     "fetch_metadata",
     "plan_read",
+    "prometheus_text",
 ]

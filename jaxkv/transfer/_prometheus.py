@@ -1,0 +1,167 @@
+"""`TransferStats` for Prometheus.
+
+Two ways, the first without any dependency:
+
+* `prometheus_text(stats)` renders the text exposition format (serve it from any HTTP
+  handler, or write it for node_exporter's textfile collector);
+* `TransferStatsCollector(stats)` is a `prometheus_client` collector (optional dependency,
+  ``pip install jaxkv[metrics]``): ``REGISTRY.register(TransferStatsCollector(engine.stats))``.
+
+Both compute the metrics from the stats at scrape time (nothing to update in the loop).
+Metrics (``engine`` label: the `engine_id` given):
+
+=========================================== ========= =======================================
+name                                        type      meaning
+=========================================== ========= =======================================
+jaxkv_transfer_requests_total               counter   reads finished
+jaxkv_transfer_bytes_total                  counter   bytes read (bytes)
+jaxkv_transfer_descriptors_total            counter   NIXL descriptors posted
+jaxkv_transfer_duration_seconds             histogram start_read -> every READ complete (s)
+jaxkv_transfer_confirm_seconds              histogram READ complete -> producer acks (s)
+jaxkv_transfer_post_seconds                 histogram post-processing / staging in (s)
+jaxkv_transfer_failures_total{kind=...}     counter   failed transfers / notifications /
+                                                      handshakes, expired leases, malformed
+jaxkv_transfer_published_requests_total     counter   requests fully published (producer)
+jaxkv_transfer_staging_seconds_total        counter   producer time copying to the mirror (s)
+jaxkv_transfer_last_throughput_bytes_per_second gauge bytes / duration of the last read
+=========================================== ========= =======================================
+
+Counters and histograms cover the records the stats still hold (`TransferStats.max_records`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BUCKETS_S", "TransferStatsCollector", "prometheus_text"]
+
+BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+             10.0, 30.0)
+"""Histogram bucket upper bounds (seconds)."""
+
+_FAILURES = ("failed_transfers", "failed_notifications", "failed_handshakes", "expired_leases",
+             "malformed_messages")
+
+
+def _families(stats: Any) -> list[tuple[str, str, str, list[tuple[str, dict, float]]]]:
+    """``(name, type, help, samples)``; samples are ``(suffix, labels, value)``."""
+    records = list(stats.records)
+    out = [
+        ("jaxkv_transfer_requests_total", "counter", "KV reads finished",
+         [("", {}, float(len(records)))]),
+        ("jaxkv_transfer_bytes_total", "counter", "KV bytes read",
+         [("", {}, float(sum(r.bytes for r in records)))]),
+        ("jaxkv_transfer_descriptors_total", "counter", "NIXL descriptors posted",
+         [("", {}, float(sum(r.descriptors for r in records)))]),
+    ]
+    for name, field, text in (
+        ("jaxkv_transfer_duration_seconds", "duration_s", "start_read to every READ complete"),
+        ("jaxkv_transfer_confirm_seconds", "confirm_s", "READ complete to producer acks"),
+        ("jaxkv_transfer_post_seconds", "post_s", "post-processing and staging to device"),
+    ):
+        values = [getattr(r, field) for r in records]
+        samples = [("_bucket", {"le": repr(b)}, float(sum(v <= b for v in values)))
+                   for b in BUCKETS_S]
+        samples.append(("_bucket", {"le": "+Inf"}, float(len(values))))
+        samples += [("_count", {}, float(len(values))), ("_sum", {}, float(sum(values)))]
+        out.append((name, "histogram", text, samples))
+    out.append(("jaxkv_transfer_failures_total", "counter", "transfer failures by kind",
+                [("", {"kind": k}, float(getattr(stats, k))) for k in _FAILURES]))
+    publications = list(getattr(stats, "publications", ()))
+    out.append(("jaxkv_transfer_published_requests_total", "counter",
+                "requests fully published", [("", {}, float(len(publications)))]))
+    out.append(("jaxkv_transfer_staging_seconds_total", "counter",
+                "producer time copying blocks to the host mirror",
+                [("", {}, float(sum(p.staged_s for p in publications)))]))
+    last = records[-1] if records else None
+    rate = last.bytes / last.duration_s if last is not None and last.duration_s > 0 else 0.0
+    out.append(("jaxkv_transfer_last_throughput_bytes_per_second", "gauge",
+                "bytes / duration of the last read", [("", {}, float(rate))]))
+    return out
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def prometheus_text(stats: Any, engine: str = "") -> str:
+    """The stats in Prometheus' text exposition format (no dependency).
+
+    Args:
+      stats: a `TransferStats` (e.g. ``engine.stats``).
+      engine: the value of the ``engine`` label.
+
+    Returns:
+      The exposition text, one ``# HELP`` / ``# TYPE`` block per metric.
+
+    Example:
+      >>> from jaxkv.transfer import TransferStats
+      >>> text = prometheus_text(TransferStats(), engine="decode")
+      >>> 'jaxkv_transfer_bytes_total{engine="decode"} 0.0' in text
+      True
+    """
+    lines = []
+    for name, kind, text, samples in _families(stats):
+        # counters are exposed under their name (with _total), as prometheus_client does
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        for suffix, labels, value in samples:
+            labels = {"engine": engine, **labels}
+            rendered = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
+            lines.append(f"{name}{suffix}{{{rendered}}} {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+class TransferStatsCollector:
+    """A `prometheus_client` custom collector over a `TransferStats` (optional dependency).
+
+    Args:
+      stats: the stats to expose (read at every scrape).
+      engine: the ``engine`` label value.
+
+    Raises:
+      ImportError: prometheus_client is not installed (``pip install jaxkv[metrics]``).
+
+    Example:
+      >>> from prometheus_client import REGISTRY  # doctest: +SKIP
+      >>> REGISTRY.register(TransferStatsCollector(engine.stats, "decode"))  # doctest: +SKIP
+    """
+
+    def __init__(self, stats: Any, engine: str = ""):
+        try:
+            import prometheus_client.core  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "TransferStatsCollector needs prometheus_client: pip install jaxkv[metrics] "
+                "(prometheus_text() works without it)"
+            ) from error
+        self.stats = stats
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []  # computed at scrape time; no registration-time description
+
+    def collect(self):
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        for name, kind, text, samples in _families(self.stats):
+            if kind == "histogram":
+                buckets = [(s[1]["le"], s[2]) for s in samples if s[0] == "_bucket"]
+                total = next(s[2] for s in samples if s[0] == "_sum")
+                family = HistogramMetricFamily(name, text, labels=["engine"])
+                family.add_metric([self.engine], buckets, total)
+            elif kind == "counter":
+                family = CounterMetricFamily(
+                    name.removesuffix("_total"), text,
+                    labels=["engine", *sorted({k for s in samples for k in s[1]})],
+                )
+                for _, labels, value in samples:
+                    family.add_metric([self.engine, *(labels[k] for k in sorted(labels))], value)
+            else:
+                family = GaugeMetricFamily(name, text, labels=["engine"])
+                for _, _, value in samples:
+                    family.add_metric([self.engine], value)
+            yield family
