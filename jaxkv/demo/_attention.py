@@ -1,0 +1,176 @@
+"""Paged attention in plain `jax.numpy`, reading and writing a `PagedKVCache` through block
+tables, for any cache layout that has the ``H``, ``T`` and ``D`` axes.
+
+The functions act on one device's view of the cache arrays (inside `shard_map`, each rank sees
+its own KV heads). Pages are gathered from the blocks-first arrays, then the block's axes are
+transposed to the canonical ``[H, T, D]`` order, so the same attention code serves every
+layout; new tokens are scattered into the arrays in the layout's own order (in place when the
+enclosing jit donates the cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._spec import KVCacheSpec
+
+__all__ = ["attend", "check_spec", "read_pages", "write_tokens"]
+
+_MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def check_spec(spec: KVCacheSpec) -> None:
+    """Checks that the demo's attention can use a cache of this spec.
+
+    Args:
+      spec: the cache spec.
+
+    Raises:
+      ValueError: an MLA or K-only cache, or a layout without the H, T and D axes.
+
+    Example:
+      >>> check_spec(KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+      ...                        layout="THD"))
+    """
+    if spec.mla or spec.kv_factor != 2:
+        raise ValueError("the demo model needs a cache with separate K and V (not MLA)")
+    missing = [axis for axis in "HTD" if axis not in spec.layout]
+    if missing:
+        raise ValueError(f"layout {spec.layout!r} lacks axes {missing}; the demo needs H, T, D")
+
+
+def _locate(spec: KVCacheSpec, layer: int, kv: int) -> tuple[int, dict[str, int]]:
+    """The array holding ``(layer, kv)`` and the fixed indices of its L / K axes."""
+    for index, (key_layer, key_kv) in enumerate(spec.array_keys()):
+        if key_layer in (None, layer) and key_kv in (None, kv):
+            fixed = {}
+            if "L" in spec.layout:
+                fixed["L"] = layer
+            if "K" in spec.layout:
+                fixed["K"] = kv
+            return index, fixed
+    raise KeyError(f"no cache array holds layer {layer}, kv {kv}")
+
+
+def read_pages(
+    arrays: Sequence[jax.Array], spec: KVCacheSpec, layer: int, kv: int, block_tables: jax.Array
+) -> jax.Array:
+    """Gathers the K (``kv=0``) or V (``kv=1``) pages of every sequence.
+
+    Args:
+      arrays: the cache arrays (one device's shard inside `shard_map`).
+      spec: the cache spec (its layout says how a block is arranged).
+      layer: the layer.
+      kv: 0 for K, 1 for V.
+      block_tables: ``[B, num_pages]`` int32 block ids (any valid id for unused pages).
+
+    Returns:
+      ``[B, H, num_pages * block_size, D]`` in the cache dtype: token ``s`` of sequence ``b``
+      is token ``s % T`` of block ``block_tables[b, s // T]``.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=4, block_size=2,
+      ...                    dtype="float32", layout="KTHD")
+      >>> arrays = [jnp.arange(8 * 2 * 2 * 2 * 4, dtype=jnp.float32).reshape(8, 2, 2, 2, 4)]
+      >>> read_pages(arrays, spec, 0, 0, jnp.array([[3, 1]])).shape
+      (1, 2, 4, 4)
+    """
+    index, fixed = _locate(spec, layer, kv)
+    pages = arrays[index][block_tables]  # [B, P, *block axes]
+    letters = list(spec.layout)
+    pages = pages[(slice(None), slice(None), *[fixed.get(c, slice(None)) for c in letters])]
+    rest = [c for c in letters if c not in fixed]  # a permutation of H, T, D
+    pages = jnp.transpose(pages, (0, 1, *[2 + rest.index(c) for c in "HTD"]))  # [B, P, H, T, D]
+    b, p, h, t, d = pages.shape
+    return jnp.transpose(pages, (0, 2, 1, 3, 4)).reshape(b, h, p * t, d)
+
+
+def write_tokens(
+    arrays: Sequence[jax.Array],
+    spec: KVCacheSpec,
+    layer: int,
+    kv: int,
+    values: jax.Array,
+    block_ids: jax.Array,
+    offsets: jax.Array,
+) -> list[jax.Array]:
+    """Scatters one layer's K or V of ``M`` tokens into their cache slots.
+
+    Args:
+      arrays: the cache arrays (one device's shard inside `shard_map`).
+      spec: the cache spec.
+      layer: the layer.
+      kv: 0 for K, 1 for V.
+      values: ``[M, H, D]`` (cast to the cache dtype).
+      block_ids: ``[M]`` the block of each token; an id >= the number of blocks drops the token
+        (padding).
+      offsets: ``[M]`` the token's position inside its block.
+
+    Returns:
+      The arrays with the slots written (in place when the caller's jit donates them).
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2,
+      ...                    dtype="float32", layout="HTD")
+      >>> arrays = [jnp.zeros((4, 1, 2, 2)), jnp.zeros((4, 1, 2, 2))]
+      >>> out = write_tokens(arrays, spec, 0, 1, jnp.ones((1, 1, 2)), jnp.array([2]),
+      ...                    jnp.array([1]))
+      >>> out[1][2].tolist()
+      [[[0.0, 0.0], [1.0, 1.0]]]
+    """
+    index, fixed = _locate(spec, layer, kv)
+    selector = [block_ids]
+    for c in spec.layout:
+        if c in fixed:
+            selector.append(fixed[c])
+        elif c == "T":
+            selector.append(offsets)
+        else:
+            selector.append(slice(None))
+    # Advanced indices (block, L, K, T) come first in the indexed shape, then the sliced H and
+    # D in layout order, which is always H before D: the values' [M, H, D].
+    out = list(arrays)
+    array = out[index]
+    out[index] = array.at[tuple(selector)].set(values.astype(array.dtype), mode="drop")
+    return out
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+    """Causal grouped-query attention of queries against gathered pages, in float32.
+
+    Args:
+      q: ``[B, N, Hq, D]`` queries (``Hq`` a multiple of the KV heads).
+      k, v: ``[B, Hkv, S, D]`` keys and values (pages, token order; any dtype).
+      q_positions: ``[B, N]`` position of each query; key ``s`` is visible to a query at
+        position ``p`` when ``s <= p``. A negative position marks a padding query (its output
+        is finite and meaningless).
+
+    Returns:
+      ``[B, N, Hq, D]`` float32.
+
+    Example:
+      >>> q = jnp.ones((1, 1, 2, 4)); kv = jnp.ones((1, 1, 3, 4))
+      >>> attend(q, kv, kv, jnp.array([[1]])).shape
+      (1, 1, 2, 4)
+    """
+    b, n, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qf = q.astype(jnp.float32).reshape(b, n, hkv, group, d)
+    kf = k.astype(jnp.float32)
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    # Slots past every query of a row may hold stale bytes (even NaN): zero them so that
+    # 0 * garbage cannot leak into the output.
+    last = jnp.max(q_positions, axis=1)  # [B]
+    vf = jnp.where((key_pos[None, :] <= last[:, None])[:, None, :, None], v.astype(jnp.float32), 0)
+    scores = jnp.einsum("bnhgd,bhsd->bhgns", qf, kf) * (1.0 / float(d) ** 0.5)
+    visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, N, S]
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgns,bhsd->bnhgd", weights, vf)
+    return out.reshape(b, n, hq, d)

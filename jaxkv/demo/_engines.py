@@ -1,0 +1,636 @@
+"""The demo's engines: a prefill process, a decode process, and a colocated reference.
+
+* Prefill (a spawned process with its own TP, layout and block size): computes each prompt
+  (reusing cached prefix blocks of its `KVCacheManager`), samples the first token, publishes
+  the request's blocks with `KVTransferEngine.publish_request` and hands the
+  `TransferParams` to the router (this process) over a pipe; frees blocks when the transfer
+  layer says so.
+* Decode (this process): allocates blocks with its own `KVCacheManager` (a local prefix hit
+  means only the missing blocks are read), pulls them with `start_read` / `poll` (the transfer
+  layer permutes / merges them into the local layout), then decodes greedily in a batch.
+* Colocated reference: one engine with the decode engine's TP, layout and block size computes
+  prompts and decodes with the same code: its tokens and prompt KV bytes are what the
+  disaggregated run must reproduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DemoSettings",
+    "RequestResult",
+    "make_prompts",
+    "run_colocated",
+    "run_disaggregated",
+]
+
+MIN_PREFILL_CHUNK = 64
+"""Prefill chunks are padded to at least this many tokens: on XLA:CPU a matmul's rows come
+out bit-identical for any row count from 64 up, but not below (other kernels), and the prompt
+KV must not depend on where a prefix hit cut the prompt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSettings:
+    """Everything a demo run depends on (the CLI flags).
+
+    Example:
+      >>> DemoSettings(prompt_len=40, max_new_tokens=8).max_len
+      128
+    """
+
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    prefill_layout: str = "KHTD"
+    decode_layout: str = "THD"
+    prefill_block_size: int = 8
+    decode_block_size: int = 16
+    dtype: str = "bfloat16"
+    num_requests: int = 8
+    prompt_len: int = 96
+    max_new_tokens: int = 16
+    shared_prefix_len: int = 64
+    decode_batch: int = 8
+    seed: int = 0
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    vocab_size: int = 512
+    backend: str = "cpu"
+    kill_prefill_after: int = 0
+    read_timeout_s: float = 20.0
+    lease_s: float = 30.0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
+            raise ValueError("prompt_len, max_new_tokens and num_requests must be >= 1")
+        if not 0 <= self.shared_prefix_len <= self.prompt_len:
+            raise ValueError("shared_prefix_len must be between 0 and prompt_len")
+        if self.decode_block_size % self.prefill_block_size:
+            raise ValueError(
+                "the transfer layer merges prefill blocks into decode blocks: decode_block_size "
+                f"({self.decode_block_size}) must be a multiple of prefill_block_size "
+                f"({self.prefill_block_size})"
+            )
+        for name in ("prefill_tp", "decode_tp"):
+            tp = getattr(self, name)
+            if tp < 1 or self.num_kv_heads % tp:
+                raise ValueError(f"{name}={tp} must divide num_kv_heads={self.num_kv_heads}")
+        if self.backend not in ("cpu", "auto"):
+            raise ValueError(f"backend must be 'cpu' or 'auto', got {self.backend!r}")
+        if self.decode_batch < 1:
+            raise ValueError("decode_batch must be >= 1")
+
+    def model(self):
+        from jaxkv.demo._model import ModelConfig
+
+        return ModelConfig(
+            vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            ffn_dim=2 * self.d_model, seed=self.seed,
+        )
+
+    @property
+    def max_len(self) -> int:
+        """Sequence capacity, the same for every engine (it fixes the attention length)."""
+        unit = math.lcm(self.prefill_block_size, self.decode_block_size, MIN_PREFILL_CHUNK)
+        return -(-(self.prompt_len + self.max_new_tokens) // unit) * unit
+
+    def blocks_for(self, block_size: int, tokens: int) -> int:
+        return self.num_requests * -(-tokens // block_size) + 2
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """What happened to one request in the disaggregated run (times in seconds)."""
+
+    request_id: str
+    status: str = "pending"  # "done" or "failed"
+    error: str = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    prefill_hit_tokens: int = 0
+    decode_hit_tokens: int = 0
+    blocks_read: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    handshake_s: float = 0.0
+    transfer_s: float = 0.0
+    post_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    tokens_match: bool | None = None
+    kv_match: bool | None = None
+
+
+def make_prompts(settings: DemoSettings) -> list[list[int]]:
+    """Deterministic prompts: a common prefix of ``shared_prefix_len`` tokens, then random
+    tokens per request.
+
+    Example:
+      >>> p = make_prompts(DemoSettings(num_requests=2, prompt_len=8, shared_prefix_len=4))
+      >>> p[0][:4] == p[1][:4], len(p[1])
+      (True, 8)
+    """
+    rng = np.random.default_rng(settings.seed + 1)
+    prefix = rng.integers(0, settings.vocab_size, settings.shared_prefix_len).tolist()
+    rest = settings.prompt_len - settings.shared_prefix_len
+    return [
+        prefix + rng.integers(0, settings.vocab_size, rest).tolist()
+        for _ in range(settings.num_requests)
+    ]
+
+
+def _chunk(n: int) -> int:
+    return max(MIN_PREFILL_CHUNK, 1 << (n - 1).bit_length())
+
+
+def _devices(settings: DemoSettings, count: int) -> list:
+    import jax
+
+    devices = jax.devices() if settings.backend == "auto" else jax.devices("cpu")
+    if len(devices) < count:
+        raise RuntimeError(
+            f"TP={count} needs {count} devices, {len(devices)} visible ({devices[0].platform}); "
+            "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count before JAX starts"
+        )
+    return devices[:count]
+
+
+class _Engine:
+    """A model runner plus its block manager: prefill and decode steps with paged KV."""
+
+    def __init__(self, settings: DemoSettings, layout: str, block_size: int, devices, tokens: int):
+        from jaxkv.blocks import KVCacheManager
+        from jaxkv.demo._model import ModelRunner, make_mesh
+
+        self.settings = settings
+        model = settings.model()
+        spec = model.kv_spec(block_size, layout, settings.dtype)
+        num_blocks = settings.blocks_for(block_size, tokens)
+        self.runner = ModelRunner(model, spec, make_mesh(devices), num_blocks, settings.max_len)
+        self.manager = KVCacheManager(num_blocks, block_size)
+        self.slots: list[str | None] = [None] * settings.decode_batch
+        self.state: dict[str, dict[str, Any]] = {}
+
+    def prefill(self, request_id: str, prompt: list[int]) -> tuple[int, int]:
+        """Computes the prompt past its cached prefix; returns (first token, hit tokens)."""
+        m = self.manager
+        m.add_request(request_id, prompt)
+        hit = m.get_computed_blocks(request_id)
+        start = hit.num_computed_tokens
+        if m.allocate_slots(request_id, len(prompt) - start, hit) is None:
+            raise RuntimeError(f"prefill: no free blocks for {request_id}")
+        n = len(prompt) - start
+        width = _chunk(n)
+        tokens = np.zeros((1, width), np.int32)
+        positions = np.full((1, width), -1, np.int32)
+        tokens[0, :n] = prompt[start:]
+        positions[0, :n] = np.arange(start, len(prompt))
+        table = m.get_block_ids(request_id)[0]
+        next_tokens, _ = self.runner.run(tokens, positions, [table])
+        return int(next_tokens[0, n - 1]), start
+
+    def warm_up(self) -> None:
+        """Compiles the prefill chunk sizes the run will use (padding only: writes nothing)."""
+        s = self.settings
+        widths = {_chunk(s.prompt_len)}
+        widths.add(_chunk(max(1, s.prompt_len - s.shared_prefix_len)))
+        for width in sorted(widths):
+            self.runner.run(np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32), [[]])
+
+    def warm_up_decode(self) -> None:
+        b = self.settings.decode_batch
+        self.runner.run(np.zeros((b, 1), np.int32), np.full((b, 1), -1, np.int32), [[]] * b)
+
+    # -- decode batch -------------------------------------------------------------------------
+
+    def free_slots(self) -> int:
+        return sum(s is None for s in self.slots)
+
+    def admit(self, request_id: str, prompt_len: int, first_token: int) -> None:
+        slot = self.slots.index(None)
+        self.slots[slot] = request_id
+        self.state[request_id] = {"prompt_len": prompt_len, "tokens": [first_token]}
+
+    def decode_step(self) -> list[str]:
+        """One greedy step of every occupied slot; returns the requests that finished (their
+        slots are free again, their blocks still allocated)."""
+        b = len(self.slots)
+        tokens = np.zeros((b, 1), np.int32)
+        positions = np.full((b, 1), -1, np.int32)
+        tables: list = [[]] * b
+        finished = []
+        for i, rid in enumerate(self.slots):
+            if rid is None:
+                continue
+            st = self.state[rid]
+            last = st["tokens"][-1]
+            self.manager.append_tokens(rid, [last])
+            if self.manager.allocate_slots(rid, 1) is None:
+                raise RuntimeError(f"decode: no free blocks for {rid}")
+            tokens[i, 0] = last
+            positions[i, 0] = st["prompt_len"] + len(st["tokens"]) - 1
+            tables[i] = self.manager.get_block_ids(rid)[0]
+        if all(s is None for s in self.slots):
+            return []
+        next_tokens, _ = self.runner.run(tokens, positions, tables)
+        for i, rid in enumerate(self.slots):
+            if rid is None:
+                continue
+            st = self.state[rid]
+            st["tokens"].append(int(next_tokens[i, 0]))
+            if len(st["tokens"]) >= self.settings.max_new_tokens:
+                finished.append(rid)
+                self.slots[i] = None
+        return finished
+
+    def finish_ready(self) -> list[str]:
+        """Requests whose only token came from prefill (``max_new_tokens == 1``)."""
+        done = []
+        for i, rid in enumerate(self.slots):
+            if rid is not None and len(self.state[rid]["tokens"]) >= self.settings.max_new_tokens:
+                done.append(rid)
+                self.slots[i] = None
+        return done
+
+    def prompt_kv(self, request_id: str) -> np.ndarray:
+        st = self.state[request_id]
+        return self.runner.prompt_kv(self.manager.get_block_ids(request_id)[0], st["prompt_len"])
+
+
+def run_colocated(settings: DemoSettings, devices=None) -> dict[str, dict[str, Any]]:
+    """The reference: one engine (decode TP, layout and block size) prefills and decodes.
+
+    Args:
+      settings: the run.
+      devices: the decode devices (default: the first ``decode_tp`` devices).
+
+    Returns:
+      request id -> {"tokens": greedy tokens (the first from prefill), "kv": prompt K/V
+      ``[L, 2, H, prompt_len, D]``, "prefill_hit_tokens": prefix-cache hit}.
+
+    Example:
+      >>> ref = run_colocated(DemoSettings(num_requests=1, prompt_len=8, max_new_tokens=2,
+      ...                                  shared_prefix_len=0, decode_tp=1, num_layers=1))
+      >>> len(ref["req-0"]["tokens"])
+      2
+    """
+    devices = devices or _devices(settings, settings.decode_tp)
+    engine = _Engine(
+        settings, settings.decode_layout, settings.decode_block_size, devices, settings.max_len
+    )
+    prompts = make_prompts(settings)
+    out: dict[str, dict[str, Any]] = {}
+    pending = [(f"req-{i}", p) for i, p in enumerate(prompts)]
+    active = 0
+    while pending or active:
+        while pending and engine.free_slots():
+            rid, prompt = pending.pop(0)
+            first, hit = engine.prefill(rid, prompt)
+            engine.admit(rid, len(prompt), first)
+            out[rid] = {"prefill_hit_tokens": hit}
+            active += 1
+        for rid in engine.finish_ready() + engine.decode_step():
+            out[rid]["tokens"] = list(engine.state[rid]["tokens"])
+            out[rid]["kv"] = engine.prompt_kv(rid)
+            engine.manager.free(rid)
+            active -= 1
+    return out
+
+
+# -- the prefill process -----------------------------------------------------------------------
+
+
+def _child_env(settings: DemoSettings, num_devices: int) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_devices}"
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if settings.backend == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def prefill_main(conn, settings_kwargs: dict) -> None:
+    """The prefill process (spawned): serves ``("request", id, prompt, arrival)`` and
+    ``("exit",)`` from `conn`; answers ``("ready", address)`` once compiled, then
+    ``("published", id, params, first_token, hit_tokens, start, end)`` per request (monotonic
+    clock), or ``("error", id, message)``."""
+    settings = DemoSettings(**settings_kwargs)
+    _child_env(settings, settings.prefill_tp)
+    from jaxkv._parallel import EngineConfig
+    from jaxkv.transfer import KVTransferEngine
+
+    engine = _Engine(
+        settings,
+        settings.prefill_layout,
+        settings.prefill_block_size,
+        _devices(settings, settings.prefill_tp),
+        settings.prompt_len,
+    )
+    engine.warm_up()
+    config = EngineConfig(engine.runner.spec, settings.prefill_tp)
+    queue: list[tuple[str, list[int]]] = []
+    with KVTransferEngine("prefill", config, lease_s=settings.lease_s) as transfer:
+        transfer.register_cache(engine.runner.cache)
+        conn.send(("ready", transfer.address))
+        while True:
+            if conn.poll(0 if queue else 0.002):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                queue.append((command[1], command[2]))
+            if queue:
+                rid, prompt = queue.pop(0)
+                start = time.monotonic()
+                try:
+                    first, hit = engine.prefill(rid, prompt)
+                    engine.runner.cache.block_until_ready()
+                    transfer.update_cache(engine.runner.cache)  # raises if a buffer moved
+                    params = transfer.publish_request(rid, engine.manager.get_block_ids(rid)[0])
+                except Exception as error:  # noqa: BLE001 - reported to the router
+                    conn.send(("error", rid, f"{type(error).__name__}: {error}"))
+                    continue
+                conn.send(("published", rid, params, first, hit, start, time.monotonic()))
+            for rid in transfer.poll().freeable:
+                engine.manager.free(rid)
+
+
+# -- the decode process ------------------------------------------------------------------------
+
+
+def _bare_read(transfer, peer_meta, nbytes: int, repeats: int = 5) -> dict[str, Any] | None:
+    """Times a bare NIXL READ of `nbytes` as one descriptor from the prefill cache's largest
+    region into a scratch buffer of this process (registered for the purpose), with the
+    agents the transfer engine already connected."""
+    remote_agents = sorted(transfer.agent.remote_agents)
+    if peer_meta is None or not remote_agents:
+        return None
+    regions = [r for info in peer_meta.ranks for r in info.regions]
+    region = max(regions, key=lambda r: r.block_len * r.num_blocks)
+    size = min(int(nbytes), region.block_len * region.num_blocks)
+    if size <= 0:
+        return None
+    remote_name = remote_agents[0]
+    scratch = np.zeros(size, np.uint8)
+    key = (scratch.ctypes.data, size, 0, "DRAM")
+    transfer.agent.register([key])
+    times = []
+    try:
+        local = np.array([[scratch.ctypes.data, size, 0]], dtype=np.uint64)
+        remote = np.array([[region.base_address, size, region.device_id]], dtype=np.uint64)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            handle = transfer.agent.read(local, remote, remote_name, "DRAM", region.memory_kind)
+            deadline = time.monotonic() + 10.0
+            while (state := transfer.agent.state(handle)) == "PROC":
+                if time.monotonic() > deadline:
+                    break
+            elapsed = time.perf_counter() - start
+            transfer.agent.release(handle)
+            if state != "DONE":
+                return None
+            times.append(elapsed)
+    finally:
+        transfer.agent.deregister([key])
+    median = float(np.median(times))
+    return {"bytes": size, "median_s": median, "MBps": size / median / 1e6, "repeats": repeats}
+
+
+def run_disaggregated(
+    settings: DemoSettings,
+    reference: dict[str, dict[str, Any]] | None = None,
+    devices=None,
+    progress: Callable[[list[RequestResult]], None] | None = None,
+) -> dict[str, Any]:
+    """Runs the prefill process and this (decode) process; compares with `reference`.
+
+    Args:
+      settings: the run.
+      reference: `run_colocated`'s result; computed here (while the prefill process starts)
+        when None.
+      devices: the decode devices (default: the first ``decode_tp`` devices).
+      progress: called with the results after every change.
+
+    Returns:
+      The report dict (see `jaxkv.demo._report.build_report`).
+
+    Raises:
+      RuntimeError: the prefill process did not start in time.
+    """
+    from jaxkv._parallel import EngineConfig
+    from jaxkv.transfer import KVTransferEngine
+
+    t_begin = time.monotonic()
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=prefill_main, args=(child, dataclasses.asdict(settings)), daemon=True
+    )
+    process.start()
+    child.close()
+    results = {f"req-{i}": RequestResult(f"req-{i}") for i in range(settings.num_requests)}
+    timings: dict[str, float] = {}
+    transfer = None
+    try:
+        devices = devices or _devices(settings, settings.decode_tp)
+        t0 = time.monotonic()
+        if reference is None:
+            reference = run_colocated(settings, devices)
+        timings["colocated_s"] = time.monotonic() - t0
+        engine = _Engine(
+            settings, settings.decode_layout, settings.decode_block_size, devices,
+            settings.max_len,
+        )
+        engine.warm_up_decode()
+        config = EngineConfig(engine.runner.spec, settings.decode_tp)
+        transfer = KVTransferEngine(
+            "decode", config, read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s
+        )
+        transfer.register_cache(engine.runner.cache)
+        timings["decode_ready_s"] = time.monotonic() - t_begin
+        if not parent.poll(max(1.0, settings.timeout_s)):
+            raise RuntimeError("the prefill process did not start in time")
+        try:
+            message = parent.recv()
+        except EOFError:
+            process.join(timeout=10)
+            raise RuntimeError(
+                f"the prefill process exited during start-up (code {process.exitcode})"
+            ) from None
+        if message[0] != "ready":
+            raise RuntimeError(f"prefill process: unexpected {message!r}")
+        timings["prefill_ready_s"] = time.monotonic() - t_begin
+        prompts = make_prompts(settings)
+        arrival = {}
+        t_serve = time.monotonic()
+        for i, prompt in enumerate(prompts):
+            rid = f"req-{i}"
+            arrival[rid] = time.monotonic()
+            parent.send(("request", rid, prompt))
+        peer_meta = _serve(settings, engine, transfer, parent, process, prompts, results,
+                           arrival, reference, progress)
+        timings["serve_s"] = time.monotonic() - t_serve
+        read_bytes = [r.bytes for r in results.values() if r.status == "done" and r.bytes]
+        bare = None
+        if process.is_alive() and read_bytes:
+            bare = _bare_read(transfer, peer_meta, int(np.mean(read_bytes)))
+        stats = transfer.stats.summary()
+    finally:
+        with contextlib.suppress(OSError, BrokenPipeError):
+            parent.send(("exit",))
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+        parent.close()
+        if transfer is not None:
+            transfer.close()
+    timings["total_s"] = time.monotonic() - t_begin
+    from jaxkv.demo._report import build_report
+
+    return build_report(settings, list(results.values()), reference, bare, stats, timings)
+
+
+def _serve(settings, engine, transfer, conn, process, prompts, results, arrival, reference,
+           progress) -> Any:
+    """The decode loop: admit published requests, read their blocks, decode, check. Returns
+    the prefill engine's metadata (None if no handshake happened)."""
+    deadline = time.monotonic() + settings.timeout_s
+    reading: dict[str, dict[str, Any]] = {}
+    ready: list[tuple[str, int]] = []  # (request id, first token) whose KV has arrived
+    published_ids: set[str] = set()
+    finished_reads = 0
+    killed = False
+    peer_known = False
+    peer_meta = None
+
+    def fail(rid: str, error: str) -> None:
+        r = results[rid]
+        if r.status == "pending":
+            r.status, r.error = "failed", error
+            r.total_s = time.monotonic() - arrival[rid]
+            with contextlib.suppress(Exception):
+                engine.manager.free(rid)
+
+    def report() -> None:
+        if progress is not None:
+            progress(list(results.values()))
+
+    while any(r.status == "pending" for r in results.values()):
+        now = time.monotonic()
+        if now > deadline:
+            for rid in results:
+                fail(rid, f"timed out after {settings.timeout_s:.0f}s")
+            break
+        while conn.poll(0):
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            rid = message[1]
+            if message[0] == "error":
+                fail(rid, f"prefill: {message[2]}")
+                continue
+            _, rid, params, first, hit, start, end = message
+            published_ids.add(rid)
+            r = results[rid]
+            r.prefill_hit_tokens, r.queue_s, r.prefill_s = hit, start - arrival[rid], end - start
+            if not peer_known:
+                t = time.monotonic()
+                try:
+                    peer_meta = transfer.add_peer(params.engine_id, params.addresses)
+                except Exception as error:  # noqa: BLE001 - fails this request
+                    fail(rid, f"handshake: {type(error).__name__}: {error}")
+                    continue
+                r.handshake_s = time.monotonic() - t
+                peer_known = True
+            m = engine.manager
+            prompt = prompts[int(rid.split("-")[1])]
+            m.add_request(rid, prompt)
+            local_hit = m.get_computed_blocks(rid, max_hit_tokens=len(prompt))
+            alloc = m.allocate_slots(
+                rid, len(prompt) - local_hit.num_computed_tokens, local_hit, delay_caching=True
+            )
+            if alloc is None:
+                fail(rid, "decode: no free blocks")
+                continue
+            r.decode_hit_tokens = local_hit.num_computed_tokens
+            r.blocks_read = len(alloc.new_block_ids[0])
+            reading[rid] = {"first": first, "start": time.monotonic()}
+            transfer.start_read(params, list(alloc.new_block_ids[0]))
+        if (
+            settings.kill_prefill_after
+            and not killed
+            and finished_reads >= settings.kill_prefill_after
+        ):
+            process.kill()
+            process.join(timeout=10)
+            killed = True
+        if not process.is_alive():
+            for rid in results:
+                if rid not in published_ids:
+                    fail(rid, f"prefill process exited (code {process.exitcode}) before "
+                              "publishing it")
+        poll = transfer.poll()
+        for failed in poll.failed:
+            reading.pop(failed.request_id, None)
+            fail(failed.request_id, f"transfer: {failed.reason}")
+        for rid in poll.finished:
+            info = reading.pop(rid)
+            finished_reads += 1
+            r = results[rid]
+            now = time.monotonic()
+            record = next(
+                (x for x in reversed(transfer.stats.records) if x.request_id == rid), None
+            )
+            if record is not None:
+                r.bytes, r.descriptors = record.bytes, record.descriptors
+                r.transfer_s = record.duration_s + record.confirm_s
+                r.post_s = record.post_s
+            else:
+                r.transfer_s = now - info["start"]
+            r.ttft_s = now - arrival[rid]
+            engine.manager.cache_blocks(rid)
+            ready.append((rid, info["first"]))
+        if poll.failed or poll.finished:
+            report()
+        while ready and engine.free_slots():
+            rid, first = ready.pop(0)
+            engine.admit(rid, len(prompts[int(rid.split("-")[1])]), first)
+        done = engine.finish_ready()
+        if any(s is not None for s in engine.slots):
+            done += engine.decode_step()
+            transfer.update_cache(engine.runner.cache)  # raises if the step moved a buffer
+        for rid in done:
+            r = results[rid]
+            r.tokens = list(engine.state[rid]["tokens"])
+            r.total_s = time.monotonic() - arrival[rid]
+            ref = reference.get(rid)
+            r.tokens_match = ref is not None and ref["tokens"] == r.tokens
+            kv = engine.prompt_kv(rid)
+            r.kv_match = ref is not None and np.array_equal(
+                kv.view(np.uint8), ref["kv"].view(np.uint8)
+            )
+            r.status = "done"
+            engine.manager.free(rid)
+        if done:
+            report()
+        if not done and not any(s is not None for s in engine.slots):
+            time.sleep(0.0005)
+    return peer_meta

@@ -1,0 +1,339 @@
+"""A small decoder-only transformer (grouped-query attention, rotary positions, SwiGLU) whose
+attention reads and writes a `PagedKVCache`, tensor-parallel over the KV heads.
+
+Numerics are chosen so that the KV bytes a rank writes do not depend on the TP size: the
+weights are float32 numpy arrays drawn from a seed (identical in every process), each head's
+Q/K/V projection is its own batched matmul (splitting heads over ranks never splits a
+reduction), attention is per head, and everything after attention (output projection, MLP,
+logits) runs replicated on the all-gathered head outputs. An engine with TP=2 thus writes the
+same KV bits as one with TP=4, and a decode engine reading them produces the same tokens as a
+colocated one (verified by the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv._cache import PagedKVCache
+from jaxkv import ops
+from jaxkv._spec import KVCacheSpec
+from jaxkv.demo._attention import attend, check_spec, read_pages, write_tokens
+
+__all__ = ["ModelConfig", "ModelRunner", "init_params", "make_mesh"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the demo transformer.
+
+    Attributes:
+      vocab_size: tokens.
+      d_model: residual width.
+      num_layers: decoder layers.
+      num_heads: query heads.
+      num_kv_heads: KV heads (``num_heads`` a multiple of it: grouped-query attention).
+      head_dim: elements per head.
+      ffn_dim: SwiGLU hidden width.
+      rope_theta: rotary base.
+      seed: weights are drawn from ``numpy.random.default_rng(seed)``.
+
+    Example:
+      >>> ModelConfig(num_layers=2).kv_spec(block_size=16, layout="THD").num_layers
+      2
+    """
+
+    vocab_size: int = 512
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    ffn_dim: int = 512
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embedding)")
+
+    def kv_spec(self, block_size: int, layout: str = "LKHTD", dtype: Any = "bfloat16"):
+        """The `KVCacheSpec` of this model's cache."""
+        return KVCacheSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            layout=layout,
+        )
+
+
+def init_params(config: ModelConfig) -> dict[str, np.ndarray]:
+    """Deterministic random float32 weights (numpy, identical in every process).
+
+    Returns:
+      name -> array; per-layer weights are stacked on a leading layer axis. ``wq``/``wk``/``wv``
+      are head-major ``[L, heads, d_model, head_dim]``.
+
+    Example:
+      >>> init_params(ModelConfig(num_layers=1))["wk"].shape
+      (1, 4, 256, 32)
+    """
+    rng = np.random.default_rng(config.seed)
+    c = config
+    lyr = c.num_layers
+
+    def normal(*shape, scale):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+    return {
+        "embed": normal(c.vocab_size, c.d_model, scale=1.0),
+        "attn_norm": 1.0 + normal(lyr, c.d_model, scale=0.1),
+        "wq": normal(lyr, c.num_heads, c.d_model, c.head_dim, scale=c.d_model**-0.5),
+        "wk": normal(lyr, c.num_kv_heads, c.d_model, c.head_dim, scale=c.d_model**-0.5),
+        "wv": normal(lyr, c.num_kv_heads, c.d_model, c.head_dim, scale=c.d_model**-0.5),
+        # A strong output projection makes the tokens depend on the attended KV.
+        "wo": normal(lyr, c.num_heads * c.head_dim, c.d_model, scale=2.0 * c.d_model**-0.5),
+        "mlp_norm": 1.0 + normal(lyr, c.d_model, scale=0.1),
+        "w_gate": normal(lyr, c.d_model, c.ffn_dim, scale=c.d_model**-0.5),
+        "w_up": normal(lyr, c.d_model, c.ffn_dim, scale=c.d_model**-0.5),
+        "w_down": normal(lyr, c.ffn_dim, c.d_model, scale=c.ffn_dim**-0.5),
+        "final_norm": np.ones((c.d_model,), np.float32),
+        "unembed": normal(c.d_model, c.vocab_size, scale=c.d_model**-0.5),
+    }
+
+
+_HEAD_SHARDED = ("wq", "wk", "wv")
+
+
+def _param_spec(name: str) -> P:
+    return P(None, "tp", None, None) if name in _HEAD_SHARDED else P()
+
+
+def make_mesh(devices: Any) -> Mesh:
+    """A one-axis ``("tp",)`` mesh over `devices`.
+
+    Example:
+      >>> make_mesh(jax.devices()[:1]).axis_names
+      ('tp',)
+    """
+    return Mesh(np.asarray(list(devices)), ("tp",))
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * weight
+
+
+def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of ``[H, M, D]`` at ``[M]`` positions (half-split convention)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[None], jnp.sin(angles)[None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``[M, D] x [H, D, E] -> [H, M, E]`` as H separate matmuls (batch axis H), so a head's
+    result does not depend on how many heads the rank holds."""
+    return jnp.einsum("hmd,hde->hme", jnp.broadcast_to(x, (w.shape[0], *x.shape)), w)
+
+
+def _forward_local(config, spec, params, arrays, tokens, positions, block_tables, write_blocks,
+                   write_index, write_offsets):
+    """One rank's forward pass (inside shard_map): writes the tokens' KV, attends, returns the
+    updated arrays and the logits ``[B, N, V]``.
+
+    New KV goes through a dense copy of the written blocks and `jaxkv.ops.scatter_blocks`
+    (an in-place custom call touching only those blocks). A jnp scatter into a bfloat16 cache
+    would be lowered by XLA:CPU as a convert of the whole array to float32 and back, i.e. a
+    rewrite of every block, racing with transfers that land in other blocks meanwhile.
+    """
+    b, n = tokens.shape
+    m = b * n
+    rope_pos = jnp.maximum(positions.reshape(m), 0)
+    gather_ids = jnp.maximum(write_blocks, 0)
+    dense = [a[gather_ids] for a in arrays]  # [W, *block] per array: the blocks written
+
+    x = params["embed"][tokens.reshape(m)]  # [M, Dm]
+    arrays = list(arrays)
+    keys = spec.array_keys()
+    for layer in range(config.num_layers):
+        h = _rms_norm(x, params["attn_norm"][layer])
+        q = _rope(_per_head(h, params["wq"][layer]), rope_pos, config.rope_theta)
+        k = _rope(_per_head(h, params["wk"][layer]), rope_pos, config.rope_theta)
+        v = _per_head(h, params["wv"][layer])
+        for kv, values in ((0, k), (1, v)):
+            dense = write_tokens(
+                dense, spec, layer, kv, jnp.transpose(values, (1, 0, 2)), write_index,
+                write_offsets,
+            )
+        for index, (key_layer, _) in enumerate(keys):
+            if key_layer in (None, layer):
+                arrays[index] = ops.scatter_blocks(arrays[index], dense[index], write_blocks)
+        k_pages = read_pages(arrays, spec, layer, 0, block_tables)
+        v_pages = read_pages(arrays, spec, layer, 1, block_tables)
+        q = jnp.transpose(q, (1, 0, 2)).reshape(b, n, q.shape[0], config.head_dim)
+        out = attend(q, k_pages, v_pages, positions)  # [B, N, Hq_local, D]
+        out = jax.lax.all_gather(out, "tp", axis=2, tiled=True)  # every head, on every rank
+        x = x + out.reshape(m, config.num_heads * config.head_dim) @ params["wo"][layer]
+        h = _rms_norm(x, params["mlp_norm"][layer])
+        gate = h @ params["w_gate"][layer]
+        x = x + (jax.nn.silu(gate) * (h @ params["w_up"][layer])) @ params["w_down"][layer]
+    logits = _rms_norm(x, params["final_norm"]) @ params["unembed"]
+    return tuple(arrays), logits.reshape(b, n, config.vocab_size)
+
+
+def write_plan(positions: np.ndarray, tables: np.ndarray, block_size: int):
+    """Host-side: the blocks a step writes and where each token goes among them.
+
+    Args:
+      positions: ``[B, N]`` token positions (``-1``: padding).
+      tables: ``[B, P]`` block tables.
+      block_size: tokens per block.
+
+    Returns:
+      ``(write_blocks [W], write_index [M], write_offsets [M])``: unique block ids padded
+      with -1 to ``W = B * (ceil(N / T) + 1)``, each token's row in them (``W`` for padding:
+      dropped) and its offset in the block.
+    """
+    b, n = positions.shape
+    width = b * (-(-n // block_size) + 1)
+    flat = positions.reshape(-1)
+    rows = np.repeat(np.arange(b), n)
+    valid = flat >= 0
+    ids = np.where(valid, tables[rows, np.where(valid, flat // block_size, 0)], -1)
+    unique = list(dict.fromkeys(int(i) for i in ids[valid]))
+    write_blocks = np.full(width, -1, np.int32)
+    write_blocks[: len(unique)] = unique
+    row_of = {block: i for i, block in enumerate(unique)}
+    write_index = np.array([row_of[int(i)] if i >= 0 else width for i in ids], np.int32)
+    write_offsets = np.where(valid, flat % block_size, 0).astype(np.int32)
+    return write_blocks, write_index, write_offsets
+
+
+@functools.lru_cache(maxsize=None)
+def _step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P):
+    """The jitted step for one (model, cache spec, mesh); the cache argument is donated."""
+    param_specs = {name: _param_spec(name) for name in _NAMES}
+    array_specs = (cache_pspec,) * spec.num_arrays
+
+    def local(params, arrays, *operands):
+        return _forward_local(config, spec, params, arrays, *operands)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(param_specs, array_specs, P(), P(), P(), P(), P(), P()),
+        out_specs=(array_specs, P()),
+        check_vma=False,
+    )
+
+    def step(params, cache, tokens, positions, block_tables, *write):
+        arrays, logits = mapped(params, cache.arrays, tokens, positions, block_tables, *write)
+        new_cache = PagedKVCache(cache.spec, arrays, cache.sharding)
+        return new_cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+_NAMES = (
+    "embed", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+    "final_norm", "unembed",
+)
+
+
+class ModelRunner:
+    """The model and one `PagedKVCache` on a TP mesh, with the jitted (donating) step.
+
+    Args:
+      config: the model.
+      spec: the cache spec (``num_kv_heads``/``head_dim``/``num_layers`` from the model).
+      mesh: a ``("tp",)`` mesh; heads are split over it (TP must divide the KV heads).
+      num_blocks: cache blocks.
+      max_len: tokens a sequence may reach; a multiple of ``spec.block_size``. Engines that
+        must agree bit for bit use the same value (it fixes the attention length).
+
+    Raises:
+      ValueError: inconsistent spec, TP or lengths.
+
+    Example:
+      >>> cfg = ModelConfig(num_layers=1)
+      >>> runner = ModelRunner(cfg, cfg.kv_spec(4, "THD", "float32"), make_mesh(jax.devices()[:1]),
+      ...                      num_blocks=8, max_len=16)
+      >>> runner.run([[1, 2, 3]], [[0, 1, 2]], [[1]])[0].shape
+      (1, 3)
+    """
+
+    def __init__(
+        self, config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, num_blocks: int, max_len: int
+    ):
+        check_spec(spec)
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            config.num_layers, config.num_kv_heads, config.head_dim
+        ):
+            raise ValueError(f"cache spec {spec} does not match the model {config}")
+        tp = mesh.shape["tp"]
+        if config.num_kv_heads % tp:
+            raise ValueError(
+                f"TP={tp} must divide the {config.num_kv_heads} KV heads (no head replication in "
+                "the demo model)"
+            )
+        if max_len % spec.block_size:
+            raise ValueError(f"max_len={max_len} is not a multiple of the block size")
+        self.config, self.spec, self.mesh = config, spec, mesh
+        self.max_len = max_len
+        self.max_pages = max_len // spec.block_size
+        self.cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
+        host = init_params(config)
+        self.params = {
+            name: jax.device_put(host[name], NamedSharding(mesh, _param_spec(name)))
+            for name in _NAMES
+        }
+        self._step = _step_fn(config, spec, mesh, self.cache.partition_spec())
+
+    def block_table(self, block_ids) -> np.ndarray:
+        """One row of a block table: the ids, padded with the null block 0."""
+        ids = list(block_ids)
+        if len(ids) > self.max_pages:
+            raise ValueError(f"{len(ids)} blocks exceed max_len={self.max_len}")
+        return np.asarray(ids + [0] * (self.max_pages - len(ids)), np.int32)
+
+    def run(self, tokens, positions, block_tables) -> tuple[np.ndarray, np.ndarray]:
+        """One step: writes the KV of `tokens` at `positions` (``-1``: padding) into the
+        cache through `block_tables` (rows of block ids, padded) and returns the greedy next
+        token and the logits of every position (``[B, N]``, ``[B, N, V]``, numpy)."""
+        tokens = np.asarray(tokens, np.int32)
+        positions = np.asarray(positions, np.int32)
+        tables = np.stack([self.block_table(row) for row in block_tables])
+        write = write_plan(positions, tables, self.spec.block_size)
+        self.cache, next_tokens, logits = self._step(
+            self.params, self.cache, tokens, positions, tables, *write
+        )
+        return np.asarray(next_tokens), np.asarray(logits)
+
+    def prompt_kv(self, block_ids, num_tokens: int) -> np.ndarray:
+        """The cached K/V of a sequence's first `num_tokens` tokens as ``[L, 2, H, T, D]``
+        (cache dtype, numpy): for comparing engines bit for bit."""
+        table = jnp.asarray(self.block_table(block_ids)[None])
+        arrays = [jax.device_put(a, NamedSharding(self.mesh, P())) for a in self.cache.arrays]
+        out = []
+        for layer in range(self.spec.num_layers):
+            out.append(
+                [np.asarray(read_pages(arrays, self.spec, layer, kv, table))[0, :, :num_tokens]
+                 for kv in (0, 1)]
+            )
+        return np.asarray(out)
