@@ -701,6 +701,8 @@ class FileTier:
                 with self._lock:
                     self._writing.discard(block_hash)
         if changed:
+            if self.durable:  # The renames of the batch (the files were fsynced before).
+                _fsync_dir(self._blocks)
             self.flush()
         return results
 
@@ -724,8 +726,6 @@ class FileTier:
             fd = -1
             _publish(tmp, self.path_of(block_hash))
             published = True
-            if self.durable:
-                _fsync_dir(self._blocks)
         finally:
             if fd >= 0:
                 os.close(fd)
