@@ -38,10 +38,14 @@ flags.DEFINE_integer("d_model", 256, "Residual width.")
 flags.DEFINE_integer("num_heads", 8, "Query heads.")
 flags.DEFINE_integer("num_kv_heads", 4, "KV heads (TP sizes must divide it).")
 flags.DEFINE_integer("head_dim", 32, "Elements per head.")
+flags.DEFINE_integer("vocab_size", 512, "Vocabulary size.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and prompts.")
 flags.DEFINE_enum(
     "backend", "cpu", ["cpu", "auto"],
     "cpu: host devices (one per TP rank); auto: GPUs when JAX sees them.",
+)
+flags.DEFINE_float(
+    "request_interval_s", 0.0, "Seconds between request arrivals (0: all arrive at once)."
 )
 flags.DEFINE_integer(
     "kill_prefill_after", 0,
@@ -108,7 +112,8 @@ def main(argv) -> int:
             max_new_tokens=FLAGS.max_new_tokens, shared_prefix_len=FLAGS.shared_prefix_len,
             decode_batch=FLAGS.decode_batch, seed=FLAGS.seed, num_layers=FLAGS.num_layers,
             d_model=FLAGS.d_model, num_heads=FLAGS.num_heads, num_kv_heads=FLAGS.num_kv_heads,
-            head_dim=FLAGS.head_dim, backend=FLAGS.backend,
+            head_dim=FLAGS.head_dim, vocab_size=FLAGS.vocab_size, backend=FLAGS.backend,
+            request_interval_s=FLAGS.request_interval_s,
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s,
         )

@@ -69,6 +69,7 @@ class DemoSettings:
     head_dim: int = 32
     vocab_size: int = 512
     backend: str = "cpu"
+    request_interval_s: float = 0.0
     kill_prefill_after: int = 0
     read_timeout_s: float = 20.0
     lease_s: float = 30.0
@@ -129,7 +130,8 @@ class RequestResult:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     handshake_s: float = 0.0
-    transfer_s: float = 0.0
+    transfer_s: float = 0.0  # start_read -> READs complete -> producer confirmed
+    read_s: float = 0.0  # start_read -> READs complete
     post_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
@@ -477,12 +479,10 @@ def run_disaggregated(
             raise RuntimeError(f"prefill process: unexpected {message!r}")
         timings["prefill_ready_s"] = time.monotonic() - t_begin
         prompts = make_prompts(settings)
-        arrival = {}
         t_serve = time.monotonic()
-        for i, prompt in enumerate(prompts):
-            rid = f"req-{i}"
-            arrival[rid] = time.monotonic()
-            parent.send(("request", rid, prompt))
+        arrival = {
+            f"req-{i}": t_serve + i * settings.request_interval_s for i in range(len(prompts))
+        }
         peer_meta = _serve(settings, engine, transfer, parent, process, prompts, results,
                            arrival, reference, progress)
         timings["serve_s"] = time.monotonic() - t_serve
@@ -532,8 +532,12 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
         if progress is not None:
             progress(list(results.values()))
 
+    unsent = list(results)
     while any(r.status == "pending" for r in results.values()):
         now = time.monotonic()
+        while unsent and arrival[unsent[0]] <= now and process.is_alive():
+            rid = unsent.pop(0)
+            conn.send(("request", rid, prompts[int(rid.split("-")[1])]))
         if now > deadline:
             for rid in results:
                 fail(rid, f"timed out after {settings.timeout_s:.0f}s")
@@ -602,7 +606,7 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
             if record is not None:
                 r.bytes, r.descriptors = record.bytes, record.descriptors
                 r.transfer_s = record.duration_s + record.confirm_s
-                r.post_s = record.post_s
+                r.read_s, r.post_s = record.duration_s, record.post_s
             else:
                 r.transfer_s = now - info["start"]
             r.ttft_s = now - arrival[rid]
@@ -633,4 +637,6 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
             report()
         if not done and not any(s is not None for s in engine.slots):
             time.sleep(0.0005)
+        if unsent and not process.is_alive():
+            unsent.clear()
     return peer_meta
