@@ -8,7 +8,8 @@
 #
 # The environment gets the newest jax that the interpreter supports (0.10.2 on Python 3.11),
 # the build and test tools, NIXL without torch (its wheel declares torch but its Python API
-# does not use it), and jaxkv itself, rebuilt only when its sources changed. The custom calls
+# does not use it), prometheus-client (the optional metrics export, so that its tests run), and
+# jaxkv itself, rebuilt only when its sources changed. The custom calls
 # are compiled against the XLA FFI headers of jaxlib 0.10.2, the oldest supported jaxlib.
 set -euo pipefail
 
@@ -42,7 +43,7 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 # 1. Dependencies (pip is a no-op when they are already satisfied).
 REQS_STAMP="$VENV/.jaxkv-requirements"
-REQS="jax jaxlib numpy ml_dtypes absl-py msgspec xxhash pytest hypothesis scikit-build-core pybind11 ninja"
+REQS="jax jaxlib numpy ml_dtypes absl-py msgspec xxhash prometheus-client pytest hypothesis scikit-build-core pybind11 ninja"
 if [[ ! -f "$REQS_STAMP" || "$(cat "$REQS_STAMP")" != "$REQS $WITH_NIXL" ]]; then
   log "installing dependencies"
   "${PIP[@]}" install --upgrade pip
