@@ -41,13 +41,16 @@ class _DelayedIO:
             delay = self._random.random() * 0.004
         time.sleep(delay)
 
-    def write(self, *args):
-        self._pause()
-        return self._inner.write(*args)
+    def forget(self, fd):
+        self._inner.forget(fd)
 
-    def read(self, *args):
+    def write_many(self, *args):
         self._pause()
-        return self._inner.read(*args)
+        return self._inner.write_many(*args)
+
+    def read_many(self, *args):
+        self._pause()
+        return self._inner.read_many(*args)
 
 
 class _BlockedIO:
@@ -56,13 +59,16 @@ class _BlockedIO:
     def __init__(self, inner, event):
         self._inner, self._event, self.name = inner, event, inner.name
 
-    def write(self, *args):
-        self._event.wait(30)
-        return self._inner.write(*args)
+    def forget(self, fd):
+        self._inner.forget(fd)
 
-    def read(self, *args):
+    def write_many(self, *args):
         self._event.wait(30)
-        return self._inner.read(*args)
+        return self._inner.write_many(*args)
+
+    def read_many(self, *args):
+        self._event.wait(30)
+        return self._inner.read_many(*args)
 
 
 class RandomisedOrderTest(parameterized.TestCase):

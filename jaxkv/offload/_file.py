@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import os
 import threading
@@ -38,12 +39,13 @@ from jaxkv._spec import KVCacheSpec
 from jaxkv.offload._ordering import Dependency, wait_for
 from jaxkv.offload._types import BlockCorruptError, IncompatibleTierError, OffloadTimeoutError
 
-__all__ = ["FORMAT_VERSION", "FileTier", "FileTierStats", "file_compat_fields"]
+__all__ = ["FORMAT_VERSION", "FileTier", "FileTierStats", "TierFuture", "file_compat_fields"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"JAXKVBK1"
 _HEADER_BYTES = 4096  # The payload starts here (page aligned).
 _SUFFIX = ".kvb"
+_PARALLEL_MIN_BLOCKS = 4  # Reads of at least this many blocks are split over two threads.
 
 Region = tuple[int, int]
 """``(address, nbytes)`` of host memory."""
@@ -145,35 +147,55 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+@dataclasses.dataclass
+class _Job:
+    """One block file's I/O: its fd, a page-sized header buffer, the payload regions."""
+
+    fd: int
+    head: bytearray
+    regions: Sequence[Region]
+
+
 class _FilesIO:
-    """Payload I/O with os.pwritev / os.preadv on raw memory views."""
+    """Payload I/O with os.pwritev / os.preadv (header and payload in one call) on raw memory
+    views; no intermediate copies."""
 
     name = "files"
 
-    def write(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> None:
-        views = [_view(a, n) for a, n in regions]
-        total = sum(n for _, n in regions)
-        done = os.pwritev(fd, views, offset)
-        if done != total:  # Short write: finish it region by region.
-            position = 0
-            for view in views:
-                end = position + len(view)
-                if end > done:
-                    start = max(0, done - position)
-                    chunk = view[start:]
-                    while chunk:
-                        written = os.pwrite(fd, chunk, offset + position + start)
-                        chunk = chunk[written:]
-                        start += written
-                position = end
+    def forget(self, fd: int) -> None:
+        """Called before an fd is closed (nothing to release here)."""
 
-    def read(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> int:
-        views = [_view(a, n) for a, n in regions]
-        return os.preadv(fd, views, offset)
+    def write_many(self, jobs: Sequence[_Job], deadline: float) -> None:
+        for job in jobs:
+            views = [memoryview(job.head), *(_view(a, n) for a, n in job.regions)]
+            total = sum(len(v) for v in views)
+            done = os.pwritev(job.fd, views, 0)
+            if done != total:  # Short write: finish it region by region.
+                position = 0
+                for view in views:
+                    end = position + len(view)
+                    if end > done:
+                        start = max(0, done - position)
+                        chunk = view[start:]
+                        while chunk:
+                            written = os.pwrite(job.fd, chunk, position + start)
+                            chunk = chunk[written:]
+                            start += written
+                    position = end
+
+    def read_many(self, jobs: Sequence[_Job], deadline: float) -> list[int]:
+        """Reads each job's header and payload; returns the bytes read per job (short for a
+        truncated file)."""
+        return [os.preadv(job.fd, [job.head, *(_view(a, n) for a, n in job.regions)], 0)
+                for job in jobs]
 
 
 class _NixlIO:
-    """Payload I/O through a NIXL agent with the POSIX backend (loopback DRAM <-> FILE)."""
+    """Payload I/O through a NIXL agent with the POSIX backend (loopback DRAM <-> FILE).
+
+    One transfer per batch (every block's header and payload); a file descriptor is
+    registered once and stays registered while the tier keeps it open (`forget` releases it).
+    """
 
     name = "nixl"
 
@@ -188,73 +210,154 @@ class _NixlIO:
         self._agent.create_backend("POSIX", {})
         self._lock = threading.Lock()
         self._registered: list[tuple[int, int, Any]] = []
+        self._files: dict[int, Any] = {}
 
     def register(self, buffers: Sequence[Region]) -> None:
         """Registers long-lived host buffers (e.g. the host pool) once."""
         with self._lock:
             for address, nbytes in buffers:
-                if any(a <= address and address + nbytes <= a + n for a, n, _ in self._registered):
+                if self._covered(address, nbytes):
                     continue
                 handle = self._agent.register_memory(
                     np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM")
                 self._registered.append((address, nbytes, handle))
 
+    def forget(self, fd: int) -> None:
+        """Deregisters a file descriptor (before it is closed: fd numbers are reused)."""
+        with self._lock:
+            handle = self._files.pop(fd, None)
+            if handle is not None:
+                self._agent.deregister_memory(handle)
+
     def unregister_all(self) -> None:
         with self._lock:
             for _, _, handle in self._registered:
                 self._agent.deregister_memory(handle)
+            for handle in self._files.values():
+                self._agent.deregister_memory(handle)
             self._registered = []
+            self._files = {}
 
     def _covered(self, address: int, nbytes: int) -> bool:
         return any(a <= address and address + nbytes <= a + n for a, n, _ in self._registered)
 
-    def _transfer(self, op: str, fd: int, offset: int, regions: Sequence[Region],
-                  deadline: float) -> None:
+    def _transfer(self, op: str, jobs: Sequence[_Job], deadline: float) -> None:
+        if not jobs:
+            return
         agent = self._agent
+        heads = np.empty((len(jobs), _HEADER_BYTES), np.uint8)  # One DRAM buffer for all headers.
+        if op == "WRITE":
+            for row, job in zip(heads, jobs):
+                row[:] = np.frombuffer(job.head, np.uint8)
+        dram_list, file_list = [], []
+        for row, job in zip(heads, jobs):
+            dram_list.append([row.ctypes.data, _HEADER_BYTES, 0])
+            file_list.append((0, _HEADER_BYTES, job.fd))
+            position = _HEADER_BYTES
+            for address, nbytes in job.regions:
+                dram_list.append([address, nbytes, 0])
+                file_list.append((position, nbytes, job.fd))
+                position += nbytes
         with self._lock:
-            extra = [(a, n) for a, n in regions if not self._covered(a, n)]
-            dram_handle = (agent.register_memory(np.array([[a, n, 0] for a, n in extra],
-                                                          dtype=np.uint64), "DRAM")
-                           if extra else None)
-            total = sum(n for _, n in regions)
-            file_handle = agent.register_memory([(0, offset + total, fd, "")], "FILE")
+            extra = [(a, n) for a, n in {(a, n) for job in jobs for a, n in job.regions}
+                     if not self._covered(a, n)]
+            extra.append((heads.ctypes.data, heads.nbytes))
+            dram_handle = agent.register_memory(
+                np.array([[a, n, 0] for a, n in extra], dtype=np.uint64), "DRAM")
             handle = None
             try:
-                dram = agent.get_xfer_descs(
-                    np.array([[a, n, 0] for a, n in regions], dtype=np.uint64), "DRAM")
-                files, position = [], offset
-                for _, n in regions:
-                    files.append((position, n, fd))
-                    position += n
-                file_descs = agent.get_xfer_descs(files, "FILE")
-                handle = agent.initialize_xfer(op, dram, file_descs, self._name)
+                for job in jobs:
+                    if job.fd not in self._files:
+                        self._files[job.fd] = agent.register_memory(
+                            [(0, _HEADER_BYTES + sum(n for _, n in job.regions), job.fd, "")],
+                            "FILE")
+                dram = agent.get_xfer_descs(np.array(dram_list, dtype=np.uint64), "DRAM")
+                files = agent.get_xfer_descs(file_list, "FILE")
+                handle = agent.initialize_xfer(op, dram, files, self._name)
                 state = agent.transfer(handle)
-                pause = 1e-5
+                begin, pause = time.monotonic(), 1e-4
                 while state not in ("DONE", "ERR"):
-                    if time.monotonic() > deadline:
-                        raise OffloadTimeoutError(f"NIXL {op} of a block file timed out")
-                    time.sleep(pause)
-                    pause = min(2 * pause, 1e-3)
+                    now = time.monotonic()
+                    if now > deadline:
+                        raise OffloadTimeoutError(f"NIXL {op} of block files timed out")
+                    if now - begin > 2e-3:  # Spin (yielding) briefly, then back off.
+                        time.sleep(pause)
+                        pause = min(2 * pause, 1e-3)
+                    else:
+                        time.sleep(0)
                     state = agent.check_xfer_state(handle)
                 if state == "ERR":
                     raise OSError(f"NIXL POSIX {op} failed")
             finally:
                 if handle is not None:
                     agent.release_xfer_handle(handle)
-                agent.deregister_memory(file_handle)
-                if dram_handle is not None:
-                    agent.deregister_memory(dram_handle)
+                agent.deregister_memory(dram_handle)
+        if op == "READ":
+            for row, job in zip(heads, jobs):
+                job.head[:] = row.tobytes()
 
-    def write(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> None:
-        self._transfer("WRITE", fd, offset, regions, deadline)
+    def write_many(self, jobs: Sequence[_Job], deadline: float) -> None:
+        self._transfer("WRITE", jobs, deadline)
 
-    def read(self, fd: int, offset: int, regions: Sequence[Region], deadline: float) -> int:
-        size = os.fstat(fd).st_size
-        total = sum(n for _, n in regions)
-        if size < offset + total:
-            return max(0, size - offset)  # Truncated file: NIXL would fail; report short.
-        self._transfer("READ", fd, offset, regions, deadline)
-        return total
+    def read_many(self, jobs: Sequence[_Job], deadline: float) -> list[int]:
+        got, whole = [], []
+        for job in jobs:
+            size = os.fstat(job.fd).st_size
+            total = _HEADER_BYTES + sum(n for _, n in job.regions)
+            if size < total:  # Truncated file: NIXL would fail; read what is there.
+                got.append(os.preadv(job.fd, [job.head, *(_view(a, n) for a, n in job.regions)],
+                                     0))
+            else:
+                got.append(total)
+                whole.append(job)
+        self._transfer("READ", whole, deadline)
+        return got
+
+
+class _Task:
+    """Work that runs at most once, on whichever thread claims it first."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+        self._claim = threading.Lock()
+
+    def __call__(self) -> None:
+        if self._claim.acquire(blocking=False):
+            fn, self._fn = self._fn, None
+            fn()
+
+
+class TierFuture(concurrent.futures.Future):
+    """The future of a file tier operation.
+
+    A thread that asks for its result (`result`, `exception`) while the operation is still
+    queued runs the operation itself instead of waiting for a worker thread to pick it up:
+    this saves two thread hand-offs when the caller waits at once, and the operation stays
+    asynchronous when it does not. The operation still waits for its dependencies and
+    keeps its deadline; `timeout` bounds only the wait for an operation a worker runs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tasks: list[Callable[[], None]] = []
+
+    def help_with(self, task: Callable[[], None]) -> None:
+        """Registers queued work that produces this future's result (runs at most once)."""
+        self._tasks.append(task)
+
+    def run_if_queued(self) -> None:
+        """Runs the registered work here if no thread has started it yet (never waits)."""
+        if not self.done():
+            for task in list(self._tasks):
+                task()
+
+    def result(self, timeout: float | None = None) -> Any:  # noqa: D102 - as Future.
+        self.run_if_queued()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:  # noqa: D102
+        self.run_if_queued()
+        return super().exception(timeout)
 
 
 class FileTier:
@@ -279,6 +382,8 @@ class FileTier:
       durable: fsync each block file and the directory before the block becomes visible.
       create: create `directory` when missing (otherwise a missing directory is an error).
       timeout_s: default timeout of every wait.
+      max_open_files: how many block files the tier keeps open (least recently used are
+        closed first); 0 opens and closes a file per access.
 
     Raises:
       FileNotFoundError: `directory` does not exist and `create` is False.
@@ -311,6 +416,7 @@ class FileTier:
         durable: bool = True,
         create: bool = False,
         timeout_s: float = 60.0,
+        max_open_files: int = 256,
     ) -> None:
         root = os.fspath(directory)
         if not os.path.isdir(root):
@@ -324,6 +430,8 @@ class FileTier:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_open_files < 0:
+            raise ValueError(f"max_open_files must be >= 0, got {max_open_files}")
         self.spec = spec
         self.fields = file_compat_fields(spec, model_id, tp_size)
         self.compat_key = _compat_key(self.fields)
@@ -356,10 +464,18 @@ class FileTier:
         self._entries: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._readers: collections.Counter[bytes] = collections.Counter()
         self._writing: set[bytes] = set()
+        # Open fds of published blocks (O_RDWR; least recently used first), each owned by the
+        # cache or by one worker at a time: reads skip the open, and an evicted block's file is
+        # overwritten in place by the next write (no unlink, no new allocation).
+        self._fds: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._max_open_files = int(max_open_files)
         self._bytes_used = 0
         self.stats = FileTierStats()
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=num_workers, thread_name_prefix="jaxkv-file-tier")
+        # Leaf tasks only (fdatasync): they never wait on the workers, so no deadlock.
+        self._helpers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="jaxkv-file-tier-sync")
         self._closed = False
         self._recover()
 
@@ -462,8 +578,14 @@ class FileTier:
 
     # ------------------------------------------------------------------ budget
 
-    def _evict_to_fit(self, incoming: int) -> bool:
-        """Removes LRU blocks not being read until `incoming` more bytes fit (lock held)."""
+    def _evict_to_fit(self, incoming: int,
+                      victims: list[tuple[str, int | None]] | None = None) -> bool:
+        """Removes LRU blocks not being read until `incoming` more bytes fit (lock held).
+
+        With `victims`, an evicted file is renamed into tmp/ (out of sight at once) and
+        appended as ``(tmp path, open fd or None)`` for the caller to reuse or delete;
+        otherwise it is deleted.
+        """
         if self._bytes_used + incoming <= self.capacity_bytes:
             return True
         for digest in list(self._entries):
@@ -471,17 +593,28 @@ class FileTier:
                 break
             if self._readers[digest]:
                 continue
-            self._remove_locked(digest)
+            if victims is None:
+                self._remove_locked(digest)
+            else:
+                self._bytes_used -= self._entries.pop(digest)
+                fd = self._fds.pop(digest, None)
+                tmp = os.path.join(self._tmp, f"evicted.{uuid.uuid4().hex}.tmp")
+                try:
+                    os.replace(self.path_of(digest), tmp)
+                    victims.append((tmp, fd))
+                except FileNotFoundError:
+                    if fd is not None:
+                        self._close_fd(fd)
             self.stats.evictions += 1
         return self._bytes_used + incoming <= self.capacity_bytes
 
     def _remove_locked(self, digest: bytes) -> None:
         nbytes = self._entries.pop(digest)
         self._bytes_used -= nbytes
-        try:
-            os.unlink(self.path_of(digest))
-        except FileNotFoundError:
-            pass
+        fd = self._fds.pop(digest, None)
+        if fd is not None:
+            self._close_fd(fd)
+        _unlink_quietly(self.path_of(digest))
 
     def remove(self, block_hash: bytes) -> bool:
         """Deletes a block's file (not while it is being read).
@@ -514,10 +647,15 @@ class FileTier:
 
     # ------------------------------------------------------------------ submit
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def _submit(self, result: concurrent.futures.Future, *args: Any) -> None:
+        """Queues `_run(result, *args)` for a worker; a `TierFuture` result can also run it on
+        the thread that waits for it first (whichever claims it first runs it, once)."""
         if self._closed:
             raise RuntimeError("the file tier is closed")
-        return self._executor.submit(fn, *args)
+        task = _Task(functools.partial(self._run, result, *args))
+        if isinstance(result, TierFuture):
+            result.help_with(task)
+        self._executor.submit(task)
 
     def write_async(
         self,
@@ -561,8 +699,8 @@ class FileTier:
                                  f"{self.payload_nbytes}")
             checked.append((block_hash, regions))
         deadline = time.monotonic() + self.timeout_s
-        result = future if future is not None else concurrent.futures.Future()
-        self._submit(self._run, result, self._write_batch, (checked, skip), list(after),
+        result = future if future is not None else TierFuture()
+        self._submit(result, self._write_batch, (checked, skip), list(after),
                      deadline, keepalive)
         return result
 
@@ -603,8 +741,8 @@ class FileTier:
                 [(int(a), int(n)) for a, n in copy] for copy in replicas[index]]
             checked.append((bytes(block_hash), regions, extra))
         deadline = time.monotonic() + self.timeout_s
-        result = future if future is not None else concurrent.futures.Future()
-        self._submit(self._run, result, self._read_batch, checked, list(after), deadline,
+        result = future if future is not None else TierFuture()
+        self._submit(result, self._read_batch, checked, list(after), deadline,
                      keepalive)
         return result
 
@@ -659,160 +797,293 @@ class FileTier:
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
         for thread in list(getattr(self._executor, "_threads", ())):
             thread.join(max(0.0, deadline - time.monotonic()))
+        self._helpers.shutdown(wait=False)
+        with self._lock:
+            while self._fds:
+                self._close_fd(self._fds.popitem()[1])
         self.flush()
         if isinstance(self._io, _NixlIO):
             self._io.unregister_all()
 
+    # ------------------------------------------------------------------ open files
+
+    def _take_fd(self, block_hash: bytes) -> int | None:
+        """Takes a published block's cached fd, if any (lock held); the caller owns it."""
+        return self._fds.pop(block_hash, None)
+
+    def _give_fd(self, block_hash: bytes, fd: int) -> None:
+        """Returns an owned fd to the cache (lock held); closes it when the block is gone or
+        already has one, and closes the least recently used fds beyond the limit."""
+        if block_hash not in self._entries or block_hash in self._fds:
+            self._close_fd(fd)
+            return
+        self._fds[block_hash] = fd
+        while len(self._fds) > self._max_open_files:
+            _, old = self._fds.popitem(last=False)
+            self._close_fd(old)
+
+    def _close_fd(self, fd: int) -> None:
+        self._io.forget(fd)
+        os.close(fd)
+
+    def _sync_all(self, fds: Sequence[int]) -> None:
+        """fdatasync of each fd, overlapped on helper threads (the flushes can merge).
+
+        fdatasync (not fsync) is enough before the rename: it persists the data and the
+        metadata needed to read it back (size, block map), only not the timestamps.
+        """
+        if len(fds) <= 1:
+            for fd in fds:
+                os.fdatasync(fd)
+            return
+        for future in [self._helpers.submit(os.fdatasync, fd) for fd in fds]:
+            future.result()
+
     # ------------------------------------------------------------------ workers
+
+    def _header(self, block_hash: bytes, regions: Sequence[Region]) -> bytearray:
+        header = _Header(FORMAT_VERSION, self.compat_key, block_hash.hex(), self.payload_nbytes,
+                         _checksum(regions))
+        encoded = msgspec.msgpack.encode(header)
+        head = bytearray(_HEADER_BYTES)  # Zero padded: the payload starts page aligned.
+        head[:12 + len(encoded)] = _MAGIC + len(encoded).to_bytes(4, "little") + encoded
+        return head
 
     def _write_batch(self, work, deadline: float) -> list[bool]:
         items, skip = work
         skipped = [False] * len(items) if skip is None else list(skip())
-        results = []
-        changed = False
-        for (block_hash, regions), skipped_one in zip(items, skipped):
-            if skipped_one:
-                results.append(False)
-                continue
-            with self._lock:
+        results: list[bool] = []
+        claimed: list[tuple[int, bytes, Sequence[Region]]] = []  # (result index, hash, regions)
+        victims: list[tuple[str, int | None]] = []  # Evicted files renamed into tmp/: reused.
+        with self._lock:
+            for (block_hash, regions), skipped_one in zip(items, skipped):
+                if skipped_one:
+                    results.append(False)
+                    continue
                 if block_hash in self._entries or block_hash in self._writing:
                     if block_hash in self._entries:
                         self._entries.move_to_end(block_hash)
                     self.stats.skipped_writes += 1
                     results.append(True)
                     continue
-                if not self._evict_to_fit(self.file_nbytes + self._pending_bytes()):
+                if not self._evict_to_fit(self.file_nbytes + self._pending_bytes(), victims):
                     self.stats.rejected_writes += 1
                     results.append(False)
                     continue
                 self._writing.add(block_hash)
-            try:
-                begin = time.perf_counter()
-                self._write_one(block_hash, regions, deadline)
-                with self._lock:
+                claimed.append((len(results), block_hash, regions))
+                results.append(True)
+        if not claimed:
+            self._discard_victims(victims)
+            return results
+        begin = time.perf_counter()
+        jobs: list[_Job] = []
+        tmps: list[str] = []
+        published: list[tuple[bytes, int]] = []
+        try:
+            if self.durable and victims:
+                # The evicted names are gone from blocks/ for good before their files are
+                # overwritten: a crash never shows a half-overwritten file under an old name.
+                _fsync_dir(self._blocks)
+            for _, block_hash, regions in claimed:
+                head = self._header(block_hash, regions)
+                if victims:
+                    tmp, fd = victims.pop()
+                    tmps.append(tmp)
+                    if fd is None:
+                        fd = os.open(tmp, os.O_RDWR)
+                    jobs.append(_Job(fd, head, regions))
+                    if os.fstat(fd).st_size != self.file_nbytes:
+                        os.ftruncate(fd, self.file_nbytes)
+                else:
+                    tmp = os.path.join(self._tmp,
+                                       f"{block_hash.hex()}.{uuid.uuid4().hex[:12]}.tmp")
+                    tmps.append(tmp)
+                    jobs.append(_Job(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644),
+                                     head, regions))
+            self._io.write_many(jobs, deadline)
+            if self.durable:
+                self._sync_all([job.fd for job in jobs])
+            for (_, block_hash, _), tmp, job in zip(claimed, tmps, jobs):
+                _publish(tmp, self.path_of(block_hash))
+                published.append((block_hash, job.fd))
+            if self.durable:  # The renames of the batch (the files were synced before).
+                _fsync_dir(self._blocks)
+        finally:
+            done = {block_hash for block_hash, _ in published}
+            with self._lock:
+                for block_hash, fd in published:
                     self._entries[block_hash] = self.file_nbytes
                     self._bytes_used += self.file_nbytes
                     self.stats.writes += 1
                     self.stats.write_bytes += self.payload_nbytes
-                    self.stats.write_s += time.perf_counter() - begin
-                changed = True
-                results.append(True)
-            finally:
-                with self._lock:
+                    self._give_fd(block_hash, fd)
+                for (_, block_hash, _), job in zip(claimed, jobs):
+                    if block_hash not in done:
+                        self._close_fd(job.fd)
+                for _, block_hash, _ in claimed:
                     self._writing.discard(block_hash)
-        if changed:
-            if self.durable:  # The renames of the batch (the files were fsynced before).
-                _fsync_dir(self._blocks)
-            self.flush()
+                self.stats.write_s += time.perf_counter() - begin
+            for (_, block_hash, _), tmp in zip(claimed, tmps):
+                if block_hash not in done:
+                    _unlink_quietly(tmp)
+            self._discard_victims(victims)
+            if published:
+                self.flush()
         return results
+
+    def _discard_victims(self, victims: list[tuple[str, int | None]]) -> None:
+        """Deletes evicted files that no write reused."""
+        while victims:
+            tmp, fd = victims.pop()
+            if fd is not None:
+                with self._lock:
+                    self._close_fd(fd)
+            _unlink_quietly(tmp)
 
     def _pending_bytes(self) -> int:
         return self.file_nbytes * len(self._writing)
 
-    def _write_one(self, block_hash: bytes, regions: Sequence[Region], deadline: float) -> None:
-        header = _Header(FORMAT_VERSION, self.compat_key, block_hash.hex(), self.payload_nbytes,
-                         _checksum(regions))
-        encoded = msgspec.msgpack.encode(header)
-        head = _MAGIC + len(encoded).to_bytes(4, "little") + encoded
-        tmp = os.path.join(self._tmp, f"{block_hash.hex()}.{uuid.uuid4().hex[:12]}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        published = False
-        try:
-            os.pwrite(fd, head, 0)
-            self._io.write(fd, _HEADER_BYTES, regions, deadline)
-            if self.durable:
-                os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            _publish(tmp, self.path_of(block_hash))
-            published = True
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            if not published:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-
     def _read_batch(self, items, deadline: float) -> list[bool]:
-        results = []
-        for block_hash, regions, replicas in items:
-            with self._lock:
+        results = [False] * len(items)
+        reading: list[tuple[int, bytes, Sequence[Region], Any]] = []
+        with self._lock:
+            for index, (block_hash, regions, replicas) in enumerate(items):
                 self.stats.reads += 1
                 if block_hash not in self._entries:
                     self.stats.misses += 1
-                    results.append(False)
                     continue
                 self._readers[block_hash] += 1
-            begin = time.perf_counter()
-            try:
-                ok = self._read_one(block_hash, regions, deadline)
-            except BlockCorruptError as error:
-                logging.warning("jaxkv file tier: %s; quarantined, treated as a miss", error)
-                ok = False
+                reading.append((index, block_hash, regions, replicas))
+        if not reading:
+            return results
+        begin = time.perf_counter()
+        jobs: list[_Job | None] = []
+        outcome: dict[int, str] = {}  # index -> "ok", "corrupt" or "missing".
+        try:
+            for index, block_hash, regions, _ in reading:
                 with self._lock:
-                    self.stats.corrupt += 1
-                    self._quarantine_locked(block_hash)
-            except FileNotFoundError:
-                ok = False
-                with self._lock:
-                    if block_hash in self._entries:
-                        self._bytes_used -= self._entries.pop(block_hash)
-            finally:
-                with self._lock:
-                    self._readers[block_hash] -= 1
-                    if not self._readers[block_hash]:
-                        del self._readers[block_hash]
-            with self._lock:
-                if ok:
-                    self.stats.hits += 1
-                    if block_hash in self._entries:
-                        self._entries.move_to_end(block_hash)
-                else:
-                    self.stats.misses += 1
-                self.stats.read_s += time.perf_counter() - begin
-            if ok:
+                    fd = self._take_fd(block_hash)
+                if fd is None:
+                    try:
+                        fd = os.open(self.path_of(block_hash), os.O_RDWR)
+                    except FileNotFoundError:
+                        outcome[index] = "missing"
+                        jobs.append(None)
+                        continue
+                jobs.append(_Job(fd, bytearray(_HEADER_BYTES), regions))
+            live = [(block_hash, job) for (_, block_hash, _, _), job in zip(reading, jobs)
+                    if job is not None]
+            errors = iter(self._load(live, deadline))
+            for (index, block_hash, regions, replicas), job in zip(reading, jobs):
+                if job is None:
+                    continue
+                error = next(errors)
+                if error is not None:
+                    logging.warning("jaxkv file tier: %s; quarantined, treated as a miss", error)
+                    outcome[index] = "corrupt"
+                    continue
+                outcome[index] = "ok"
                 for copy in replicas:
                     for (src, nbytes), (dst, _) in zip(regions, copy):
                         ctypes.memmove(dst, src, nbytes)
-            results.append(ok)
+        finally:
+            with self._lock:
+                for (index, block_hash, _, _), job in zip(reading, jobs):
+                    state = outcome.get(index)
+                    self._readers[block_hash] -= 1
+                    if not self._readers[block_hash]:
+                        del self._readers[block_hash]
+                    if state == "corrupt":
+                        self.stats.corrupt += 1
+                        self._quarantine_locked(block_hash)
+                    elif state == "missing" and block_hash in self._entries:
+                        self._bytes_used -= self._entries.pop(block_hash)
+                    if state == "ok":
+                        self.stats.hits += 1
+                        results[index] = True
+                        if block_hash in self._entries:
+                            self._entries.move_to_end(block_hash)
+                    else:
+                        self.stats.misses += 1
+                    if job is not None:
+                        self._give_fd(block_hash, job.fd)
+                self.stats.read_s += time.perf_counter() - begin
         return results
+
+    def _load(self, blocks: Sequence[tuple[bytes, _Job]], deadline: float
+              ) -> list[BlockCorruptError | None]:
+        """Reads and verifies blocks; returns the check failure of each (None: verified).
+
+        Plain files: each block is checksummed right after its read (while it is in cache),
+        and the second half of a batch runs on a helper thread (preadv and xxhash release the
+        GIL, so two cores share the work). NIXL: one transfer, then the checks, split alike.
+        """
+        if isinstance(self._io, _NixlIO):
+            got = self._io.read_many([job for _, job in blocks], deadline)
+            work = [(block_hash, job, n) for (block_hash, job), n in zip(blocks, got)]
+        else:
+            work = [(block_hash, job, None) for block_hash, job in blocks]
+        if len(work) < _PARALLEL_MIN_BLOCKS:
+            return self._check_many(work, deadline)
+        half = len(work) // 2
+        second = self._helpers.submit(self._check_many, work[half:], deadline)
+        try:
+            first = self._check_many(work[:half], deadline)
+        finally:
+            rest = second.result(max(0.0, deadline - time.monotonic()))
+        return first + rest
+
+    def _check_many(self, work: Sequence[tuple[bytes, _Job, int | None]], deadline: float
+                    ) -> list[BlockCorruptError | None]:
+        out: list[BlockCorruptError | None] = []
+        for block_hash, job, got in work:
+            if got is None:
+                got = self._io.read_many([job], deadline)[0]
+            try:
+                self._verify(block_hash, job, got)
+                out.append(None)
+            except BlockCorruptError as error:
+                out.append(error)
+        return out
 
     def _quarantine_locked(self, block_hash: bytes) -> None:
         if block_hash in self._entries:
             self._bytes_used -= self._entries.pop(block_hash)
+        fd = self._fds.pop(block_hash, None)
+        if fd is not None:
+            self._close_fd(fd)
         try:
             os.replace(self.path_of(block_hash), os.path.join(
                 self._quarantine, f"{block_hash.hex()}.{uuid.uuid4().hex[:8]}{_SUFFIX}"))
         except FileNotFoundError:
             pass
 
-    def _read_one(self, block_hash: bytes, regions: Sequence[Region], deadline: float) -> bool:
+    def _verify(self, block_hash: bytes, job: _Job, got: int) -> None:
+        """Checks a read block's header and checksum; raises BlockCorruptError."""
         path = self.path_of(block_hash)
-        fd = os.open(path, os.O_RDONLY)
+        head = bytes(job.head[:min(got, _HEADER_BYTES)])
+        if len(head) < 12 or head[:8] != _MAGIC:
+            raise BlockCorruptError(f"{path}: not a jaxkv block file (bad magic)")
+        length = int.from_bytes(head[8:12], "little")
         try:
-            head = os.pread(fd, _HEADER_BYTES, 0)
-            if len(head) < 12 or head[:8] != _MAGIC:
-                raise BlockCorruptError(f"{path}: not a jaxkv block file (bad magic)")
-            length = int.from_bytes(head[8:12], "little")
-            try:
-                header = msgspec.msgpack.decode(head[12 : 12 + length], type=_Header)
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                raise BlockCorruptError(f"{path}: unreadable header ({error})") from None
-            if header.compat_key != self.compat_key:
-                raise BlockCorruptError(f"{path}: written for another model or spec "
-                                        f"(compat key {header.compat_key[:12]}...)")
-            if header.block_hash != block_hash.hex() or header.payload_nbytes != (
-                self.payload_nbytes
-            ):
-                raise BlockCorruptError(f"{path}: header names another block or size")
-            got = self._io.read(fd, _HEADER_BYTES, regions, deadline)
-            if got != self.payload_nbytes:
-                raise BlockCorruptError(f"{path}: truncated ({got} of {self.payload_nbytes} "
-                                        "payload bytes)")
-            if _checksum(regions) != header.checksum:
-                raise BlockCorruptError(f"{path}: checksum mismatch")
-            return True
-        finally:
-            os.close(fd)
+            header = msgspec.msgpack.decode(head[12 : 12 + length], type=_Header)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            raise BlockCorruptError(f"{path}: unreadable header ({error})") from None
+        if header.compat_key != self.compat_key:
+            raise BlockCorruptError(f"{path}: written for another model or spec "
+                                    f"(compat key {header.compat_key[:12]}...)")
+        if header.block_hash != block_hash.hex() or header.payload_nbytes != self.payload_nbytes:
+            raise BlockCorruptError(f"{path}: header names another block or size")
+        if got != self.file_nbytes:
+            raise BlockCorruptError(f"{path}: truncated ({max(0, got - _HEADER_BYTES)} of "
+                                    f"{self.payload_nbytes} payload bytes)")
+        if _checksum(job.regions) != header.checksum:
+            raise BlockCorruptError(f"{path}: checksum mismatch")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -29,7 +29,7 @@ from jaxkv._cache import BufferMovedError, PagedKVCache
 from jaxkv.blocks._hashing import BlockHash
 from jaxkv.blocks._manager import TieredCacheHit
 from jaxkv.blocks._pool import EvictedBlock
-from jaxkv.offload._file import FileTier, Region
+from jaxkv.offload._file import FileTier, Region, TierFuture
 from jaxkv.offload._host import HostPool, _check_ids, _check_pair, run_offload, run_onboard
 from jaxkv.offload._ordering import JaxCompletion, SlotOrdering, wait_for
 from jaxkv.offload._types import (
@@ -340,12 +340,13 @@ class OffloadManager:
                 [SlotKey(Tier.HOST, s)])]
         if never:
             raise UnknownSlotError(f"host slot {never[0]} holds no block")
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        result: concurrent.futures.Future = TierFuture()
         deps = self._order.claim(
             reads=[SlotKey(Tier.HOST, s) for s in slots],
             writes=[SlotKey(Tier.DISK, h) for h in hashes], op=result)
         inner = tier.write_async([(h, self._slot_regions(s)[0]) for h, s in zip(hashes, slots)],
                                  after=deps, skip=lambda: [not self.slot_valid(s) for s in slots])
+        result.help_with(inner.run_if_queued)
         _chain(inner, result, None)
         self.stats.file_writes += len(slots)
         return result
@@ -371,13 +372,14 @@ class OffloadManager:
         hashes = [bytes(h) for h in block_hashes]
         if len(hashes) != len(slots):
             raise ValueError(f"{len(slots)} host slots for {len(hashes)} block hashes")
-        result: concurrent.futures.Future = concurrent.futures.Future()
+        result: concurrent.futures.Future = TierFuture()
         deps = self._order.claim(
             reads=[SlotKey(Tier.DISK, h) for h in hashes],
             writes=[SlotKey(Tier.HOST, s) for s in slots], op=result)
         layouts = [self._slot_regions(s) for s in slots]
         inner = tier.read_async([(h, regions) for h, (regions, _) in zip(hashes, layouts)],
                                 replicas=[copies for _, copies in layouts], after=deps)
+        result.help_with(inner.run_if_queued)
 
         def mark(results: list[bool]) -> None:
             with self._valid_lock:
