@@ -262,5 +262,96 @@ class BudgetAndInputTest(parameterized.TestCase):
             tier.put(b"h", _block(0, tier))
 
 
+class ReuseAndBatchTest(parameterized.TestCase):
+    """Evicted files reused in place, the LRU of open files, batched reads, a waiting caller
+    running queued I/O."""
+
+    @parameterized.product(backend=["files", "nixl"], max_open_files=[0, 1, 256],
+                           durable=[False, True])
+    def test_evicted_files_are_reused_and_every_block_reads_back(self, backend, max_open_files,
+                                                                 durable):
+        if backend == "nixl" and not nixl_available():
+            self.skipTest("NIXL is not installed")
+        directory = self.create_tempdir().full_path
+        probe = _tier(directory)
+        capacity = 3 * probe.file_nbytes
+        probe.close()
+        tier = _tier(directory, capacity_bytes=capacity, backend=backend,
+                     max_open_files=max_open_files, durable=durable)
+        blocks = [_block(100 + i, tier) for i in range(9)]
+        for start in (0, 3, 6):                                 # batches of 3 evict 3 each
+            items = [(b"k%d" % i, [(blocks[i].ctypes.data, blocks[i].nbytes)])
+                     for i in range(start, start + 3)]
+            self.assertEqual(tier.write_async(items, keepalive=blocks).result(30), [True] * 3)
+            outs = [np.zeros_like(blocks[0]) for _ in range(3)]
+            reads = [(b"k%d" % i, [(out.ctypes.data, out.nbytes)])
+                     for i, out in zip(range(start, start + 3), outs)]
+            self.assertEqual(tier.read_async(reads, keepalive=outs).result(30), [True] * 3)
+            for i, out in zip(range(start, start + 3), outs):
+                np.testing.assert_array_equal(out, blocks[i])
+        self.assertEqual(tier.block_hashes(), [b"k6", b"k7", b"k8"])
+        self.assertEqual(tier.stats.evictions, 6)
+        self.assertEqual(sorted(os.listdir(tier._blocks)),
+                         sorted(h.hex() + ".kvb" for h in (b"k6", b"k7", b"k8")))
+        self.assertEqual(os.listdir(tier._tmp), [])
+        self.assertLessEqual(len(tier._fds), max_open_files)
+        tier.close()
+        again = _tier(directory, capacity_bytes=capacity)      # a restart reads them too
+        out = np.zeros_like(blocks[0])
+        for i in (6, 7, 8):
+            self.assertTrue(again.get(b"k%d" % i, out))
+            np.testing.assert_array_equal(out, blocks[i])
+        again.close()
+
+    @parameterized.parameters("files", "nixl")
+    def test_batch_with_missing_and_corrupt_blocks(self, backend):
+        if backend == "nixl" and not nixl_available():
+            self.skipTest("NIXL is not installed")
+        tier = _tier(self.create_tempdir().full_path, backend=backend)
+        blocks = [_block(200 + i, tier) for i in range(6)]
+        for i, block in enumerate(blocks):
+            self.assertTrue(tier.put(b"b%d" % i, block))
+        with open(tier.path_of(b"b2"), "r+b") as handle:        # the cached fd sees it
+            handle.seek(_file._HEADER_BYTES + 7)
+            handle.write(b"\xff\x00")
+        names = [b"b0", b"b1", b"b2", b"nope", b"b4", b"b5"]
+        outs = [np.zeros_like(blocks[0]) for _ in names]
+        items = [(h, [(o.ctypes.data, o.nbytes)]) for h, o in zip(names, outs)]
+        self.assertEqual(tier.read_async(items, keepalive=outs).result(30),
+                         [True, True, False, False, True, True])
+        for i in (0, 1, 4, 5):
+            np.testing.assert_array_equal(outs[i], blocks[i])
+        self.assertEqual(tier.stats.corrupt, 1)
+        self.assertFalse(tier.contains(b"b2"))
+        self.assertNotIn(b"b2", tier._fds)
+        tier.close()
+
+    def test_waiting_caller_runs_a_queued_operation(self):
+        import concurrent.futures
+        import threading
+
+        tier = _tier(self.create_tempdir().full_path, num_workers=1)
+        gate = concurrent.futures.Future()
+        block = _block(7, tier)
+        out = np.zeros_like(block)
+        blocked = tier.read_async([(b"x", [(out.ctypes.data, out.nbytes)])], after=[gate])
+        threads = []
+        original = tier._write_batch
+
+        def spy(*args):
+            threads.append(threading.current_thread())
+            return original(*args)
+
+        tier._write_batch = spy
+        write = tier.write_async([(b"x", [(block.ctypes.data, block.nbytes)])])
+        self.assertEqual(write.result(10), [True])            # the one worker is busy
+        self.assertEqual(threads, [threading.current_thread()])
+        self.assertFalse(blocked.done())
+        gate.set_result(None)
+        self.assertEqual(blocked.result(10), [True])
+        np.testing.assert_array_equal(out, block)
+        tier.close()
+
+
 if __name__ == "__main__":
     absltest.main()

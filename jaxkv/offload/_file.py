@@ -8,11 +8,14 @@ the model id, the cache geometry, dtype, layout and TP arrangement, so an engine
 model or shape never sees (let alone loads) these blocks; every header repeats it and is checked
 on read.
 
-Writes go to a temporary file, are fsynced and then renamed into place (`os.replace`): a crash
-never leaves a half-written block visible. Reads verify an xxh3-128 checksum of the payload; a
-mismatch is a miss and the file is quarantined. Payload bytes move through NIXL's POSIX backend
-when NIXL is importable (``backend="nixl"``) or through ``os.pwritev`` / ``os.preadv``
-(``backend="files"``), directly between the caller's memory and the file.
+Writes go to a temporary file, are synced (``fdatasync``) and then renamed into place
+(`os.replace`): a crash never leaves a half-written block visible. Reads verify an xxh3-128
+checksum of the payload; a mismatch is a miss and the file is quarantined. Header and payload
+move in one ``os.preadv`` / ``os.pwritev`` per block (``backend="files"``, the default) or one
+NIXL POSIX transfer per batch (``backend="nixl"``), directly between the caller's memory and
+the file. Published files are immutable; the tier keeps an LRU of open fds, and a write that
+evicts a block reuses its file (renamed into ``tmp/`` at once, overwritten in place, synced,
+renamed to the new name), which avoids an unlink and new block allocation per write.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ FORMAT_VERSION = 1
 _MAGIC = b"JAXKVBK1"
 _HEADER_BYTES = 4096  # The payload starts here (page aligned).
 _SUFFIX = ".kvb"
-_PARALLEL_MIN_BLOCKS = 4  # Reads of at least this many blocks are split over two threads.
 
 Region = tuple[int, int]
 """``(address, nbytes)`` of host memory."""
@@ -376,8 +378,9 @@ class FileTier:
         blocks are removed to make room.
       tp_size: the TP size of the pool the blocks come from (the payload holds the shards in
         head order).
-      backend: "auto" (NIXL's POSIX backend when NIXL is importable, else plain files),
-        "nixl" or "files".
+      backend: "files" (``os.preadv`` / ``os.pwritev``), "nixl" (NIXL's POSIX backend: one
+        transfer per batch, files registered once while open) or "auto" (= "files": faster
+        for host memory, measured in benchmarks/RESULTS.md).
       num_workers: I/O threads.
       durable: fsync each block file and the directory before the block becomes visible.
       create: create `directory` when missing (otherwise a missing directory is an error).
@@ -450,9 +453,9 @@ class FileTier:
         for path in (self._blocks, self._tmp, self._quarantine):
             os.makedirs(path, exist_ok=True)
         if backend == "auto":
-            from jaxkv.transfer import nixl_available
-
-            backend = "nixl" if nixl_available() else "files"
+            # The payload is host memory (the host pool), where NIXL's POSIX backend does what
+            # preadv/pwritev do, with more overhead: benchmarks/RESULTS.md, "Offload tiers".
+            backend = "files"
         if backend == "nixl":
             self._io: _FilesIO | _NixlIO = _NixlIO()
         elif backend == "files":
@@ -1015,27 +1018,15 @@ class FileTier:
               ) -> list[BlockCorruptError | None]:
         """Reads and verifies blocks; returns the check failure of each (None: verified).
 
-        Plain files: each block is checksummed right after its read (while it is in cache),
-        and the second half of a batch runs on a helper thread (preadv and xxhash release the
-        GIL, so two cores share the work). NIXL: one transfer, then the checks, split alike.
+        Plain files: each block is checksummed right after its read, while it is in cache.
+        NIXL: one transfer for the batch, then the checks. (Splitting a batch over two
+        threads was measured: no faster on the 2-core benchmark VM, so it is not done.)
         """
         if isinstance(self._io, _NixlIO):
             got = self._io.read_many([job for _, job in blocks], deadline)
             work = [(block_hash, job, n) for (block_hash, job), n in zip(blocks, got)]
         else:
             work = [(block_hash, job, None) for block_hash, job in blocks]
-        if len(work) < _PARALLEL_MIN_BLOCKS:
-            return self._check_many(work, deadline)
-        half = len(work) // 2
-        second = self._helpers.submit(self._check_many, work[half:], deadline)
-        try:
-            first = self._check_many(work[:half], deadline)
-        finally:
-            rest = second.result(max(0.0, deadline - time.monotonic()))
-        return first + rest
-
-    def _check_many(self, work: Sequence[tuple[bytes, _Job, int | None]], deadline: float
-                    ) -> list[BlockCorruptError | None]:
         out: list[BlockCorruptError | None] = []
         for block_hash, job, got in work:
             if got is None:
@@ -1062,7 +1053,7 @@ class FileTier:
     def _verify(self, block_hash: bytes, job: _Job, got: int) -> None:
         """Checks a read block's header and checksum; raises BlockCorruptError."""
         path = self.path_of(block_hash)
-        head = bytes(job.head[:min(got, _HEADER_BYTES)])
+        head = memoryview(job.head)[:min(got, _HEADER_BYTES)]
         if len(head) < 12 or head[:8] != _MAGIC:
             raise BlockCorruptError(f"{path}: not a jaxkv block file (bad magic)")
         length = int.from_bytes(head[8:12], "little")
