@@ -137,11 +137,12 @@ class LoweringTest(parameterized.TestCase):
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
 class TransferJitTest(tt.TransferTestBase):
-    def start_jit_producer(self, tp):
+    def start_jit_producer(self, tp, engine_kwargs=None):
         ctx = multiprocessing.get_context("spawn")
         parent, child = ctx.Pipe()
         process = ctx.Process(target=tt.jit_producer_main,
-                              args=(child, SPEC, tp, NUM_BLOCKS, ITERS), daemon=True)
+                              args=(child, SPEC, tp, NUM_BLOCKS, ITERS, engine_kwargs),
+                              daemon=True)
         process.start()
         child.close()
         self._children.append((process, parent))
@@ -189,6 +190,61 @@ class TransferJitTest(tt.TransferTestBase):
             if freed:
                 break
         self.assertEqual((pinned, freed), (0, ["req-jit"]))
+
+    @parameterized.parameters((True, False, 1, 1), (True, True, 1, 1), (False, True, 2, 2),
+                              (True, True, 2, 1))
+    def test_jitted_steps_with_host_staging(self, p_staged, d_staged, p_tp, d_tp):
+        # Producer staged: the publishing callback only queues the publication (no JAX in a
+        # callback); the producer loop's next poll() copies the written blocks (from the
+        # cache handed to update_cache) to the host mirror and announces them. Consumer
+        # staged: the in-jit wait answers -2 and poll() outside jit scatters the mirror to
+        # the device cache. Either way the bytes are those of the slow write, bit for bit.
+        conn = self.start_jit_producer(p_tp, dict(host_staging=p_staged))
+        self.ready(conn)
+        params, p_handle = self.call(conn, "pin", "req-jit", REMOTE_IDS)
+        self.assertTrue(params.layerwise)
+        spec = KVCacheSpec(**SPEC)
+        engine, cache, _ = self.consumer(spec, d_tp, host_staging=d_staged)
+        buffers = cache.shard_buffers()
+        engine.start_read(params, LOCAL_IDS)
+        for _ in range(50):  # subscribed, nothing published: nothing can arrive
+            result = engine.poll()
+            self.assertEqual((result.finished, result.failed), ([], []))
+        conn.send(("prefill", p_handle, ops.pad_block_ids(REMOTE_IDS), 100))  # not awaited
+        decode = make_decode_step(engine)
+        handle = engine.handle("req-jit")
+        cache, blocks, status = decode(engine.caches[0], ops.pad_block_ids(LOCAL_IDS),
+                                       np.int32(handle))
+        cache.verify_unmoved(buffers)
+        engine.update_cache(cache)
+        finished, failed = [], []
+        if d_staged:
+            self.assertEqual(int(status), -2)  # the scatter to the device needs poll()
+            self.assertFalse(np.asarray(blocks[0]).view(np.uint32).any())  # ids masked
+            finished, failed = self.wait(engine, ["req-jit"])
+            blocks = engine.caches[0].gather_blocks(ops.pad_block_ids(LOCAL_IDS))
+        else:
+            self.assertEqual(int(status), 1)
+        for index, got in enumerate(blocks):
+            want = tt.slow_values_numpy((len(REMOTE_IDS), *got.shape[1:]), 100 + index, ITERS)
+            np.testing.assert_array_equal(kv_testing.bits(np.asarray(got))[: len(LOCAL_IDS)],
+                                          want, err_msg=f"array {index}")
+        if not conn.poll(WAIT_S):
+            raise TimeoutError("the producer's step did not return")
+        self.assertEqual(conn.recv(), 1)  # the callback accepted the publication
+        deadline = time.monotonic() + WAIT_S
+        while "req-jit" not in finished and not failed and time.monotonic() < deadline:
+            result = engine.poll()
+            finished += result.finished
+            failed += result.failed
+        self.assertEqual((finished, failed), (["req-jit"], []))
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            pinned, freed, _, staged = self.call(conn, "state")
+            if freed:
+                break
+        self.assertEqual((pinned, freed), (0, ["req-jit"]))
+        self.assertLen(staged, 1)  # one publication (every layer at once), from poll()
 
     def test_wait_refuses_requests_that_need_jax(self):
         # a layout change needs post-processing (JAX): the wait says -2, poll finishes it

@@ -513,10 +513,14 @@ def make_prefill_step(engine, iters):
     return prefill
 
 
-def jit_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: int) -> None:
+def jit_producer_main(
+    conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: int, engine_kwargs=None
+) -> None:
     """A producer process whose prefill step is jitted and publishes from inside jit:
     ("pin", request_id, block_ids) -> (params, handle); ("prefill", handle, padded_ids, seed)
-    -> the callback's status (after the step finished); ("state",) as `producer_main`."""
+    -> the callback's status (after the step finished); ("state",) -> (pinned, freed, stats
+    summary, staging seconds per publication). `engine_kwargs` go to the `KVTransferEngine` (e.g. ``host_staging=True``: the callback
+    defers the copy to the host mirror to the loop's next `poll`)."""
     child_env(tp)
     import jax
 
@@ -527,7 +531,7 @@ def jit_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: 
     config = EngineConfig(spec, tp)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
     freed: list[str] = []
-    with KVTransferEngine("prefill", config) as engine:
+    with KVTransferEngine("prefill", config, **(engine_kwargs or {})) as engine:
         cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
         engine.register_cache(cache)
         prefill = make_prefill_step(engine, iters)
@@ -546,7 +550,8 @@ def jit_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: 
                     engine.update_cache(cache)
                     conn.send(int(status))
                 elif command[0] == "state":
-                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(), 0))
+                    staged = [p.staged_s for p in engine.stats.publications]
+                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(), staged))
             freed.extend(engine.poll().freeable)
 
 

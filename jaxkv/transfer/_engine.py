@@ -86,6 +86,7 @@ __all__ = ["FailedRead", "KVTransferEngine", "PollResult", "TransferParams"]
 
 log = logging.getLogger("jaxkv.transfer")
 _generation_counter = itertools.count()
+_attempt_counter = itertools.count(1)
 _MAX_HANDLES = 1 << 16
 _MAX_OUTCOMES = 4096
 
@@ -198,6 +199,9 @@ class _Reading:
     layer_arrival: dict[int, float] = dataclasses.field(default_factory=dict)  # wall time
     started_wall: float = 0.0
     needs_jax: bool = False  # post-processing or host staging (not inside a host callback)
+    attempt: int = 0  # tags this read's Done / Ack messages
+    # (local rank, remote rank) pairs whose Done travels as the notification of their READ
+    attached: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 
 
 class KVTransferEngine:
@@ -649,6 +653,7 @@ class KVTransferEngine:
         )
         state.layerwise = bool(getattr(params, "layerwise", False))
         state.started_wall = time.time()
+        state.attempt = next(_attempt_counter)
         self._reading[request_id] = state
         self._outcomes.pop(request_id, None)
         local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
@@ -678,7 +683,13 @@ class KVTransferEngine:
                     name = peer.agents[info.agent_name]
                     kind = self._ranks[plan.local_rank].regions[0].memory_kind
                     remote_kind = info.regions[0].memory_kind
-                    state.handles.append((name, self.agent.read(loc, rem, name, kind, remote_kind)))
+                    # The Done of this (local, remote) rank pair rides on the READ: NIXL
+                    # delivers it once the READ completed, so the producer's Ack is not
+                    # delayed by this process noticing the completion first.
+                    done = self._done_message(state, plan.local_rank, remote_rank, ok=True)
+                    handle = self.agent.read(loc, rem, name, kind, remote_kind, notif=done)
+                    state.handles.append((name, handle))
+                    state.attached.add((plan.local_rank, remote_rank))
         except (
             HandshakeError,
             IncompatibleEngineError,
@@ -830,8 +841,9 @@ class KVTransferEngine:
                 elif isinstance(message, Done):
                     self._on_done(message)
                 elif isinstance(message, Ack):
+                    # May come before this process saw its READs complete (Done attached).
                     reading = self._reading.get(message.request_id)
-                    if reading is not None and reading.done_at is not None:
+                    if reading is not None and message.attempt == reading.attempt:
                         reading.acks[(message.producer_rank, message.consumer_rank)] = (
                             message.pinned
                         )
@@ -874,7 +886,13 @@ class KVTransferEngine:
             pinned.expected[message.producer_rank] = message.expected
         target = self._consumers.get(message.agent_name)
         ack = encode_message(
-            Ack(message.request_id, message.producer_rank, message.consumer_rank, live)
+            Ack(
+                message.request_id,
+                message.producer_rank,
+                message.consumer_rank,
+                live,
+                message.attempt,
+            )
         )
         if target is None or not self.agent.send(target, ack):
             self.stats.failed_notifications += 1
@@ -982,27 +1000,37 @@ class KVTransferEngine:
             if not self.agent.send(name, message):
                 self.stats.failed_notifications += 1
 
+    def _done_message(
+        self, state: _Reading, local_rank: int, remote_rank: int, ok: bool
+    ) -> bytes:
+        return encode_message(
+            Done(
+                state.request_id,
+                self.engine_id,
+                self.agent.name,
+                local_rank,
+                remote_rank,
+                self.config.world_size,
+                ok,
+                state.attempt,
+            )
+        )
+
     def _send_done(self, state: _Reading, ok: bool) -> None:
+        """Every consumer rank notifies every producer rank (those whose Done went with
+        their READ, on success, are only counted)."""
         peer = self._peers.get(state.peer)
         if peer is None:
             return
-        expected = self.config.world_size
         state.expected_acks = 0
-        for local_rank in self.local_ranks:  # every consumer rank notifies every producer rank
+        for local_rank in self.local_ranks:
             for remote_rank in range(peer.meta.world_size):
+                if ok and (local_rank, remote_rank) in state.attached:
+                    state.expected_acks += 1
+                    continue
                 info = peer.meta.rank_info(remote_rank)
                 name = peer.agents[info.agent_name]
-                message = encode_message(
-                    Done(
-                        state.request_id,
-                        self.engine_id,
-                        self.agent.name,
-                        local_rank,
-                        remote_rank,
-                        expected,
-                        ok,
-                    )
-                )
+                message = self._done_message(state, local_rank, remote_rank, ok)
                 if self.agent.send(name, message):
                     state.expected_acks += 1
                 else:

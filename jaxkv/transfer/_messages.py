@@ -53,6 +53,9 @@ class Done(msgspec.Struct, tag="done", frozen=True, forbid_unknown_fields=True):
     producer_rank: _Rank
     expected: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     ok: bool
+    # The consumer's read attempt, echoed in `Ack`: answers to an earlier read of the same
+    # request are ignored. Sent attached to the READ itself when the read has data.
+    attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
@@ -63,6 +66,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     producer_rank: _Rank
     consumer_rank: _Rank
     pinned: bool
+    attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
