@@ -8,7 +8,13 @@
   and the block-manager integration (eviction hook, tiered prefix lookup, `load_hit`).
 """
 
-from jaxkv.offload._file import FORMAT_VERSION, FileTier, FileTierStats, file_compat_fields
+from jaxkv.offload._file import (
+    FORMAT_VERSION,
+    FileTier,
+    FileTierStats,
+    TierFuture,
+    file_compat_fields,
+)
 from jaxkv.offload._host import HostPool, offload_blocks, onboard_blocks
 from jaxkv.offload._manager import OffloadManager, OffloadStats
 from jaxkv.offload._ordering import JaxCompletion, SlotOrdering
@@ -39,6 +45,7 @@ __all__ = [
     "SlotKey",
     "SlotOrdering",
     "Tier",
+    "TierFuture",
     "UnknownSlotError",
     "file_compat_fields",
     "offload_blocks",

@@ -353,11 +353,13 @@ class TierFuture(concurrent.futures.Future):
             for task in list(self._tasks):
                 task()
 
-    def result(self, timeout: float | None = None) -> Any:  # noqa: D102 - as Future.
+    def result(self, timeout: float | None = None) -> Any:
+        """As `concurrent.futures.Future.result`, running the operation here if queued."""
         self.run_if_queued()
         return super().result(timeout)
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:  # noqa: D102
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """As `concurrent.futures.Future.exception`, running the operation here if queued."""
         self.run_if_queued()
         return super().exception(timeout)
 
