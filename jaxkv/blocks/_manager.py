@@ -547,6 +547,22 @@ class KVCacheManager:
         del result[run:]  # Only a run starting at block 0 is a (short) hit.
         return result
 
+    def _lookup_bounds(self, request_id: str, max_hit_tokens: int | None) -> tuple[Any, int, int]:
+        """The request's state, its token count and the most tokens a prefix lookup may hit
+        (all but the last token by default, so that one is always computed)."""
+        state = self._request(request_id)
+        if state.allocated:
+            raise BlockError(
+                f"request {request_id!r} already has blocks; look up its prefix before the "
+                "first allocate_slots (free it first to start over)"
+            )
+        num_tokens = state.num_tokens
+        if max_hit_tokens is None:
+            return state, num_tokens, num_tokens - 1
+        if max_hit_tokens < 0:
+            raise BlockError(f"max_hit_tokens must be >= 0, got {max_hit_tokens}")
+        return state, num_tokens, min(int(max_hit_tokens), num_tokens)
+
     def get_computed_blocks(
         self, request_id: str, *, max_hit_tokens: int | None = None
     ) -> CacheHit:
@@ -577,19 +593,7 @@ class KVCacheManager:
           >>> manager.get_computed_blocks("b", max_hit_tokens=4).num_computed_tokens
           4
         """
-        state = self._request(request_id)
-        if state.allocated:
-            raise BlockError(
-                f"request {request_id!r} already has blocks; look up its prefix before the "
-                "first allocate_slots (free it first to start over)"
-            )
-        num_tokens = state.num_tokens
-        if max_hit_tokens is None:
-            limit = num_tokens - 1
-        else:
-            if max_hit_tokens < 0:
-                raise BlockError(f"max_hit_tokens must be >= 0, got {max_hit_tokens}")
-            limit = min(int(max_hit_tokens), num_tokens)
+        state, num_tokens, limit = self._lookup_bounds(request_id, max_hit_tokens)
         epoch = self._pool.cache_epoch
         if state.hasher is None:
             return CacheHit(request_id, self._empty_hit_blocks, 0, epoch)
@@ -666,21 +670,9 @@ class KVCacheManager:
           >>> manager.get_computed_blocks_tiered("b", [("host", host)]).tiers
           ('device', 'device', 'host')
         """
-        state = self._request(request_id)
         if not self._single_full_group:
             raise BlockError("tiered lookups support one full-attention KV-cache group")
-        if state.allocated:
-            raise BlockError(
-                f"request {request_id!r} already has blocks; look up its prefix before the "
-                "first allocate_slots"
-            )
-        num_tokens = state.num_tokens
-        if max_hit_tokens is None:
-            limit = num_tokens - 1
-        else:
-            if max_hit_tokens < 0:
-                raise BlockError(f"max_hit_tokens must be >= 0, got {max_hit_tokens}")
-            limit = min(int(max_hit_tokens), num_tokens)
+        state, num_tokens, limit = self._lookup_bounds(request_id, max_hit_tokens)
         epoch = self._pool.cache_epoch
         if state.hasher is None:
             return TieredCacheHit(CacheHit(request_id, self._empty_hit_blocks, 0, epoch), (), (),
