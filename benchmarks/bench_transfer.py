@@ -1,12 +1,18 @@
 """Benchmarks `jaxkv.transfer`: an end-to-end pull of one request between two processes vs a
-bare NIXL READ of the same bytes as a single descriptor, side by side in one run; and the
-read planner.
+bare NIXL READ of the same bytes as a single descriptor, side by side in one run; the same
+pull with host staging on both sides; and the read planner.
 
-The producer (prefill) process holds a `PagedKVCache` (CPU memory, UCX) and pins each request;
-this process (decode) pulls it with `KVTransferEngine.start_read` / `poll` (planning, posting,
-completion, Done/Ack confirmation included). The bare READ uses the same two agents and moves
-the same number of bytes as one contiguous descriptor. Runs alternate so that both see the
-same machine load. Prints one JSON object (and writes it with ``--json_out``):
+The producer (prefill) process holds two `PagedKVCache` (CPU memory, UCX), one registered
+directly and one through a host mirror (``host_staging=True``), and pins each request; this
+process (decode) pulls it with `KVTransferEngine.start_read` / `poll` (planning, posting,
+completion, Done/Ack confirmation included) into the matching engine. The bare READ uses the
+direct engines' two agents and moves the same number of bytes as one contiguous descriptor.
+Staged pulls add the producer's gather into its mirror (done by `publish_request`, timed in the
+producer and added: ``staged_total``) and the consumer's scatter from its mirror (inside the
+pull). Their physical limit is a bare READ plus two host copies of the same bytes
+(``bare_read_plus_2_copies``: ``np.copyto`` of the request's bytes, timed here). Runs
+alternate so that all see the same machine load. Prints one JSON object (and writes it with
+``--json_out``):
 
   python benchmarks/bench_transfer.py --mib=80 --repeats=10 --json_out=/tmp/bench_transfer.json
 """
@@ -31,7 +37,11 @@ SPEC = dict(
 )  # 0.5 MiB per block
 
 
+MODES = {"direct": False, "staged": True}  # engine name suffix -> host_staging
+
+
 def _producer(conn, num_blocks: int) -> None:
+    """("pin", mode, request_id, block_ids) -> (params, seconds staging to the mirror)."""
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
@@ -39,21 +49,59 @@ def _producer(conn, num_blocks: int) -> None:
 
     spec = KVCacheSpec(**SPEC)
     rng = np.random.default_rng(0)
-    arrays = [
-        rng.integers(0, 1 << 16, spec.array_shape(num_blocks), dtype=np.uint16).view(spec.dtype)
-    ]
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    cache = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
-    with KVTransferEngine("prefill", EngineConfig(spec, 1), lease_s=60.0) as engine:
+    engines = {}
+    for mode, staging in MODES.items():
+        arrays = [
+            rng.integers(0, 1 << 16, spec.array_shape(num_blocks), dtype=np.uint16).view(
+                spec.dtype
+            )
+        ]
+        cache = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
+        engine = KVTransferEngine(
+            f"prefill-{mode}", EngineConfig(spec, 1), lease_s=60.0, host_staging=staging
+        )
         engine.register_cache(cache)
-        conn.send(engine.address)
+        engines[mode] = engine
+    conn.send({mode: engine.address for mode, engine in engines.items()})
+    try:
         while True:
             if conn.poll(0.0002):
                 command = conn.recv()
                 if command[0] == "exit":
                     break
-                conn.send(engine.publish_request(command[1], command[2]))
-            engine.poll()
+                _, mode, request_id, block_ids = command
+                engine = engines[mode]
+                params = engine.publish_request(request_id, block_ids)
+                staged = engine.stats.publications[-1].staged_s
+                conn.send((params, staged))
+            for engine in engines.values():
+                engine.poll()
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _versions() -> dict:
+    """Package versions and the git commit measured (best effort)."""
+    import importlib.metadata
+    import subprocess
+
+    out = {}
+    for name in ("jax", "numpy", "nixl-cu13", "nixl-cu12", "nixl"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def _wait(fn, timeout=60.0):
@@ -68,6 +116,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=80, help="request size (>= 64)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no_staging", action="store_true", help="skip the staged pulls")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
 
@@ -87,12 +136,22 @@ def main(argv=None) -> dict:
     try:
         if not parent.poll(120):
             raise TimeoutError("producer did not start")
-        address = parent.recv()
+        addresses = parent.recv()
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-        cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
-        engine = KVTransferEngine("decode", EngineConfig(spec, 1), read_timeout_s=60.0)
-        engine.register_cache(cache)
-        peer = engine.add_peer("prefill", [address])
+        modes = ["direct"] if args.no_staging else list(MODES)
+        engines = {}
+        for mode in modes:
+            cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
+            engines[mode] = KVTransferEngine(
+                f"decode-{mode}",
+                EngineConfig(spec, 1),
+                read_timeout_s=60.0,
+                host_staging=MODES[mode],
+            )
+            engines[mode].register_cache(cache)
+            engines[mode].add_peer(f"prefill-{mode}", [addresses[mode]])
+        engine = engines["direct"]
+        peer = engine.add_peer("prefill-direct", [addresses["direct"]])
         remote_region = peer.rank_info(0).regions[0]
         local_region = engine.metadata.rank_info(0).regions[0]
         remote_name = next(iter(engine.agent.remote_agents))
@@ -101,28 +160,50 @@ def main(argv=None) -> dict:
             "contiguous": (np.arange(n), np.arange(n) + n),
             "fragmented": (rng.permutation(num_blocks)[:n], rng.permutation(num_blocks)[:n]),
         }
-        times = {"bare_read": [], **{f"jaxkv_{k}": [] for k in layouts}}
+        runs = {
+            (mode, name): "jaxkv_" + name + ("" if mode == "direct" else f"_{mode}")
+            for mode in modes
+            for name in layouts
+        }
+        times = {"bare_read": [], **{label: [] for label in runs.values()}}
+        if "staged" in modes:
+            times.update(
+                {"numpy_copy": [], **{f"staged_total_{name}": [] for name in layouts}}
+            )
+            copy_src = np.random.default_rng(2).integers(0, 255, n * block, dtype=np.uint8)
+            copy_dst = np.empty_like(copy_src)
+            np.copyto(copy_dst, copy_src)  # touch the pages once
         descriptors = {}
         nbytes = n * block
         for rep in range(args.repeats + 1):
-            for name, (remote_ids, local_ids) in layouts.items():
-                parent.send(("pin", f"{name}-{rep}", remote_ids.tolist()))
-                params = parent.recv()
+            for (mode, name), label in runs.items():
+                remote_ids, local_ids = layouts[name]
+                reader = engines[mode]
+                parent.send(("pin", mode, f"{name}-{mode}-{rep}", remote_ids.tolist()))
+                params, staged_s = parent.recv()
                 start = time.perf_counter()
-                engine.start_read(params, local_ids.tolist())
+                reader.start_read(params, local_ids.tolist())
                 finished = []
 
-                def done(finished=finished):
-                    result = engine.poll()
+                def done(finished=finished, reader=reader):
+                    result = reader.poll()
                     finished += result.finished
                     if result.failed:
                         raise RuntimeError(result.failed)
                     return finished
 
                 _wait(done)
+                elapsed = time.perf_counter() - start
                 if rep:
-                    times[f"jaxkv_{name}"].append(time.perf_counter() - start)
-                descriptors[name] = engine.stats.records[-1].descriptors
+                    times[label].append(elapsed)
+                    if mode == "staged":
+                        times[f"staged_total_{name}"].append(elapsed + staged_s)
+                descriptors[name] = reader.stats.records[-1].descriptors
+            if "staged" in modes:
+                start = time.perf_counter()
+                np.copyto(copy_dst, copy_src)
+                if rep:
+                    times["numpy_copy"].append(time.perf_counter() - start)
             local = np.array([[local_region.base_address, nbytes, 0]], dtype=np.uint64)
             remote = np.array([[remote_region.base_address, nbytes, 0]], dtype=np.uint64)
             start = time.perf_counter()
@@ -183,6 +264,7 @@ def main(argv=None) -> dict:
                 "platform": platform.platform(),
                 "cpus": os.cpu_count(),
                 "UCX_TLS": os.environ.get("UCX_TLS"),
+                **_versions(),
             },
             "request": {
                 "bytes": nbytes,
@@ -197,6 +279,7 @@ def main(argv=None) -> dict:
                 "best": min(plan_times) * 1e3,
             },
             "stats": engine.stats.summary(),
+            "stats_staged": engines["staged"].stats.summary() if "staged" in engines else None,
         }
         bare = statistics.median(times["bare_read"])
         out["checks"] = {
@@ -206,8 +289,37 @@ def main(argv=None) -> dict:
             }
             for k in layouts
         }
+        # The same ratios per repetition (each pull against the bare READ of its own
+        # repetition): less sensitive to load changing during the run.
+        for k in layouts:
+            paired = [b / t for b, t in zip(times["bare_read"], times[f"jaxkv_{k}"])]
+            out["checks"][f"jaxkv_{k}_vs_bare_read"]["paired_median_ratio"] = statistics.median(
+                paired
+            )
+        if "staged" in modes:
+            copy = statistics.median(times["numpy_copy"])
+            limit = bare + 2 * copy
+            out["results"]["bare_read_plus_2_copies"] = summary(
+                [b + 2 * c for b, c in zip(times["bare_read"], times["numpy_copy"])]
+            )
+            for k in layouts:
+                direct = statistics.median(times[f"jaxkv_{k}"])
+                staged = statistics.median(times[f"staged_total_{k}"])
+                out["checks"][f"staged_{k}"] = {
+                    "vs_bare_read": bare / staged,
+                    "vs_direct": direct / staged,
+                    "vs_bare_read_plus_2_copies": limit / staged,
+                    "producer_gather_ms": 1e3
+                    * statistics.median(
+                        [
+                            t - p
+                            for t, p in zip(times[f"staged_total_{k}"], times[f"jaxkv_{k}_staged"])
+                        ]
+                    ),
+                }
         out["checks"]["planning_under_5ms"] = {"pass": statistics.median(plan_times) < 0.005}
-        engine.close()
+        for reader in engines.values():
+            reader.close()
     finally:
         parent.send(("exit",))
         process.join(timeout=10)

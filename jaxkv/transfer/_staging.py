@@ -59,6 +59,9 @@ class HostMirror:
         for b in cache.shard_buffers():
             self.buffers[(b.array_index, b.device.id)] = _aligned(b.nbytes)
         self._dense: dict[int, tuple] = {}  # padded length -> reusable gather output
+        # (array, device, padded length) -> reusable host rows for `stage_in` (fresh pages
+        # on every call cost more than the copies themselves)
+        self._rows_in: dict[tuple[int, int, int], np.ndarray] = {}
 
     def address(self, array_index: int, device_id: int) -> int:
         """Base address of the mirror of one device buffer."""
@@ -112,7 +115,7 @@ class HostMirror:
         self._dense[len(padded)] = dense
 
     def stage_in(self, cache: Any, block_ids: Sequence[int]) -> Any:
-        """Copies blocks mirror -> device (the consumer side), in place.
+        """Copies blocks mirror -> device (the consumer side), in place, waiting for the copy.
 
         Args:
           cache: the current version of the mirrored cache (consumed).
@@ -135,12 +138,21 @@ class HostMirror:
             for shard in array.addressable_shards:
                 local_shape = shard.data.shape[1:]
                 width = np.dtype(f"u{array.dtype.itemsize}")
-                rows = np.zeros((len(padded), *local_shape), dtype=width)
-                rows[: len(ids)] = self._rows(index, shard.device.id, local_shape, width)[ids]
+                key = (index, shard.device.id, len(padded))
+                rows = self._rows_in.get(key)
+                if rows is None:
+                    count = len(padded) * int(np.prod(local_shape))
+                    rows = _aligned(count * width.itemsize).view(width)
+                    rows = rows.reshape(len(padded), *local_shape)
+                    self._rows_in[key] = rows
+                # Padding rows (ids -1) are skipped by the scatter: left as they are.
+                source = self._rows(index, shard.device.id, local_shape, width)
+                np.take(source, ids, axis=0, out=rows[: len(ids)])
                 pieces.append(jax.device_put(rows.view(array.dtype), shard.device))
             dense.append(
                 jax.make_array_from_single_device_arrays(
                     (len(padded), *array.shape[1:]), array.sharding, pieces
                 )
             )
-        return cache.scatter_blocks(dense, padded)
+        # Wait: the next call refills the same host rows, which a pending copy may still read.
+        return cache.scatter_blocks(dense, padded).block_until_ready()
