@@ -22,6 +22,7 @@ from jaxkv.demo import (  # noqa: E402
     run_colocated,
     write_tokens,
 )
+from jaxkv.demo._engines import RequestResult, wait_ready  # noqa: E402
 from jaxkv.demo._model import _per_head, _rms_norm, _rope  # noqa: E402
 
 SMALL = ModelConfig(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -162,6 +163,64 @@ class ColocatedTest(absltest.TestCase):
             self.assertEqual(a[rid]["tokens"], b[rid]["tokens"])
             np.testing.assert_array_equal(bits(a[rid]["kv"]), bits(b[rid]["kv"]))
         self.assertEqual(a["req-1"]["prefill_hit_tokens"], 16)
+
+
+class StepPollingTest(absltest.TestCase):
+    """A step dispatched asynchronously while the caller polls gives the blocking result."""
+
+    def test_dispatch_then_wait_ready_equals_run(self):
+        spec = SMALL.kv_spec(8, "THD", "bfloat16")
+        mesh = make_mesh(jax.devices()[:1])
+        tokens = [[5, 7, 9, 11] + [0] * 60]
+        positions = [[0, 1, 2, 3] + [-1] * 60]
+        a = ModelRunner(SMALL, spec, mesh, num_blocks=8, max_len=64)
+        b = ModelRunner(SMALL, spec, mesh, num_blocks=8, max_len=64)
+        expected, _ = a.run(tokens, positions, [[1]])
+        calls = []
+        next_tokens, _ = b.dispatch(tokens, positions, [[1]])
+        wait_ready([next_tokens, *b.cache.arrays], lambda: calls.append(1))
+        np.testing.assert_array_equal(np.asarray(next_tokens), expected)
+        self.assertGreaterEqual(len(calls), 1)  # polled at least once before returning
+        np.testing.assert_array_equal(bits(np.asarray(a.cache.arrays[0])),
+                                      bits(np.asarray(b.cache.arrays[0])))
+
+    def test_wait_ready_times_out(self):
+        class NeverReady:
+            def is_ready(self):
+                return False
+
+        with self.assertRaises(TimeoutError):
+            wait_ready([NeverReady()], lambda: None, timeout_s=-1.0)
+
+
+class LikeForLikeReportTest(absltest.TestCase):
+    def test_medians_of_requests_of_the_bare_reads_size(self):
+        from jaxkv.demo._report import _like_for_like
+
+        done = [
+            RequestResult("req-0", status="done", bytes=4096, nixl_descriptors=4, read_s=0.004,
+                          transfer_s=0.006),
+            RequestResult("req-1", status="done", bytes=4096, nixl_descriptors=4, read_s=0.002,
+                          transfer_s=0.004),
+            RequestResult("req-2", status="done", bytes=4096, nixl_descriptors=4, read_s=0.003,
+                          transfer_s=0.008),
+            RequestResult("req-3", status="done", bytes=4096, descriptors=1, read_s=0.5,
+                          transfer_s=0.5),  # other descriptors: not compared
+        ]
+        bare = {"same_descriptors": {"bytes": 4096, "descriptors": 4, "median_s": 0.001,
+                                     "MBps": 4.096},
+                "one_descriptor": {"bytes": 4096, "descriptors": 1, "median_s": 0.0005,
+                                   "MBps": 8.192}}
+        like = _like_for_like(done, bare)
+        self.assertEqual(like["requests"], 3)
+        self.assertEqual(like["read_ms"], 3.0)
+        self.assertEqual(like["transfer_ms"], 6.0)
+        self.assertEqual(like["confirm_ms"], 2.0)
+        self.assertEqual(like["bare_same_descriptors_ms"], 1.0)
+        self.assertEqual(like["bare_one_descriptor_ms"], 0.5)
+        self.assertAlmostEqual(like["read_vs_bare"], 3.0)
+        self.assertAlmostEqual(like["transfer_vs_bare"], 6.0)
+        self.assertIsNone(_like_for_like(done, None))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,15 @@ class DisaggregatedTest(parameterized.TestCase):
         moved = report["transfer"]
         self.assertGreater(moved["bytes"], 0)
         self.assertGreater(moved["descriptors"], 0)
+        # the bare READ replays one request's descriptors: same bytes and descriptor count
+        like = moved["like_for_like"]
+        sizes = {(r["bytes"], r["nixl_descriptors"]) for r in report["requests"]}
+        self.assertIn((like["bytes"], like["descriptors"]), sizes)
+        same = moved["bare_nixl_read"]["same_descriptors"]
+        self.assertEqual((same["bytes"], same["descriptors"]),
+                         (like["bytes"], like["descriptors"]))
+        one = moved["bare_nixl_read"]["one_descriptor"]
+        self.assertBetween(one["bytes"], 1, like["bytes"])  # capped by the largest region
 
     @parameterized.parameters(
         # (prefill_tp, decode_tp, prefill_layout, decode_layout, prefill_bs, decode_bs)

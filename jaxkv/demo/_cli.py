@@ -53,6 +53,16 @@ flags.DEFINE_integer(
     "0 = off.",
 )
 flags.DEFINE_float("read_timeout_s", 20.0, "Deadline of one request's read and confirmation.")
+flags.DEFINE_bool(
+    "poll_during_steps", True,
+    "Dispatch each model step asynchronously and poll the transfer engine until it is done "
+    "(off: steps block and transfers progress only between them).",
+)
+flags.DEFINE_bool(
+    "nixl_progress_thread", False,
+    "Create the NIXL agents with a progress thread (off: the engines poll; faster on small "
+    "CPU machines).",
+)
 flags.DEFINE_float("timeout_s", 300.0, "Deadline of the whole serving phase.")
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
 flags.DEFINE_string("plot_out", None, "Write a PNG of the TTFT split (needs matplotlib).")
@@ -115,7 +125,8 @@ def main(argv) -> int:
             head_dim=FLAGS.head_dim, vocab_size=FLAGS.vocab_size, backend=FLAGS.backend,
             request_interval_s=FLAGS.request_interval_s,
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
-            timeout_s=FLAGS.timeout_s,
+            timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
+            nixl_progress_thread=FLAGS.nixl_progress_thread,
         )
         settings.model().kv_spec(settings.prefill_block_size, settings.prefill_layout,
                                  settings.dtype)

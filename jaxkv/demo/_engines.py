@@ -72,6 +72,8 @@ class DemoSettings:
     request_interval_s: float = 0.0
     kill_prefill_after: int = 0
     read_timeout_s: float = 20.0
+    poll_during_steps: bool = True
+    nixl_progress_thread: bool = False
     lease_s: float = 30.0
     timeout_s: float = 300.0
 
@@ -126,7 +128,8 @@ class RequestResult:
     decode_hit_tokens: int = 0
     blocks_read: int = 0
     bytes: int = 0
-    descriptors: int = 0
+    descriptors: int = 0  # as planned (a strided row counts once)
+    nixl_descriptors: int = 0  # as posted to NIXL (strided rows expanded)
     queue_s: float = 0.0
     prefill_s: float = 0.0
     handshake_s: float = 0.0
@@ -155,6 +158,42 @@ def make_prompts(settings: DemoSettings) -> list[list[int]]:
         prefix + rng.integers(0, settings.vocab_size, rest).tolist()
         for _ in range(settings.num_requests)
     ]
+
+
+STEP_TIMEOUT_S = 120.0
+"""Deadline of one model step while the caller polls its transfer engine meanwhile."""
+
+POLL_INTERVAL_S = 0.0005
+"""Sleep between two polls of the transfer engine while a step computes."""
+
+
+def wait_ready(arrays, idle: Callable[[], Any] | None, timeout_s: float = STEP_TIMEOUT_S) -> None:
+    """Waits until every JAX array in `arrays` is ready, calling `idle` (e.g. a transfer
+    engine's poll) in between: JAX dispatches a step asynchronously, so this process keeps
+    serving or receiving transfers while it computes. Without `idle`, a plain block.
+
+    Raises:
+      TimeoutError: not ready within `timeout_s` seconds.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> calls = []
+      >>> wait_ready([jnp.ones(3) * 2], lambda: calls.append(1))
+      >>> isinstance(calls, list)
+      True
+    """
+    if idle is None:
+        for a in arrays:
+            a.block_until_ready()
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        idle()
+        if all(a.is_ready() for a in arrays):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a model step did not finish within {timeout_s:.0f}s")
+        time.sleep(POLL_INTERVAL_S)
 
 
 def _chunk(n: int) -> int:
@@ -189,8 +228,11 @@ class _Engine:
         self.slots: list[str | None] = [None] * settings.decode_batch
         self.state: dict[str, dict[str, Any]] = {}
 
-    def prefill(self, request_id: str, prompt: list[int]) -> tuple[int, int]:
-        """Computes the prompt past its cached prefix; returns (first token, hit tokens)."""
+    def prefill(
+        self, request_id: str, prompt: list[int], idle: Callable[[], Any] | None = None
+    ) -> tuple[int, int]:
+        """Computes the prompt past its cached prefix; returns (first token, hit tokens).
+        `idle` is called repeatedly while the step computes (see `wait_ready`)."""
         m = self.manager
         m.add_request(request_id, prompt)
         hit = m.get_computed_blocks(request_id)
@@ -204,8 +246,9 @@ class _Engine:
         tokens[0, :n] = prompt[start:]
         positions[0, :n] = np.arange(start, len(prompt))
         table = m.get_block_ids(request_id)[0]
-        next_tokens, _ = self.runner.run(tokens, positions, [table])
-        return int(next_tokens[0, n - 1]), start
+        next_tokens, _ = self.runner.dispatch(tokens, positions, [table])
+        wait_ready([next_tokens, *self.runner.cache.arrays], idle)
+        return int(np.asarray(next_tokens)[0, n - 1]), start
 
     def warm_up(self) -> None:
         """Compiles the prefill chunk sizes the run will use (padding only: writes nothing)."""
@@ -229,9 +272,10 @@ class _Engine:
         self.slots[slot] = request_id
         self.state[request_id] = {"prompt_len": prompt_len, "tokens": [first_token]}
 
-    def decode_step(self) -> list[str]:
+    def decode_step(self, idle: Callable[[], Any] | None = None) -> list[str]:
         """One greedy step of every occupied slot; returns the requests that finished (their
-        slots are free again, their blocks still allocated)."""
+        slots are free again, their blocks still allocated). `idle` is called repeatedly
+        while the step computes (see `wait_ready`)."""
         b = len(self.slots)
         tokens = np.zeros((b, 1), np.int32)
         positions = np.full((b, 1), -1, np.int32)
@@ -250,7 +294,9 @@ class _Engine:
             tables[i] = self.manager.get_block_ids(rid)[0]
         if all(s is None for s in self.slots):
             return []
-        next_tokens, _ = self.runner.run(tokens, positions, tables)
+        next_tokens, _ = self.runner.dispatch(tokens, positions, tables)
+        wait_ready([next_tokens, *self.runner.cache.arrays], idle)
+        next_tokens = np.asarray(next_tokens)
         for i, rid in enumerate(self.slots):
             if rid is None:
                 continue
@@ -328,6 +374,12 @@ def _child_env(settings: DemoSettings, num_devices: int) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def _agent_options(settings: DemoSettings):
+    from jaxkv.transfer import AgentOptions
+
+    return AgentOptions(progress_thread=settings.nixl_progress_thread)
+
+
 def prefill_main(conn, settings_kwargs: dict) -> None:
     """The prefill process (spawned): serves ``("request", id, prompt, arrival)`` and
     ``("exit",)`` from `conn`; answers ``("ready", address)`` once compiled, then
@@ -348,11 +400,21 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     engine.warm_up()
     config = EngineConfig(engine.runner.spec, settings.prefill_tp)
     queue: list[tuple[str, list[int]]] = []
-    with KVTransferEngine("prefill", config, lease_s=settings.lease_s) as transfer:
+    with KVTransferEngine(
+        "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s
+    ) as transfer:
         transfer.register_cache(engine.runner.cache)
+
+        def serve_transfers() -> None:
+            # Serves the decode side's READs and confirmations (UCX over TCP without a
+            # progress thread moves data only while someone polls) and frees the blocks of
+            # confirmed requests; called between requests and while a prefill step computes.
+            for rid in transfer.poll().freeable:
+                engine.manager.free(rid)
+
         conn.send(("ready", transfer.address))
         while True:
-            if conn.poll(0 if queue else 0.002):
+            if conn.poll(0 if queue else POLL_INTERVAL_S):  # idle: keep confirmations short
                 command = conn.recv()
                 if command[0] == "exit":
                     break
@@ -361,7 +423,9 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
                 rid, prompt = queue.pop(0)
                 start = time.monotonic()
                 try:
-                    first, hit = engine.prefill(rid, prompt)
+                    first, hit = engine.prefill(
+                        rid, prompt, serve_transfers if settings.poll_during_steps else None
+                    )
                     engine.runner.cache.block_until_ready()
                     transfer.update_cache(engine.runner.cache)  # raises if a buffer moved
                     params = transfer.publish_request(rid, engine.manager.get_block_ids(rid)[0])
@@ -369,49 +433,129 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
                     conn.send(("error", rid, f"{type(error).__name__}: {error}"))
                     continue
                 conn.send(("published", rid, params, first, hit, start, time.monotonic()))
-            for rid in transfer.poll().freeable:
-                engine.manager.free(rid)
+            serve_transfers()
 
 
 # -- the decode process ------------------------------------------------------------------------
 
 
-def _bare_read(transfer, peer_meta, nbytes: int, repeats: int = 5) -> dict[str, Any] | None:
-    """Times a bare NIXL READ of `nbytes` as one descriptor from the prefill cache's largest
-    region into a scratch buffer of this process (registered for the purpose), with the
-    agents the transfer engine already connected."""
-    remote_agents = sorted(transfer.agent.remote_agents)
-    if peer_meta is None or not remote_agents:
-        return None
-    regions = [r for info in peer_meta.ranks for r in info.regions]
-    region = max(regions, key=lambda r: r.block_len * r.num_blocks)
-    size = min(int(nbytes), region.block_len * region.num_blocks)
-    if size <= 0:
-        return None
-    remote_name = remote_agents[0]
-    scratch = np.zeros(size, np.uint8)
-    key = (scratch.ctypes.data, size, 0, "DRAM")
-    transfer.agent.register([key])
+def _time_reads(agent, posts, repeats: int, timeout_s: float = 10.0) -> list[float] | None:
+    """Posts every READ of `posts` (``(local, remote, remote agent, local kind, remote
+    kind)``) together and spins on their states until all are DONE, `repeats` times; returns
+    the wall times (None if one failed or timed out)."""
     times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        handles = [agent.read(loc, rem, name, kind, rkind) for loc, rem, name, kind, rkind in posts]
+        deadline = time.monotonic() + timeout_s
+        states = ["PROC"]
+        while "PROC" in states and time.monotonic() <= deadline:
+            states = [agent.state(h) for h in handles]
+        elapsed = time.perf_counter() - start
+        for h in handles:
+            agent.release(h)
+        if any(st != "DONE" for st in states):
+            return None
+        times.append(elapsed)
+    return times
+
+
+def _summary(times: list[float], nbytes: int, descriptors: int, reads: int) -> dict[str, Any]:
+    median = float(np.median(times))
+    return {
+        "bytes": int(nbytes), "descriptors": int(descriptors), "reads": int(reads),
+        "median_s": median, "min_s": float(np.min(times)), "MBps": nbytes / median / 1e6,
+        "repeats": len(times),
+    }
+
+
+def _bare_reads(
+    transfer, peer_meta, sample: dict[str, Any] | None, repeats: int = 20
+) -> dict[str, Any] | None:
+    """Times bare NIXL READs with the agents the transfer engine already connected, at the
+    end of the run (the prefill process idle, polling):
+
+    * ``same_descriptors``: the READs the transfer engine posted for the request `sample`
+      (``{"remote_ids", "local_ids"}``): the same remote blocks, the same descriptor list
+      (planned with `jaxkv.transfer.plan_read`), one READ per (local rank, remote rank) like
+      the engine, but into a scratch copy of this process's registered regions (same
+      offsets) and without notifications, Python bookkeeping or confirmation: what the wire
+      and NIXL take for this request;
+    * ``one_descriptor``: the same number of bytes as one descriptor (bandwidth).
+    """
+    from jaxkv.transfer import plan_read
+
+    remote_agents = transfer.agent.remote_agents
+    if peer_meta is None or not remote_agents or sample is None:
+        return None
+    local_meta = transfer.metadata
+    regions = [r for info in local_meta.ranks for r in info.regions]
+    sizes = [r.block_len * r.num_blocks for r in regions]
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    scratch = np.zeros(int(offsets[-1]), np.uint8)
+    base = scratch.ctypes.data
+
+    def rebase(rows: np.ndarray) -> np.ndarray:
+        rows = rows.copy()
+        addr = rows[:, 0].astype(np.int64)
+        new = np.full(len(rows), -1, np.int64)
+        for region, offset in zip(regions, offsets):
+            inside = (addr >= region.base_address) & (
+                addr + rows[:, 1].astype(np.int64) <= region.base_address
+                + region.block_len * region.num_blocks
+            )
+            new[inside] = addr[inside] - region.base_address + base + int(offset)
+        if (new < 0).any():
+            raise ValueError("a local descriptor lies outside the registered regions")
+        rows[:, 0] = new.astype(np.uint64)
+        rows[:, 2] = 0
+        return rows
+
+    def agent_of(remote_rank: int) -> str:
+        name = peer_meta.rank_info(remote_rank).agent_name
+        return name if name in remote_agents else sorted(remote_agents)[0]
+
+    posts = []
+    nbytes = descriptors = 0
+    local_ids = np.asarray(sample["local_ids"], np.int64)
+    for rank in sorted(info.rank for info in local_meta.ranks):
+        plan = plan_read(local_meta, rank, peer_meta, local_ids, sample["remote_ids"],
+                         check=False)
+        for remote_rank in plan.read_ranks:
+            loc, rem = plan.expanded_descriptors(local_meta, peer_meta, remote_rank)
+            remote_kind = peer_meta.rank_info(remote_rank).regions[0].memory_kind
+            posts.append((rebase(loc), rem, agent_of(remote_rank), "DRAM", remote_kind))
+            nbytes += int(loc[:, 1].sum())
+            descriptors += len(loc)
+    if not posts:
+        return None
+    key = (base, scratch.nbytes, 0, "DRAM")
+    transfer.agent.register([key])
     try:
-        local = np.array([[scratch.ctypes.data, size, 0]], dtype=np.uint64)
-        remote = np.array([[region.base_address, size, region.device_id]], dtype=np.uint64)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            handle = transfer.agent.read(local, remote, remote_name, "DRAM", region.memory_kind)
-            deadline = time.monotonic() + 10.0
-            while (state := transfer.agent.state(handle)) == "PROC":
-                if time.monotonic() > deadline:
-                    break
-            elapsed = time.perf_counter() - start
-            transfer.agent.release(handle)
-            if state != "DONE":
-                return None
-            times.append(elapsed)
+        _time_reads(transfer.agent, posts, 2)  # warm-up
+        same = _time_reads(transfer.agent, posts, repeats)
+        # the same bytes as one descriptor, from the start of the producer's largest region
+        # (fewer bytes if that region is smaller than the request)
+        rank, region = max(
+            ((info.rank, r) for info in peer_meta.ranks for r in info.regions),
+            key=lambda x: x[1].block_len * x[1].num_blocks,
+        )
+        size = min(nbytes, region.block_len * region.num_blocks)
+        one = np.array([[base, size, 0]], np.uint64)
+        remote_one = np.array([[region.base_address, size, region.device_id]], np.uint64)
+        single = _time_reads(
+            transfer.agent, [(one, remote_one, agent_of(rank), "DRAM", region.memory_kind)],
+            repeats,
+        )
     finally:
         transfer.agent.deregister([key])
-    median = float(np.median(times))
-    return {"bytes": size, "median_s": median, "MBps": size / median / 1e6, "repeats": repeats}
+    if same is None:
+        return None
+    out = {"request_id": sample["request_id"],
+           "same_descriptors": _summary(same, nbytes, descriptors, len(posts))}
+    if single is not None:
+        out["one_descriptor"] = _summary(single, size, 1, 1)
+    return out
 
 
 def run_disaggregated(
@@ -462,7 +606,8 @@ def run_disaggregated(
         engine.warm_up_decode()
         config = EngineConfig(engine.runner.spec, settings.decode_tp)
         transfer = KVTransferEngine(
-            "decode", config, read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s
+            "decode", config, agent_options=_agent_options(settings),
+            read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s,
         )
         transfer.register_cache(engine.runner.cache)
         timings["decode_ready_s"] = time.monotonic() - t_begin
@@ -483,13 +628,13 @@ def run_disaggregated(
         arrival = {
             f"req-{i}": t_serve + i * settings.request_interval_s for i in range(len(prompts))
         }
+        samples: dict[str, dict[str, Any]] = {}
         peer_meta = _serve(settings, engine, transfer, parent, process, prompts, results,
-                           arrival, reference, progress)
+                           arrival, reference, progress, samples)
         timings["serve_s"] = time.monotonic() - t_serve
-        read_bytes = [r.bytes for r in results.values() if r.status == "done" and r.bytes]
         bare = None
-        if process.is_alive() and read_bytes:
-            bare = _bare_read(transfer, peer_meta, int(np.mean(read_bytes)))
+        if process.is_alive():
+            bare = _bare_reads(transfer, peer_meta, _sample_read(results, samples))
         stats = transfer.stats.summary()
     finally:
         with contextlib.suppress(OSError, BrokenPipeError):
@@ -507,10 +652,39 @@ def run_disaggregated(
     return build_report(settings, list(results.values()), reference, bare, stats, timings)
 
 
+def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> None:
+    """Runs the post-processing a read of `params` into `local_ids` will need, on padding ids
+    only (nothing moves): compiles it ahead of the first read."""
+    from jaxkv.transfer import apply_post_processing, plan_read
+
+    ids = np.asarray(list(local_ids), np.int64)
+    if not len(ids) or peer_meta is None:
+        return
+    steps = []
+    for rank in transfer.local_ranks:
+        plan = plan_read(transfer.metadata, rank, peer_meta, ids, params.block_ids, check=False)
+        steps += [dataclasses.replace(step, block_ids=np.full(len(step.block_ids), -1, np.int64))
+                  for step in plan.post]
+    if steps:
+        cache = apply_post_processing(engine.runner.cache, steps)
+        engine.runner.cache = cache
+        transfer.update_cache(cache)
+
+
+def _sample_read(results: dict[str, RequestResult], samples: dict[str, dict[str, Any]]):
+    """The read the bare READs replay: the first completed request with the most bytes."""
+    done = [r for r in results.values() if r.status == "done" and r.bytes and r.request_id in samples]
+    if not done:
+        return None
+    best = max(done, key=lambda r: (r.bytes, -int(r.request_id.split("-")[1])))
+    return samples[best.request_id]
+
+
 def _serve(settings, engine, transfer, conn, process, prompts, results, arrival, reference,
-           progress) -> Any:
+           progress, samples) -> Any:
     """The decode loop: admit published requests, read their blocks, decode, check. Returns
-    the prefill engine's metadata (None if no handshake happened)."""
+    the prefill engine's metadata (None if no handshake happened); fills `samples` with each
+    read's remote and local block ids."""
     deadline = time.monotonic() + settings.timeout_s
     reading: dict[str, dict[str, Any]] = {}
     ready: list[tuple[str, int]] = []  # (request id, first token) whose KV has arrived
@@ -518,6 +692,7 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
     finished_reads = 0
     killed = False
     peer_known = False
+    post_warm = False
     peer_meta = None
 
     def fail(rid: str, error: str) -> None:
@@ -576,7 +751,23 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
                 continue
             r.decode_hit_tokens = local_hit.num_computed_tokens
             r.blocks_read = len(alloc.new_block_ids[0])
-            reading[rid] = {"first": first, "start": time.monotonic()}
+            warm_s = 0.0
+            if not post_warm:
+                # Compiles the post-processing (permute / merge) now, before the first read
+                # is posted, rather than inside a `poll` while other reads are in flight
+                # (the loop cannot observe their completion meanwhile). Counted in this
+                # request's post column.
+                post_warm, t = True, time.monotonic()
+                try:
+                    _warm_post_processing(engine, transfer, peer_meta, params,
+                                          alloc.new_block_ids[0])
+                except Exception as error:  # noqa: BLE001 - fails this request
+                    fail(rid, f"post-processing warm-up: {type(error).__name__}: {error}")
+                    continue
+                warm_s = time.monotonic() - t
+            reading[rid] = {"first": first, "start": time.monotonic(), "warm_s": warm_s}
+            samples[rid] = {"request_id": rid, "remote_ids": list(params.block_ids),
+                            "local_ids": list(alloc.new_block_ids[0])}
             transfer.start_read(params, list(alloc.new_block_ids[0]))
         if (
             settings.kill_prefill_after
@@ -605,8 +796,9 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
             )
             if record is not None:
                 r.bytes, r.descriptors = record.bytes, record.descriptors
+                r.nixl_descriptors = record.expanded_descriptors
                 r.transfer_s = record.duration_s + record.confirm_s
-                r.read_s, r.post_s = record.duration_s, record.post_s
+                r.read_s, r.post_s = record.duration_s, record.post_s + info["warm_s"]
             else:
                 r.transfer_s = now - info["start"]
             r.ttft_s = now - arrival[rid]
@@ -619,7 +811,12 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
             engine.admit(rid, len(prompts[int(rid.split("-")[1])]), first)
         done = engine.finish_ready()
         if any(s is not None for s in engine.slots):
-            done += engine.decode_step()
+            # While the step computes only the NIXL agent is progressed (READ data lands,
+            # notifications are kept): a full `poll` could post-process a finished read on
+            # the cache the step has consumed (donated); that waits for the next poll.
+            done += engine.decode_step(
+                transfer.agent.progress if settings.poll_during_steps else None
+            )
             transfer.update_cache(engine.runner.cache)  # raises if the step moved a buffer
         for rid in done:
             r = results[rid]

@@ -316,6 +316,14 @@ class ModelRunner:
         """One step: writes the KV of `tokens` at `positions` (``-1``: padding) into the
         cache through `block_tables` (rows of block ids, padded) and returns the greedy next
         token and the logits of every position (``[B, N]``, ``[B, N, V]``, numpy)."""
+        next_tokens, logits = self.dispatch(tokens, positions, block_tables)
+        return np.asarray(next_tokens), np.asarray(logits)
+
+    def dispatch(self, tokens, positions, block_tables) -> tuple[jax.Array, jax.Array]:
+        """`run` without waiting: dispatches the step (JAX runs it asynchronously) and
+        returns the greedy next tokens and logits as (possibly not yet ready) JAX arrays;
+        ``self.cache`` is already the step's output. The caller can make progress elsewhere
+        (e.g. poll a transfer engine) until ``is_ready()``."""
         tokens = np.asarray(tokens, np.int32)
         positions = np.asarray(positions, np.int32)
         tables = np.stack([self.block_table(row) for row in block_tables])
@@ -323,7 +331,7 @@ class ModelRunner:
         self.cache, next_tokens, logits = self._step(
             self.params, self.cache, tokens, positions, tables, *write
         )
-        return np.asarray(next_tokens), np.asarray(logits)
+        return next_tokens, logits
 
     def prompt_kv(self, block_ids, num_tokens: int) -> np.ndarray:
         """The cached K/V of a sequence's first `num_tokens` tokens as ``[L, 2, H, T, D]``

@@ -55,6 +55,7 @@ def build_report(
     # READ throughput: bytes over the time from posting the reads to their completion (the
     # confirmation round trip and the decode loop's other work excluded as far as measured).
     read_mbps = total_bytes / read_s / 1e6 if read_s > 0 else None
+    like = _like_for_like(done, bare)
     prompt_tokens = settings.prompt_len * settings.num_requests
     try:
         import nixl_cu13 as nixl_module  # noqa: F401
@@ -83,7 +84,11 @@ def build_report(
             "blocks_read": sum(r.blocks_read for r in done),
             "read_MBps": read_mbps,
             "bare_nixl_read": bare,
-            "vs_bare": (read_mbps / bare["MBps"]) if (bare and read_mbps) else None,
+            "vs_bare": (
+                read_mbps / bare["one_descriptor"]["MBps"]
+                if (bare and read_mbps and "one_descriptor" in bare) else None
+            ),
+            "like_for_like": like,
             "engine_stats": stats,
         },
         "prefix_cache": {
@@ -97,6 +102,53 @@ def build_report(
         "timings_ms": {k.removesuffix("_s") + "_ms": _ms(v) for k, v in timings.items()},
         "requests": per_request,
     }
+
+
+def _median_ms(values) -> float:
+    import numpy as np
+
+    return round(float(np.median(values)) * 1e3, 3)
+
+
+def _like_for_like(done, bare) -> dict[str, Any] | None:
+    """jaxkv's transfer time of the requests of the bare READ's size (bytes and descriptors
+    posted to NIXL) next to the bare READ of the same descriptors, medians in ms.
+
+    ``read_ms``: reads posted -> every READ seen complete by the decode loop (data landed);
+    ``confirm_ms``: -> every producer rank acknowledged it still held the blocks;
+    ``transfer_ms``: the two together (what the table's transfer column shows)."""
+    if not bare or "same_descriptors" not in bare:
+        return None
+    same = bare["same_descriptors"]
+    rows = [
+        r for r in done
+        if (r.bytes, r.nixl_descriptors) == (same["bytes"], same["descriptors"])
+    ]
+    if not rows:
+        return None
+    read_ms = _median_ms([r.read_s for r in rows])
+    transfer_ms = _median_ms([r.transfer_s for r in rows])
+    bare_ms = same["median_s"] * 1e3
+    out = {
+        "bytes": same["bytes"],
+        "descriptors": same["descriptors"],
+        "requests": len(rows),
+        "read_ms": read_ms,
+        "confirm_ms": _median_ms([r.transfer_s - r.read_s for r in rows]),
+        "transfer_ms": transfer_ms,
+        "read_MBps": same["bytes"] / read_ms / 1e3 if read_ms > 0 else None,
+        "transfer_MBps": same["bytes"] / transfer_ms / 1e3 if transfer_ms > 0 else None,
+        "bare_same_descriptors_ms": round(bare_ms, 3),
+        "bare_same_descriptors_MBps": same["MBps"],
+        "read_vs_bare": read_ms / bare_ms if bare_ms > 0 else None,
+        "transfer_vs_bare": transfer_ms / bare_ms if bare_ms > 0 else None,
+    }
+    one = bare.get("one_descriptor")
+    if one:
+        out["bare_one_descriptor_ms"] = round(one["median_s"] * 1e3, 3)
+        out["bare_one_descriptor_bytes"] = one["bytes"]
+        out["bare_one_descriptor_MBps"] = one["MBps"]
+    return out
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -134,19 +186,32 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("(times in ms; hit P/D: prompt tokens found in the prefill / decode prefix cache)")
     t = report["transfer"]
     lines.append("")
-    line = (
+    lines.append(
         f"moved {t['bytes'] / 2**20:.2f} MiB in {t['descriptors']} descriptors "
         f"({t['blocks_read']} decode blocks)"
     )
-    if t["read_MBps"]:
-        line += f"; jaxkv read {t['read_MBps']:.0f} MB/s"
-    bare = t["bare_nixl_read"]
-    if bare:
-        line += (
-            f" vs bare NIXL READ of {bare['bytes'] / 1024:.0f} KiB: {bare['MBps']:.0f} MB/s "
-            f"({t['vs_bare']:.2f}x)"
+    like = t.get("like_for_like")
+    if like:
+        lines.append(
+            f"transfer of a {like['bytes'] / 1024:.0f} KiB read ({like['descriptors']} descs; "
+            f"median of {like['requests']}): posted -> landed {like['read_ms']:.2f} ms "
+            f"({like['read_MBps']:.0f} MB/s), -> confirmed {like['transfer_ms']:.2f} ms "
+            f"({like['transfer_MBps']:.0f} MB/s)"
         )
-    lines.append(line)
+        line = (
+            f"bare NIXL READ, same {like['descriptors']} descs: "
+            f"{like['bare_same_descriptors_ms']:.2f} ms ({like['bare_same_descriptors_MBps']:.0f}"
+            f" MB/s; jaxkv landed {like['read_vs_bare']:.1f}x, confirmed "
+            f"{like['transfer_vs_bare']:.1f}x its time)"
+        )
+        if "bare_one_descriptor_ms" in like:
+            size = like["bare_one_descriptor_bytes"]
+            line += (
+                f"; {'the same bytes' if size == like['bytes'] else f'{size / 1024:.0f} KiB'}"
+                f" as 1 desc: {like['bare_one_descriptor_ms']:.2f} ms "
+                f"({like['bare_one_descriptor_MBps']:.0f} MB/s)"
+            )
+        lines.append(line)
     p = report["prefix_cache"]
     lines.append(
         f"prefix cache: prefill hits {p['prefill_hit_tokens']}/{p['prompt_tokens']} prompt "
