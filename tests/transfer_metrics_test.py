@@ -11,7 +11,6 @@ import kv_testing
 
 kv_testing.force_cpu_devices()
 
-import pytest  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv.transfer import (  # noqa: E402
@@ -76,7 +75,7 @@ class PrometheusTextTest(parameterized.TestCase):
         got = parse(prometheus_text(TransferStats()))
         self.assertEqual(got[("jaxkv_transfer_requests_total", (("engine", ""),))], 0)
 
-    @pytest.mark.skipif(not HAVE_CLIENT, reason="prometheus_client is not installed")
+    @absltest.skipUnless(HAVE_CLIENT, "prometheus_client is not installed")
     def test_client_parses_text_and_collector_agrees(self):
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.parser import text_string_to_metric_families
