@@ -124,6 +124,7 @@ class OffloadManager:
         self._valid = np.zeros(self._pool.num_slots, dtype=bool)
         self._valid_lock = threading.Lock()
         self._regions, self._replicas, self._addresses = self._slot_layout()
+        self._replica_count = max((len(c) for c in self._replicas), default=0)
         if file_tier is not None:
             file_tier.register_memory(self._buffers())
         # Hash level: which host slot holds which block hash, least recently used first.
@@ -188,7 +189,9 @@ class OffloadManager:
 
     def _slot_regions(self, slot: int) -> tuple[list[Region], list[list[Region]]]:
         regions = [(address + slot * n, n) for address, n in self._regions]
-        count = max((len(c) for c in self._replicas), default=0)
+        count = self._replica_count
+        if not count:
+            return regions, []
         copies = []
         for r in range(count):
             copies.append([(c[r] + slot * n, n) if r < len(c) else (address + slot * n, 0)
@@ -377,16 +380,19 @@ class OffloadManager:
             reads=[SlotKey(Tier.DISK, h) for h in hashes],
             writes=[SlotKey(Tier.HOST, s) for s in slots], op=result)
         layouts = [self._slot_regions(s) for s in slots]
-        inner = tier.read_async([(h, regions) for h, (regions, _) in zip(hashes, layouts)],
-                                replicas=[copies for _, copies in layouts], after=deps)
-        result.help_with(inner.run_if_queued)
 
         def mark(results: list[bool]) -> None:
             with self._valid_lock:
                 for slot, ok in zip(slots, results):
                     self._valid[slot] = ok
 
+        # Everything is wired before the read is queued: a caller that waits at once then
+        # finds it still queued and runs it itself, instead of racing the woken worker.
+        inner = TierFuture()
+        result.help_with(inner.run_if_queued)
         _chain(inner, result, mark, on_error=lambda: mark([False] * len(slots)))
+        tier.read_async([(h, regions) for h, (regions, _) in zip(hashes, layouts)],
+                        replicas=[copies for _, copies in layouts], after=deps, future=inner)
         self.stats.file_reads += len(slots)
         return result
 
@@ -399,14 +405,15 @@ class OffloadManager:
         slots = np.asarray(host_slots)
         if slots.ndim != 1 or (slots.size and not np.issubdtype(slots.dtype, np.integer)):
             raise ValueError(f"host_slots must be a 1-D integer sequence, got {host_slots!r}")
-        slots = slots.astype(np.int64)
-        bad = slots[(slots < 0) | (slots >= self._pool.num_slots)]
-        if bad.size:
-            raise IndexError(f"host slot {int(bad[0])} is out of range for a pool of "
-                             f"{self._pool.num_slots} slots")
-        if unique and len(set(slots.tolist())) != slots.size:
+        values = slots.astype(np.int64).tolist()
+        num_slots = self._pool.num_slots
+        if values and (min(values) < 0 or max(values) >= num_slots):
+            bad = next(v for v in values if not 0 <= v < num_slots)
+            raise IndexError(f"host slot {bad} is out of range for a pool of "
+                             f"{num_slots} slots")
+        if unique and len(set(values)) != len(values):
             raise ValueError("repeated host slot")
-        return slots.tolist()
+        return values
 
     # ------------------------------------------------------------------ hash level
 
