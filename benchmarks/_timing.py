@@ -3,6 +3,8 @@ round's ratios compare runs made under the same background load (the machine is 
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,3 +31,13 @@ def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> fl
     """Median over rounds of numerator time / denominator time (> 1: the denominator's
     contender is faster)."""
     return statistics.median(n / d for n, d in zip(numerator, denominator))
+
+
+def write_json(report: dict[str, Any], path: str | None) -> None:
+    """Writes a benchmark report as indented JSON to `path` (creating its directory); no-op
+    without a path."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as out:
+        json.dump(report, out, indent=2)

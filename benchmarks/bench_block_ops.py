@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import datetime
 import functools
-import json
 import os
 import platform
 import statistics
 
-from _timing import interleaved_seconds, median_ratio
+from _timing import interleaved_seconds, median_ratio, write_json
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -181,10 +180,7 @@ def _main(argv):
               f"{jnp_gbs:>10.2f}{row['jaxkv_vs_limit']:>10.2f}"
               f"{row.get('jaxkv_vs_jnp', float('nan')):>8.2f}"
               f"{row.get('jaxkv_vs_numpy_take', float('nan')):>12.2f}")
-    if FLAGS.json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
-        with open(FLAGS.json_out, "w") as out:
-            json.dump(report, out, indent=2)
+    write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

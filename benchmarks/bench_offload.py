@@ -29,7 +29,7 @@ import shutil
 import statistics
 import tempfile
 
-from _timing import interleaved_seconds, median_ratio
+from _timing import interleaved_seconds, median_ratio, write_json
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -202,10 +202,7 @@ def _main(argv):
             print(f"{'file ' + key + ' ' + op:34s} {r['jaxkv_gbps']:10.2f} "
                   f"{r['plain_gbps']:10.2f} {r['throughput_vs_plain']:9.2f}x")
     print("checks:", json.dumps(checks))
-    if FLAGS.json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
-        with open(FLAGS.json_out, "w") as out:
-            json.dump(report, out, indent=2)
+    write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,11 @@ Usage: python benchmarks/bench_reshape_ops.py --json_out=benchmarks/results/resh
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import statistics
 
-from _timing import interleaved_seconds, median_ratio
+from _timing import interleaved_seconds, median_ratio, write_json
 from absl import app, flags
 
 FLAGS = flags.FLAGS
@@ -317,10 +316,7 @@ def _main(argv):
     }
     for note in notes:
         print("note:", note)
-    if FLAGS.json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
-        with open(FLAGS.json_out, "w") as out:
-            json.dump(report, out, indent=2)
+    write_json(report, FLAGS.json_out)
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ class TransferGridTest(tt.TransferTestBase):
         self.assertEqual(consumers[1][0].stats.records[-1].bytes,
                          decode.local_spec(1).cache_nbytes(len(LOCAL_IDS)))
         for c in conns:
-            self._wait_freed(c, "req-pp2")
+            self.assert_freed(c, "req-pp2")
 
     def test_decode_rank_per_process_aggregated(self):
         # prefill TP 1 (this test's producer process) -> decode TP 2, one process per rank
@@ -181,15 +181,7 @@ class TransferGridTest(tt.TransferTestBase):
         summary = stats.summary()
         self.assertEqual(summary["transfers"], 2)
         self.assertEqual(summary["bytes_total"], spec.cache_nbytes(len(ids)))
-        self._wait_freed(conn, "req-dr")  # freed only after both decode processes confirmed
-
-    def _wait_freed(self, conn, request_id):
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            pinned, freed, *_ = self.call(conn, "state")
-            if freed:
-                break
-        self.assertEqual((pinned, freed), (0, [request_id]))
+        self.assert_freed(conn, "req-dr")  # freed only after both decode processes confirmed
 
 
 if __name__ == "__main__":

@@ -94,12 +94,7 @@ class TransferE2ETest(tt.TransferTestBase):
             self.assertNotIn("req-1", applied)
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, local_ids)
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            pinned, freed, _, _ = self.call(conn, "state")
-            if freed:
-                break
-        self.assertEqual((pinned, freed), (0, ["req-1"]))
+        self.assert_freed(conn, "req-1")
         record = engine.stats.records[-1]
         replicas = max(1, d_tp // spec_d.num_kv_heads)  # each decode replica reads its copy
         self.assertEqual(record.bytes, spec_d.cache_nbytes(len(local_ids)) * replicas)
@@ -157,12 +152,7 @@ class TransferE2ETest(tt.TransferTestBase):
         self.check_cache(cache, config, g, LOCAL_IDS)
         engine.check_registrations(cache)
         for c in conns:  # each producer rank frees once every decode rank confirmed
-            deadline = time.monotonic() + WAIT_S
-            while time.monotonic() < deadline:
-                pinned, freed, _, _ = self.call(c, "state")
-                if freed:
-                    break
-            self.assertEqual((pinned, freed), (0, ["req-tpr"]))
+            self.assert_freed(c, "req-tpr")
         record = engine.stats.records[-1]
         self.assertEqual(record.bytes, spec.cache_nbytes(len(LOCAL_IDS)))
 
@@ -184,12 +174,7 @@ class TransferE2ETest(tt.TransferTestBase):
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         for r, (_, cache, config) in enumerate(consumers):
             self.check_cache(cache, config, g, LOCAL_IDS, pp_rank=r)
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:  # freed only after both decode PP ranks confirmed
-            pinned, freed, _, _ = self.call(conn, "state")
-            if freed:
-                break
-        self.assertEqual((pinned, freed), (0, ["req-dpp"]))
+        self.assert_freed(conn, "req-dpp")
 
 
 def _with_addresses(params, addresses):

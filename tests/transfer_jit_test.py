@@ -184,12 +184,7 @@ class TransferJitTest(tt.TransferTestBase):
             finished += result.finished
             failed += result.failed
         self.assertEqual((finished, failed), (["req-jit"], []))
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            pinned, freed, _, _ = self.call(conn, "state")
-            if freed:
-                break
-        self.assertEqual((pinned, freed), (0, ["req-jit"]))
+        self.assert_freed(conn, "req-jit")
 
     @parameterized.parameters((True, False, 1, 1), (True, True, 1, 1), (False, True, 2, 2),
                               (True, True, 2, 1))
@@ -238,12 +233,7 @@ class TransferJitTest(tt.TransferTestBase):
             finished += result.finished
             failed += result.failed
         self.assertEqual((finished, failed), (["req-jit"], []))
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            pinned, freed, _, staged = self.call(conn, "state")
-            if freed:
-                break
-        self.assertEqual((pinned, freed), (0, ["req-jit"]))
+        *_, staged = self.assert_freed(conn, "req-jit")
         self.assertLen(staged, 1)  # one publication (every layer at once), from poll()
 
     def test_wait_refuses_requests_that_need_jax(self):

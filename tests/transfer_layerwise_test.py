@@ -93,12 +93,7 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         if staging:
             self.assertGreater(publication.staged_s, 0.0)
         self.assertEqual(record.bytes, spec.cache_nbytes(len(LOCAL_IDS)))
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            pinned, freed, _, _ = self.call(conn, "state")
-            if freed:
-                break
-        self.assertEqual((pinned, freed), (0, ["req-lw"]))
+        self.assert_freed(conn, "req-lw")
 
     def test_subscribed_late_gets_current_layers(self):
         # The consumer starts after two of three layers were published: it reads both at

@@ -432,6 +432,17 @@ class TransferTestBase(parameterized.TestCase):
         engine.register_cache(cache, pp_rank=pp_rank)
         return engine, cache, config
 
+    def assert_freed(self, conn, request_id, timeout=WAIT_S):
+        """Polls a producer process's state until it freed something; asserts it freed exactly
+        `request_id` and pins nothing. Returns the last state tuple."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.call(conn, "state")
+            if state[1] or time.monotonic() >= deadline:
+                break
+        self.assertEqual((state[0], state[1]), (0, [request_id]))
+        return state
+
     @staticmethod
     def wait(engine, request_ids, timeout=WAIT_S):
         finished, failed = [], []
@@ -519,8 +530,9 @@ def jit_producer_main(
     """A producer process whose prefill step is jitted and publishes from inside jit:
     ("pin", request_id, block_ids) -> (params, handle); ("prefill", handle, padded_ids, seed)
     -> the callback's status (after the step finished); ("state",) -> (pinned, freed, stats
-    summary, staging seconds per publication). `engine_kwargs` go to the `KVTransferEngine` (e.g. ``host_staging=True``: the callback
-    defers the copy to the host mirror to the loop's next `poll`)."""
+    summary, staging seconds per publication). `engine_kwargs` go to the `KVTransferEngine`
+    (e.g. ``host_staging=True``: the callback defers the copy to the host mirror to the loop's
+    next `poll`)."""
     child_env(tp)
     import jax
 

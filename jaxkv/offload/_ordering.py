@@ -120,16 +120,9 @@ class SlotOrdering:
         found: dict[int, Dependency] = {}
         with self._lock:
             for key in reads:
-                writer = self._writer.get(key)
-                if writer is not None and not _done(writer):
-                    found[id(writer)] = writer
+                self._collect_locked(key, found, with_readers=False)
             for key in writes:
-                writer = self._writer.get(key)
-                if writer is not None and not _done(writer):
-                    found[id(writer)] = writer
-                for reader in self._readers.get(key, ()):
-                    if not _done(reader):
-                        found[id(reader)] = reader
+                self._collect_locked(key, found, with_readers=True)
             for key in writes:
                 self._writer[key] = op
                 self._readers.pop(key, None)
@@ -157,13 +150,20 @@ class SlotOrdering:
         found: dict[int, Dependency] = {}
         with self._lock:
             for key in keys:
-                writer = self._writer.get(key)
-                if writer is not None and not _done(writer):
-                    found[id(writer)] = writer
-                for reader in self._readers.get(key, ()):
-                    if not _done(reader):
-                        found[id(reader)] = reader
+                self._collect_locked(key, found, with_readers=True)
         return list(found.values())
+
+    def _collect_locked(self, key: SlotKey, found: dict[int, Dependency],
+                        with_readers: bool) -> None:
+        """Adds the unfinished last writer of `key` (and, `with_readers`, its unfinished
+        readers) to `found`, keyed by identity."""
+        writer = self._writer.get(key)
+        if writer is not None and not _done(writer):
+            found[id(writer)] = writer
+        if with_readers:
+            for reader in self._readers.get(key, ()):
+                if not _done(reader):
+                    found[id(reader)] = reader
 
     def _prune(self) -> None:
         for key in [k for k, d in self._writer.items() if _done(d)]:
