@@ -35,9 +35,8 @@ class BazelSetupTest(unittest.TestCase):
         configured = self.info["PYTHON"]
         # Compare the venv-level paths: both name the same interpreter *and* environment.
         self.assertEqual(os.path.abspath(sys.executable), os.path.abspath(configured),
-                         "py_test ran under %s, not the configured %s" %
-                         (sys.executable, configured))
-        self.assertEqual("%d.%d.%d" % sys.version_info[:3], self.info["PYTHON_VERSION"])
+                         f"py_test ran under {sys.executable}, not the configured {configured}")
+        self.assertEqual("{}.{}.{}".format(*sys.version_info[:3]), self.info["PYTHON_VERSION"])
 
     def test_package_and_extension_come_from_runfiles(self):
         import jaxkv
@@ -47,7 +46,7 @@ class BazelSetupTest(unittest.TestCase):
         for module in (jaxkv, _ffi_cpu):
             path = os.path.realpath(module.__file__)
             self.assertNotIn("site-packages", path,
-                             "%s imported from an installed copy: %s" % (module.__name__, path))
+                             f"{module.__name__} imported from an installed copy: {path}")
         self.assertTrue(_ffi_cpu.__file__.endswith(os.path.join("jaxkv", "_ffi_cpu.so")),
                         _ffi_cpu.__file__)
         self.assertTrue(os.path.abspath(_ffi_cpu.__file__).startswith(

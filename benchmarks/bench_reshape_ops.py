@@ -216,7 +216,9 @@ def _main(argv):
         else:
             raise app.UsageError(f"unknown op {op!r}")
 
-    for op, s in setups.items():
+    def run(op, s):
+        """Times op `op` of setup `s` into `results[op]`; its caches and buffers are freed on
+        return, before the next op allocates its own."""
         limit_name, limit_fn = limit_for(s["traffic"] // 2)
         contenders = {limit_name: None, "jaxkv": s["jaxkv"]}
         fresh_limit_name = None
@@ -293,13 +295,15 @@ def _main(argv):
             if other in alt_times:
                 row[key] = median_ratio(alt_times[other], alt_times["jaxkv"])
         results[op] = row
-        del state
         print(f"{op:<32} limit {row[limit_name]['gb_per_s']:6.2f} GB/s  jaxkv "
               f"{row['jaxkv']['gb_per_s']:6.2f} GB/s  vs limit {row['jaxkv_vs_limit']:.2f}  "
               f"vs jnp {row.get('jaxkv_vs_jnp', float('nan')):6.2f}  "
               f"vs torch {row.get('jaxkv_vs_torch', float('nan')):6.2f}"
               + (f"  vs {fresh_limit_name} {row['jaxkv_vs_fresh_limit']:.2f}"
                  if fresh_limit_name else ""), flush=True)
+
+    for op, s in setups.items():
+        run(op, s)
 
     report = {
         "benchmark": "reshape_ops",

@@ -20,6 +20,7 @@ alternate so that all see the same machine load. Prints one JSON object (and wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -89,10 +90,8 @@ def _versions() -> dict:
 
     out = {}
     for name in ("jax", "numpy", "nixl-cu13", "nixl-cu12", "nixl"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out["commit"] = subprocess.run(

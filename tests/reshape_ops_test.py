@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 from jax.sharding import PartitionSpec
+from reshape_testing import SIZES, numpy_merge, numpy_prefix
+from reshape_testing import block_shape as _shape
 
 import jaxkv
 from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
 from jaxkv.ops import reference
-from reshape_testing import SIZES, numpy_merge, numpy_prefix
-from reshape_testing import block_shape as _shape
 
 DTYPES = [d.name for d in SUPPORTED_DTYPES]
 LAYOUTS = sorted(set(LAYOUT_PRESETS.values()))
@@ -186,7 +186,8 @@ class MergeBlocksTest(parameterized.TestCase):
     def test_matches_references(self, src, dst, ratio, dtype):
         self._check(src, dst, ratio, dtype)
 
-    @parameterized.parameters(*[g for g in _GRID if g["src"] not in (g["dst"], "HTD", "LKHTD", "KHTD")])
+    @parameterized.parameters(
+        *[g for g in _GRID if g["src"] not in (g["dst"], "HTD", "LKHTD", "KHTD")])
     @pytest.mark.slow
     def test_matches_references_every_permutation(self, src, dst, ratio, dtype):
         self._check(src, dst, ratio, dtype)

@@ -16,11 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
+from reshape_testing import (
+    DST_IDS,
+    DTYPES,
+    FAST,
+    GRID,
+    NUM_BLOCKS,
+    SRC_IDS,
+    Case,
+    numpy_concat,
+    numpy_split,
+    round_trip,
+    target_info,
+)
 
 from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache, ops
 from jaxkv.ops import reference
-from reshape_testing import (DST_IDS, DTYPES, FAST, GRID, NUM_BLOCKS, SRC_IDS, Case,
-                             numpy_concat, numpy_split, round_trip, target_info)
 
 
 def _assert_bits(actual, expected, msg=""):
@@ -223,7 +234,8 @@ class SplitConcatApiTest(parameterized.TestCase):
              "block_ids\\[0\\] = 8 is out of range"),
             (lambda: ops.split_for_peers(cache, [1], self.sender, self.receiver, 2), ValueError,
              "outside an engine of 2 ranks"),
-            (lambda: ops.split_for_peers(cache, [1, 2], self.sender, self.receiver, 0, out=good[:1]),
+            (lambda: ops.split_for_peers(cache, [1, 2], self.sender, self.receiver, 0,
+                                         out=good[:1]),
              ValueError, "out has 1 buffers; the plan has 2"),
             (lambda: ops.split_for_peers(cache, [1], self.sender, self.receiver, 0, out=good),
              ValueError, "out\\[0\\] has shape"),

@@ -106,7 +106,7 @@ class LoweringTest(parameterized.TestCase):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
         cache = PagedKVCache.allocate(spec, NUM_BLOCKS, mesh=mesh)
         ids = ops.pad_block_ids(REMOTE_IDS)
-        cache_type = "tensor<%s" % "x".join(str(d) for d in cache.arrays[0].shape)
+        cache_type = "tensor<" + "x".join(str(d) for d in cache.arrays[0].shape)
         prefill = tt.make_prefill_step(_NoEngine(), 10)
         decode = make_decode_step(_NoEngine())
         for step, args in ((prefill, (cache, ids, np.int32(1), 0)),

@@ -673,7 +673,8 @@ def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> Non
 
 def _sample_read(results: dict[str, RequestResult], samples: dict[str, dict[str, Any]]):
     """The read the bare READs replay: the first completed request with the most bytes."""
-    done = [r for r in results.values() if r.status == "done" and r.bytes and r.request_id in samples]
+    done = [r for r in results.values()
+            if r.status == "done" and r.bytes and r.request_id in samples]
     if not done:
         return None
     best = max(done, key=lambda r: (r.bytes, -int(r.request_id.split("-")[1])))

@@ -22,8 +22,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv._cache import PagedKVCache
 from jaxkv import ops
+from jaxkv._cache import PagedKVCache
 from jaxkv._spec import KVCacheSpec
 from jaxkv.demo._attention import attend, check_spec, read_pages, write_tokens
 
@@ -225,7 +225,7 @@ def write_plan(positions: np.ndarray, tables: np.ndarray, block_size: int):
     return write_blocks, write_index, write_offsets
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P):
     """The jitted step for one (model, cache spec, mesh); the cache argument is donated."""
     param_specs = {name: _param_spec(name) for name in _NAMES}

@@ -58,8 +58,9 @@ def build_report(
     like = _like_for_like(done, bare)
     prompt_tokens = settings.prompt_len * settings.num_requests
     try:
-        import nixl_cu13 as nixl_module  # noqa: F401
         from importlib.metadata import version
+
+        import nixl_cu13 as nixl_module  # noqa: F401
 
         nixl_version = version("nixl-cu13")
     except Exception:  # noqa: BLE001 - informational only
@@ -163,7 +164,8 @@ def format_report(report: dict[str, Any]) -> str:
     """
     s = report["settings"]
     lines = [
-        f"prefill: TP={s['prefill_tp']} layout {s['prefill_layout']} block {s['prefill_block_size']}"
+        f"prefill: TP={s['prefill_tp']} layout {s['prefill_layout']} "
+        f"block {s['prefill_block_size']}"
         f"  ->  decode: TP={s['decode_tp']} layout {s['decode_layout']} block "
         f"{s['decode_block_size']}   ({s['dtype']}, {s['num_layers']} layers, "
         f"{s['num_kv_heads']} KV heads x {s['head_dim']})",

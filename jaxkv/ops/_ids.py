@@ -36,7 +36,8 @@ def as_id_array(ids: Any, name: str) -> jax.Array | np.ndarray:
         raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
     if not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got {array.dtype}")
-    if array.size and (array.max() > np.iinfo(np.int32).max or array.min() < np.iinfo(np.int32).min):
+    int32 = np.iinfo(np.int32)
+    if array.size and (array.max() > int32.max or array.min() < int32.min):
         raise ValueError(f"{name} has values that do not fit in int32")
     return array.astype(np.int32, copy=False)
 

@@ -112,7 +112,8 @@ def split_for_peers(
       IndexError: an id out of range (concrete ids).
 
     Example (semantics.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
-      >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1, dtype="float32")
+      >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
+      ...                    dtype="float32")
       >>> cache = jnp.arange(2 * 4 * 2 * 2.0).reshape(2, 4, 2, 2, 1, 1)
       >>> bufs = split_for_peers(cache, [1], EngineConfig(spec, 2), EngineConfig(spec, 1, 2), 1)
       >>> [b.shape for b in bufs], bufs[1].ravel().tolist()
@@ -176,7 +177,8 @@ def concat_from_peers(
       IndexError: an id out of range (concrete ids).
 
     Example (semantics.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2 senders):
-      >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1, dtype="float32")
+      >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
+      ...                    dtype="float32")
       >>> parts = [jnp.full((1, 2, 2, 2, 1, 1), 1.0), jnp.full((1, 2, 2, 2, 1, 1), 2.0)]
       >>> cache = concat_from_peers(jnp.zeros((1, 2, 2, 4, 1, 1)), parts, [0],
       ...                           EngineConfig(spec, 1, 2), EngineConfig(spec, 2), rank=0)

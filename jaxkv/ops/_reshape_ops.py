@@ -109,7 +109,8 @@ def block_nbytes(array: Any) -> int:
 def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: str, ratio: int,
                      validate_ids: bool):
     block_bytes = block_nbytes(cache)
-    slots = max(1, min(ids.shape[0], max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // max(1, block_bytes))))
+    slots = max(1, min(ids.shape[0],
+                       max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // max(1, block_bytes))))
     results = (
         jax.ShapeDtypeStruct(cache.shape, cache.dtype),
         jax.ShapeDtypeStruct((slots * block_bytes,), jnp.uint8),

@@ -79,7 +79,8 @@ def merge_blocks(
       >>> received = jnp.array([0, 1, 10, 11, 2, 3, 12, 13.0]).reshape(1, 2, 4, 1)
       >>> merge_blocks(received, jnp.array([0]), 2, "HTD", "HTD").ravel().tolist()
       [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
-      >>> merge_blocks(received.reshape(1, 4, 2, 1), jnp.array([0]), 2, "HTD", "THD").ravel().tolist()
+      >>> merged = merge_blocks(received.reshape(1, 4, 2, 1), jnp.array([0]), 2, "HTD", "THD")
+      >>> merged.ravel().tolist()
       [0.0, 10.0, 1.0, 11.0, 2.0, 12.0, 3.0, 13.0]
     """
     src, dst = layout_pair(src_layout, dst_layout, cache.ndim - 1)

@@ -38,8 +38,8 @@ from jaxkv.transfer._plan import (
     block_runs,
     plan_read,
 )
-from jaxkv.transfer._prometheus import BUCKETS_S, TransferStatsCollector, prometheus_text
 from jaxkv.transfer._post import apply_post_processing, group_post_steps
+from jaxkv.transfer._prometheus import BUCKETS_S, TransferStatsCollector, prometheus_text
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._staging import HostMirror
 from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats, WorkerAggregator

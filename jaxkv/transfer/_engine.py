@@ -853,7 +853,8 @@ class KVTransferEngine:
                     reading = self._reading.get(message.request_id)
                     if reading is not None:
                         for rank in message.ranks:
-                            reading.ready[rank] = max(reading.ready.get(rank, 0), message.layer_stop)
+                            reading.ready[rank] = max(reading.ready.get(rank, 0),
+                                                      message.layer_stop)
             del sender
 
     def _on_want(self, message: Want, now: float) -> None:

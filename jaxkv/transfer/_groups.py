@@ -146,8 +146,10 @@ class GroupedTransferEngine:
       **engine_kwargs: passed to every `KVTransferEngine`.
 
     Example:
-      >>> engine = GroupedTransferEngine("prefill", {"full": full_cfg, "swa": swa_cfg})  # doctest: +SKIP
-      >>> engine.register_cache("full", full_cache); engine.register_cache("swa", swa_cache)  # doctest: +SKIP
+      >>> engine = GroupedTransferEngine(  # doctest: +SKIP
+      ...     "prefill", {"full": full_cfg, "swa": swa_cfg})
+      >>> engine.register_cache("full", full_cache)  # doctest: +SKIP
+      >>> engine.register_cache("swa", swa_cache)  # doctest: +SKIP
       >>> params = engine.publish_request("r", {"full": [1, 2, 3], "swa": [7]})  # doctest: +SKIP
     """
 
