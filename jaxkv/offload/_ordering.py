@@ -79,8 +79,22 @@ def wait_for(dependencies: Iterable[Dependency], deadline: float, what: str) -> 
             pause = min(pause * 2, 2e-3)
 
 
-def _done(dependency: Dependency) -> bool:
-    return dependency.done()
+class _DoneMemo:
+    """`dependency.done()` asked once per dependency during one claim: the keys of a batch share a few
+    dependencies, and `Future.done` takes a lock. A copy seen unfinished may finish during the
+    claim; waiting for it then costs nothing."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, bool] = {}
+
+    def __call__(self, dependency: Dependency) -> bool:
+        key = id(dependency)
+        known = self._seen.get(key)
+        if known is None:
+            known = self._seen[key] = dependency.done()
+        return known
 
 
 class SlotOrdering:
@@ -118,18 +132,20 @@ class SlotOrdering:
         """
         reads, writes = list(reads), list(writes)
         found: dict[int, Dependency] = {}
+        done = _DoneMemo()  # A batch shares a few dependencies: ask each once.
         with self._lock:
             for key in reads:
-                self._collect_locked(key, found, with_readers=False)
+                self._collect_locked(key, found, False, done)
             for key in writes:
-                self._collect_locked(key, found, with_readers=True)
+                self._collect_locked(key, found, True, done)
             for key in writes:
                 self._writer[key] = op
                 self._readers.pop(key, None)
+            written = set(writes)
             for key in reads:
-                if key in writes:
+                if key in written:
                     continue
-                readers = [r for r in self._readers.get(key, ()) if not _done(r)]
+                readers = [r for r in self._readers.get(key, ()) if not done(r)]
                 readers.append(op)
                 self._readers[key] = readers
         found.pop(id(op), None)
@@ -138,38 +154,40 @@ class SlotOrdering:
     def pending(self) -> list[Dependency]:
         """The unfinished copies last recorded per key (for a full sync point). Copies they
         superseded are covered: a later copy of a key waits for them before it completes."""
+        done = _DoneMemo()
         with self._lock:
-            ops = {id(d): d for d in self._writer.values() if not _done(d)}
+            ops = {id(d): d for d in self._writer.values() if not done(d)}
             for readers in self._readers.values():
-                ops.update((id(d), d) for d in readers if not _done(d))
-            self._prune()
+                ops.update((id(d), d) for d in readers if not done(d))
+            self._prune(done)
         return list(ops.values())
 
     def pending_for(self, keys: Iterable[SlotKey]) -> list[Dependency]:
         """Unfinished copies that read or write any of `keys`."""
         found: dict[int, Dependency] = {}
+        done = _DoneMemo()
         with self._lock:
             for key in keys:
-                self._collect_locked(key, found, with_readers=True)
+                self._collect_locked(key, found, True, done)
         return list(found.values())
 
     def _collect_locked(self, key: SlotKey, found: dict[int, Dependency],
-                        with_readers: bool) -> None:
+                        with_readers: bool, done: _DoneMemo) -> None:
         """Adds the unfinished last writer of `key` (and, `with_readers`, its unfinished
         readers) to `found`, keyed by identity."""
         writer = self._writer.get(key)
-        if writer is not None and not _done(writer):
+        if writer is not None and not done(writer):
             found[id(writer)] = writer
         if with_readers:
             for reader in self._readers.get(key, ()):
-                if not _done(reader):
+                if not done(reader):
                     found[id(reader)] = reader
 
-    def _prune(self) -> None:
-        for key in [k for k, d in self._writer.items() if _done(d)]:
+    def _prune(self, done: _DoneMemo) -> None:
+        for key in [k for k, d in self._writer.items() if done(d)]:
             del self._writer[key]
         for key in list(self._readers):
-            readers = [r for r in self._readers[key] if not _done(r)]
+            readers = [r for r in self._readers[key] if not done(r)]
             if readers:
                 self._readers[key] = readers
             else:
