@@ -386,6 +386,69 @@ class ReuseAndBatchTest(parameterized.TestCase):
         np.testing.assert_array_equal(out, block)
         tier.close()
 
+    def test_read_file_now_runs_here_in_order(self):
+        import threading
+
+        cache, hosts = ot.filled_cache(_SPEC, 6, seed=31)
+        tier = _tier(self.create_tempdir().full_path, num_workers=1)
+        offloader = OffloadManager(cache, 3, file_tier=tier)
+        offloader.offload(cache, [4, 1], [0, 1])
+        # The only worker is held by an earlier read; the write queued behind it must still
+        # land before the synchronous read of its block, which then runs on this thread.
+        gate_open = threading.Event()
+        tier._executor.submit(gate_open.wait, 10)
+        write = offloader.write_file([0, 1], [b"k4", b"k1"])
+        threads = []
+        original = tier._read_batch
+
+        def spy(*args):
+            threads.append(threading.current_thread())
+            return original(*args)
+
+        tier._read_batch = spy
+        threading.Timer(0.2, gate_open.set).start()
+        self.assertEqual(offloader.read_file_now([b"k1", b"missing", b"k4"], [2, 0, 1]),
+                         [True, False, True])
+        self.assertEqual(write.result(10), [True, True])
+        self.assertEqual(threads, [threading.current_thread()])
+        self.assertFalse(offloader.slot_valid(0))               # a miss holds no block
+        with self.assertRaises(UnknownSlotError):
+            offloader.onboard(cache, [0], [5])
+        cache = offloader.onboard(cache, [2, 1], [0, 5])
+        for array, host in zip(cache.arrays, hosts):
+            ot.assert_bits_equal(np.asarray(array)[[0, 5]], host[[1, 4]])
+        offloader.close()
+        with self.assertRaisesRegex(RuntimeError, "closed"):
+            offloader.read_file_now([b"k1"], [2])
+
+    def test_onboard_waits_for_a_read_file_now_on_another_thread(self):
+        import threading
+        import time
+
+        cache, hosts = ot.filled_cache(_SPEC, 6, seed=33)
+        tier = _tier(self.create_tempdir().full_path)
+        offloader = OffloadManager(cache, 2, file_tier=tier)
+        offloader.offload(cache, [2], [0])
+        self.assertEqual(offloader.write_file([0], [b"k2"]).result(10), [True])
+        offloader.offload(cache, [5], [0])                      # slot 0 now holds block 5
+        offloader.wait()
+        started, original = threading.Event(), tier._read_batch
+
+        def slow(*args):
+            started.set()
+            time.sleep(0.3)
+            return original(*args)
+
+        tier._read_batch = slow
+        reader = threading.Thread(target=offloader.read_file_now, args=([b"k2"], [0]))
+        reader.start()
+        self.assertTrue(started.wait(10))
+        cache = offloader.onboard(cache, [0], [1])              # must see the file's bytes
+        reader.join(10)
+        for array, host in zip(cache.arrays, hosts):
+            ot.assert_bits_equal(np.asarray(array)[1], host[2])
+        offloader.close()
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -761,11 +761,35 @@ class FileTier:
             extra = [] if replicas is None else [
                 [(int(a), int(n)) for a, n in copy] for copy in replicas[index]]
             checked.append((bytes(block_hash), regions, extra))
-        deadline = time.monotonic() + self.timeout_s
         result = future if future is not None else TierFuture()
-        self._submit(result, self._read_batch, checked, list(after), deadline,
-                     keepalive)
+        self.queue_checked_read(checked, list(after), result, keepalive)
         return result
+
+    def queue_checked_read(self, items: list[tuple[bytes, list[Region], list[list[Region]]]],
+                           after: list[Dependency], future: concurrent.futures.Future,
+                           keepalive: Any = None) -> None:
+        """`read_async` for items already in its checked form: ``(hash, regions, replicas)``
+        with int regions that add up to one payload (for callers that build them from a
+        known layout, e.g. `OffloadManager`; nothing is checked here)."""
+        self._submit(future, self._read_batch, items, after,
+                     time.monotonic() + self.timeout_s, keepalive)
+
+    def read_checked_now(self, items: list[tuple[bytes, list[Region], list[list[Region]]]],
+                         after: Sequence[Dependency]) -> list[bool]:
+        """`queue_checked_read`, run on the calling thread: waits (bounded by the tier's
+        timeout) for `after`, then reads; returns one bool per block as `read_async`.
+
+        Raises:
+          RuntimeError: the tier is closed.
+          OffloadTimeoutError: `after` did not finish in time.
+          OSError: a failed read.
+        """
+        if self._closed:
+            raise RuntimeError("the file tier is closed")
+        deadline = time.monotonic() + self.timeout_s
+        if after:
+            wait_for(after, deadline, "file tier I/O")
+        return self._read_batch(items, deadline)
 
     @staticmethod
     def _run(result: concurrent.futures.Future, fn, items, after, deadline, keepalive) -> None:

@@ -31,7 +31,7 @@ from jaxkv.blocks._manager import TieredCacheHit
 from jaxkv.blocks._pool import EvictedBlock
 from jaxkv.offload._file import FileTier, Region, TierFuture
 from jaxkv.offload._host import HostPool, _check_ids, _check_pair, run_offload, run_onboard
-from jaxkv.offload._ordering import JaxCompletion, SlotOrdering, wait_for
+from jaxkv.offload._ordering import DoneFlag, JaxCompletion, SlotOrdering, wait_for
 from jaxkv.offload._types import (
     HostPoolFullError,
     OffloadTimeoutError,
@@ -121,6 +121,8 @@ class OffloadManager:
         self.timeout_s = float(timeout_s)
         self.stats = OffloadStats()
         self._order = SlotOrdering()
+        # Built once: ordering keys of host slots (a batch of file I/O claims one per block).
+        self._host_keys = [SlotKey(Tier.HOST, s) for s in range(self._pool.num_slots)]
         self._valid = np.zeros(self._pool.num_slots, dtype=bool)
         self._valid_lock = threading.Lock()
         self._regions, self._replicas, self._addresses = self._slot_layout()
@@ -202,7 +204,7 @@ class OffloadManager:
 
     def _wait_file_ops(self, dependencies, what: str) -> None:
         """Waits for the file copies among `dependencies` (JAX ones are ordered by data)."""
-        futures = [d for d in dependencies if isinstance(d, concurrent.futures.Future)]
+        futures = [d for d in dependencies if not isinstance(d, JaxCompletion)]
         if futures:
             self.stats.waits += 1
             wait_for(futures, time.monotonic() + self.timeout_s, what)
@@ -246,7 +248,7 @@ class OffloadManager:
         op = JaxCompletion()
         deps = self._order.claim(
             reads=[SlotKey(Tier.DEVICE, int(d)) for d in device],
-            writes=[SlotKey(Tier.HOST, int(s)) for s in slots], op=op)
+            writes=[self._host_keys[s] for s in slots.tolist()], op=op)
         try:
             self._wait_file_ops(deps, "offload")
             padded_device, padded_slots = _pad_pair(device, slots)
@@ -294,7 +296,7 @@ class OffloadManager:
             return cache
         op = JaxCompletion()
         deps = self._order.claim(
-            reads=[SlotKey(Tier.HOST, int(s)) for s in slots],
+            reads=[self._host_keys[s] for s in slots.tolist()],
             writes=[SlotKey(Tier.DEVICE, int(d)) for d in device], op=op)
         try:
             self._wait_file_ops(deps, "onboard")
@@ -340,12 +342,12 @@ class OffloadManager:
             raise ValueError(f"{len(slots)} host slots for {len(hashes)} block hashes")
         with self._valid_lock:
             never = [s for s in slots if not self._valid[s] and not self._order.pending_for(
-                [SlotKey(Tier.HOST, s)])]
+                [self._host_keys[s]])]
         if never:
             raise UnknownSlotError(f"host slot {never[0]} holds no block")
         result: concurrent.futures.Future = TierFuture()
         deps = self._order.claim(
-            reads=[SlotKey(Tier.HOST, s) for s in slots],
+            reads=[self._host_keys[s] for s in slots],
             writes=[SlotKey(Tier.DISK, h) for h in hashes], op=result)
         inner = tier.write_async([(h, self._slot_regions(s)[0]) for h, s in zip(hashes, slots)],
                                  after=deps, skip=lambda: [not self.slot_valid(s) for s in slots])
@@ -357,6 +359,9 @@ class OffloadManager:
     def read_file(self, block_hashes: Sequence[bytes], host_slots: Any
                   ) -> concurrent.futures.Future:
         """Reads blocks from the file tier into host slots (asynchronous).
+
+        A thread that waits for the future while the read is still queued runs it itself;
+        `read_file_now` skips the queue altogether.
 
         Args:
           block_hashes: blocks to read.
@@ -371,30 +376,83 @@ class OffloadManager:
           IndexError: a slot out of range.
         """
         tier = self._require_file_tier()
-        slots = self._check_slots(host_slots, unique=True)
-        hashes = [bytes(h) for h in block_hashes]
-        if len(hashes) != len(slots):
-            raise ValueError(f"{len(slots)} host slots for {len(hashes)} block hashes")
+        slots, hashes = self._check_read(block_hashes, host_slots)
         result: concurrent.futures.Future = TierFuture()
         deps = self._order.claim(
             reads=[SlotKey(Tier.DISK, h) for h in hashes],
-            writes=[SlotKey(Tier.HOST, s) for s in slots], op=result)
-        layouts = [self._slot_regions(s) for s in slots]
+            writes=[self._host_keys[s] for s in slots], op=result)
 
         def mark(results: list[bool]) -> None:
             with self._valid_lock:
-                for slot, ok in zip(slots, results):
-                    self._valid[slot] = ok
+                self._valid[slots] = results
 
         # Everything is wired before the read is queued: a caller that waits at once then
         # finds it still queued and runs it itself, instead of racing the woken worker.
         inner = TierFuture()
         result.help_with(inner.run_if_queued)
         _chain(inner, result, mark, on_error=lambda: mark([False] * len(slots)))
-        tier.read_async([(h, regions) for h, (regions, _) in zip(hashes, layouts)],
-                        replicas=[copies for _, copies in layouts], after=deps, future=inner)
+        tier.queue_checked_read(self._read_items(hashes, slots), deps, inner)
         self.stats.file_reads += len(slots)
         return result
+
+    def read_file_now(self, block_hashes: Sequence[bytes], host_slots: Any) -> list[bool]:
+        """Reads blocks from the file tier into host slots on the calling thread, in order
+        with the other copies (it first waits, bounded, for earlier copies of its slots).
+
+        The synchronous `read_file`, for callers that need the blocks at once (`load_hit`):
+        no worker thread is woken, which on a busy or small machine saves the hand-off and the
+        woken thread's contention for the GIL (about 0.1 ms per call measured here).
+
+        Returns:
+          One bool per block, as `read_file`'s future.
+
+        Raises:
+          As `read_file`; OffloadTimeoutError: earlier copies of the slots did not finish
+          in time; OSError: a failed read.
+
+        Example:
+          >>> manager.read_file_now([block_hash], [slot])   # doctest: +SKIP
+          [True]
+        """
+        tier = self._require_file_tier()
+        slots, hashes = self._check_read(block_hashes, host_slots)
+        # Everything here runs on this thread: a flag, not a future, records the read in the
+        # ordering (this path runs right after other big copies, with cold caches: the fewer
+        # objects and code paths it touches, the faster it is).
+        op = DoneFlag()
+        deps = self._order.claim(
+            reads=[SlotKey(Tier.DISK, h) for h in hashes],
+            writes=[self._host_keys[s] for s in slots], op=op)
+        try:
+            results = tier.read_checked_now(self._read_items(hashes, slots), deps)
+        except BaseException:
+            with self._valid_lock:
+                self._valid[slots] = False
+            raise
+        finally:
+            op.set()
+        with self._valid_lock:
+            self._valid[slots] = results
+        self.stats.file_reads += len(slots)
+        return results
+
+    def _check_read(self, block_hashes: Sequence[bytes], host_slots: Any
+                    ) -> tuple[list[int], list[bytes]]:
+        slots = self._check_slots(host_slots, unique=True)
+        hashes = [bytes(h) for h in block_hashes]
+        if len(hashes) != len(slots):
+            raise ValueError(f"{len(slots)} host slots for {len(hashes)} block hashes")
+        return slots, hashes
+
+    def _read_items(self, hashes: list[bytes], slots: list[int]
+                    ) -> list[tuple[bytes, list[Region], list[list[Region]]]]:
+        """`FileTier.queue_checked_read` items: the slots' regions come from the pool's own
+        layout, so they need none of `read_async`'s checks."""
+        if not self._replica_count:
+            regions = self._regions
+            return [(h, [(address + s * n, n) for address, n in regions], [])
+                    for h, s in zip(hashes, slots)]
+        return [(h, *self._slot_regions(s)) for h, s in zip(hashes, slots)]
 
     def _require_file_tier(self) -> FileTier:
         if self.file_tier is None:
@@ -403,9 +461,10 @@ class OffloadManager:
 
     def _check_slots(self, host_slots: Any, unique: bool = False) -> list[int]:
         slots = np.asarray(host_slots)
-        if slots.ndim != 1 or (slots.size and not np.issubdtype(slots.dtype, np.integer)):
+        # dtype.kind, not np.issubdtype: this runs per file I/O call, often with cold caches.
+        if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
             raise ValueError(f"host_slots must be a 1-D integer sequence, got {host_slots!r}")
-        values = slots.astype(np.int64).tolist()
+        values = slots.tolist()  # Python ints.
         num_slots = self._pool.num_slots
         if values and (min(values) < 0 or max(values) >= num_slots):
             bad = next(v for v in values if not 0 <= v < num_slots)
@@ -580,10 +639,10 @@ class OffloadManager:
                 run.append(index + len(run))
             fresh = self._claim_slots(len(run), protect)
             try:
-                results = self.read_file([hashes[i] for i in run], fresh).result(
-                    timeout=self.timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise OffloadTimeoutError("load_hit: file reads did not finish in time") from None
+                results = self.read_file_now([hashes[i] for i in run], fresh)
+            except OffloadTimeoutError as error:
+                raise OffloadTimeoutError(f"load_hit: file reads did not finish in time "
+                                          f"({error})") from None
             for i, slot_read, ok in zip(run, fresh, results):
                 if not ok:
                     break

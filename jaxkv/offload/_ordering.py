@@ -19,7 +19,7 @@ from typing import Any
 
 from jaxkv.offload._types import OffloadTimeoutError, SlotKey
 
-__all__ = ["Dependency", "JaxCompletion", "SlotOrdering", "wait_for"]
+__all__ = ["Dependency", "DoneFlag", "JaxCompletion", "SlotOrdering", "wait_for"]
 
 
 class JaxCompletion:
@@ -44,13 +44,31 @@ class JaxCompletion:
         return token is not None and token.is_ready()
 
 
+class DoneFlag:
+    """A copy that runs on the thread that records it (e.g. `OffloadManager.read_file_now`):
+    done once `set` is called. Lighter than a future: nothing waits on a condition, and other
+    threads poll it as they poll a `JaxCompletion`."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self) -> None:
+        self._done = False
+
+    def set(self) -> None:
+        """Marks the copy done (finished or failed)."""
+        self._done = True
+
+    def done(self) -> bool:
+        return self._done
+
+
 class _Ready:
     @staticmethod
     def is_ready() -> bool:
         return True
 
 
-Dependency = concurrent.futures.Future | JaxCompletion
+Dependency = concurrent.futures.Future | JaxCompletion | DoneFlag
 
 
 def wait_for(dependencies: Iterable[Dependency], deadline: float, what: str) -> None:
