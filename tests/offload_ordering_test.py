@@ -165,6 +165,20 @@ class SlotKeyTest(parameterized.TestCase):
         # ops 0 and 2 were superseded by op 3, which waits for them (pending() is transitive).
         self.assertCountEqual(order.pending(), [ops[1], ops[4]])
 
+    def test_finished_copies_of_many_keys_are_pruned(self):
+        # A file tier keys copies by block hash: the tables must not keep every hash ever moved.
+        order = SlotOrdering()
+        pending = concurrent.futures.Future()
+        order.claim([], [SlotKey(Tier.DISK, b"kept")], pending)
+        for i in range(20_000):
+            op = concurrent.futures.Future()
+            order.claim([SlotKey(Tier.DISK, b"r%d" % i)], [SlotKey(Tier.HOST, i % 7)], op)
+            op.set_result(None)
+        self.assertLess(len(order._writer) + len(order._readers), 2 * 4096 + 16)
+        # The unfinished copy survives pruning and is still a dependency.
+        self.assertEqual(order.claim([SlotKey(Tier.DISK, b"kept")], [],
+                                     concurrent.futures.Future()), [pending])
+
     def test_pending_file_read_blocks_only_its_own_slot(self):
         spec = ot.spec_for("THD", "float32")
         cache, hosts = ot.filled_cache(spec, 8, seed=1)

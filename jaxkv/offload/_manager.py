@@ -123,7 +123,10 @@ class OffloadManager:
         self._order = SlotOrdering()
         # Built once: ordering keys of host slots (a batch of file I/O claims one per block).
         self._host_keys = [SlotKey(Tier.HOST, s) for s in range(self._pool.num_slots)]
-        self._valid = np.zeros(self._pool.num_slots, dtype=bool)
+        # Whether each slot holds a block: bytes for the per-call file paths (item stores, no
+        # numpy), viewed as a bool array for the vectorised ones.
+        self._valid_bytes = bytearray(self._pool.num_slots)
+        self._valid = np.frombuffer(self._valid_bytes, dtype=bool)
         self._valid_lock = threading.Lock()
         self._regions, self._replicas, self._addresses = self._slot_layout()
         self._replica_count = max((len(c) for c in self._replicas), default=0)
@@ -383,8 +386,7 @@ class OffloadManager:
             writes=[self._host_keys[s] for s in slots], op=result)
 
         def mark(results: list[bool]) -> None:
-            with self._valid_lock:
-                self._valid[slots] = results
+            self._mark_valid(slots, results)
 
         # Everything is wired before the read is queued: a caller that waits at once then
         # finds it still queued and runs it itself, instead of racing the woken worker.
@@ -426,15 +428,19 @@ class OffloadManager:
         try:
             results = tier.read_checked_now(self._read_items(hashes, slots), deps)
         except BaseException:
-            with self._valid_lock:
-                self._valid[slots] = False
+            self._mark_valid(slots, [False] * len(slots))
             raise
         finally:
             op.set()
-        with self._valid_lock:
-            self._valid[slots] = results
+        self._mark_valid(slots, results)
         self.stats.file_reads += len(slots)
         return results
+
+    def _mark_valid(self, slots: list[int], results: list[bool]) -> None:
+        valid = self._valid_bytes
+        with self._valid_lock:
+            for slot, ok in zip(slots, results):
+                valid[slot] = ok
 
     def _check_read(self, block_hashes: Sequence[bytes], host_slots: Any
                     ) -> tuple[list[int], list[bytes]]:

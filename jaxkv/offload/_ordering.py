@@ -115,6 +115,9 @@ class _DoneMemo:
         return known
 
 
+_MIN_PRUNE_AT = 4096  # Keys held before finished copies are pruned (then twice what is left).
+
+
 class SlotOrdering:
     """Last writer and readers since that write, per `SlotKey`. Thread-safe.
 
@@ -134,6 +137,7 @@ class SlotOrdering:
         self._lock = threading.Lock()
         self._writer: dict[SlotKey, Dependency] = {}
         self._readers: dict[SlotKey, list[Dependency]] = {}
+        self._prune_at = _MIN_PRUNE_AT
 
     def claim(
         self, reads: Iterable[SlotKey], writes: Iterable[SlotKey], op: Dependency
@@ -159,13 +163,18 @@ class SlotOrdering:
             for key in writes:
                 self._writer[key] = op
                 self._readers.pop(key, None)
-            written = set(writes)
+            written = set(writes) if reads and writes else ()
             for key in reads:
                 if key in written:
                     continue
                 readers = [r for r in self._readers.get(key, ()) if not done(r)]
                 readers.append(op)
                 self._readers[key] = readers
+            # Keys of finished copies are dropped now and then (every key of a file tier is a
+            # block hash: without this the tables would grow with every block ever moved).
+            if len(self._writer) + len(self._readers) > self._prune_at:
+                self._prune(done)
+                self._prune_at = max(_MIN_PRUNE_AT, 2 * (len(self._writer) + len(self._readers)))
         found.pop(id(op), None)
         return list(found.values())
 
