@@ -1011,6 +1011,9 @@ class FileTier:
         begin = time.perf_counter()
         jobs: list[_Job | None] = [None] * len(reading)  # None: not opened (the file is gone).
         states: list[str | None] = [None] * len(reading)  # "ok", "corrupt" or "missing".
+        # Plain files are read and verified one block at a time: the blocks share one header
+        # buffer (NIXL reads the whole batch first: one each).
+        shared_head = bytearray(_HEADER_BYTES) if isinstance(self._io, _FilesIO) else None
         try:
             for k, (_, block_hash, regions, _, fd) in enumerate(reading):
                 if fd is None:
@@ -1019,7 +1022,8 @@ class FileTier:
                     except FileNotFoundError:
                         states[k] = "missing"
                         continue
-                jobs[k] = _Job(fd, bytearray(_HEADER_BYTES), regions)
+                jobs[k] = _Job(fd, shared_head if shared_head is not None
+                               else bytearray(_HEADER_BYTES), regions)
             live = [(reading[k][1], job) for k, job in enumerate(jobs) if job is not None]
             errors = iter(self._load(live, deadline))
             for k, ((_, _, regions, replicas, _), job) in enumerate(zip(reading, jobs)):
