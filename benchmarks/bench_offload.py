@@ -125,19 +125,19 @@ def _main(argv):
             counter = {"round": 0}
             read_slots = np.arange(m)
 
-            def tier_write():
+            def tier_write(counter=counter, manager=manager):
                 counter["round"] += 1
                 hashes = [b"r%d-b%d" % (counter["round"], i) for i in range(m)]
                 counter["last"] = hashes
                 return manager.write_file(np.arange(m), hashes).result(120)
 
-            def tier_read():
+            def tier_read(counter=counter, manager=manager, read_slots=read_slots):
                 return manager.read_file(counter["last"], read_slots).result(120)
 
-            def tier_read_now():
+            def tier_read_now(counter=counter, manager=manager, read_slots=read_slots):
                 return manager.read_file_now(counter["last"], read_slots)
 
-            def plain_write():
+            def plain_write(durable=durable):
                 for i, block in enumerate(plain_blocks):
                     with open(os.path.join(plain_dir, f"{i}.bin"), "wb") as handle:
                         handle.write(block)

@@ -13,11 +13,10 @@ import textwrap
 
 import msgspec
 import numpy as np
+import offload_testing as ot
 from absl.testing import absltest, parameterized
 
-import offload_testing as ot
-from jaxkv.offload import FileTier, IncompatibleTierError, OffloadManager, UnknownSlotError
-from jaxkv.offload import _file
+from jaxkv.offload import FileTier, IncompatibleTierError, OffloadManager, UnknownSlotError, _file
 from jaxkv.transfer import nixl_available
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -8,10 +8,10 @@ kv_testing.force_cpu_devices()
 import jax
 import jax.numpy as jnp
 import numpy as np
+import offload_testing as ot
 import pytest
 from absl.testing import absltest, parameterized
 
-import offload_testing as ot
 from jaxkv import SUPPORTED_DTYPES
 from jaxkv.offload import FileTier, HostPool, OffloadManager, offload_blocks, onboard_blocks
 from jaxkv.transfer import nixl_available

@@ -13,10 +13,10 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import offload_testing as ot
 from absl.testing import absltest, parameterized
 
 import jaxkv
-import offload_testing as ot
 from jaxkv import offload
 from jaxkv.blocks import BlockPool, KVCacheManager
 from jaxkv.offload import FileTier, HostPool, HostPoolFullError, OffloadManager, UnknownSlotError

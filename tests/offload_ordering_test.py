@@ -12,10 +12,10 @@ import threading
 import time
 
 import numpy as np
+import offload_testing as ot
 import pytest
 from absl.testing import absltest, parameterized
 
-import offload_testing as ot
 from jaxkv.offload import (
     FileTier,
     OffloadManager,

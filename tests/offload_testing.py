@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import kv_testing
 import numpy as np
 
-import kv_testing
 from jaxkv import KVCacheSpec, PagedKVCache
 
 LAYOUTS = ("LKHTD", "LKTHD", "KHTD", "KTHD", "HTD", "THD", "TD")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -554,10 +555,8 @@ class FileTier:
     def _recover(self) -> None:
         """Loads the manifest, reconciles it with the files and removes leftovers."""
         for name in os.listdir(self._tmp):  # Writes that never published (crash).
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self._tmp, name))
-            except FileNotFoundError:
-                pass
         manifest_path = os.path.join(self.directory, "manifest.msgpack")
         order: list[str] = []
         if os.path.exists(manifest_path):
@@ -1103,11 +1102,9 @@ class FileTier:
         fd = self._fds.pop(block_hash, None)
         if fd is not None:
             self._close_fd(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.replace(self.path_of(block_hash), os.path.join(
                 self._quarantine, f"{block_hash.hex()}.{uuid.uuid4().hex[:8]}{_SUFFIX}"))
-        except FileNotFoundError:
-            pass
 
     def _verify(self, block_hash: bytes, job: _Job, got: int, checksum: str | None = None
                 ) -> None:
@@ -1137,7 +1134,5 @@ class FileTier:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

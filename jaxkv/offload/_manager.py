@@ -108,12 +108,12 @@ class OffloadManager:
             raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if file_tier is not None:
-            if file_tier.spec != cache.spec or file_tier.fields["tp_size"] != cache.tp_size:
-                raise ValueError(
-                    f"the file tier stores blocks of {file_tier.spec} at TP "
-                    f"{file_tier.fields['tp_size']}; the cache is {cache.spec} at TP "
-                    f"{cache.tp_size}")
+        if file_tier is not None and (file_tier.spec != cache.spec
+                                      or file_tier.fields["tp_size"] != cache.tp_size):
+            raise ValueError(
+                f"the file tier stores blocks of {file_tier.spec} at TP "
+                f"{file_tier.fields['tp_size']}; the cache is {cache.spec} at TP "
+                f"{cache.tp_size}")
         self.spec = cache.spec
         self._pool = HostPool.allocate(cache, num_host_slots, memory_kind=memory_kind)
         self.file_tier = file_tier

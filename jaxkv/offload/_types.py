@@ -17,7 +17,7 @@ __all__ = [
 ]
 
 
-class Tier(str, enum.Enum):
+class Tier(str, enum.Enum):  # noqa: UP042 - StrEnum would change str(Tier.HOST).
     """Where a KV block lives: device memory, the host pool, or the file tier."""
 
     DEVICE = "device"
