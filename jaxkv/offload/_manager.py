@@ -207,10 +207,10 @@ class OffloadManager:
 
     def _wait_file_ops(self, dependencies, what: str) -> None:
         """Waits for the file copies among `dependencies` (JAX ones are ordered by data)."""
-        futures = [d for d in dependencies if not isinstance(d, JaxCompletion)]
-        if futures:
+        file_ops = [d for d in dependencies if not isinstance(d, JaxCompletion)]
+        if file_ops:
             self.stats.waits += 1
-            wait_for(futures, time.monotonic() + self.timeout_s, what)
+            wait_for(file_ops, time.monotonic() + self.timeout_s, what)
 
     def wait(self, timeout: float | None = None) -> None:
         """Sync point: waits until every copy issued so far is done (file I/O included).
@@ -454,10 +454,6 @@ class OffloadManager:
                     ) -> list[tuple[bytes, list[Region], list[list[Region]]]]:
         """`FileTier.queue_checked_read` items: the slots' regions come from the pool's own
         layout, so they need none of `read_async`'s checks."""
-        if not self._replica_count:
-            regions = self._regions
-            return [(h, [(address + s * n, n) for address, n in regions], [])
-                    for h, s in zip(hashes, slots)]
         return [(h, *self._slot_regions(s)) for h, s in zip(hashes, slots)]
 
     def _require_file_tier(self) -> FileTier:

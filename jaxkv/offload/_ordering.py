@@ -100,8 +100,7 @@ def wait_for(dependencies: Iterable[Dependency], deadline: float, what: str) -> 
 class _DoneMemo:
     """`dependency.done()` asked once per dependency during one claim: the keys of a batch
     share a few dependencies, and `Future.done` takes a lock. A copy seen unfinished may finish
-    during the
-    claim; waiting for it then costs nothing."""
+    during the claim; waiting for it then costs nothing."""
 
     __slots__ = ("_seen",)
 
