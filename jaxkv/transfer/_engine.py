@@ -159,6 +159,8 @@ class _Peer:
     meta: EngineMetadata
     addresses: tuple[tuple[str, int], ...]
     agents: dict[str, str]  # published agent name -> NIXL name
+    generations: dict[str, int] = dataclasses.field(default_factory=dict)  # agent -> generation
+    stale: bool = False  # a producer process re-registered since: fetch again before reading
 
 
 @dataclasses.dataclass
@@ -202,6 +204,9 @@ class _Reading:
     attempt: int = 0  # tags this read's Done / Ack messages
     # (local rank, remote rank) pairs whose Done travels as the notification of their READ
     attached: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # remote rank -> generation of its process when the READs were planned (sent in Done)
+    generations: dict[int, int] = dataclasses.field(default_factory=dict)
+    stale: bool = False  # a producer answered that the planned regions are no longer current
 
 
 class KVTransferEngine:
@@ -332,6 +337,13 @@ class KVTransferEngine:
             if b.device.id in rank_of:
                 per_rank.setdefault(rank_of[b.device.id], []).append(b)
         new_ranks = {}
+        replaced = [e for e in self._caches if set(e.ranks) & set(per_rank)]
+        for entry in replaced:
+            if not set(entry.ranks) <= set(per_rank):
+                raise ValueError(
+                    f"register_cache: ranks {sorted(per_rank)} overlap the registered cache of "
+                    f"ranks {list(entry.ranks)} only partly; re-register that whole cache"
+                )
         for rank, bufs in per_rank.items():
             tp, pp = config.coordinates(rank)
             l0, _ = config.layer_range(pp)
@@ -360,13 +372,26 @@ class KVTransferEngine:
             for info in new_ranks.values()
             for r in info.regions
         ]
-        self.agent.register(regs)
+        old_regs = [
+            (r.base_address, r.block_len * r.num_blocks, r.device_id, r.memory_kind)
+            for entry in replaced
+            for rank in entry.ranks
+            for r in self._ranks[rank].regions
+        ]
+        self.agent.register(regs)  # first: buffers kept in place keep their registration
+        self.agent.deregister(old_regs)
+        self._caches = [e for e in self._caches if e not in replaced]
         self._ranks.update(new_ranks)
         l0, l1 = config.layer_range(pp_rank)
         entry = _Registered(cache, buffers, tuple(sorted(new_ranks)), mirror, l0, l1)
         self._caches.append(entry)
         for rank in new_ranks:
             self._rank_cache[rank] = entry
+        if self._meta is not None:
+            # The regions changed: peers holding the old metadata must not read them. They
+            # see the new generation in new requests' params (and re-handshake), and reads
+            # planned against the old one are refused at confirmation (`Ack.stale`).
+            self.generation = (self.generation + 1) & ((1 << 62) - 1)
         self._publish()
 
     def check_registrations(self, cache: Any) -> None:
@@ -427,7 +452,7 @@ class KVTransferEngine:
         Raises:
           HandshakeError, IncompatibleEngineError: nothing is loaded then.
         """
-        metas = []
+        metas: list[EngineMetadata] = []
         try:
             for address in addresses:
                 metas.append(
@@ -448,7 +473,10 @@ class KVTransferEngine:
         agents = {a.name: self.agent.add_remote(a.metadata) for a in merged.agents}
         for name in agents.values():
             self.agent.connect(name)
-        self._peers[engine_id] = _Peer(merged, tuple(tuple(a) for a in addresses), agents)
+        generations = {a.name: m.generation for m in metas for a in m.agents}
+        self._peers[engine_id] = _Peer(
+            merged, tuple(tuple(a) for a in addresses), agents, generations
+        )
         hello = encode_message(
             Hello(self.engine_id, self.generation, self.agent.name, self.agent.metadata())
         )
@@ -461,7 +489,11 @@ class KVTransferEngine:
 
     def _peer(self, engine_id: str, addresses, generation: int = -1) -> _Peer:
         peer = self._peers.get(engine_id)
-        if peer is None or (generation >= 0 and generation != peer.meta.generation):
+        if (
+            peer is None
+            or peer.stale
+            or (generation >= 0 and generation not in peer.generations.values())
+        ):
             self.add_peer(engine_id, addresses)
             peer = self._peers[engine_id]
         return peer
@@ -660,6 +692,9 @@ class KVTransferEngine:
         state.local_block_ids = tuple(int(b) for b in local_ids)
         try:
             peer = self._peer(params.engine_id, params.addresses, params.generation)
+            state.generations = {
+                info.rank: peer.generations.get(info.agent_name, -1) for info in peer.meta.ranks
+            }
             for rank in self.local_ranks:
                 plan = plan_read(
                     self.metadata, rank, peer.meta, local_ids, params.block_ids, check=False
@@ -758,6 +793,7 @@ class KVTransferEngine:
             states = [self.agent.state(h) for h in handles]
             if "ERR" in states:
                 state.error = f"a NIXL READ of layer {layer} failed"
+                self._suspect(state.peer)
                 return False
             if all(st == "DONE" for st in states):
                 state.layer_arrival[layer] = time.time()
@@ -847,6 +883,9 @@ class KVTransferEngine:
                         reading.acks[(message.producer_rank, message.consumer_rank)] = (
                             message.pinned
                         )
+                        if message.stale:
+                            reading.stale = True
+                            self._suspect(reading.peer)
                 elif isinstance(message, Want):
                     self._on_want(message, now)
                 elif isinstance(message, Ready):
@@ -876,8 +915,10 @@ class KVTransferEngine:
 
     def _on_done(self, message: Done) -> None:
         pinned = self._pinned.get(message.request_id)
+        stale = message.generation != self.generation
         live = (
-            pinned is not None
+            not stale
+            and pinned is not None
             and pinned.deadline >= 0
             and time.monotonic() <= pinned.deadline
             and message.producer_rank in pinned.notified
@@ -893,6 +934,7 @@ class KVTransferEngine:
                 message.consumer_rank,
                 live,
                 message.attempt,
+                stale,
             )
         )
         if target is None or not self.agent.send(target, ack):
@@ -917,6 +959,7 @@ class KVTransferEngine:
             states = [self.agent.state(h) for _, h in state.handles]
             if "ERR" in states:
                 state.error = "a NIXL READ failed"
+                self._suspect(state.peer)
             elif all(s == "DONE" for s in states):
                 state.done_at = time.monotonic()
                 self._send_done(state, ok=True)
@@ -930,12 +973,24 @@ class KVTransferEngine:
             if all(state.acks.values()):
                 self._finish(state, result)
                 return
-            state.error = "the producer released the blocks before the read was confirmed"
+            state.error = (
+                "the producer re-registered its cache after this read was planned (stale "
+                "metadata: the next read fetches it again)"
+                if state.stale
+                else "the producer released the blocks before the read was confirmed"
+            )
         if state.error is not None:
             self._fail(state, result)
             return
         if now >= state.next_heartbeat:
             self._heartbeat(state, now)
+
+    def _suspect(self, engine_id: str) -> None:
+        """The peer's metadata may be stale (a READ failed, a producer answered `stale`):
+        the next read fetches it again."""
+        peer = self._peers.get(engine_id)
+        if peer is not None:
+            peer.stale = True
 
     def _post_process(self, state: _Reading) -> None:
         """Rewrites the received blocks that arrived in the sender's arrangement, in place,
@@ -1014,6 +1069,7 @@ class KVTransferEngine:
                 self.config.world_size,
                 ok,
                 state.attempt,
+                state.generations.get(remote_rank, -1),
             )
         )
 

@@ -56,6 +56,9 @@ class Done(msgspec.Struct, tag="done", frozen=True, forbid_unknown_fields=True):
     # The consumer's read attempt, echoed in `Ack`: answers to an earlier read of the same
     # request are ignored. Sent attached to the READ itself when the read has data.
     attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # The producer process generation the consumer planned its READs against (-1: none); the
+    # producer refuses to confirm a read planned against regions it no longer registers.
+    generation: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
@@ -67,6 +70,9 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     consumer_rank: _Rank
     pinned: bool
     attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # The consumer read regions of an older generation (the producer re-registered since):
+    # its cached metadata is stale and must be fetched again.
+    stale: bool = False
 
 
 class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
