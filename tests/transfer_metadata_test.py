@@ -161,5 +161,79 @@ class SideChannelTest(absltest.TestCase):
             self.assertEqual(fetch_metadata(server.address, timeout=2).engine_id, "prefill")
 
 
+    def test_silent_clients_do_not_delay_a_handshake(self):
+        # 16 clients send 3 bytes and go quiet; their deadline (30 s) is far beyond the good
+        # client's whole budget (5 s, no retry): a server that served them one at a time
+        # would make it fail, and they must still be open (unanswered) once it succeeded.
+        with MetadataServer(io_timeout=30.0) as server:
+            server.publish(_meta())
+            silent = [socket.create_connection(server.address, timeout=2) for _ in range(16)]
+            try:
+                for sock in silent:
+                    sock.sendall(b"JKV")
+                _wait_for(lambda: server.open_connections == 16)
+                start = time.monotonic()
+                meta = fetch_metadata(server.address, timeout=5, retries=0)
+                elapsed = time.monotonic() - start
+                self.assertEqual(meta.engine_id, "prefill")
+                self.assertLess(elapsed, 5.0)
+                self.assertEqual(server.open_connections, 16)
+                for sock in silent:
+                    sock.setblocking(False)
+                    with self.assertRaises(BlockingIOError):  # neither answered nor closed
+                        sock.recv(1)
+                print(f"handshake beside 16 silent clients: {elapsed * 1e3:.1f} ms")
+            finally:
+                for sock in silent:
+                    sock.close()
+
+    def test_connection_deadline(self):
+        with MetadataServer(io_timeout=0.3) as server:
+            server.publish(_meta())
+            with socket.create_connection(server.address, timeout=5) as sock:
+                start = time.monotonic()
+                sock.sendall(b"JK")
+                self.assertEqual(sock.recv(1), b"")  # closed by the server, unanswered
+                self.assertGreater(time.monotonic() - start, 0.2)
+            _wait_for(lambda: server.open_connections == 0)
+            self.assertGreaterEqual(server.dropped_connections, 1)
+
+    def test_connection_cap_closes_the_oldest(self):
+        with MetadataServer(io_timeout=30.0, max_connections=4) as server:
+            server.publish(_meta())
+            silent = [socket.create_connection(server.address, timeout=2) for _ in range(6)]
+            try:
+                _wait_for(lambda: server.dropped_connections >= 2)
+                self.assertLessEqual(server.open_connections, 4)
+                self.assertEqual(silent[0].recv(1), b"")  # the oldest was closed
+                self.assertEqual(fetch_metadata(server.address, timeout=5).engine_id, "prefill")
+            finally:
+                for sock in silent:
+                    sock.close()
+
+    def test_garbage_and_oversized_requests_are_dropped(self):
+        with MetadataServer(io_timeout=5.0) as server:
+            server.publish(_meta())
+            for garbage in (b"GARBAGE!", b"GARBAGE!" + b"x" * 100_000):
+                with socket.create_connection(server.address, timeout=5) as sock:
+                    sock.sendall(garbage)
+                    try:
+                        answer = sock.recv(16)
+                    except ConnectionResetError:  # closed with unread bytes: a reset
+                        answer = b""
+                    self.assertEqual(answer, b"")  # closed without an answer
+            _wait_for(lambda: server.open_connections == 0)
+            self.assertEqual(server.requests_served, 0)
+            self.assertEqual(fetch_metadata(server.address, timeout=2).engine_id, "prefill")
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.005)
+
+
 if __name__ == "__main__":
     absltest.main()

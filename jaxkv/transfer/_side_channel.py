@@ -3,12 +3,14 @@
 Protocol (one request per connection): the client sends ``MAGIC + u32 protocol version``; the
 server answers ``MAGIC + u64 length + payload`` where the payload is `encode_metadata` bytes
 (or an empty payload when it has nothing to publish yet). Every socket operation has a
-timeout; the client retries a bounded number of times with exponential backoff.
+timeout; the client retries a bounded number of times with exponential backoff. The server
+serves its connections concurrently, each under a deadline, a bounded number at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import struct
 import threading
@@ -37,10 +39,17 @@ class HandshakeError(ConnectionError):
 class MetadataServer:
     """Serves the current `EngineMetadata` on ``host:port`` from a daemon thread.
 
+    Connections are served concurrently by one selector loop (non-blocking sockets): a slow or
+    silent client never delays another. Each connection has a deadline (`io_timeout` for the
+    request and the reply together); at most `max_connections` are open at once (a new one
+    beyond the cap closes the oldest); a request that is not ``MAGIC + version`` is dropped
+    unanswered, and nothing past the 8 request bytes is ever read.
+
     Args:
       host: address to bind (loopback by default).
       port: 0 picks a free port; read it back from `port`.
       io_timeout: seconds each client connection may take.
+      max_connections: open connections served at once.
 
     Example:
       >>> server = MetadataServer()
@@ -49,18 +58,34 @@ class MetadataServer:
       >>> server.close()
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, io_timeout: float = 5.0):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        io_timeout: float = 5.0,
+        max_connections: int = 64,
+    ):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self._payload = b""
         self._lock = threading.Lock()
         self._io_timeout = io_timeout
+        self._max_connections = max_connections
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
-        self._sock.listen(64)
-        self._sock.settimeout(0.2)
+        self._sock.listen(max(64, max_connections))
+        self._sock.setblocking(False)
         self.host, self.port = self._sock.getsockname()[:2]
         self._closed = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._conns: dict[socket.socket, _Connection] = {}  # insertion order: oldest first
         self.requests_served = 0
+        self.dropped_connections = 0  # timed out, evicted, garbage or closed early
         self._thread = threading.Thread(
             target=self._serve, name=f"jaxkv-metadata-{self.port}", daemon=True
         )
@@ -70,6 +95,11 @@ class MetadataServer:
     def address(self) -> tuple[str, int]:
         return self.host, self.port
 
+    @property
+    def open_connections(self) -> int:
+        """Client connections being served now."""
+        return len(self._conns)
+
     def publish(self, meta: EngineMetadata | bytes) -> None:
         """Replaces what the server answers (bytes are served as they are: for tests)."""
         payload = meta if isinstance(meta, bytes) else encode_metadata(meta)
@@ -77,40 +107,115 @@ class MetadataServer:
             self._payload = payload
 
     def _serve(self) -> None:
-        while not self._closed.is_set():
+        try:
+            while not self._closed.is_set():
+                now = time.monotonic()
+                timeout = 0.5
+                if self._conns:
+                    timeout = min(timeout, max(0.0, min(c.deadline for c in self._conns.values())
+                                               - now))
+                for key, events in self._selector.select(timeout):
+                    sock = key.fileobj
+                    if sock is self._sock:
+                        self._accept()
+                    elif sock is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
+                    elif sock in self._conns:
+                        self._step(self._conns[sock], events)
+                now = time.monotonic()
+                for conn in [c for c in self._conns.values() if c.deadline <= now]:
+                    self._drop(conn)
+        finally:
+            for conn in list(self._conns.values()):
+                self._drop(conn, dropped=False)
+
+    def _accept(self) -> None:
+        while True:
             try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            with conn:
-                try:
-                    conn.settimeout(self._io_timeout)
-                    request = _recv_exact(conn, _REQUEST.size, time.monotonic() + self._io_timeout)
-                    magic, version = _REQUEST.unpack(request)
-                    if magic != MAGIC:
-                        continue
-                    del version  # the client checks the version of what it receives
-                    with self._lock:
-                        payload = self._payload
-                    conn.sendall(_REPLY.pack(MAGIC, len(payload)) + payload)
+            except OSError:
+                return  # closed
+            sock.setblocking(False)
+            if len(self._conns) >= self._max_connections:
+                self._drop(next(iter(self._conns.values())))  # the oldest
+            conn = _Connection(sock, time.monotonic() + self._io_timeout)
+            self._conns[sock] = conn
+            self._selector.register(sock, selectors.EVENT_READ, None)
+
+    def _step(self, conn: _Connection, events: int) -> None:
+        try:
+            if conn.reply is None and events & selectors.EVENT_READ:
+                chunk = conn.sock.recv(_REQUEST.size - len(conn.request))
+                if not chunk:
+                    self._drop(conn)
+                    return
+                conn.request += chunk
+                if len(conn.request) < _REQUEST.size:
+                    return
+                magic, _version = _REQUEST.unpack(conn.request)
+                if magic != MAGIC:
+                    self._drop(conn)  # garbage: no answer
+                    return
+                # The client checks the version of what it receives.
+                with self._lock:
+                    payload = self._payload
+                conn.reply = memoryview(_REPLY.pack(MAGIC, len(payload)) + payload)
+                self._selector.modify(conn.sock, selectors.EVENT_WRITE, None)
+            if conn.reply is not None:
+                sent = conn.sock.send(conn.reply[conn.sent:])
+                conn.sent += sent
+                if conn.sent == len(conn.reply):
                     self.requests_served += 1
-                except OSError:
-                    continue
+                    self._drop(conn, dropped=False)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+
+    def _drop(self, conn: _Connection, dropped: bool = True) -> None:
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        self.dropped_connections += dropped
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
 
     def close(self) -> None:
-        """Stops the thread and closes the socket (idempotent)."""
+        """Stops the thread and closes the sockets (idempotent)."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         with contextlib.suppress(OSError):
-            self._sock.close()
+            self._wake_w.send(b"x")
         self._thread.join(timeout=2.0)
+        for sock in (self._sock, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(OSError, RuntimeError):
+            self._selector.close()
 
     def __enter__(self) -> MetadataServer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Connection:
+    """One client of a `MetadataServer`: its request bytes so far and its reply."""
+
+    __slots__ = ("deadline", "reply", "request", "sent", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock = sock
+        self.deadline = deadline
+        self.request = b""
+        self.reply: memoryview | None = None
+        self.sent = 0
 
 
 def _recv_exact(conn: socket.socket, size: int, deadline: float) -> bytes:
