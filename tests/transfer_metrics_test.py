@@ -51,6 +51,33 @@ def parse(text: str) -> dict[tuple[str, tuple], float]:
 
 
 class PrometheusTextTest(parameterized.TestCase):
+    def test_counters_monotonic_beyond_the_kept_records(self):
+        stats = TransferStats(max_records=3)
+        e = (("engine", ""),)
+        previous = None
+        for i in range(7):
+            stats.add(TransferRecord(f"r{i}", 1000 * (i + 1), 2, 2, 0.002 * (i + 1), 0.001))
+            stats.add_publication(PublishRecord(f"r{i}", ((2, 1.0),), 0.25))
+            got = parse(prometheus_text(stats))
+            if previous is not None:
+                for key, value in got.items():
+                    if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
+                        self.assertGreaterEqual(value, previous[key], key)
+            previous = got
+        self.assertLen(stats.records, 3)
+        self.assertEqual(got[("jaxkv_transfer_requests_total", e)], 7)
+        self.assertEqual(got[("jaxkv_transfer_bytes_total", e)], 1000 * 28)
+        self.assertEqual(got[("jaxkv_transfer_descriptors_total", e)], 14)
+        self.assertEqual(got[("jaxkv_transfer_duration_seconds_count", e)], 7)
+        self.assertAlmostEqual(got[("jaxkv_transfer_duration_seconds_sum", e)], 0.002 * 28)
+        le = (("engine", ""), ("le", "0.01"))
+        self.assertEqual(got[("jaxkv_transfer_duration_seconds_bucket", le)], 5)  # 2..10 ms
+        self.assertEqual(got[("jaxkv_transfer_published_requests_total", e)], 7)
+        self.assertEqual(got[("jaxkv_transfer_staging_seconds_total", e)], 1.75)
+        self.assertEqual(stats.summary()["transfers"], 7)
+        merged = stats.merge(stats)
+        self.assertEqual((merged.requests_total, merged.bytes_total), (14, 56000))
+
     def test_values(self):
         got = parse(prometheus_text(sample_stats(), engine="decode"))
         e = (("engine", "decode"),)

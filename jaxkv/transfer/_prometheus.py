@@ -26,18 +26,19 @@ jaxkv_transfer_staging_seconds_total        counter   producer time copying to t
 jaxkv_transfer_last_throughput_bytes_per_second gauge bytes / duration of the last read
 =========================================== ========= =======================================
 
-Counters and histograms cover the records the stats still hold (`TransferStats.max_records`).
+Counters and histograms are the running totals of the stats (monotonic for the engine's life,
+whatever `TransferStats.max_records` keeps of the individual records).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
+
+from jaxkv.transfer._stats import BUCKETS_S
 
 __all__ = ["BUCKETS_S", "TransferStatsCollector", "prometheus_text"]
 
-BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-             10.0, 30.0)
-"""Histogram bucket upper bounds (seconds)."""
 
 _FAILURES = ("failed_transfers", "failed_notifications", "failed_handshakes", "expired_leases",
              "malformed_messages")
@@ -48,31 +49,30 @@ def _families(stats: Any) -> list[tuple[str, str, str, list[tuple[str, dict, flo
     records = list(stats.records)
     out = [
         ("jaxkv_transfer_requests_total", "counter", "KV reads finished",
-         [("", {}, float(len(records)))]),
+         [("", {}, float(stats.requests_total))]),
         ("jaxkv_transfer_bytes_total", "counter", "KV bytes read",
-         [("", {}, float(sum(r.bytes for r in records)))]),
+         [("", {}, float(stats.bytes_total))]),
         ("jaxkv_transfer_descriptors_total", "counter", "NIXL descriptors posted",
-         [("", {}, float(sum(r.descriptors for r in records)))]),
+         [("", {}, float(stats.descriptors_total))]),
     ]
     for name, field, text in (
         ("jaxkv_transfer_duration_seconds", "duration_s", "start_read to every READ complete"),
         ("jaxkv_transfer_confirm_seconds", "confirm_s", "READ complete to producer acks"),
         ("jaxkv_transfer_post_seconds", "post_s", "post-processing and staging to device"),
     ):
-        values = [getattr(r, field) for r in records]
-        samples = [("_bucket", {"le": repr(b)}, float(sum(v <= b for v in values)))
-                   for b in BUCKETS_S]
-        samples.append(("_bucket", {"le": "+Inf"}, float(len(values))))
-        samples += [("_count", {}, float(len(values))), ("_sum", {}, float(sum(values)))]
+        histogram = stats.histograms[field]
+        cumulative = list(itertools.accumulate(histogram.counts))
+        samples = [("_bucket", {"le": repr(b)}, float(c)) for b, c in zip(BUCKETS_S, cumulative)]
+        samples.append(("_bucket", {"le": "+Inf"}, float(cumulative[-1])))
+        samples += [("_count", {}, float(cumulative[-1])), ("_sum", {}, float(histogram.total))]
         out.append((name, "histogram", text, samples))
     out.append(("jaxkv_transfer_failures_total", "counter", "transfer failures by kind",
                 [("", {"kind": k}, float(getattr(stats, k))) for k in _FAILURES]))
-    publications = list(getattr(stats, "publications", ()))
     out.append(("jaxkv_transfer_published_requests_total", "counter",
-                "requests fully published", [("", {}, float(len(publications)))]))
+                "requests fully published", [("", {}, float(stats.publications_total))]))
     out.append(("jaxkv_transfer_staging_seconds_total", "counter",
                 "producer time copying blocks to the host mirror",
-                [("", {}, float(sum(p.staged_s for p in publications)))]))
+                [("", {}, float(stats.staged_s_total))]))
     last = records[-1] if records else None
     rate = last.bytes / last.duration_s if last is not None and last.duration_s > 0 else 0.0
     out.append(("jaxkv_transfer_last_throughput_bytes_per_second", "gauge",

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
 
-__all__ = ["PublishRecord", "TransferRecord", "TransferStats", "WorkerAggregator"]
+__all__ = ["BUCKETS_S", "PublishRecord", "TransferRecord", "TransferStats", "WorkerAggregator"]
+
+BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+             10.0, 30.0)
+"""Histogram bucket upper bounds (seconds) of the running totals (and of Prometheus)."""
+
+HISTOGRAM_FIELDS = ("duration_s", "confirm_s", "post_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +48,29 @@ class PublishRecord:
 
 
 @dataclasses.dataclass
+class _Histogram:
+    """Running counts per `BUCKETS_S` bound (not cumulative; the last one is +Inf) and sum."""
+
+    counts: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
+    total: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS_S, value)] += 1
+        self.total += value
+
+    def merged(self, other: _Histogram) -> _Histogram:
+        return _Histogram([a + b for a, b in zip(self.counts, other.counts)],
+                          self.total + other.total)
+
+
+@dataclasses.dataclass
 class TransferStats:
-    """Counters and records of one engine process (`KVTransferEngine.stats`)."""
+    """Counters and records of one engine process (`KVTransferEngine.stats`).
+
+    `records` / `publications` keep the last `max_records` of each (for summaries and
+    inspection); the ``*_total`` fields and `histograms` are running totals over the
+    engine's life (monotonic: what Prometheus counters expose).
+    """
 
     records: list[TransferRecord] = dataclasses.field(default_factory=list)
     publications: list[PublishRecord] = dataclasses.field(default_factory=list)
@@ -52,13 +80,40 @@ class TransferStats:
     expired_leases: int = 0
     malformed_messages: int = 0
     max_records: int = 100_000
+    requests_total: int = 0
+    bytes_total: int = 0
+    descriptors_total: int = 0
+    publications_total: int = 0
+    staged_s_total: float = 0.0
+    histograms: dict[str, _Histogram] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for field in HISTOGRAM_FIELDS:
+            self.histograms.setdefault(field, _Histogram())
+        # Records given to the constructor count once (unless totals were given too).
+        if self.records and not self.requests_total:
+            for record in self.records:
+                self._count(record)
+        if self.publications and not self.publications_total:
+            self.publications_total = len(self.publications)
+            self.staged_s_total = sum(p.staged_s for p in self.publications)
+
+    def _count(self, record: TransferRecord) -> None:
+        self.requests_total += 1
+        self.bytes_total += record.bytes
+        self.descriptors_total += record.descriptors
+        for field in HISTOGRAM_FIELDS:
+            self.histograms[field].add(getattr(record, field))
 
     def add(self, record: TransferRecord) -> None:
+        self._count(record)
         self.records.append(record)
         if len(self.records) > self.max_records:
             del self.records[: len(self.records) - self.max_records]
 
     def add_publication(self, record: PublishRecord) -> None:
+        self.publications_total += 1
+        self.staged_s_total += record.staged_s
         self.publications.append(record)
         if len(self.publications) > self.max_records:
             del self.publications[: len(self.publications) - self.max_records]
@@ -68,6 +123,9 @@ class TransferStats:
         out = TransferStats(
             records=self.records + other.records,
             publications=self.publications + other.publications,
+            requests_total=self.requests_total + other.requests_total,
+            publications_total=self.publications_total + other.publications_total,
+            max_records=max(self.max_records, other.max_records),
         )
         for field in (
             "failed_transfers",
@@ -75,14 +133,20 @@ class TransferStats:
             "failed_handshakes",
             "expired_leases",
             "malformed_messages",
+            "bytes_total",
+            "descriptors_total",
+            "staged_s_total",
         ):
             setattr(out, field, getattr(self, field) + getattr(other, field))
+        out.histograms = {
+            f: self.histograms[f].merged(other.histograms[f]) for f in HISTOGRAM_FIELDS
+        }
         return out
 
     def summary(self) -> dict[str, float]:
         """mean / p50 / p90 / p99 of durations (ms), bytes, descriptors, MB/s, counters."""
         out: dict[str, float] = {
-            "transfers": len(self.records),
+            "transfers": self.requests_total,
             "failed_transfers": self.failed_transfers,
             "failed_notifications": self.failed_notifications,
             "failed_handshakes": self.failed_handshakes,
@@ -103,7 +167,7 @@ class TransferStats:
             out[f"{name}_mean"] = float(values.mean())
             for q in (50, 90, 99):
                 out[f"{name}_p{q}"] = float(np.percentile(values, q))
-        out["bytes_total"] = float(nbytes.sum())
+        out["bytes_total"] = float(self.bytes_total)
         out["MBps"] = float(nbytes.sum() / max(dur.sum(), 1e-12) / 1e6)
         return out
 
