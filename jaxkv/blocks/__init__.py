@@ -16,7 +16,9 @@ from jaxkv.blocks._events import BlockRemoved as BlockRemoved
 from jaxkv.blocks._events import BlockStored as BlockStored
 from jaxkv.blocks._events import KVCacheEvent as KVCacheEvent
 from jaxkv.blocks._free_queue import FreeBlockQueue as FreeBlockQueue
+from jaxkv.blocks._hashing import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
 from jaxkv.blocks._hashing import NONE_HASH as NONE_HASH
+from jaxkv.blocks._hashing import RANDOM_HASH_SEED as RANDOM_HASH_SEED
 from jaxkv.blocks._hashing import BlockHash as BlockHash
 from jaxkv.blocks._hashing import ExtraKeys as ExtraKeys
 from jaxkv.blocks._hashing import HashFunction as HashFunction
@@ -26,8 +28,10 @@ from jaxkv.blocks._hashing import block_extra_keys as block_extra_keys
 from jaxkv.blocks._hashing import encode_key as encode_key
 from jaxkv.blocks._hashing import get_hash_function as get_hash_function
 from jaxkv.blocks._hashing import hash_block_tokens as hash_block_tokens
+from jaxkv.blocks._hashing import hash_identity as hash_identity
 from jaxkv.blocks._hashing import hash_request_tokens as hash_request_tokens
 from jaxkv.blocks._hashing import none_hash as none_hash
+from jaxkv.blocks._hashing import random_hash_seed as random_hash_seed
 from jaxkv.blocks._hashing import sha256 as sha256
 from jaxkv.blocks._hashing import xxhash128 as xxhash128
 from jaxkv.blocks._manager import Allocation as Allocation
@@ -52,7 +56,9 @@ from jaxkv.blocks._sizing import num_blocks_for_memory as num_blocks_for_memory
 from jaxkv.blocks._sizing import plan_kv_cache as plan_kv_cache
 
 __all__ = [
+    "DEFAULT_HASH_SEED",
     "NONE_HASH",
+    "RANDOM_HASH_SEED",
     "NULL_BLOCK_ID",
     "AllBlocksCleared",
     "Allocation",
@@ -92,8 +98,10 @@ __all__ = [
     "estimate_max_model_len",
     "get_hash_function",
     "hash_block_tokens",
+    "hash_identity",
     "hash_request_tokens",
     "none_hash",
+    "random_hash_seed",
     "num_blocks_for_memory",
     "plan_kv_cache",
     "sha256",

@@ -12,8 +12,15 @@ The serialisation is injective: the parent has a fixed length for a given hash f
 message length is a multiple of 8 exactly when there is no tail (tails are 4 bytes past a
 multiple of 8), and a tail ends with its own length; what remains is the tokens. So two
 different ``(parent, tokens, extra keys)`` triples never hash the same bytes. It is independent
-of the Python version, the platform and the process (no pickle), so two engines with the same
-``PYTHONHASHSEED`` agree on every hash.
+of the Python version, the platform and the process (no pickle).
+
+The hash seed: ``none_hash`` (the parent of a request's first block) is derived from an explicit
+seed string, `DEFAULT_HASH_SEED` unless another is given, and never from the environment: two
+processes (a prefill and a decode engine, a KV-aware router) with the same hash function and
+seed agree on every hash. A random seed is drawn only when asked for (`random_hash_seed`, or
+``hash_seed="random"`` on `KVCacheManager`), e.g. by multi-tenant deployments that want
+unguessable hashes; share the drawn seed with the peers that must agree. `hash_identity` names
+the hash function and a digest of the seed, for a handshake to compare.
 
 Extra keys (in this order, as vLLM): the LoRA id; ``(mm_hash, start_offset)`` for each
 multimodal input overlapping the block, where ``start_offset`` is the input's first token
@@ -26,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
+import secrets
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NewType
@@ -41,7 +48,9 @@ except ImportError:  # pragma: no cover - exercised only where xxhash is missing
     _xxhash = None  # type: ignore[assignment]
 
 __all__ = [
+    "DEFAULT_HASH_SEED",
     "NONE_HASH",
+    "RANDOM_HASH_SEED",
     "BlockHash",
     "ExtraKeys",
     "HashFunction",
@@ -51,8 +60,10 @@ __all__ = [
     "encode_key",
     "get_hash_function",
     "hash_block_tokens",
+    "hash_identity",
     "hash_request_tokens",
     "none_hash",
+    "random_hash_seed",
     "sha256",
     "xxhash128",
 ]
@@ -166,7 +177,37 @@ def get_hash_function(hash_fn: HashFunction | str) -> HashFunction:
 
 # ----------------------------------------------------------------------------- NONE_HASH
 
-_RANDOM_NONE_HASHES: dict[tuple[str, int], bytes] = {}
+DEFAULT_HASH_SEED = "0"
+"""The hash seed used unless another is given: deterministic, so separate processes agree on
+block hashes without any environment variable. With ``sha256_cbor`` it gives the same
+``NONE_HASH`` as vLLM run with ``PYTHONHASHSEED=0``."""
+
+RANDOM_HASH_SEED = "random"
+"""Pass as ``hash_seed`` to `KVCacheManager` to draw a fresh random seed (`random_hash_seed`);
+the low-level functions take concrete seeds only and reject it."""
+
+
+def random_hash_seed() -> str:
+    """A fresh, unguessable hash seed (128 random bits as hex), to share with every engine and
+    router that must agree on block hashes.
+
+    Example:
+      >>> seed = random_hash_seed()
+      >>> len(seed), seed != random_hash_seed()
+      (32, True)
+    """
+    return secrets.token_hex(16)
+
+
+def _check_seed(seed: Any) -> str:
+    if not isinstance(seed, str):
+        raise TypeError(f"a hash seed must be a str, got {type(seed).__name__}")
+    if seed == RANDOM_HASH_SEED:
+        raise ValueError(
+            f"{RANDOM_HASH_SEED!r} is not a concrete hash seed: draw one with random_hash_seed() "
+            "(and share it with the peers that must agree on hashes)"
+        )
+    return seed
 
 
 @functools.lru_cache(maxsize=64)
@@ -181,39 +222,62 @@ def _seeded_none_hash(hash_fn: HashFunction, seed: str) -> bytes:
     return value
 
 
-def none_hash(hash_fn: HashFunction | str = sha256) -> BlockHash:
-    """The parent hash of a request's first block.
+def none_hash(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEED) -> BlockHash:
+    """The parent hash of a request's first block, derived from the hash seed.
 
-    Derived from ``PYTHONHASHSEED`` when it is set (and not ``"random"``), so processes that
-    share the seed compute identical block hashes (e.g. a prefill and a decode engine, or a
-    KV-aware router); otherwise random, drawn once per process and hash function.
+    Deterministic: the same hash function and seed give the same value in every process
+    (the environment, e.g. ``PYTHONHASHSEED``, plays no part).
 
     Args:
       hash_fn: the block hash function (the value has its digest size).
+      seed: the hash seed (`DEFAULT_HASH_SEED` by default; see `random_hash_seed`).
 
     Returns:
       ``digest_size`` bytes.
 
     Raises:
-      ValueError: the hash function returns digests of the wrong size.
+      ValueError: the hash function returns digests of the wrong size, or ``seed`` is
+        ``"random"``.
+      TypeError: a seed that is not a str.
 
     Example:
       >>> len(none_hash(sha256)), len(none_hash("xxh3_128"))
       (32, 16)
+      >>> none_hash(sha256, "a") == none_hash(sha256, "a") != none_hash(sha256, "b")
+      True
+    """
+    return BlockHash(_seeded_none_hash(get_hash_function(hash_fn), _check_seed(seed)))
+
+
+def hash_identity(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEED) -> str:
+    """A short string naming a block-hash configuration: the hash function and a digest of
+    the seed. Two engines compute the same block hashes exactly when their identities are
+    equal; pass it to ``jaxkv.transfer.KVTransferEngine(block_hashing=...)`` so that a
+    handshake between engines that disagree is refused. The seed itself is not revealed.
+
+    Args:
+      hash_fn: the block hash function.
+      seed: the hash seed.
+
+    Returns:
+      ``"<hash function name>:seed=<16 hex digits>"``.
+
+    Raises:
+      ValueError, TypeError: as `none_hash`.
+
+    Example:
+      >>> hash_identity("sha256", "0")
+      'sha256:seed=...'
+      >>> hash_identity("sha256", "0") == hash_identity("sha256", "1")
+      False
     """
     hash_fn = get_hash_function(hash_fn)
-    seed = os.environ.get("PYTHONHASHSEED")
-    if seed is None or seed == "random":
-        key = (hash_fn.name, hash_fn.digest_size)
-        value = _RANDOM_NONE_HASHES.get(key)
-        if value is None:
-            value = _RANDOM_NONE_HASHES.setdefault(key, os.urandom(hash_fn.digest_size))
-        return BlockHash(value)
-    return BlockHash(_seeded_none_hash(hash_fn, seed))
+    digest = hashlib.sha256(b"jaxkv.blocks.hash_seed\x00" + _check_seed(seed).encode("utf-8"))
+    return f"{hash_fn.name}:seed={digest.hexdigest()[:16]}"
 
 
 NONE_HASH: BlockHash = none_hash(sha256)
-"""`none_hash` for sha256, evaluated at import."""
+"""`none_hash` of `sha256` with `DEFAULT_HASH_SEED`."""
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -299,9 +363,9 @@ def _token_bytes(token_ids: Any) -> bytes:
         raise ValueError(f"token ids must fit in int64: {error}") from None
 
 
-def _check_parent(parent_hash: Any, hash_fn: HashFunction) -> bytes:
+def _check_parent(parent_hash: Any, hash_fn: HashFunction, seed: str) -> bytes:
     if parent_hash is None:
-        return none_hash(hash_fn)
+        return none_hash(hash_fn, seed)
     if not isinstance(parent_hash, bytes) or len(parent_hash) != hash_fn.digest_size:
         raise ValueError(
             f"parent hash must be {hash_fn.digest_size} bytes of {hash_fn.name}, got "
@@ -476,6 +540,7 @@ def hash_block_tokens(
     hash_fn: HashFunction | str = sha256,
     *,
     block_size: int | None = None,
+    seed: str = DEFAULT_HASH_SEED,
 ) -> BlockHash:
     """Hashes one full block, chained to its parent.
 
@@ -486,6 +551,7 @@ def hash_block_tokens(
       extra_keys: the block's extra keys (`block_extra_keys`); ``()`` counts as None.
       hash_fn: `sha256` (default), `xxhash128`, a name, or any `HashFunction`.
       block_size: when given, ``token_ids`` must hold exactly this many tokens.
+      seed: the hash seed, used when ``parent_hash`` is None (see `none_hash`).
 
     Returns:
       The block hash (``hash_fn.digest_size`` bytes).
@@ -502,7 +568,7 @@ def hash_block_tokens(
       (32, True)
     """
     hash_fn = get_hash_function(hash_fn)
-    parent = _check_parent(parent_hash, hash_fn)
+    parent = _check_parent(parent_hash, hash_fn, seed)
     data = _token_bytes(token_ids)
     num_tokens = len(data) // 8
     if num_tokens == 0:
@@ -532,6 +598,7 @@ class RequestBlockHasher:
       mm_inputs: the request's multimodal inputs; each is an extra key of the blocks it
         overlaps, with its start offset relative to the block.
       cache_salt: isolates this request's cache (extra key of the first block only).
+      seed: the hash seed (see `none_hash`).
 
     Raises:
       ValueError, TypeError: invalid arguments.
@@ -567,6 +634,7 @@ class RequestBlockHasher:
         lora_id: int | str | None = None,
         mm_inputs: Sequence[MultiModalInput | tuple[str, int, int]] = (),
         cache_salt: str | bytes | None = None,
+        seed: str = DEFAULT_HASH_SEED,
     ) -> None:
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool):
             raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
@@ -580,7 +648,7 @@ class RequestBlockHasher:
         self._cache_salt = cache_salt
         self._needs_extra = lora_id is not None or bool(self._mm_inputs) or bool(cache_salt)
         self._mm_first = 0
-        self._parent = none_hash(self._hash_fn)
+        self._parent = none_hash(self._hash_fn, seed)
         self._pending: list[int] = []
         self._num_tokens = 0
         self._block_hashes: list[BlockHash] = []
@@ -713,6 +781,7 @@ def hash_request_tokens(
     lora_id: int | str | None = None,
     mm_inputs: Sequence[MultiModalInput | tuple[str, int, int]] = (),
     cache_salt: str | bytes | None = None,
+    seed: str = DEFAULT_HASH_SEED,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of a token sequence (a partial tail is ignored).
 
@@ -721,6 +790,7 @@ def hash_request_tokens(
       block_size: tokens per block.
       hash_fn: the hash function.
       lora_id, mm_inputs, cache_salt: extra keys, as in `RequestBlockHasher`.
+      seed: the hash seed (see `none_hash`).
 
     Returns:
       ``len(token_ids) // block_size`` hashes.
@@ -734,7 +804,8 @@ def hash_request_tokens(
       (2, True)
     """
     hasher = RequestBlockHasher(
-        block_size, hash_fn, lora_id=lora_id, mm_inputs=mm_inputs, cache_salt=cache_salt
+        block_size, hash_fn, lora_id=lora_id, mm_inputs=mm_inputs, cache_salt=cache_salt,
+        seed=seed,
     )
     hasher.extend(token_ids)
     return list(hasher.block_hashes)
