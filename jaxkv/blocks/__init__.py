@@ -15,6 +15,13 @@ from jaxkv.blocks._events import AllBlocksCleared as AllBlocksCleared
 from jaxkv.blocks._events import BlockRemoved as BlockRemoved
 from jaxkv.blocks._events import BlockStored as BlockStored
 from jaxkv.blocks._events import KVCacheEvent as KVCacheEvent
+from jaxkv.blocks._events import VllmAllBlocksCleared as VllmAllBlocksCleared
+from jaxkv.blocks._events import VllmBlockRemoved as VllmBlockRemoved
+from jaxkv.blocks._events import VllmBlockStored as VllmBlockStored
+from jaxkv.blocks._events import VllmKVEventBatch as VllmKVEventBatch
+from jaxkv.blocks._events import decode_vllm_event_batch as decode_vllm_event_batch
+from jaxkv.blocks._events import encode_vllm_event_batch as encode_vllm_event_batch
+from jaxkv.blocks._events import to_vllm_event as to_vllm_event
 from jaxkv.blocks._free_queue import FreeBlockQueue as FreeBlockQueue
 from jaxkv.blocks._hashing import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
 from jaxkv.blocks._hashing import NONE_HASH as NONE_HASH
@@ -33,6 +40,7 @@ from jaxkv.blocks._hashing import hash_request_tokens as hash_request_tokens
 from jaxkv.blocks._hashing import none_hash as none_hash
 from jaxkv.blocks._hashing import random_hash_seed as random_hash_seed
 from jaxkv.blocks._hashing import sha256 as sha256
+from jaxkv.blocks._hashing import sha256_cbor as sha256_cbor
 from jaxkv.blocks._hashing import xxhash128 as xxhash128
 from jaxkv.blocks._manager import Allocation as Allocation
 from jaxkv.blocks._manager import CacheHit as CacheHit
@@ -92,7 +100,13 @@ __all__ = [
     "TieredCacheHit",
     "RequestBlockHasher",
     "UnknownRequestError",
+    "VllmAllBlocksCleared",
+    "VllmBlockRemoved",
+    "VllmBlockStored",
+    "VllmKVEventBatch",
     "block_extra_keys",
+    "decode_vllm_event_batch",
+    "encode_vllm_event_batch",
     "blocks_per_request",
     "encode_key",
     "estimate_max_model_len",
@@ -105,5 +119,7 @@ __all__ = [
     "num_blocks_for_memory",
     "plan_kv_cache",
     "sha256",
+    "sha256_cbor",
+    "to_vllm_event",
     "xxhash128",
 ]

@@ -22,6 +22,13 @@ seed agree on every hash. A random seed is drawn only when asked for (`random_ha
 unguessable hashes; share the drawn seed with the peers that must agree. `hash_identity` names
 the hash function and a digest of the seed, for a handshake to compare.
 
+vLLM-compatible mode: with `sha256_cbor` a block's hash is instead vLLM's: SHA-256 of the
+canonical CBOR encoding (RFC 8949, via the ``cbor2`` library) of the array
+``(parent_hash, token_ids, extra_keys)`` (``extra_keys`` an array, or CBOR null when the block
+has none), and `none_hash` is SHA-256 of the canonical CBOR text string of the seed, so a seed
+``s`` gives the hashes vLLM computes with ``--prefix-caching-hash-algo sha256_cbor`` and
+``PYTHONHASHSEED=s`` (LoRA extra keys must then be the LoRA name, as vLLM hashes names).
+
 Extra keys (in this order, as vLLM): the LoRA id; ``(mm_hash, start_offset)`` for each
 multimodal input overlapping the block, where ``start_offset`` is the input's first token
 relative to the block's first token (negative when the input began in an earlier block); the
@@ -41,6 +48,11 @@ from typing import Any, NamedTuple, NewType
 import numpy as np
 
 from jaxkv.blocks._errors import PartialBlockError
+
+try:  # A declared dependency; kept optional so that the native encodings work without it.
+    import cbor2 as _cbor2
+except ImportError:  # pragma: no cover - exercised only where cbor2 is missing
+    _cbor2 = None  # type: ignore[assignment]
 
 try:  # A declared dependency; kept optional so that sha256 works without it.
     import xxhash as _xxhash
@@ -65,6 +77,7 @@ __all__ = [
     "none_hash",
     "random_hash_seed",
     "sha256",
+    "sha256_cbor",
     "xxhash128",
 ]
 
@@ -88,9 +101,12 @@ class HashFunction:
       digest: ``digest(data: bytes) -> bytes``.
       constructor: optional hashlib-style constructor, ``constructor(data).digest()``; when
         given, the chained loop calls it directly (one Python call less per block).
+      encoding: how a block is serialised before hashing: ``"native"`` (jaxkv's byte layout,
+        see the module docstring) or ``"cbor"`` (vLLM's canonical CBOR of
+        ``(parent, tokens, extra_keys)``).
 
     Raises:
-      ValueError: from the constructor when ``digest_size < 1``.
+      ValueError: from the constructor when ``digest_size < 1`` or an unknown encoding.
 
     Example:
       >>> fn = HashFunction("md5", 16, lambda data: hashlib.md5(data).digest())
@@ -102,10 +118,13 @@ class HashFunction:
     digest_size: int
     digest: Callable[[bytes], bytes]
     constructor: Callable[[bytes], Any] | None = None
+    encoding: str = "native"
 
     def __post_init__(self) -> None:
         if not isinstance(self.digest_size, int) or self.digest_size < 1:
             raise ValueError(f"digest_size must be a positive int, got {self.digest_size!r}")
+        if self.encoding not in ("native", "cbor"):
+            raise ValueError(f"encoding must be 'native' or 'cbor', got {self.encoding!r}")
 
     def __call__(self, data: bytes) -> bytes:
         """Returns the digest of ``data``."""
@@ -137,8 +156,16 @@ xxhash128 = HashFunction(
 """XXH3-128 (fast, non-cryptographic: use it only where prompts are not adversarial, since
 a crafted collision would let one request read another's KV). 16-byte digests."""
 
+sha256_cbor = HashFunction("sha256_cbor", 32, _sha256_digest, constructor=hashlib.sha256,
+                           encoding="cbor")
+"""vLLM's ``sha256_cbor`` block hash: SHA-256 of canonical CBOR (see the module docstring).
+Use it where hashes or KV events must match vLLM's (a KV-aware router that follows vLLM's
+event stream, a mixed fleet). Slower than `sha256` (a CBOR encoding per block). 32-byte
+digests."""
+
 _NAMED_HASH_FUNCTIONS = {
     "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
     "xxh3_128": xxhash128,
     "xxhash": xxhash128,
     "xxhash128": xxhash128,
@@ -149,7 +176,8 @@ def get_hash_function(hash_fn: HashFunction | str) -> HashFunction:
     """Resolves a hash function given by name or object.
 
     Args:
-      hash_fn: a `HashFunction`, or one of ``"sha256"``, ``"xxh3_128"`` (alias ``"xxhash"``).
+      hash_fn: a `HashFunction`, or one of ``"sha256"``, ``"sha256_cbor"``, ``"xxh3_128"``
+        (alias ``"xxhash"``).
 
     Returns:
       The `HashFunction`.
@@ -210,9 +238,21 @@ def _check_seed(seed: Any) -> str:
     return seed
 
 
+def _cbor(obj: Any) -> bytes:
+    if _cbor2 is None:
+        raise ImportError("CBOR block hashes need the cbor2 package: pip install cbor2")
+    try:
+        return _cbor2.dumps(obj, canonical=True)
+    except _cbor2.CBOREncodeError as error:
+        raise TypeError(f"cannot encode a block hash key as CBOR: {error}") from None
+
+
 @functools.lru_cache(maxsize=64)
 def _seeded_none_hash(hash_fn: HashFunction, seed: str) -> bytes:
-    value = hash_fn(b"jaxkv.blocks.NONE_HASH\x00" + seed.encode("utf-8"))
+    if hash_fn.encoding == "cbor":  # vLLM: NONE_HASH = hash_fn(seed string).
+        value = hash_fn(_cbor(seed))
+    else:
+        value = hash_fn(b"jaxkv.blocks.NONE_HASH\x00" + seed.encode("utf-8"))
     if not isinstance(value, bytes) or len(value) != hash_fn.digest_size:
         raise ValueError(
             f"hash function {hash_fn.name!r} returned {type(value).__name__} of length "
@@ -226,7 +266,8 @@ def none_hash(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEE
     """The parent hash of a request's first block, derived from the hash seed.
 
     Deterministic: the same hash function and seed give the same value in every process
-    (the environment, e.g. ``PYTHONHASHSEED``, plays no part).
+    (the environment, e.g. ``PYTHONHASHSEED``, plays no part). For `sha256_cbor` it is
+    vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed``: SHA-256 of the seed as canonical CBOR.
 
     Args:
       hash_fn: the block hash function (the value has its digest size).
@@ -389,14 +430,30 @@ def _chain(
     num_tokens_per_block: int,
     num_blocks: int,
     hash_fn: HashFunction,
-    tails: Sequence[bytes] | None,
+    extras: Sequence[ExtraKeys | None] | None,
 ) -> list[BlockHash]:
-    """Hashes ``num_blocks`` consecutive blocks of ``data`` (int64 tokens), chained."""
+    """Hashes ``num_blocks`` consecutive blocks of ``data`` (int64 tokens), chained;
+    ``extras`` holds each block's extra keys (None: no block has any)."""
     width = 8 * num_tokens_per_block
     out: list[Any] = []  # BlockHash values (NewType calls would cost a call per block).
     append = out.append
+    if hash_fn.encoding == "cbor":
+        if _cbor2 is None:
+            _cbor(None)  # Raises the ImportError.
+        dumps = _cbor2.dumps
+        unpack = struct.Struct(f"<{num_tokens_per_block}q").unpack_from
+        digest = hash_fn.digest
+        try:
+            for i in range(num_blocks):
+                keys = extras[i] if extras is not None else None
+                message = (parent, unpack(data, i * width), tuple(keys) if keys else None)
+                parent = digest(dumps(message, canonical=True))
+                append(parent)
+        except _cbor2.CBOREncodeError as error:
+            raise TypeError(f"cannot encode a block hash key as CBOR: {error}") from None
+        return out
     constructor = hash_fn.constructor
-    if tails is None:
+    if extras is None:
         if constructor is not None:
             for offset in range(0, num_blocks * width, width):
                 parent = constructor(parent + data[offset : offset + width]).digest()
@@ -407,6 +464,7 @@ def _chain(
                 parent = digest(parent + data[offset : offset + width])
                 append(parent)
     else:
+        tails = [_extra_tail(keys) for keys in extras]  # Validates every key first.
         digest = hash_fn.digest
         for i in range(num_blocks):
             offset = i * width
@@ -578,8 +636,8 @@ def hash_block_tokens(
             f"a full block holds {block_size} tokens, got {num_tokens}: partial blocks are "
             "never hashed"
         )
-    tails = None if not extra_keys else [_extra_tail(extra_keys)]
-    return _chain(parent, data, num_tokens, 1, hash_fn, tails)[0]
+    extras = None if not extra_keys else [tuple(extra_keys)]
+    return _chain(parent, data, num_tokens, 1, hash_fn, extras)[0]
 
 
 # ----------------------------------------------------------------------------- per request
@@ -744,10 +802,11 @@ class RequestBlockHasher:
         tail_start = num_blocks * size
         extras = None
         if self._needs_extra:
-            extras_keys, extras = self._block_extras(len(self._block_hashes), num_blocks)
+            extras, mm_first = self._block_extras(len(self._block_hashes), num_blocks)
         hashes = _chain(self._parent, data, size, num_blocks, self._hash_fn, extras)
-        if self._needs_extra:
-            self._extra_keys.extend(extras_keys)  # type: ignore[union-attr]
+        if extras is not None:
+            self._extra_keys.extend(extras)  # type: ignore[union-attr]
+            self._mm_first = mm_first
         self._block_hashes.extend(hashes)
         self._parent = hashes[-1]
         tail = data[tail_start * 8 :]
@@ -757,10 +816,9 @@ class RequestBlockHasher:
 
     def _block_extras(
         self, first_block: int, num_blocks: int
-    ) -> tuple[list[ExtraKeys | None], list[bytes]]:
+    ) -> tuple[list[ExtraKeys | None], int]:
         size = self._block_size
         keys_list: list[ExtraKeys | None] = []
-        encoded: list[bytes] = []
         mm_first = self._mm_first
         for block in range(first_block, first_block + num_blocks):
             start = block * size
@@ -768,9 +826,7 @@ class RequestBlockHasher:
                 start, start + size, self._lora_id, self._mm_inputs, mm_first, self._cache_salt
             )
             keys_list.append(keys)
-            encoded.append(_extra_tail(keys))
-        self._mm_first = mm_first
-        return keys_list, encoded
+        return keys_list, mm_first
 
 
 def hash_request_tokens(
