@@ -124,29 +124,91 @@ class EncodeKeyTest(parameterized.TestCase):
 
 class NoneHashTest(parameterized.TestCase):
 
-    def _child_none_hash(self, seed):
+    def _child(self, code, env_seed=None):
         env = dict(os.environ)
         env.pop("PYTHONHASHSEED", None)
-        if seed is not None:
-            env["PYTHONHASHSEED"] = seed
+        if env_seed is not None:
+            env["PYTHONHASHSEED"] = env_seed
         env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
-        code = "import jaxkv.blocks as b; print(b.NONE_HASH.hex(), b.none_hash('xxhash').hex())"
         return subprocess.run([sys.executable, "-c", code], env=env, check=True,
                               capture_output=True, text=True).stdout.split()
 
-    def test_seed_makes_it_reproducible(self):
-        first = self._child_none_hash("123")
-        self.assertEqual(first, self._child_none_hash("123"))
-        self.assertNotEqual(first, self._child_none_hash("124"))
+    _HASHES = (
+        "import jaxkv.blocks as b\n"
+        "m = b.KVCacheManager(16, 4)\n"
+        "m.add_request('r', list(range(10)), cache_salt='s')\n"
+        "print(b.NONE_HASH.hex(), b.none_hash('xxhash').hex(), m.hash_identity,\n"
+        "      *[h.hex() for h in m.get_block_hashes('r')],\n"
+        "      *[h.hex() for h in b.hash_request_tokens(range(9), 3, 'xxh3_128', seed='x')])"
+    )
+
+    def test_two_processes_agree_without_environment(self):
+        # No PYTHONHASHSEED: the default seed is deterministic.
+        first = self._child(self._HASHES)
+        second = self._child(self._HASHES)
+        self.assertEqual(first, second)
+        self.assertLen(first, 3 + 2 + 3)
         self.assertLen(bytes.fromhex(first[0]), 32)
         self.assertLen(bytes.fromhex(first[1]), 16)
+        # ... and the same values in this process.
+        manager = blocks.KVCacheManager(16, 4)
+        manager.add_request("r", list(range(10)), cache_salt="s")
+        self.assertEqual(first[3:5], [h.hex() for h in manager.get_block_hashes("r")])
+        self.assertEqual(first[0], blocks.NONE_HASH.hex())
 
-    def test_random_without_seed(self):
-        self.assertNotEqual(self._child_none_hash(None), self._child_none_hash(None))
+    def test_environment_plays_no_part(self):
+        self.assertEqual(self._child(self._HASHES, env_seed="123"),
+                         self._child(self._HASHES, env_seed="124"))
 
-    def test_stable_within_process(self):
-        self.assertEqual(none_hash(), none_hash())
-        self.assertEqual(none_hash(), blocks.NONE_HASH)
+    def test_default_seed_is_documented_value(self):
+        expected = hashlib.sha256(b"jaxkv.blocks.NONE_HASH\x00" + b"0").digest()
+        self.assertEqual(blocks.DEFAULT_HASH_SEED, "0")
+        self.assertEqual(none_hash(), expected)
+        self.assertEqual(blocks.NONE_HASH, expected)
+
+    def test_seed_changes_every_hash(self):
+        self.assertNotEqual(none_hash(seed="a"), none_hash(seed="b"))
+        a = hash_request_tokens(range(8), 4, seed="a")
+        b = hash_request_tokens(range(8), 4, seed="b")
+        self.assertTrue(all(x != y for x, y in zip(a, b)))
+        self.assertEqual(a[0], hash_block_tokens(None, range(4), seed="a"))
+        hasher = RequestBlockHasher(4, seed="a")
+        hasher.extend(range(8))
+        self.assertEqual(hasher.block_hashes, a)
+
+    def test_random_only_when_asked(self):
+        seeds = {blocks.random_hash_seed() for _ in range(4)}
+        self.assertLen(seeds, 4)
+        one = blocks.KVCacheManager(8, 2, hash_seed="random")
+        two = blocks.KVCacheManager(8, 2, hash_seed="random")
+        self.assertNotEqual(one.hash_seed, two.hash_seed)
+        self.assertNotEqual(one.hash_identity, two.hash_identity)
+        # A drawn seed, shared, makes a peer agree.
+        peer = blocks.KVCacheManager(8, 2, hash_seed=one.hash_seed)
+        self.assertEqual(peer.hash_identity, one.hash_identity)
+        for manager in (one, peer):
+            manager.add_request("r", [1, 2, 3])
+        self.assertEqual(one.get_block_hashes("r"), peer.get_block_hashes("r"))
+        self.assertEqual(blocks.KVCacheManager(8, 2).hash_seed, blocks.DEFAULT_HASH_SEED)
+
+    def test_random_is_not_a_concrete_seed(self):
+        with self.assertRaisesRegex(ValueError, "random_hash_seed"):
+            none_hash(seed="random")
+        with self.assertRaisesRegex(ValueError, "random_hash_seed"):
+            hash_request_tokens([1, 2], 2, seed="random")
+        with self.assertRaises(TypeError):
+            none_hash(seed=b"0")
+        with self.assertRaises(TypeError):
+            blocks.KVCacheManager(8, 2, hash_seed=0)
+
+    def test_identity(self):
+        identity = blocks.hash_identity("sha256", "0")
+        self.assertRegex(identity, r"^sha256:seed=[0-9a-f]{16}$")
+        self.assertEqual(identity, blocks.KVCacheManager(8, 2).hash_identity)
+        self.assertNotEqual(identity, blocks.hash_identity("xxh3_128", "0"))
+        self.assertNotEqual(identity, blocks.hash_identity("sha256", "1"))
+        self.assertNotIn("secret", blocks.hash_identity("sha256", "secret"))
+        self.assertEqual(blocks.hash_identity("xxhash", "0"), blocks.hash_identity("xxh3_128", "0"))
 
 
 class ExtraKeysTest(parameterized.TestCase):

@@ -15,8 +15,17 @@ from jaxkv.blocks._events import AllBlocksCleared as AllBlocksCleared
 from jaxkv.blocks._events import BlockRemoved as BlockRemoved
 from jaxkv.blocks._events import BlockStored as BlockStored
 from jaxkv.blocks._events import KVCacheEvent as KVCacheEvent
+from jaxkv.blocks._events import VllmAllBlocksCleared as VllmAllBlocksCleared
+from jaxkv.blocks._events import VllmBlockRemoved as VllmBlockRemoved
+from jaxkv.blocks._events import VllmBlockStored as VllmBlockStored
+from jaxkv.blocks._events import VllmKVEventBatch as VllmKVEventBatch
+from jaxkv.blocks._events import decode_vllm_event_batch as decode_vllm_event_batch
+from jaxkv.blocks._events import encode_vllm_event_batch as encode_vllm_event_batch
+from jaxkv.blocks._events import to_vllm_event as to_vllm_event
 from jaxkv.blocks._free_queue import FreeBlockQueue as FreeBlockQueue
+from jaxkv.blocks._hashing import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
 from jaxkv.blocks._hashing import NONE_HASH as NONE_HASH
+from jaxkv.blocks._hashing import RANDOM_HASH_SEED as RANDOM_HASH_SEED
 from jaxkv.blocks._hashing import BlockHash as BlockHash
 from jaxkv.blocks._hashing import ExtraKeys as ExtraKeys
 from jaxkv.blocks._hashing import HashFunction as HashFunction
@@ -26,9 +35,12 @@ from jaxkv.blocks._hashing import block_extra_keys as block_extra_keys
 from jaxkv.blocks._hashing import encode_key as encode_key
 from jaxkv.blocks._hashing import get_hash_function as get_hash_function
 from jaxkv.blocks._hashing import hash_block_tokens as hash_block_tokens
+from jaxkv.blocks._hashing import hash_identity as hash_identity
 from jaxkv.blocks._hashing import hash_request_tokens as hash_request_tokens
 from jaxkv.blocks._hashing import none_hash as none_hash
+from jaxkv.blocks._hashing import random_hash_seed as random_hash_seed
 from jaxkv.blocks._hashing import sha256 as sha256
+from jaxkv.blocks._hashing import sha256_cbor as sha256_cbor
 from jaxkv.blocks._hashing import xxhash128 as xxhash128
 from jaxkv.blocks._manager import Allocation as Allocation
 from jaxkv.blocks._manager import CacheHit as CacheHit
@@ -52,7 +64,9 @@ from jaxkv.blocks._sizing import num_blocks_for_memory as num_blocks_for_memory
 from jaxkv.blocks._sizing import plan_kv_cache as plan_kv_cache
 
 __all__ = [
+    "DEFAULT_HASH_SEED",
     "NONE_HASH",
+    "RANDOM_HASH_SEED",
     "NULL_BLOCK_ID",
     "AllBlocksCleared",
     "Allocation",
@@ -86,16 +100,26 @@ __all__ = [
     "TieredCacheHit",
     "RequestBlockHasher",
     "UnknownRequestError",
+    "VllmAllBlocksCleared",
+    "VllmBlockRemoved",
+    "VllmBlockStored",
+    "VllmKVEventBatch",
     "block_extra_keys",
+    "decode_vllm_event_batch",
+    "encode_vllm_event_batch",
     "blocks_per_request",
     "encode_key",
     "estimate_max_model_len",
     "get_hash_function",
     "hash_block_tokens",
+    "hash_identity",
     "hash_request_tokens",
     "none_hash",
+    "random_hash_seed",
     "num_blocks_for_memory",
     "plan_kv_cache",
     "sha256",
+    "sha256_cbor",
+    "to_vllm_event",
     "xxhash128",
 ]

@@ -12,8 +12,22 @@ The serialisation is injective: the parent has a fixed length for a given hash f
 message length is a multiple of 8 exactly when there is no tail (tails are 4 bytes past a
 multiple of 8), and a tail ends with its own length; what remains is the tokens. So two
 different ``(parent, tokens, extra keys)`` triples never hash the same bytes. It is independent
-of the Python version, the platform and the process (no pickle), so two engines with the same
-``PYTHONHASHSEED`` agree on every hash.
+of the Python version, the platform and the process (no pickle).
+
+The hash seed: ``none_hash`` (the parent of a request's first block) is derived from an explicit
+seed string, `DEFAULT_HASH_SEED` unless another is given, and never from the environment: two
+processes (a prefill and a decode engine, a KV-aware router) with the same hash function and
+seed agree on every hash. A random seed is drawn only when asked for (`random_hash_seed`, or
+``hash_seed="random"`` on `KVCacheManager`), e.g. by multi-tenant deployments that want
+unguessable hashes; share the drawn seed with the peers that must agree. `hash_identity` names
+the hash function and a digest of the seed, for a handshake to compare.
+
+vLLM-compatible mode: with `sha256_cbor` a block's hash is instead vLLM's: SHA-256 of the
+canonical CBOR encoding (RFC 8949, via the ``cbor2`` library) of the array
+``(parent_hash, token_ids, extra_keys)`` (``extra_keys`` an array, or CBOR null when the block
+has none), and `none_hash` is SHA-256 of the canonical CBOR text string of the seed, so a seed
+``s`` gives the hashes vLLM computes with ``--prefix-caching-hash-algo sha256_cbor`` and
+``PYTHONHASHSEED=s`` (LoRA extra keys must then be the LoRA name, as vLLM hashes names).
 
 Extra keys (in this order, as vLLM): the LoRA id; ``(mm_hash, start_offset)`` for each
 multimodal input overlapping the block, where ``start_offset`` is the input's first token
@@ -26,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
+import secrets
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NewType
@@ -35,13 +49,20 @@ import numpy as np
 
 from jaxkv.blocks._errors import PartialBlockError
 
+try:  # A declared dependency; kept optional so that the native encodings work without it.
+    import cbor2 as _cbor2
+except ImportError:  # pragma: no cover - exercised only where cbor2 is missing
+    _cbor2 = None  # type: ignore[assignment]
+
 try:  # A declared dependency; kept optional so that sha256 works without it.
     import xxhash as _xxhash
 except ImportError:  # pragma: no cover - exercised only where xxhash is missing
     _xxhash = None  # type: ignore[assignment]
 
 __all__ = [
+    "DEFAULT_HASH_SEED",
     "NONE_HASH",
+    "RANDOM_HASH_SEED",
     "BlockHash",
     "ExtraKeys",
     "HashFunction",
@@ -51,9 +72,12 @@ __all__ = [
     "encode_key",
     "get_hash_function",
     "hash_block_tokens",
+    "hash_identity",
     "hash_request_tokens",
     "none_hash",
+    "random_hash_seed",
     "sha256",
+    "sha256_cbor",
     "xxhash128",
 ]
 
@@ -77,9 +101,12 @@ class HashFunction:
       digest: ``digest(data: bytes) -> bytes``.
       constructor: optional hashlib-style constructor, ``constructor(data).digest()``; when
         given, the chained loop calls it directly (one Python call less per block).
+      encoding: how a block is serialised before hashing: ``"native"`` (jaxkv's byte layout,
+        see the module docstring) or ``"cbor"`` (vLLM's canonical CBOR of
+        ``(parent, tokens, extra_keys)``).
 
     Raises:
-      ValueError: from the constructor when ``digest_size < 1``.
+      ValueError: from the constructor when ``digest_size < 1`` or an unknown encoding.
 
     Example:
       >>> fn = HashFunction("md5", 16, lambda data: hashlib.md5(data).digest())
@@ -91,10 +118,13 @@ class HashFunction:
     digest_size: int
     digest: Callable[[bytes], bytes]
     constructor: Callable[[bytes], Any] | None = None
+    encoding: str = "native"
 
     def __post_init__(self) -> None:
         if not isinstance(self.digest_size, int) or self.digest_size < 1:
             raise ValueError(f"digest_size must be a positive int, got {self.digest_size!r}")
+        if self.encoding not in ("native", "cbor"):
+            raise ValueError(f"encoding must be 'native' or 'cbor', got {self.encoding!r}")
 
     def __call__(self, data: bytes) -> bytes:
         """Returns the digest of ``data``."""
@@ -126,8 +156,16 @@ xxhash128 = HashFunction(
 """XXH3-128 (fast, non-cryptographic: use it only where prompts are not adversarial, since
 a crafted collision would let one request read another's KV). 16-byte digests."""
 
+sha256_cbor = HashFunction("sha256_cbor", 32, _sha256_digest, constructor=hashlib.sha256,
+                           encoding="cbor")
+"""vLLM's ``sha256_cbor`` block hash: SHA-256 of canonical CBOR (see the module docstring).
+Use it where hashes or KV events must match vLLM's (a KV-aware router that follows vLLM's
+event stream, a mixed fleet). Slower than `sha256` (a CBOR encoding per block). 32-byte
+digests."""
+
 _NAMED_HASH_FUNCTIONS = {
     "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
     "xxh3_128": xxhash128,
     "xxhash": xxhash128,
     "xxhash128": xxhash128,
@@ -138,7 +176,8 @@ def get_hash_function(hash_fn: HashFunction | str) -> HashFunction:
     """Resolves a hash function given by name or object.
 
     Args:
-      hash_fn: a `HashFunction`, or one of ``"sha256"``, ``"xxh3_128"`` (alias ``"xxhash"``).
+      hash_fn: a `HashFunction`, or one of ``"sha256"``, ``"sha256_cbor"``, ``"xxh3_128"``
+        (alias ``"xxhash"``).
 
     Returns:
       The `HashFunction`.
@@ -166,12 +205,54 @@ def get_hash_function(hash_fn: HashFunction | str) -> HashFunction:
 
 # ----------------------------------------------------------------------------- NONE_HASH
 
-_RANDOM_NONE_HASHES: dict[tuple[str, int], bytes] = {}
+DEFAULT_HASH_SEED = "0"
+"""The hash seed used unless another is given: deterministic, so separate processes agree on
+block hashes without any environment variable. With ``sha256_cbor`` it gives the same
+``NONE_HASH`` as vLLM run with ``PYTHONHASHSEED=0``."""
+
+RANDOM_HASH_SEED = "random"
+"""Pass as ``hash_seed`` to `KVCacheManager` to draw a fresh random seed (`random_hash_seed`);
+the low-level functions take concrete seeds only and reject it."""
+
+
+def random_hash_seed() -> str:
+    """A fresh, unguessable hash seed (128 random bits as hex), to share with every engine and
+    router that must agree on block hashes.
+
+    Example:
+      >>> seed = random_hash_seed()
+      >>> len(seed), seed != random_hash_seed()
+      (32, True)
+    """
+    return secrets.token_hex(16)
+
+
+def _check_seed(seed: Any) -> str:
+    if not isinstance(seed, str):
+        raise TypeError(f"a hash seed must be a str, got {type(seed).__name__}")
+    if seed == RANDOM_HASH_SEED:
+        raise ValueError(
+            f"{RANDOM_HASH_SEED!r} is not a concrete hash seed: draw one with random_hash_seed() "
+            "(and share it with the peers that must agree on hashes)"
+        )
+    return seed
+
+
+def _cbor(obj: Any) -> bytes:
+    if _cbor2 is None:
+        raise ImportError("CBOR block hashes need the cbor2 package: pip install cbor2")
+    try:
+        return _cbor2.dumps(obj, canonical=True)
+    except _cbor2.CBOREncodeError as error:
+        raise TypeError(f"cannot encode a block hash key as CBOR: {error}") from None
 
 
 @functools.lru_cache(maxsize=64)
 def _seeded_none_hash(hash_fn: HashFunction, seed: str) -> bytes:
-    value = hash_fn(b"jaxkv.blocks.NONE_HASH\x00" + seed.encode("utf-8"))
+    if hash_fn.encoding == "cbor":  # vLLM: NONE_HASH = hash_fn(seed string).
+        value = hash_fn(_cbor(seed))
+    else:
+        value = hash_fn(b"jaxkv.blocks.NONE_HASH\x00" + seed.encode("utf-8"))
     if not isinstance(value, bytes) or len(value) != hash_fn.digest_size:
         raise ValueError(
             f"hash function {hash_fn.name!r} returned {type(value).__name__} of length "
@@ -181,39 +262,63 @@ def _seeded_none_hash(hash_fn: HashFunction, seed: str) -> bytes:
     return value
 
 
-def none_hash(hash_fn: HashFunction | str = sha256) -> BlockHash:
-    """The parent hash of a request's first block.
+def none_hash(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEED) -> BlockHash:
+    """The parent hash of a request's first block, derived from the hash seed.
 
-    Derived from ``PYTHONHASHSEED`` when it is set (and not ``"random"``), so processes that
-    share the seed compute identical block hashes (e.g. a prefill and a decode engine, or a
-    KV-aware router); otherwise random, drawn once per process and hash function.
+    Deterministic: the same hash function and seed give the same value in every process
+    (the environment, e.g. ``PYTHONHASHSEED``, plays no part). For `sha256_cbor` it is
+    vLLM's ``NONE_HASH`` for ``PYTHONHASHSEED=seed``: SHA-256 of the seed as canonical CBOR.
 
     Args:
       hash_fn: the block hash function (the value has its digest size).
+      seed: the hash seed (`DEFAULT_HASH_SEED` by default; see `random_hash_seed`).
 
     Returns:
       ``digest_size`` bytes.
 
     Raises:
-      ValueError: the hash function returns digests of the wrong size.
+      ValueError: the hash function returns digests of the wrong size, or ``seed`` is
+        ``"random"``.
+      TypeError: a seed that is not a str.
 
     Example:
       >>> len(none_hash(sha256)), len(none_hash("xxh3_128"))
       (32, 16)
+      >>> none_hash(sha256, "a") == none_hash(sha256, "a") != none_hash(sha256, "b")
+      True
+    """
+    return BlockHash(_seeded_none_hash(get_hash_function(hash_fn), _check_seed(seed)))
+
+
+def hash_identity(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEED) -> str:
+    """A short string naming a block-hash configuration: the hash function and a digest of
+    the seed. Two engines compute the same block hashes exactly when their identities are
+    equal; pass it to ``jaxkv.transfer.KVTransferEngine(block_hashing=...)`` so that a
+    handshake between engines that disagree is refused. The seed itself is not revealed.
+
+    Args:
+      hash_fn: the block hash function.
+      seed: the hash seed.
+
+    Returns:
+      ``"<hash function name>:seed=<16 hex digits>"``.
+
+    Raises:
+      ValueError, TypeError: as `none_hash`.
+
+    Example:
+      >>> hash_identity("sha256", "0")
+      'sha256:seed=...'
+      >>> hash_identity("sha256", "0") == hash_identity("sha256", "1")
+      False
     """
     hash_fn = get_hash_function(hash_fn)
-    seed = os.environ.get("PYTHONHASHSEED")
-    if seed is None or seed == "random":
-        key = (hash_fn.name, hash_fn.digest_size)
-        value = _RANDOM_NONE_HASHES.get(key)
-        if value is None:
-            value = _RANDOM_NONE_HASHES.setdefault(key, os.urandom(hash_fn.digest_size))
-        return BlockHash(value)
-    return BlockHash(_seeded_none_hash(hash_fn, seed))
+    digest = hashlib.sha256(b"jaxkv.blocks.hash_seed\x00" + _check_seed(seed).encode("utf-8"))
+    return f"{hash_fn.name}:seed={digest.hexdigest()[:16]}"
 
 
 NONE_HASH: BlockHash = none_hash(sha256)
-"""`none_hash` for sha256, evaluated at import."""
+"""`none_hash` of `sha256` with `DEFAULT_HASH_SEED`."""
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -299,9 +404,9 @@ def _token_bytes(token_ids: Any) -> bytes:
         raise ValueError(f"token ids must fit in int64: {error}") from None
 
 
-def _check_parent(parent_hash: Any, hash_fn: HashFunction) -> bytes:
+def _check_parent(parent_hash: Any, hash_fn: HashFunction, seed: str) -> bytes:
     if parent_hash is None:
-        return none_hash(hash_fn)
+        return none_hash(hash_fn, seed)
     if not isinstance(parent_hash, bytes) or len(parent_hash) != hash_fn.digest_size:
         raise ValueError(
             f"parent hash must be {hash_fn.digest_size} bytes of {hash_fn.name}, got "
@@ -325,14 +430,30 @@ def _chain(
     num_tokens_per_block: int,
     num_blocks: int,
     hash_fn: HashFunction,
-    tails: Sequence[bytes] | None,
+    extras: Sequence[ExtraKeys | None] | None,
 ) -> list[BlockHash]:
-    """Hashes ``num_blocks`` consecutive blocks of ``data`` (int64 tokens), chained."""
+    """Hashes ``num_blocks`` consecutive blocks of ``data`` (int64 tokens), chained;
+    ``extras`` holds each block's extra keys (None: no block has any)."""
     width = 8 * num_tokens_per_block
     out: list[Any] = []  # BlockHash values (NewType calls would cost a call per block).
     append = out.append
+    if hash_fn.encoding == "cbor":
+        if _cbor2 is None:
+            _cbor(None)  # Raises the ImportError.
+        dumps = _cbor2.dumps
+        unpack = struct.Struct(f"<{num_tokens_per_block}q").unpack_from
+        digest = hash_fn.digest
+        try:
+            for i in range(num_blocks):
+                keys = extras[i] if extras is not None else None
+                message = (parent, unpack(data, i * width), tuple(keys) if keys else None)
+                parent = digest(dumps(message, canonical=True))
+                append(parent)
+        except _cbor2.CBOREncodeError as error:
+            raise TypeError(f"cannot encode a block hash key as CBOR: {error}") from None
+        return out
     constructor = hash_fn.constructor
-    if tails is None:
+    if extras is None:
         if constructor is not None:
             for offset in range(0, num_blocks * width, width):
                 parent = constructor(parent + data[offset : offset + width]).digest()
@@ -343,6 +464,7 @@ def _chain(
                 parent = digest(parent + data[offset : offset + width])
                 append(parent)
     else:
+        tails = [_extra_tail(keys) for keys in extras]  # Validates every key first.
         digest = hash_fn.digest
         for i in range(num_blocks):
             offset = i * width
@@ -476,6 +598,7 @@ def hash_block_tokens(
     hash_fn: HashFunction | str = sha256,
     *,
     block_size: int | None = None,
+    seed: str = DEFAULT_HASH_SEED,
 ) -> BlockHash:
     """Hashes one full block, chained to its parent.
 
@@ -486,6 +609,7 @@ def hash_block_tokens(
       extra_keys: the block's extra keys (`block_extra_keys`); ``()`` counts as None.
       hash_fn: `sha256` (default), `xxhash128`, a name, or any `HashFunction`.
       block_size: when given, ``token_ids`` must hold exactly this many tokens.
+      seed: the hash seed, used when ``parent_hash`` is None (see `none_hash`).
 
     Returns:
       The block hash (``hash_fn.digest_size`` bytes).
@@ -502,7 +626,7 @@ def hash_block_tokens(
       (32, True)
     """
     hash_fn = get_hash_function(hash_fn)
-    parent = _check_parent(parent_hash, hash_fn)
+    parent = _check_parent(parent_hash, hash_fn, seed)
     data = _token_bytes(token_ids)
     num_tokens = len(data) // 8
     if num_tokens == 0:
@@ -512,8 +636,8 @@ def hash_block_tokens(
             f"a full block holds {block_size} tokens, got {num_tokens}: partial blocks are "
             "never hashed"
         )
-    tails = None if not extra_keys else [_extra_tail(extra_keys)]
-    return _chain(parent, data, num_tokens, 1, hash_fn, tails)[0]
+    extras = None if not extra_keys else [tuple(extra_keys)]
+    return _chain(parent, data, num_tokens, 1, hash_fn, extras)[0]
 
 
 # ----------------------------------------------------------------------------- per request
@@ -532,6 +656,7 @@ class RequestBlockHasher:
       mm_inputs: the request's multimodal inputs; each is an extra key of the blocks it
         overlaps, with its start offset relative to the block.
       cache_salt: isolates this request's cache (extra key of the first block only).
+      seed: the hash seed (see `none_hash`).
 
     Raises:
       ValueError, TypeError: invalid arguments.
@@ -567,6 +692,7 @@ class RequestBlockHasher:
         lora_id: int | str | None = None,
         mm_inputs: Sequence[MultiModalInput | tuple[str, int, int]] = (),
         cache_salt: str | bytes | None = None,
+        seed: str = DEFAULT_HASH_SEED,
     ) -> None:
         if not isinstance(block_size, (int, np.integer)) or isinstance(block_size, bool):
             raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
@@ -580,7 +706,7 @@ class RequestBlockHasher:
         self._cache_salt = cache_salt
         self._needs_extra = lora_id is not None or bool(self._mm_inputs) or bool(cache_salt)
         self._mm_first = 0
-        self._parent = none_hash(self._hash_fn)
+        self._parent = none_hash(self._hash_fn, seed)
         self._pending: list[int] = []
         self._num_tokens = 0
         self._block_hashes: list[BlockHash] = []
@@ -676,10 +802,11 @@ class RequestBlockHasher:
         tail_start = num_blocks * size
         extras = None
         if self._needs_extra:
-            extras_keys, extras = self._block_extras(len(self._block_hashes), num_blocks)
+            extras, mm_first = self._block_extras(len(self._block_hashes), num_blocks)
         hashes = _chain(self._parent, data, size, num_blocks, self._hash_fn, extras)
-        if self._needs_extra:
-            self._extra_keys.extend(extras_keys)  # type: ignore[union-attr]
+        if extras is not None:
+            self._extra_keys.extend(extras)  # type: ignore[union-attr]
+            self._mm_first = mm_first
         self._block_hashes.extend(hashes)
         self._parent = hashes[-1]
         tail = data[tail_start * 8 :]
@@ -689,10 +816,9 @@ class RequestBlockHasher:
 
     def _block_extras(
         self, first_block: int, num_blocks: int
-    ) -> tuple[list[ExtraKeys | None], list[bytes]]:
+    ) -> tuple[list[ExtraKeys | None], int]:
         size = self._block_size
         keys_list: list[ExtraKeys | None] = []
-        encoded: list[bytes] = []
         mm_first = self._mm_first
         for block in range(first_block, first_block + num_blocks):
             start = block * size
@@ -700,9 +826,7 @@ class RequestBlockHasher:
                 start, start + size, self._lora_id, self._mm_inputs, mm_first, self._cache_salt
             )
             keys_list.append(keys)
-            encoded.append(_extra_tail(keys))
-        self._mm_first = mm_first
-        return keys_list, encoded
+        return keys_list, mm_first
 
 
 def hash_request_tokens(
@@ -713,6 +837,7 @@ def hash_request_tokens(
     lora_id: int | str | None = None,
     mm_inputs: Sequence[MultiModalInput | tuple[str, int, int]] = (),
     cache_salt: str | bytes | None = None,
+    seed: str = DEFAULT_HASH_SEED,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of a token sequence (a partial tail is ignored).
 
@@ -721,6 +846,7 @@ def hash_request_tokens(
       block_size: tokens per block.
       hash_fn: the hash function.
       lora_id, mm_inputs, cache_salt: extra keys, as in `RequestBlockHasher`.
+      seed: the hash seed (see `none_hash`).
 
     Returns:
       ``len(token_ids) // block_size`` hashes.
@@ -734,7 +860,8 @@ def hash_request_tokens(
       (2, True)
     """
     hasher = RequestBlockHasher(
-        block_size, hash_fn, lora_id=lora_id, mm_inputs=mm_inputs, cache_salt=cache_salt
+        block_size, hash_fn, lora_id=lora_id, mm_inputs=mm_inputs, cache_salt=cache_salt,
+        seed=seed,
     )
     hasher.extend(token_ids)
     return list(hasher.block_hashes)

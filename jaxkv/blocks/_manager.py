@@ -31,12 +31,17 @@ import numpy as np
 from jaxkv.blocks._errors import BlockError, UnknownRequestError
 from jaxkv.blocks._events import KVCacheEvent
 from jaxkv.blocks._hashing import (
+    DEFAULT_HASH_SEED,
+    RANDOM_HASH_SEED,
     BlockHash,
     HashFunction,
     MultiModalInput,
     RequestBlockHasher,
+    _check_seed,
     _token_bytes,
     get_hash_function,
+    hash_identity,
+    random_hash_seed,
     sha256,
 )
 from jaxkv.blocks._metrics import PrefixCacheStats, PrefixCachingMetrics
@@ -223,6 +228,10 @@ class KVCacheManager:
         window in tokens. Default: one full-attention group.
       enable_caching: reuse cached prefixes and register full blocks.
       hash_fn: block hash function (`sha256` default, `xxhash128`, or a name).
+      hash_seed: the block-hash seed. Default `DEFAULT_HASH_SEED`: deterministic, so separate
+        processes (prefill and decode engines, a router) agree on hashes. ``"random"`` draws
+        an unguessable seed (read it back from `hash_seed` to share it with peers). Engines
+        must share the hash function and seed; `hash_identity` names both for a handshake.
       enable_events: queue KV-cache events (drain with `take_events`).
       metrics_window: the hit-rate window, in requests.
 
@@ -254,6 +263,7 @@ class KVCacheManager:
         sliding_windows: Sequence[int | None] = (None,),
         enable_caching: bool = True,
         hash_fn: HashFunction | str = sha256,
+        hash_seed: str = DEFAULT_HASH_SEED,
         enable_events: bool = False,
         metrics_window: int = 1000,
     ) -> None:
@@ -276,6 +286,10 @@ class KVCacheManager:
         self._windows = tuple(None if w is None else int(w) for w in windows)
         self._enable_caching = bool(enable_caching)
         self._hash_fn = get_hash_function(hash_fn)
+        if hash_seed == RANDOM_HASH_SEED:
+            hash_seed = random_hash_seed()
+        self._hash_seed = _check_seed(hash_seed)
+        self._hash_identity = hash_identity(self._hash_fn, self._hash_seed)
         self._pool = BlockPool(
             num_blocks, enable_caching=enable_caching, enable_events=enable_events
         )
@@ -346,6 +360,29 @@ class KVCacheManager:
     def hash_fn(self) -> HashFunction:
         """The block hash function."""
         return self._hash_fn
+
+    @property
+    def hash_seed(self) -> str:
+        """The block-hash seed (the drawn one when constructed with ``hash_seed="random"``)."""
+        return self._hash_seed
+
+    @property
+    def hash_identity(self) -> str:
+        """The block-hash configuration as a string, ``"<hash fn>:seed=<digest of the seed>"``
+        (see `jaxkv.blocks.hash_identity`).
+
+        Pass it to ``jaxkv.transfer.KVTransferEngine(block_hashing=manager.hash_identity)`` on
+        every engine: the handshake compares it, so engines whose block hashes would never
+        match (another hash function or seed) are refused instead of silently missing every
+        prefix hit.
+
+        Example:
+          >>> KVCacheManager(4, 2).hash_identity == KVCacheManager(8, 4).hash_identity
+          True
+          >>> KVCacheManager(4, 2, hash_seed="random").hash_identity.startswith("sha256:seed=")
+          True
+        """
+        return self._hash_identity
 
     @property
     def num_free_blocks(self) -> int:
@@ -419,7 +456,7 @@ class KVCacheManager:
             )
         hasher: RequestBlockHasher | None = RequestBlockHasher(
             self._block_size, self._hash_fn, lora_id=lora_id, mm_inputs=mm_inputs,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, seed=self._hash_seed,
         )
         prompt = _token_bytes(prompt_token_ids)  # Validates the tokens.
         if self._enable_caching:

@@ -266,7 +266,6 @@ class BlockPool:
             )
         if count == 0:
             return []
-        removed: dict[int, list[BlockHash]] | None = None
         evicted: list[EvictedBlock] = []
         if count <= _SCALAR_MAX:
             popleft = self._queue.popleft
@@ -278,13 +277,11 @@ class BlockPool:
                 if hashedv[block]:
                     if self._evict_hook is not None:
                         evicted.append(EvictedBlock(block, self._hash[block], self._groupv[block]))
-                    removed = self._drop_hash(block, removed)
+                    self._drop_hash(block)
                 refv[block] = 1
                 out.append(block)
         else:
             return self._allocate_array(count).tolist()
-        if removed:
-            self._emit_removed(removed)
         if evicted:
             self._notify_evicted(evicted)
         return out
@@ -349,11 +346,8 @@ class BlockPool:
         groups = self._group[ids]
         group = int(groups[0])
         if self._dups or (len(self._maps) > 1 and not (groups == group).all()):
-            removed = None
             for block in ids.tolist():
-                removed = self._drop_hash(block, removed)
-            if removed:
-                self._emit_removed(removed)
+                self._drop_hash(block)
             return
         # One group and no duplicate hashes: every cached block is its hash's only entry.
         hashes = self._hash[ids].tolist()
@@ -364,8 +358,8 @@ class BlockPool:
         self._hashed[ids] = False
         self._num_cached -= len(hashes)
         self._epoch += len(hashes)
-        if self._events is not None:
-            self._events.append(BlockRemoved(block_hashes=tuple(hashes), group_id=group))
+        if self._events is not None:  # One event per block, in eviction order (as vLLM).
+            self._events.extend([BlockRemoved((block_hash,), group) for block_hash in hashes])
 
     def free(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Drops one reference to each block; blocks reaching zero become free.
@@ -846,19 +840,14 @@ class BlockPool:
           (1, None)
         """
         ids = [self._check_id(block) for block in block_ids]
-        removed: dict[int, list[BlockHash]] | None = None
         count = 0
         for block in ids:
             if self._hashedv[block]:
-                removed = self._drop_hash(block, removed)
+                self._drop_hash(block)
                 count += 1
-        if removed:
-            self._emit_removed(removed)
         return count
 
-    def _drop_hash(
-        self, block: int, removed: dict[int, list[BlockHash]] | None
-    ) -> dict[int, list[BlockHash]] | None:
+    def _drop_hash(self, block: int) -> None:
         block_hash = self._hash[block]
         group = self._groupv[block]
         cache = self._maps[group]
@@ -880,16 +869,8 @@ class BlockPool:
         self._hashedv[block] = False
         self._num_cached -= 1
         self._epoch += 1
-        if self._events is not None:
-            if removed is None:
-                removed = {}
-            removed.setdefault(group, []).append(block_hash)  # type: ignore[arg-type]
-        return removed
-
-    def _emit_removed(self, removed: dict[int, list[BlockHash]]) -> None:
-        if self._events is not None:
-            for group, hashes in removed.items():
-                self._events.append(BlockRemoved(block_hashes=tuple(hashes), group_id=group))
+        if self._events is not None:  # One event per block, in eviction order (as vLLM).
+            self._events.append(BlockRemoved((block_hash,), group))
 
     def reset_prefix_cache(self) -> bool:
         """Drops every cached hash, e.g. after a weight update. Only possible when no block is
