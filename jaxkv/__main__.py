@@ -1,5 +1,7 @@
 """`python -m jaxkv`: the block-op demonstration command (see jaxkv._cli)."""
 
-from jaxkv._cli import run
+from jaxkv import _cli
 
-run()
+if __name__ == "__main__":
+    __doc__ = _cli.__doc__  # what absl's --help prints above the flags
+    _cli.run()

@@ -16,6 +16,8 @@ from typing import Any
 
 from absl import app, flags, logging
 
+from jaxkv._cliutil import check_compiled_modules, quiet_startup_logging, show_module_flags_in_help
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_string("layout", "LKHTD", "Block layout letters or a LAYOUT_PRESETS name.")
@@ -49,8 +51,8 @@ def _timed(fn: Callable[[], Any], iters: int) -> tuple[Any, float]:
 
 def _main(argv: list[str]) -> int:
     del argv
-    if not FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # hide JAX's backend-probing INFO lines
+    quiet_startup_logging(FLAGS["verbosity"].present)
+    check_compiled_modules()
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
@@ -163,7 +165,8 @@ def _main(argv: list[str]) -> int:
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (`jaxkv`, `python -m jaxkv`)."""
+    show_module_flags_in_help(__name__, __doc__)
     app.run(_main)
 
 

@@ -31,10 +31,11 @@ def run_cli(tmp_dir: str, *flags: str) -> tuple[int, dict, str]:
     env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-P", "-m", "jaxkv.demo", *CLI_FLAGS, f"--json_out={path}", *flags],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True, timeout=240, env=env,
     )
     with open(path) as f:
-        return proc.returncode, json.load(f), proc.stdout + proc.stderr
+        # decoded here: text mode would turn a progress bar's "\r" into "\n"
+        return proc.returncode, json.load(f), (proc.stdout + proc.stderr).decode()
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -93,9 +94,14 @@ class DisaggregatedTest(parameterized.TestCase):
         rc, report, output = run_cli(
             self.create_tempdir().full_path, "--prefill_tp=2", "--decode_tp=1",
             "--prefill_layout=LKTHD", "--decode_layout=HTD", "--prefill_block_size=4",
-            "--decode_block_size=8",
+            "--decode_block_size=8", "--progress=true",
         )
         self.assertEqual(rc, 0, output)
+        # stderr is a pipe: plain progress lines, no carriage-return bar, no probing noise
+        self.assertNotIn("\r", output)
+        self.assertIn(f"[progress] {SMALL['num_requests']}/{SMALL['num_requests']} requests",
+                      output)
+        self.assertNotIn("Unable to initialize backend", output)
         self.check(report)
         self.assertIn("tokens match colocated run: True", output)
         self.assertEqual(report["settings"]["prefill_layout"], "LKTHD")

@@ -1,4 +1,4 @@
-"""`python -m jaxkv.demo` / `jaxkv-demo`: a disaggregated prefill/decode run of a small JAX
+r"""`python -m jaxkv.demo` / `jaxkv-demo`: a disaggregated prefill/decode run of a small JAX
 transformer over jaxkv's paged caches and transfer layer, checked against a colocated run.
 
 Example:
@@ -11,9 +11,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
+
+from jaxkv._cliutil import (
+    Progress,
+    check_compiled_modules,
+    quiet_startup_logging,
+    show_module_flags_in_help,
+)
 
 FLAGS = flags.FLAGS
 
@@ -66,7 +72,10 @@ flags.DEFINE_bool(
 flags.DEFINE_float("timeout_s", 300.0, "Deadline of the whole serving phase.")
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
 flags.DEFINE_string("plot_out", None, "Write a PNG of the TTFT split (needs matplotlib).")
-flags.DEFINE_bool("progress", True, "Show a progress line on stderr.")
+flags.DEFINE_bool(
+    "progress", True,
+    "Show progress on stderr: a bar on a terminal, a plain line per change when piped.",
+)
 
 
 def _set_devices(count: int, backend: str) -> None:
@@ -77,35 +86,33 @@ def _set_devices(count: int, backend: str) -> None:
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if backend == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for the prefill process
+        import jax
+
+        # This process imported JAX already (reading JAX_PLATFORMS then); no backend has
+        # started yet, so the setting still applies and no other platform is probed.
+        jax.config.update("jax_platforms", "cpu")
 
 
-class _Progress:
-    """A one-line progress bar on stderr."""
+def _progress(total: int, enabled: bool):
+    """The `run_disaggregated` progress callback: a bar on a terminal, plain lines when
+    stderr is piped."""
+    show = Progress(total, enabled=enabled)
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled, self.start = total, enabled, time.monotonic()
-
-    def __call__(self, results) -> None:
-        if not self.enabled:
-            return
+    def update(results) -> None:
         done = sum(r.status == "done" for r in results)
         failed = sum(r.status == "failed" for r in results)
-        ttft = sum(r.ttft_s > 0 for r in results)
-        width = 30
-        filled = int(width * (done + failed) / self.total)
-        bar = "#" * filled + "." * (width - filled)
-        sys.stderr.write(
-            f"\r[{bar}] {done + failed}/{self.total} requests "
-            f"({ttft} first tokens, {failed} failed) {time.monotonic() - self.start:5.1f}s"
-        )
-        if done + failed == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        first = sum(r.ttft_s > 0 for r in results)
+        show(done + failed, f"{done + failed}/{total} requests ({first} first tokens, "
+                            f"{failed} failed)")
+
+    return update
 
 
 def main(argv) -> int:
     del argv
+    quiet_startup_logging(FLAGS["verbosity"].present)
+    check_compiled_modules()
     if FLAGS.prefill_tp < 1 or FLAGS.decode_tp < 1:
         raise app.UsageError("TP sizes must be >= 1")
     _set_devices(FLAGS.decode_tp, FLAGS.backend)
@@ -147,7 +154,7 @@ def main(argv) -> int:
     if settings.kill_prefill_after:
         print(f"fault injection: the prefill process is killed after "
               f"{settings.kill_prefill_after} transfer(s)", flush=True)
-    progress = _Progress(settings.num_requests, FLAGS.progress)
+    progress = _progress(settings.num_requests, FLAGS.progress)
     report = run_disaggregated(settings, progress=progress)
     print(format_report(report))
     t = report["timings_ms"]
@@ -168,5 +175,6 @@ def main(argv) -> int:
 
 
 def run() -> None:
-    """Console-script entry point (`jaxkv-demo`)."""
+    """Console-script entry point (`jaxkv-demo`, `python -m jaxkv.demo`)."""
+    show_module_flags_in_help(__name__, __doc__)
     app.run(main)
