@@ -53,7 +53,7 @@ def _timed(fn: Callable[[], Any], iters: int) -> tuple[Any, float]:
 
 def _main(argv: list[str]) -> int:
     del argv
-    quiet_startup_logging(FLAGS["verbosity"].present)
+    quiet_startup_logging(bool(FLAGS["verbosity"].present))
     check_compiled_modules()
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (

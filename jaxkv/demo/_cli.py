@@ -115,7 +115,7 @@ def _progress(total: int, enabled: bool):
 
 def main(argv) -> int:
     del argv
-    quiet_startup_logging(FLAGS["verbosity"].present)
+    quiet_startup_logging(bool(FLAGS["verbosity"].present))
     check_compiled_modules()
     if FLAGS.prefill_tp < 1 or FLAGS.decode_tp < 1:
         raise app.UsageError("TP sizes must be >= 1")
