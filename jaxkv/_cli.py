@@ -8,17 +8,19 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from jaxkv._cliutil import check_compiled_modules, quiet_startup_logging, show_module_flags_in_help
 
 FLAGS = flags.FLAGS
+_log = logging.getLogger(__name__)
 
 flags.DEFINE_string("layout", "LKHTD", "Block layout letters or a LAYOUT_PRESETS name.")
 flags.DEFINE_string("dtype", "bfloat16", "Cache element type.")
@@ -51,7 +53,7 @@ def _timed(fn: Callable[[], Any], iters: int) -> tuple[Any, float]:
 
 def _main(argv: list[str]) -> int:
     del argv
-    quiet_startup_logging(FLAGS["verbosity"].present)
+    quiet_startup_logging(bool(FLAGS["verbosity"].present))
     check_compiled_modules()
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
@@ -135,7 +137,7 @@ def _main(argv: list[str]) -> int:
         cache.verify_unmoved(before)
         in_place = True
     except Exception as error:  # reported, not fatal: the bytes are still checked
-        logging.warning("%s", error)
+        _log.warning("%s", error)
         in_place = False
 
     print(f"\n{'op':<16}{'blocks':>8}{'MiB moved':>12}{'median ms':>12}{'GB/s':>10}")

@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
 # Prepares a virtual environment with jaxkv built and installed; idempotent.
 #
-# Usage: scripts/setup.sh [--python PYTHON] [--venv DIR] [--no-nixl]
-#   --python  interpreter for the environment (default: python3)
-#   --venv    environment directory (default: .venv at the repository root)
-#   --no-nixl skip the optional NIXL install
+# Usage: scripts/setup.sh [--python PYTHON] [--venv DIR] [--no-nixl] [--no-editable]
+#   --python      interpreter for the environment (default: python3)
+#   --venv        environment directory (default: .venv at the repository root)
+#   --no-nixl     skip the optional NIXL install
+#   --no-editable install a copy of the package (default: a development install, below)
 #
 # The environment gets the newest jax that the interpreter supports (0.10.2 on Python 3.11),
 # the build and test tools, NIXL without torch (its wheel declares torch but its Python API
-# does not use it), prometheus-client (the optional metrics export, so that its tests run), and
-# jaxkv itself, rebuilt only when its sources changed. The custom calls
-# are compiled against the XLA FFI headers of jaxlib 0.10.2, the oldest supported jaxlib.
+# does not use it), prometheus-client (the optional metrics export, so that its tests run),
+# matplotlib (the `demo` extra: jaxkv-demo --plot_out), ruff (the linter CI runs), and jaxkv
+# itself, rebuilt only when its sources changed. The custom calls are compiled against the XLA
+# FFI headers of jaxlib 0.10.2, the oldest supported jaxlib.
+#
+# jaxkv is installed for development (scikit-build-core's editable mode): the Python modules
+# are imported from this source tree, the compiled modules from the environment, so
+# `python -m jaxkv.demo` works from the repository root too and Python edits need no
+# reinstall (C++/CUDA edits do: re-run this script).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON=python3
 VENV="$ROOT/.venv"
 WITH_NIXL=1
+EDITABLE=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --python) PYTHON="$2"; shift 2 ;;
     --venv) VENV="$2"; shift 2 ;;
     --no-nixl) WITH_NIXL=0; shift ;;
+    --no-editable) EDITABLE=0; shift ;;
     *) echo "setup.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -43,7 +52,7 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 # 1. Dependencies (pip is a no-op when they are already satisfied).
 REQS_STAMP="$VENV/.jaxkv-requirements"
-REQS="jax jaxlib numpy ml_dtypes absl-py msgspec cbor2 xxhash prometheus-client pytest hypothesis scikit-build-core pybind11 ninja"
+REQS="jax jaxlib numpy ml_dtypes absl-py msgspec cbor2 xxhash prometheus-client pytest hypothesis matplotlib ruff==0.17.6 scikit-build-core pybind11 ninja"
 if [[ ! -f "$REQS_STAMP" || "$(cat "$REQS_STAMP")" != "$REQS $WITH_NIXL" ]]; then
   log "installing dependencies"
   "${PIP[@]}" install --upgrade pip
@@ -86,11 +95,13 @@ SOURCES_HASH="$(cd "$ROOT" && find jaxkv ffi CMakeLists.txt pyproject.toml -type
   \( -name '*.py' -o -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.txt' -o -name '*.toml' \) \
   -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
 BUILD_STAMP="$VENV/.jaxkv-build"
-if [[ ! -f "$BUILD_STAMP" || "$(cat "$BUILD_STAMP")" != "$SOURCES_HASH" ]]; then
-  log "building and installing jaxkv"
+INSTALL=(.)
+[[ "$EDITABLE" = 1 ]] && INSTALL=(--editable .)
+if [[ ! -f "$BUILD_STAMP" || "$(cat "$BUILD_STAMP")" != "$SOURCES_HASH ${INSTALL[*]}" ]]; then
+  log "building and installing jaxkv (${INSTALL[*]})"
   (cd "$ROOT" && "${PIP[@]}" install --no-build-isolation --no-deps \
     -C "cmake.define.JAXKV_FFI_INCLUDE_DIR=$HEADERS" \
-    -C "build-dir=build/$(basename "$VENV")" .)
-  echo "$SOURCES_HASH" > "$BUILD_STAMP"
+    -C "build-dir=build/$(basename "$VENV")" "${INSTALL[@]}")
+  echo "$SOURCES_HASH ${INSTALL[*]}" > "$BUILD_STAMP"
 fi
 log "ready: $VENV ($("$PY" -c 'import jax; print("jax", jax.__version__)'))"

@@ -3,6 +3,8 @@ progress output suits the stream (a bar on a terminal, plain lines in a pipe), n
 probing noise, and `python -m jaxkv` works from the repository root of a development install
 (or names the cause when a source tree without compiled modules shadows the package)."""
 
+import doctest
+import importlib
 import importlib.metadata
 import io
 import json
@@ -147,6 +149,14 @@ class StartupTest(absltest.TestCase):
         self.assertIn("has no compiled module jaxkv._ffi_cpu", proc.stderr)
         self.assertIn("source tree in the current directory", proc.stderr)
         self.assertIn(f"imported from {os.path.realpath(tmp)}{os.sep}jaxkv ", proc.stderr)
+
+
+class DocstringExamplesTest(parameterized.TestCase):
+    @parameterized.parameters("jaxkv._cliutil", "jaxkv.demo._report")
+    def test_examples(self, module_name):
+        result = doctest.testmod(importlib.import_module(module_name), verbose=False)
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
 
 
 if __name__ == "__main__":

@@ -91,12 +91,17 @@ class DisaggregatedTest(parameterized.TestCase):
 
     def test_cli_report(self):
         # TP 2 -> 1 with a 4 -> 8 block-size merge and NHD -> HND permutation
+        tmp = self.create_tempdir().full_path
+        plot = os.path.join(tmp, "ttft.png")
         rc, report, output = run_cli(
-            self.create_tempdir().full_path, "--prefill_tp=2", "--decode_tp=1",
+            tmp, "--prefill_tp=2", "--decode_tp=1",
             "--prefill_layout=LKTHD", "--decode_layout=HTD", "--prefill_block_size=4",
-            "--decode_block_size=8", "--progress=true",
+            "--decode_block_size=8", "--progress=true", f"--plot_out={plot}",
         )
         self.assertEqual(rc, 0, output)
+        self.assertIn(f"plot written to {plot}", output)
+        with open(plot, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
         # stderr is a pipe: plain progress lines, no carriage-return bar, no probing noise
         self.assertNotIn("\r", output)
         self.assertIn(f"[progress] {SMALL['num_requests']}/{SMALL['num_requests']} requests",

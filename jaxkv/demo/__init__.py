@@ -13,7 +13,13 @@ from jaxkv.demo._engines import (
     run_disaggregated,
 )
 from jaxkv.demo._model import ModelConfig, ModelRunner, init_params, make_mesh
-from jaxkv.demo._report import build_report, format_report, write_plot
+from jaxkv.demo._report import (
+    build_report,
+    format_report,
+    plot_figure,
+    ttft_segments,
+    write_plot,
+)
 
 __all__ = [
     "DemoSettings",
@@ -27,9 +33,11 @@ __all__ = [
     "init_params",
     "make_mesh",
     "make_prompts",
+    "plot_figure",
     "read_pages",
     "run_colocated",
     "run_disaggregated",
+    "ttft_segments",
     "write_plot",
     "write_tokens",
 ]

@@ -71,7 +71,11 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_float("timeout_s", 300.0, "Deadline of the whole serving phase.")
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
-flags.DEFINE_string("plot_out", None, "Write a PNG of the TTFT split (needs matplotlib).")
+flags.DEFINE_string(
+    "plot_out", None,
+    "Write a PNG of each request's TTFT split and of the transfer against bare NIXL (needs "
+    "matplotlib: the demo extra).",
+)
 flags.DEFINE_bool(
     "progress", True,
     "Show progress on stderr: a bar on a terminal, a plain line per change when piped.",
@@ -111,7 +115,7 @@ def _progress(total: int, enabled: bool):
 
 def main(argv) -> int:
     del argv
-    quiet_startup_logging(FLAGS["verbosity"].present)
+    quiet_startup_logging(bool(FLAGS["verbosity"].present))
     check_compiled_modules()
     if FLAGS.prefill_tp < 1 or FLAGS.decode_tp < 1:
         raise app.UsageError("TP sizes must be >= 1")

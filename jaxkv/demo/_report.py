@@ -8,7 +8,8 @@ import platform
 import sys
 from typing import Any
 
-__all__ = ["build_report", "format_report", "write_plot"]
+__all__ = ["TTFT_SEGMENTS", "build_report", "format_report", "plot_figure", "ttft_segments",
+           "write_plot"]
 
 
 def _ms(seconds: float) -> float:
@@ -227,37 +228,156 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(report: dict[str, Any], path: str) -> bool:
-    """Writes a stacked bar chart of each request's TTFT split, if matplotlib is installed.
+# The measured parts of a request's time to first token, in order (report keys, legend).
+TTFT_SEGMENTS: tuple[tuple[str, str], ...] = (
+    ("queue_ms", "queue (arrival -> prefill start)"),
+    ("prefill_ms", "prefill"),
+    ("handshake_ms", "handshake"),
+    ("transfer_ms", "transfer (read + confirm)"),
+    ("post_ms", "post-processing"),
+)
+
+
+def ttft_segments(request: dict[str, Any]) -> dict[str, float]:
+    """One request's TTFT split into segments that add up to it, in ms.
+
+    The measured segments are `TTFT_SEGMENTS`; ``other_ms`` is the rest of the TTFT: the
+    prefill process's reply reaching the decode loop, admission, and the decode loop noticing
+    the finished read between steps. A request without a TTFT (failed) gets its measured
+    segments and no ``other_ms``; a rest below zero (clock rounding) counts as zero.
+
+    Args:
+      request: a row of ``report["requests"]``.
 
     Returns:
-      Whether the file was written (False without matplotlib).
+      ``{key: ms}`` for every key of `TTFT_SEGMENTS` and ``"other_ms"``.
 
     Example:
-      >>> isinstance(write_plot({"requests": []}, "/nonexistent/x.png"), bool) or True
-      True
+      >>> ttft_segments({"queue_ms": 1.0, "prefill_ms": 2.0, "handshake_ms": 0.0,
+      ...                "transfer_ms": 3.0, "post_ms": 0.5, "ttft_ms": 7.0})["other_ms"]
+      0.5
     """
-    if importlib.util.find_spec("matplotlib") is None:
-        return False
-    import matplotlib
+    parts = {key: float(request[key]) for key, _ in TTFT_SEGMENTS}
+    ttft = float(request["ttft_ms"])
+    parts["other_ms"] = max(0.0, ttft - sum(parts.values())) if ttft > 0 else 0.0
+    return parts
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _title(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    platform_name = report.get("versions", {}).get("devices", "")
+    return (
+        f"prefill TP={s['prefill_tp']} {s['prefill_layout']} block {s['prefill_block_size']}"
+        f"  ->  decode TP={s['decode_tp']} {s['decode_layout']} block "
+        f"{s['decode_block_size']}  ({platform_name})\n"
+        f"{s['dtype']}, {s['num_layers']} layers, {s['num_kv_heads']} KV heads x "
+        f"{s['head_dim']};  {s['num_requests']} requests x {s['prompt_len']} tokens "
+        f"({s['shared_prefix_len']} shared), {s['max_new_tokens']} new;  tokens match "
+        f"colocated run: {report['tokens_match']}"
+    )
+
+
+def plot_figure(report: dict[str, Any]):
+    """The demo's figure: each request's TTFT as stacked segments that add up to it (with
+    its prefix-cache hits marked), and the transfer of one request against the bare
+    transport (NIXL READs of the same descriptors, and of the same bytes as one descriptor).
+
+    Args:
+      report: a report of `build_report` (or its JSON).
+
+    Returns:
+      A `matplotlib.figure.Figure` (needs matplotlib: ``pip install jaxkv[demo]``).
+
+    Raises:
+      ValueError: the report has no requests.
+    """
+    from matplotlib.figure import Figure
 
     rows = report["requests"]
     if not rows:
-        return False
+        raise ValueError("the report has no requests to plot")
+    fig = Figure(figsize=(13, 5.2))
+    ttft_ax, transfer_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    fig.suptitle(_title(report), fontsize=9)
+
     names = [r["request_id"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    segments = [ttft_segments(r) for r in rows]
     bottom = [0.0] * len(rows)
-    for key in ("queue_ms", "prefill_ms", "handshake_ms", "transfer_ms", "post_ms"):
-        values = [r[key] for r in rows]
-        ax.bar(names, values, bottom=bottom, label=key[:-3])
+    for key, label in (*TTFT_SEGMENTS, ("other_ms", "other (messages, admission, polling)")):
+        values = [seg[key] for seg in segments]
+        ttft_ax.bar(names, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("ms")
-    ax.set_title("time to first token, per request")
-    ax.legend()
+    top = max(bottom) or 1.0
+    for x, (r, height) in enumerate(zip(rows, bottom)):
+        marks = []
+        if r["prefill_hit_tokens"]:
+            marks.append(f"P{r['prefill_hit_tokens']}")
+        if r["decode_hit_tokens"]:
+            marks.append(f"D{r['decode_hit_tokens']}")
+        if r["status"] != "done":
+            marks.append("failed")
+        if marks:
+            ttft_ax.text(x, height + 0.01 * top, "\n".join(marks), ha="center", va="bottom",
+                         fontsize=7, color="crimson" if r["status"] != "done" else "black")
+    ttft_ax.set_ylim(0, top * 1.15)
+    ttft_ax.set_ylabel("ms")
+    ttft_ax.set_title("time to first token per request (P/D: prefix-cache hit tokens on "
+                      "the prefill / decode side)", fontsize=8)
+    ttft_ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ttft_ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+
+    like = report["transfer"].get("like_for_like")
+    if like:
+        bars = [
+            ("jaxkv: posted -> landed", like["read_ms"], like["read_MBps"]),
+            ("jaxkv: -> confirmed", like["transfer_ms"], like["transfer_MBps"]),
+            (f"bare NIXL READ, same {like['descriptors']} descs",
+             like["bare_same_descriptors_ms"], like["bare_same_descriptors_MBps"]),
+        ]
+        if "bare_one_descriptor_ms" in like:
+            bars.append((
+                f"bare NIXL READ, {like['bare_one_descriptor_bytes'] / 1024:.0f} KiB as 1 desc",
+                like["bare_one_descriptor_ms"], like["bare_one_descriptor_MBps"],
+            ))
+        labels = [b[0] for b in bars]
+        times = [max(b[1], 1e-6) for b in bars]
+        transfer_ax.barh(labels, times, color=["C3", "C3", "C7", "C7"][: len(bars)])
+        transfer_ax.set_xscale("log")
+        transfer_ax.invert_yaxis()
+        for y, (_, ms, mbps) in enumerate(bars):
+            rate = f", {mbps:.0f} MB/s" if mbps and mbps >= 10 else (
+                f", {mbps:.2g} MB/s" if mbps else "")
+            transfer_ax.text(max(ms, 1e-6), y, f" {ms:.3g} ms{rate}", va="center", fontsize=7)
+        transfer_ax.set_xlim(min(times) / 2, max(times) * 20)
+        transfer_ax.set_xlabel("ms (log scale)")
+        transfer_ax.set_title(
+            f"one request's read: {like['bytes'] / 1024:.0f} KiB in {like['descriptors']} "
+            f"descriptors (median of {like['requests']})", fontsize=8)
+        transfer_ax.tick_params(axis="y", labelsize=7)
+    else:
+        transfer_ax.set_axis_off()
+        transfer_ax.text(0.5, 0.5, "no bare-transport measurement\n(no completed read to "
+                         "replay, or NIXL unavailable)", ha="center", va="center", fontsize=8,
+                         transform=transfer_ax.transAxes)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+def write_plot(report: dict[str, Any], path: str) -> bool:
+    """Writes `plot_figure` of the report as a PNG, if matplotlib is installed.
+
+    Args:
+      report: a report of `build_report`.
+      path: the PNG to write.
+
+    Returns:
+      Whether the file was written (False without matplotlib or without requests).
+
+    Example:
+      >>> write_plot({"requests": []}, "/nonexistent/x.png")
+      False
+    """
+    if importlib.util.find_spec("matplotlib") is None or not report["requests"]:
+        return False
+    plot_figure(report).savefig(path, dpi=110)
     return True
