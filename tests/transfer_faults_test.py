@@ -217,6 +217,22 @@ class FaultTest(e2e.TransferTestBase):
         _, failed = self.wait(engine, ["r"], timeout=5)
         self.assertIn("IncompatibleEngineError", failed[0].reason)
 
+    def test_block_hashing_must_agree_when_both_declare_it(self):
+        _, _, address = self.producer(block_hashing="sha256_cbor:seed=ab12")
+        engine, _, _ = self.consumer(SPEC, 1, block_hashing="sha256:seed=ab12")
+        self.assertEqual(engine.metadata.block_hashing, "sha256:seed=ab12")
+        with self.assertRaisesRegex(
+            IncompatibleEngineError,
+            "block hashing differs: 'prefill' uses 'sha256_cbor:seed=ab12', 'decode' uses "
+            "'sha256:seed=ab12'; prefix hits and KV events would never match",
+        ):
+            engine.add_peer("prefill", [address])
+        same, _, _ = self.consumer(SPEC, 1, block_hashing="sha256_cbor:seed=ab12")
+        self.assertEqual(same.add_peer("prefill", [address]).block_hashing,
+                         "sha256_cbor:seed=ab12")
+        undeclared, _, _ = self.consumer(SPEC, 1)  # one side silent: nothing to compare
+        undeclared.add_peer("prefill", [address])
+
     def test_partial_prefix_and_notify_only(self):
         _, conn, _ = self.producer()
         params = self.call(conn, "pin", "tail", e2e.REMOTE_IDS, 30.0)

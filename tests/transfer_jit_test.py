@@ -187,13 +187,18 @@ class TransferJitTest(tt.TransferTestBase):
         self.assert_freed(conn, "req-jit")
 
     @parameterized.parameters((True, False, 1, 1), (True, True, 1, 1), (False, True, 2, 2),
-                              (True, True, 2, 1))
-    def test_jitted_steps_with_host_staging(self, p_staged, d_staged, p_tp, d_tp):
+                              (True, True, 2, 1), (True, False, 1, 1, "prefill_polling"),
+                              (True, False, 2, 1, "prefill_polling"))
+    def test_jitted_steps_with_host_staging(self, p_staged, d_staged, p_tp, d_tp,
+                                            step="prefill"):
         # Producer staged: the publishing callback only queues the publication (no JAX in a
         # callback); the producer loop's next poll() copies the written blocks (from the
         # cache handed to update_cache) to the host mirror and announces them. Consumer
         # staged: the in-jit wait answers -2 and poll() outside jit scatters the mirror to
         # the device cache. Either way the bytes are those of the slow write, bit for bit.
+        # "prefill_polling": the producer polls while its step computes and once after it,
+        # before update_cache: the publication must wait for the step's output (its input
+        # was donated), never stage the consumed pre-step cache.
         conn = self.start_jit_producer(p_tp, dict(host_staging=p_staged))
         self.ready(conn)
         params, p_handle = self.call(conn, "pin", "req-jit", REMOTE_IDS)
@@ -205,7 +210,7 @@ class TransferJitTest(tt.TransferTestBase):
         for _ in range(50):  # subscribed, nothing published: nothing can arrive
             result = engine.poll()
             self.assertEqual((result.finished, result.failed), ([], []))
-        conn.send(("prefill", p_handle, ops.pad_block_ids(REMOTE_IDS), 100))  # not awaited
+        conn.send((step, p_handle, ops.pad_block_ids(REMOTE_IDS), 100))  # not awaited
         decode = make_decode_step(engine)
         handle = engine.handle("req-jit")
         cache, blocks, status = decode(engine.caches[0], ops.pad_block_ids(LOCAL_IDS),

@@ -89,6 +89,27 @@ class MetadataTest(absltest.TestCase):
         check_compatible(_meta(), _meta("decode", spec=SPEC.replace(layout="THD"), tp=4, pp=2))
 
 
+class BlockHashingTest(absltest.TestCase):
+    def test_compatibility(self):
+        def meta(engine_id, hashing):
+            return msgspec.structs.replace(_meta(engine_id), block_hashing=hashing)
+
+        producer = meta("prefill", "sha256_cbor:seed=ab12")
+        decoded = decode_metadata(encode_metadata(producer))
+        self.assertEqual(decoded.block_hashing, "sha256_cbor:seed=ab12")
+        with self.assertRaisesRegex(
+            IncompatibleEngineError,
+            r"block hashing differs: 'prefill' uses 'sha256_cbor:seed=ab12', 'decode' uses "
+            r"'sha256:seed=ab12'",
+        ):
+            check_compatible(meta("decode", "sha256:seed=ab12"), producer)
+        check_compatible(meta("decode", "sha256_cbor:seed=ab12"), producer)
+        check_compatible(meta("decode", None), producer)  # undeclared on one side
+        check_compatible(producer, meta("decode", None))
+        with self.assertRaises(MetadataError):  # bounded like every string field
+            decode_metadata(encode_metadata(meta("decode", "x" * 2000)))
+
+
 class SideChannelTest(absltest.TestCase):
     def test_fetch(self):
         with MetadataServer() as server:

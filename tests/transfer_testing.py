@@ -529,11 +529,14 @@ def jit_producer_main(
 ) -> None:
     """A producer process whose prefill step is jitted and publishes from inside jit:
     ("pin", request_id, block_ids) -> (params, handle); ("prefill", handle, padded_ids, seed)
-    -> the callback's status (after the step finished); ("state",) -> (pinned, freed, stats
-    summary, staging seconds per publication). `engine_kwargs` go to the `KVTransferEngine`
-    (e.g. ``host_staging=True``: the callback defers the copy to the host mirror to the loop's
-    next `poll`)."""
+    -> the callback's status (after the step finished); ("prefill_polling", ...) the same,
+    polling the engine while the step computes and once after it; ("state",) -> (pinned,
+    freed, stats summary, staging seconds per publication). `engine_kwargs` go to the
+    `KVTransferEngine` (e.g. ``host_staging=True``: the callback defers the copy to the host
+    mirror until the step's output was handed to `update_cache`)."""
     child_env(tp)
+    import time
+
     import jax
 
     from jaxkv import PagedKVCache
@@ -556,9 +559,16 @@ def jit_producer_main(
                 if command[0] == "pin":
                     params = engine.publish_request(command[1], command[2], layerwise=True)
                     conn.send((params, engine.handle(command[1])))
-                elif command[0] == "prefill":
+                elif command[0] in ("prefill", "prefill_polling"):
                     _, handle, ids, seed = command
                     cache, status = prefill(engine.caches[0], ids, np.int32(handle), seed)
+                    if command[0] == "prefill_polling":
+                        # serves transfers while the step computes (as the demo does), and
+                        # once more after it, before its output is handed over
+                        while not all(a.is_ready() for a in cache.arrays):
+                            freed.extend(engine.poll().freeable)
+                            time.sleep(0.001)
+                        freed.extend(engine.poll().freeable)
                     engine.update_cache(cache)
                     conn.send(int(status))
                 elif command[0] == "state":

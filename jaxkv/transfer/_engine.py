@@ -152,6 +152,7 @@ class _Registered:
     mirror: HostMirror | None = None  # host staging: NIXL registers the mirror instead
     layer_start: int = 0  # first global layer of the cache (its pipeline rank's)
     layer_stop: int = 0
+    version: int = 0  # bumped by update_cache: which step's output `cache` is
 
 
 @dataclasses.dataclass
@@ -223,6 +224,8 @@ class KVTransferEngine:
       host_staging: register a host mirror of each cache instead of its device buffers (True),
         the device buffers (False), or decide per cache (None: staging for devices NIXL cannot
         register, i.e. other than CPU and CUDA GPUs).
+      block_hashing: the engine's block hashing scheme (opaque, e.g. ``"sha256_cbor:seed=ab12"``),
+        published in the metadata: a peer that declares another one is refused at handshake.
     """
 
     def __init__(
@@ -237,9 +240,11 @@ class KVTransferEngine:
         handshake_timeout_s: float = 5.0,
         handshake_retries: int = 2,
         host_staging: bool | None = None,
+        block_hashing: str | None = None,
     ):
         self.engine_id = engine_id
         self.config = config
+        self.block_hashing = block_hashing
         self.generation = (time.time_ns() // 1000 + next(_generation_counter)) & ((1 << 62) - 1)
         self.lease_s = lease_s
         self.read_timeout_s = read_timeout_s
@@ -265,7 +270,9 @@ class KVTransferEngine:
         self._tls = threading.local()
         self._early_wants: dict[str, tuple[set[str], float]] = {}
         self._stashed = PollResult()  # found by polls inside host callbacks
-        self._deferred: list[tuple[str, int | None]] = []  # publications that need JAX
+        # publications from host callbacks that need JAX (host staging): (request, stop,
+        # the cache versions at the callback); staged from a later version (the step's output)
+        self._deferred: list[tuple[str, int, tuple[int, ...]]] = []
         self._handles: dict[int, str] = {}
         self._handle_of: dict[str, int] = {}
         self._next_handle = 1
@@ -429,7 +436,10 @@ class KVTransferEngine:
             if entry is None:
                 raise ValueError("update_cache: no registered cache has these arrays and devices")
             cache.verify_unmoved(entry.buffers)
-            entry.cache = cache
+            if cache is not entry.cache:
+                entry.cache = cache
+                entry.version += 1
+            self._stage_deferred()
 
     @property
     def caches(self) -> tuple[Any, ...]:
@@ -439,7 +449,12 @@ class KVTransferEngine:
     def _publish(self) -> None:
         agents = [AgentInfo(name=self.agent.name, metadata=self.agent.metadata())]
         self._meta = engine_metadata(
-            self.engine_id, self.config, list(self._ranks.values()), agents, self.generation
+            self.engine_id,
+            self.config,
+            list(self._ranks.values()),
+            agents,
+            self.generation,
+            self.block_hashing,
         )
         self.server.publish(self._meta)
 
@@ -815,18 +830,39 @@ class KVTransferEngine:
     def poll(self) -> PollResult:
         """Makes progress on everything in flight; returns what changed since the last poll."""
         with self._lock:
-            deferred, self._deferred = self._deferred, []
-            for request_id, stop in deferred:  # publications from host callbacks (staging)
-                pinned = self._pinned.get(request_id)
-                if pinned is not None:
-                    try:
-                        self._publish_layers(request_id, pinned, stop)
-                    except Exception as error:  # noqa: BLE001 - the request is aborted
-                        log.error("publishing %s failed: %s", request_id, error)
-                        pinned.deadline = -1.0
+            self._stage_deferred()
             result, self._stashed = self._stashed, PollResult()
             result.extend(self._poll(allow_jax=True))
             return result
+
+    def _stage_deferred(self) -> None:
+        """Stages the publications of host callbacks (host staging) once every registered
+        cache was replaced by a later version than the one of the callback's step: the
+        callback ran inside the step, whose input cache is donated (deleted) and whose
+        output is handed over by `update_cache` after the step."""
+        still = []
+        for request_id, stop, versions in self._deferred:
+            pinned = self._pinned.get(request_id)
+            if pinned is None:
+                continue  # freed or expired meanwhile
+            current = all(
+                e.mirror is None
+                or (e.version > v and not any(a.is_deleted() for a in e.cache.arrays))
+                for e, v in zip(self._caches, versions)
+            )
+            if not current or len(versions) != len(self._caches):
+                if len(versions) == len(self._caches):
+                    still.append((request_id, stop, versions))
+                    continue
+                log.error("publishing %s failed: the caches were re-registered", request_id)
+                pinned.deadline = -1.0
+                continue
+            try:
+                self._publish_layers(request_id, pinned, stop)
+            except Exception as error:  # noqa: BLE001 - the request is aborted
+                log.error("publishing %s failed: %s", request_id, error)
+                pinned.deadline = -1.0
+        self._deferred = still
 
     def _poll(self, allow_jax: bool) -> PollResult:
         result = PollResult()
@@ -1150,7 +1186,8 @@ class KVTransferEngine:
     def _callback_publish(self, handle: int, block_ids: np.ndarray, layer_stop: int) -> int:
         """From a jitted step's host callback: publish (or mark written) a request's layers
         ``[0, layer_stop)``. Returns 1, or 0 when refused (logged). Never runs JAX: with
-        host staging the copy to the mirror is left to the next `poll`."""
+        host staging the copy to the mirror is left to the first `poll` (or `update_cache`)
+        after the step's output was handed to `update_cache`."""
         ids = [int(b) for b in np.asarray(block_ids).reshape(-1) if b >= 0]
         num_layers = self.config.spec.num_layers
         stop = num_layers if layer_stop < 0 else min(int(layer_stop), num_layers)
@@ -1174,7 +1211,9 @@ class KVTransferEngine:
                 pinned.deadline = -1.0
                 return 0
             if any(entry.mirror is not None for entry in self._caches):
-                self._deferred.append((request_id, stop))
+                # The step's output is not available here: staged from it once the caller
+                # hands it to update_cache (never from the donated input, see _stage_deferred).
+                self._deferred.append((request_id, stop, tuple(e.version for e in self._caches)))
             else:
                 self._publish_layers(request_id, pinned, stop)
             self.agent.progress()

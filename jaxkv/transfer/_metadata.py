@@ -106,6 +106,9 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       compat_hash: hex digest over `compat_fields`.
       agents: the NIXL agents of the engine's processes.
       ranks: per rank, its agent and regions (may be a subset while being assembled).
+      block_hashing: how the engine names blocks by content (prefix caching, KV events), an
+        opaque string such as ``"sha256_cbor:seed=ab12"``; None: not declared. Two engines
+        that both declare it must agree (`check_compatible`).
     """
 
     version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
@@ -125,6 +128,7 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compat_hash: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
     agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=1 << 16)]
     ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=1 << 16)]
+    block_hashing: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
 
     # -- derived --------------------------------------------------------------------------
 
@@ -191,8 +195,13 @@ def engine_metadata(
     ranks: list[RankInfo],
     agents: list[AgentInfo],
     generation: int = 0,
+    block_hashing: str | None = None,
 ) -> EngineMetadata:
-    """Builds a validated `EngineMetadata` from an `EngineConfig` and per-rank registrations."""
+    """Builds a validated `EngineMetadata` from an `EngineConfig` and per-rank registrations.
+
+    Raises:
+      MetadataError: the description is inconsistent (see `validate_metadata`).
+    """
     spec = config.spec
     fields = dict(
         version=PROTOCOL_VERSION,
@@ -212,6 +221,7 @@ def engine_metadata(
         compat_hash="0" * 64,
         agents=list(agents),
         ranks=sorted(ranks, key=lambda r: r.rank),
+        block_hashing=block_hashing,
     )
     meta = EngineMetadata(**fields)
     meta = msgspec.structs.replace(meta, compat_hash=compute_compat_hash(compat_fields(meta)))
@@ -347,12 +357,23 @@ def check_compatible(local: EngineMetadata, remote: EngineMetadata) -> None:
 
     Raises:
       IncompatibleEngineError: naming every differing must-match field with both values, or a
-        block-size / layout relation the planner cannot convert.
+        block-size / layout relation the planner cannot convert, or block hashing schemes
+        that both engines declare and that differ.
     """
     ours, theirs = compat_fields(local), compat_fields(remote)
     differing = [
         f"{k}: local {ours[k]!r}, remote {theirs[k]!r}" for k in ours if ours[k] != theirs[k]
     ]
+    if (
+        local.block_hashing is not None
+        and remote.block_hashing is not None
+        and local.block_hashing != remote.block_hashing
+    ):
+        differing.append(
+            f"block hashing differs: {remote.engine_id!r} uses {remote.block_hashing!r}, "
+            f"{local.engine_id!r} uses {local.block_hashing!r}; prefix hits and KV events "
+            "would never match"
+        )
     if local.block_size % remote.block_size:
         differing.append(
             f"block_size: local {local.block_size} is not a multiple of remote {remote.block_size}"
