@@ -384,6 +384,159 @@ def _ref_hash_request(tokens: list[int], block_size: int, seed: bytes) -> list[b
     return out
 
 
+class _RefRequest:
+    __slots__ = ("blocks", "block_hashes", "num_cached", "num_computed", "tokens")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.blocks: list = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached = 0
+        self.num_computed = 0
+
+
+class _RefManager:
+    """vLLM's per-step decode bookkeeping for one full-attention group, reduced to the
+    algorithm (no scheduler, coordinator or KVCacheBlocks wrappers, so it is a lower bound on
+    vLLM's cost): appending a sampled token hashes the block it completes (pickle + sha256,
+    vLLM's default ``sha256``); ``allocate_slots`` takes a new block when the token starts one
+    and caches blocks that became full. Written for this benchmark."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.pool = _RefPool(num_blocks)
+        self.block_size = block_size
+        self.seed = hashlib.sha256(b"seed").digest()
+        self.requests: dict[str, _RefRequest] = {}
+
+    def _hash_new_blocks(self, request: _RefRequest) -> None:
+        size = self.block_size
+        start = len(request.block_hashes) * size
+        while start + size <= len(request.tokens):
+            parent = request.block_hashes[-1] if request.block_hashes else self.seed
+            block_tokens = tuple(request.tokens[start : start + size])
+            request.block_hashes.append(hashlib.sha256(
+                pickle.dumps((parent, block_tokens, None), protocol=pickle.HIGHEST_PROTOCOL)
+            ).digest())
+            start += size
+
+    def add_request(self, request_id: str, tokens: list[int]) -> None:
+        request = _RefRequest(list(tokens))
+        self._hash_new_blocks(request)
+        self.requests[request_id] = request
+
+    def append_token(self, request_id: str, token: int) -> None:
+        request = self.requests[request_id]
+        request.tokens.append(token)
+        if len(request.tokens) % self.block_size == 0:
+            self._hash_new_blocks(request)
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int) -> bool:
+        request = self.requests[request_id]
+        total = request.num_computed + num_new_tokens
+        num_required = -(-total // self.block_size)
+        num_new = num_required - len(request.blocks)
+        if num_new > self.pool.num_free:
+            return False
+        if num_new > 0:
+            request.blocks.extend(self.pool.get_new_blocks(num_new))
+        num_full = total // self.block_size
+        if num_full > request.num_cached:
+            self.pool.cache(request.blocks[request.num_cached : num_full],
+                            request.block_hashes[request.num_cached : num_full])
+            request.num_cached = num_full
+        request.num_computed = total
+        return True
+
+    def free(self, request_id: str) -> None:
+        request = self.requests.pop(request_id)
+        self.pool.free_blocks(request.blocks[::-1])
+
+
+_DECODE_STEPS = 64  # Decode steps per timed call (4 blocks' worth at block size 16).
+
+
+def bench_decode(num_requests: int, block_size: int, repeats: int, reference: bool) -> dict:
+    """The decode hot path, jaxkv and the reference side by side in this run.
+
+    * ``alloc_free_k`` (k = 1, 2, 4): ``allocate(k)`` then ``free`` of those blocks in reverse
+      (one request's per-step block churn), in us per pair.
+    * ``decode_step``: one decode step of ``num_requests`` running requests: append one sampled
+      token to each and give it a slot (a new block every ``block_size`` steps, hashing and
+      caching the block that filled), in us per step (averaged over ``_DECODE_STEPS`` steps).
+    """
+    calls = 512
+    out: dict = {"jaxkv": {}, "reference": {}}
+    for k in (1, 2, 4):
+        pool = blocks.BlockPool(16384)
+
+        def pairs(pool: blocks.BlockPool = pool, k: int = k) -> None:
+            allocate, free = pool.allocate, pool.free
+            for _ in range(calls):
+                free(allocate(k)[::-1])
+
+        timing = _time(pairs, None, repeats)
+        out["jaxkv"][f"alloc_free_{k}"] = {"us": timing["best_s"] / calls * 1e6,
+                                           "median_us": timing["median_s"] / calls * 1e6}
+        if reference:
+            ref = _RefPool(16384)
+
+            def ref_pairs(ref: _RefPool = ref, k: int = k) -> None:
+                get, free = ref.get_new_blocks, ref.free_blocks
+                for _ in range(calls):
+                    free(get(k)[::-1])
+
+            timing = _time(ref_pairs, None, repeats)
+            out["reference"][f"alloc_free_{k}"] = {"us": timing["best_s"] / calls * 1e6,
+                                                   "median_us": timing["median_s"] / calls * 1e6}
+
+    prompts = [_tokens(100 + 7 * i, seed=10 + i) for i in range(num_requests)]
+    steps = _DECODE_STEPS
+    num_blocks = num_requests * (-(-(100 + 7 * num_requests + 20 * steps * repeats) //
+                                   block_size)) + 16
+    ids = [f"req-{i}" for i in range(num_requests)]
+
+    manager = blocks.KVCacheManager(num_blocks, block_size)
+    for request_id, prompt in zip(ids, prompts):
+        manager.add_request(request_id, prompt)
+        manager.allocate_slots(request_id, len(prompt), manager.get_computed_blocks(request_id))
+    token = iter(range(10**9))
+
+    def step() -> None:
+        append, allocate = manager.append_tokens, manager.allocate_slots
+        for _ in range(steps):
+            for request_id in ids:
+                append(request_id, [next(token) % 150_000])
+                allocate(request_id, 1)
+
+    timing = _time(step, None, repeats)
+    out["jaxkv"]["decode_step"] = {"us": timing["best_s"] / steps * 1e6,
+                                   "median_us": timing["median_s"] / steps * 1e6,
+                                   "requests": num_requests}
+    if reference:
+        ref_manager = _RefManager(num_blocks, block_size)
+        for request_id, prompt in zip(ids, prompts):
+            ref_manager.add_request(request_id, prompt)
+            ref_manager.allocate_slots(request_id, len(prompt))
+
+        def ref_step() -> None:
+            append, allocate = ref_manager.append_token, ref_manager.allocate_slots
+            for _ in range(steps):
+                for request_id in ids:
+                    append(request_id, next(token) % 150_000)
+                    allocate(request_id, 1)
+
+        timing = _time(ref_step, None, repeats)
+        out["reference"]["decode_step"] = {"us": timing["best_s"] / steps * 1e6,
+                                           "median_us": timing["median_s"] / steps * 1e6,
+                                           "requests": num_requests}
+        out["speedup"] = {name: out["reference"][name]["us"] / out["jaxkv"][name]["us"]
+                          for name in out["jaxkv"]}
+        out["median_speedup"] = {
+            name: out["reference"][name]["median_us"] / out["jaxkv"][name]["median_us"]
+            for name in out["jaxkv"]}
+    return out
+
+
 def bench_reference(num_blocks: int, batch: int, num_tokens: int, block_size: int,
                     repeats: int) -> dict:
     out = {}
