@@ -320,7 +320,12 @@ class KVCacheManager:
         """
         sizes = {group.block_size for group in plan.groups}
         if len(sizes) != 1:
-            raise ValueError(f"all KV-cache groups need one block size, got {sorted(sizes)}")
+            raise ValueError(
+                f"all KV-cache groups need one block size, got {plan.block_sizes} (page sizes "
+                "were unified by giving layers with smaller pages larger blocks); a "
+                "KVCacheManager manages one block size: plan with disable_hybrid=True where "
+                "pages match, or choose block sizes that give every layer the same page"
+            )
         return cls(
             plan.num_blocks,
             sizes.pop(),
