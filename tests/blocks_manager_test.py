@@ -511,5 +511,94 @@ class ManagerErrorsTest(parameterized.TestCase):
         self.assertEqual(manager.get_computed_blocks("b").num_computed_tokens, 28)
 
 
+
+class AppendSlotsTest(parameterized.TestCase):
+    """`append_slots` (one decode step for many requests) equals the per-request calls."""
+
+    def _pair(self, num_blocks=64, **kwargs):
+        managers = [KVCacheManager(num_blocks, 4, **kwargs) for _ in range(2)]
+        for manager in managers:
+            for index in range(3):
+                manager.add_request(f"r{index}", list(range(10 * index, 10 * index + 5 + index)),
+                                    cache_salt="s" if index == 1 else None)
+                manager.allocate_slots(f"r{index}", manager.num_tokens(f"r{index}"))
+        return managers
+
+    @parameterized.parameters(False, True)
+    def test_matches_per_request_calls(self, events):
+        batched, single = self._pair(enable_events=events)
+        ids = ["r0", "r1", "r2"]
+        for step in range(13):
+            tokens = [100 * step + i for i in range(3)]
+            new = batched.append_slots(ids, tokens)
+            expected = []
+            for request_id, token in zip(ids, tokens):
+                single.append_tokens(request_id, [token])
+                allocation = single.allocate_slots(request_id, 1)
+                expected.append(allocation.new_block_ids[0][0]
+                                if allocation.new_block_ids[0] else 0)
+            self.assertEqual(new, expected)
+            for request_id in ids:
+                self.assertEqual(batched.get_block_ids(request_id),
+                                 single.get_block_ids(request_id))
+                self.assertEqual(batched.get_block_hashes(request_id),
+                                 single.get_block_hashes(request_id))
+                self.assertEqual(batched.num_computed_tokens(request_id),
+                                 single.num_computed_tokens(request_id))
+            self.assertEqual(batched.pool.num_cached_blocks, single.pool.num_cached_blocks)
+            self.assertEqual(batched.take_events(), single.take_events())
+            batched.pool.check_invariants()
+        # The cache holds the decoded blocks: a new request with the same tokens hits them.
+        for manager in (batched, single):
+            tokens = list(range(5)) + [100 * s for s in range(13)]
+            manager.add_request("probe", tokens)
+            self.assertEqual(manager.get_computed_blocks("probe").num_computed_tokens, 16)
+        # Mixing with the per-request calls keeps hashes right.
+        batched.append_tokens("r0", [7, 7, 7])
+        single.append_tokens("r0", [7, 7, 7])
+        self.assertEqual(batched.get_block_hashes("r0"), single.get_block_hashes("r0"))
+
+    def test_pool_exhausted_changes_nothing(self):
+        manager = KVCacheManager(4, 4)
+        manager.add_request("a", [1, 2, 3, 4])
+        manager.add_request("b", [5, 6, 7, 8])
+        manager.allocate_slots("a", 4)
+        manager.allocate_slots("b", 4)
+        manager.add_request("c", [1])
+        manager.allocate_slots("c", 1)  # The last free block.
+        self.assertIsNone(manager.append_slots(["a", "b"], [9, 9]))
+        self.assertEqual(manager.num_tokens("a"), 4)
+        self.assertEqual(manager.get_block_ids("a"), ((1,),))
+        self.assertEqual(manager.append_slots(["c"], [2]), [0])
+
+    def test_errors_change_nothing(self):
+        manager = KVCacheManager(16, 4, max_model_len=6)
+        manager.add_request("a", [1, 2, 3])
+        manager.allocate_slots("a", 3)
+        manager.add_request("b", [1, 2, 3, 4, 5])  # Not allocated: not decoding.
+        manager.add_request("full", [1, 2, 3, 4, 5, 6])
+        manager.allocate_slots("full", 6)
+        cases = [
+            (["a", "b"], [1, 2], BlockError, "not decoding"),
+            (["a", "a"], [1, 2], BlockError, "twice"),
+            (["a", "full"], [1, 2], BlockError, "max_model_len"),
+            (["a", "nope"], [1, 2], UnknownRequestError, "nope"),
+            (["a"], [1, 2], BlockError, "tokens"),
+            (["a"], [1.5], TypeError, ""),
+        ]
+        for ids, tokens, error, message in cases:
+            with self.assertRaisesRegex(error, message):
+                manager.append_slots(ids, tokens)
+            self.assertEqual(manager.num_tokens("a"), 3)
+            self.assertEqual(manager.num_computed_tokens("a"), 3)
+        hybrid = KVCacheManager(16, 4, sliding_windows=(None, 8))
+        with self.assertRaisesRegex(BlockError, "full-attention"):
+            hybrid.append_slots([], [])
+        self.assertEqual(manager.append_slots([], []), [])
+        self.assertEqual(manager.append_slots(["a"], np.array([4])), [0])
+        (block,) = manager.append_slots(["a"], [5])
+        self.assertEqual(manager.get_block_ids("a"), ((1, block),))
+
+
 if __name__ == "__main__":
     absltest.main()

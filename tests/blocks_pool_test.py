@@ -54,6 +54,62 @@ class FreeBlockQueueTest(parameterized.TestCase):
         with self.assertRaises(InvalidBlockIdError):
             FreeBlockQueue(3, [3])
 
+    @parameterized.named_parameters(
+        ("list", list), ("tuple", tuple),
+        ("range", lambda ids: range(ids[0], ids[0] + 1) if ids else range(0)),
+        ("int32_array", lambda ids: np.asarray(ids, np.int32)),
+        ("uint64_array", lambda ids: np.asarray(ids, np.uint64)))
+    def test_bulk_operations_accept_any_int_sequence(self, make):
+        queue = FreeBlockQueue(10, [1, 2, 3])
+        queue.append_n(make([7]))
+        queue.prepend_n(make([8]))
+        self.assertEqual(queue.to_list(), [8, 1, 2, 3, 7])
+        queue.remove_n(make([2]))
+        self.assertEqual(queue.to_list(), [8, 1, 3, 7])
+        queue.append_n(make([]))
+        queue.check()
+
+    def test_lists_of_several_ids(self):
+        queue = FreeBlockQueue(10, [1])
+        queue.append_n([4, 3])
+        queue.prepend_n([6, 5])
+        self.assertEqual(queue.to_list(), [6, 5, 1, 4, 3])
+        queue.remove_n([5, 3])
+        self.assertEqual(queue.to_list(), [6, 1, 4])
+        queue.check()
+
+    def test_bulk_operations_reject_bad_ids(self):
+        queue = FreeBlockQueue(4, [1])
+        for bad in ([1.5], ["a"], [4], [-1], [[1]], [None]):
+            for method in (queue.append_n, queue.prepend_n, queue.remove_n):
+                with self.assertRaises(InvalidBlockIdError, msg=f"{method.__name__}({bad})"):
+                    method(bad)
+        with self.assertRaises(InvalidBlockIdError):
+            queue.remove_n([2])  # Not queued.
+        self.assertEqual(queue.to_list(), [1])
+        queue.check()
+
+    def test_front_stack_keeps_queue_order(self):
+        """Single-block prepends live on the front stack; every operation sees one queue."""
+        queue = FreeBlockQueue(12, range(1, 6))
+        queue.prepend(9)
+        queue.prepend(8)
+        self.assertEqual(queue.to_list(), [8, 9, 1, 2, 3, 4, 5])
+        self.assertIn(9, queue)
+        self.assertLen(queue, 7)
+        queue.remove(9)  # From the stack.
+        self.assertNotIn(9, queue)
+        self.assertEqual(queue.popleft(), 8)
+        queue.prepend(10)
+        queue.prepend(11)
+        queue.prepend_n([6])  # Bulk: the stack goes into the array first, order kept.
+        self.assertEqual(queue.to_list(), [6, 11, 10, 1, 2, 3, 4, 5])
+        queue.prepend(7)
+        self.assertEqual(queue.popleft_n(3).tolist(), [7, 6, 11])
+        queue.check()
+        with self.assertRaises(InvalidBlockIdError):
+            queue.remove(7)
+
     def test_many_stale_entries_and_compaction(self):
         rng = np.random.default_rng(0)
         n = 2000

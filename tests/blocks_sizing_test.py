@@ -185,9 +185,9 @@ class HybridTest(parameterized.TestCase):
 
     def test_errors(self):
         spec = _spec(2)
-        with self.assertRaisesRegex(ValueError, "same page size"):
-            plan_kv_cache([AttentionLayers(spec, (0, 1)),
-                           AttentionLayers(_spec(2, heads=4), (2, 3), sliding_window=64)],
+        with self.assertRaisesRegex(ValueError, "cannot unify page sizes"):
+            plan_kv_cache([AttentionLayers(spec, (0, 1)),  # 64 KiB pages vs 48 KiB
+                           AttentionLayers(_spec(2, heads=6), (2, 3), sliding_window=64)],
                           GIB, max_model_len=64)
         with self.assertRaisesRegex(ValueError, "appears in two"):
             plan_kv_cache([AttentionLayers(spec, (0, 1)),
@@ -205,6 +205,76 @@ class HybridTest(parameterized.TestCase):
             plan_kv_cache([], GIB, max_model_len=64)
         with self.assertRaises(ValueError):
             plan_kv_cache(spec, GIB, max_model_len=0)
+
+
+class PageUnificationTest(parameterized.TestCase):
+    """Different page sizes (vLLM's unify_kv_cache_spec_page_size) and disable_hybrid."""
+
+    def _full_and_sliding(self, sw_head_dim=32, sw_window=128):
+        full = _spec(2, heads=8, head_dim=64)  # 32 KiB pages at block size 16
+        sliding = _spec(4, heads=8, head_dim=sw_head_dim)
+        return [AttentionLayers(full, (0, 3)),
+                AttentionLayers(sliding, (1, 2, 4, 5), sliding_window=sw_window)]
+
+    def test_smaller_page_gets_larger_block(self):
+        plan = plan_kv_cache(self._full_and_sliding(), GIB, max_model_len=4096)
+        self.assertEqual(plan.page_nbytes, 2 * 8 * 16 * 64 * 2)
+        self.assertEqual([g.layers for g in plan.groups], [(0, 3), (1, 4), (2, 5)])
+        self.assertEqual(plan.block_sizes, (16, 32, 32))
+        self.assertEqual([g.sliding_window for g in plan.groups], [None, 128, 128])
+        for group in plan.groups:  # Every group's page is the largest page.
+            self.assertEqual(group.spec.page_nbytes_per_layer(), plan.page_nbytes)
+        self.assertEqual(plan.groups[1].spec.head_dim, 32)
+        self.assertEqual(plan.num_blocks, GIB // plan.page_nbytes // 2)
+        self.assertEqual(plan.blocks_per_request,
+                         math.ceil(4096 / 16) + 2 * (math.ceil(min(127 + 4096, 4096) / 32) + 1))
+        with self.assertRaisesRegex(ValueError, "one block size"):
+            KVCacheManager.from_plan(plan)
+
+    def test_ratio_four_and_tensor_parallel(self):
+        layers = self._full_and_sliding(sw_head_dim=16)
+        plan = plan_kv_cache(layers, GIB, max_model_len=1024, tp_size=2)
+        self.assertEqual(plan.block_sizes, (16, 64, 64))
+        self.assertEqual(plan.page_nbytes, 2 * 4 * 16 * 64 * 2)
+
+    def test_uniform_pages_unchanged(self):
+        layers = self._full_and_sliding(sw_head_dim=64)
+        plan = plan_kv_cache(layers, GIB, max_model_len=1024)
+        self.assertEqual(plan.block_sizes, (16, 16, 16))
+
+    def test_estimate_uses_unified_plan(self):
+        layers = self._full_and_sliding()
+        budget = 64 * 32768 * 2  # 64 pages per buffer, 2 buffers
+        fits = estimate_max_model_len(layers, budget, upper=100_000)
+        self.assertGreater(fits, 0)
+        plan_kv_cache(layers, budget, max_model_len=fits)
+        with self.assertRaises(InsufficientMemoryError):
+            plan_kv_cache(layers, budget, max_model_len=fits + 1)
+
+    def test_disable_hybrid_folds_sliding_windows(self):
+        spec = _spec(1, heads=4, head_dim=64)
+        layers = [AttentionLayers(spec.replace(num_layers=2), (0, 3)),
+                  AttentionLayers(spec.replace(num_layers=4), (1, 2, 4, 5), sliding_window=256)]
+        hybrid = plan_kv_cache(layers, GIB, max_model_len=8192)
+        folded = plan_kv_cache(layers, GIB, max_model_len=8192, disable_hybrid=True)
+        self.assertLen(hybrid.groups, 3)
+        self.assertEqual([(g.layers, g.sliding_window) for g in folded.groups],
+                         [((0, 1, 2, 3, 4, 5), None)])
+        self.assertEqual(folded.group_size, 6)
+        self.assertEqual(folded.num_blocks, GIB // folded.page_nbytes // 6)
+        self.assertEqual(folded.blocks_per_request, math.ceil(8192 / 16))
+        manager = KVCacheManager.from_plan(folded)
+        self.assertEqual(manager.sliding_windows, (None,))
+        # Only sliding windows: nothing to fold.
+        only = plan_kv_cache([AttentionLayers(spec.replace(num_layers=2), sliding_window=64)],
+                             GIB, max_model_len=1024, disable_hybrid=True)
+        self.assertEqual(only.groups[0].sliding_window, 64)
+        self.assertEqual(estimate_max_model_len(layers, GIB, upper=10**6, disable_hybrid=True),
+                         min(10**6, (folded.num_blocks - 1) * 16))
+
+    def test_disable_hybrid_needs_equal_pages(self):
+        with self.assertRaisesRegex(ValueError, "disable_hybrid needs every layer"):
+            plan_kv_cache(self._full_and_sliding(), GIB, max_model_len=1024, disable_hybrid=True)
 
 
 class BlocksPerRequestTest(parameterized.TestCase):

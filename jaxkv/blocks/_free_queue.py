@@ -7,11 +7,16 @@ the block's entry, or -1 when the block is not queued. Removing a block from the
 sets ``pos[block] = -1`` (the entry becomes stale); pops skip stale entries, and the live
 entries are compacted when stale ones outnumber them. Bulk operations are single numpy calls,
 and memoryviews of the same arrays make one-block operations cheap Python integer reads.
+
+The front of the queue is a Python list used as a stack (its last element is the front): single
+blocks put at the front and taken from it, a decode step's churn, are one list append or pop.
+Bulk operations first move the stack into the array.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,8 +46,8 @@ class FreeBlockQueue:
       ([3, 4, 6, 7, 2], 5)
     """
 
-    __slots__ = ("_buf", "_bufv", "_cap", "_head", "_len", "_num_blocks", "_pos", "_posv",
-                 "_stale", "_tail")
+    __slots__ = ("_buf", "_bufv", "_cap", "_front", "_head", "_len", "_num_blocks", "_pos",
+                 "_posv", "_stale", "_tail")
 
     def __init__(self, num_blocks: int, block_ids: Iterable[int] | np.ndarray = ()) -> None:
         num_blocks = int(num_blocks)
@@ -64,18 +69,50 @@ class FreeBlockQueue:
         self._pos[ids] = np.arange(head, head + count)
         self._head = head
         self._tail = head + count
-        self._len = count
+        self._len = count  # Entries in the array (the front stack not included).
         self._stale = 0
         self._bufv = self._buf.data  # memoryviews: cheap scalar access to the same memory.
         self._posv = self._pos.data
+        # The queue's front, front block last; its blocks have pos -1 (not in the array).
+        self._front: list[int] = []
 
     def __len__(self) -> int:
         """Number of queued (free) blocks."""
-        return self._len
+        return self._len + len(self._front)
 
     def __contains__(self, block_id: int) -> bool:
         """Whether ``block_id`` is queued."""
-        return 0 <= block_id < self._num_blocks and self._posv[block_id] >= 0
+        if not 0 <= block_id < self._num_blocks:
+            return False
+        return self._posv[block_id] >= 0 or block_id in self._front
+
+    def _flush_front(self) -> None:
+        """Moves the front stack into the array (same order)."""
+        front = self._front
+        if front:
+            ids = np.asarray(front[::-1], dtype=np.int64)
+            front.clear()
+            self._prepend_array(ids)
+
+    @staticmethod
+    def _as_ids(block_ids: Any) -> np.ndarray:
+        """Block ids (any sequence of ints or an integer array) as a 1-D int64 array."""
+        if isinstance(block_ids, np.ndarray):
+            array = block_ids
+        else:
+            try:
+                array = np.asarray(block_ids)
+            except (TypeError, ValueError) as error:
+                raise InvalidBlockIdError(
+                    f"block ids must be a sequence of ints: {error}"
+                ) from None
+        if array.ndim != 1:
+            raise InvalidBlockIdError(f"block ids must be one-dimensional, got shape {array.shape}")
+        if array.size == 0:
+            return array.astype(np.int64)
+        if array.dtype.kind not in "iu":
+            raise InvalidBlockIdError(f"block ids must be integers, got dtype {array.dtype}")
+        return array
 
     def to_list(self) -> list[int]:
         """The queued ids, front (next evicted) first. O(queue length); for tests and
@@ -87,7 +124,7 @@ class FreeBlockQueue:
         """
         window = self._buf[self._head : self._tail]
         live = self._pos[window] == np.arange(self._head, self._tail)
-        return window[live].tolist()
+        return self._front[::-1] + window[live].tolist()
 
     # ------------------------------------------------------------------ removal from the front
 
@@ -101,6 +138,8 @@ class FreeBlockQueue:
           >>> FreeBlockQueue(4, [2, 3]).popleft()
           2
         """
+        if self._front:
+            return self._front.pop()
         if self._len == 0:
             raise OutOfBlocksError("no free blocks available")
         buf = self._bufv
@@ -126,8 +165,9 @@ class FreeBlockQueue:
           >>> FreeBlockQueue(4, [3, 1, 2]).popleft_n(2).tolist()
           [3, 1]
         """
-        if count > self._len:
-            raise OutOfBlocksError(f"cannot take {count} blocks: {self._len} free")
+        if count > self._len + len(self._front):
+            raise OutOfBlocksError(f"cannot take {count} blocks: {len(self)} free")
+        self._flush_front()
         head = self._head
         if count <= 0:
             return np.zeros(0, dtype=np.int32)
@@ -167,25 +207,36 @@ class FreeBlockQueue:
           [1, 3]
         """
         if not 0 <= block_id < self._num_blocks or self._posv[block_id] < 0:
+            if block_id in self._front:
+                self._front.remove(block_id)
+                return
             raise InvalidBlockIdError(f"block {block_id} is not in the free queue")
         self._posv[block_id] = -1
         self._len -= 1
         self._stale += 1
         self._maybe_compact()
 
-    def remove_n(self, block_ids: np.ndarray) -> None:
+    def remove_n(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Removes queued blocks (distinct ids) wherever they are, O(1) each.
 
+        Args:
+          block_ids: any sequence of ints (a list, a tuple, a numpy array).
+
         Raises:
-          InvalidBlockIdError: a block is not queued (nothing is removed).
+          InvalidBlockIdError: a block is not queued, out of range or not an int (nothing is
+            removed).
 
         Example:
-          >>> queue = FreeBlockQueue(4, [1, 2, 3]); queue.remove_n(np.array([3, 1]))
+          >>> queue = FreeBlockQueue(4, [1, 2, 3]); queue.remove_n([3, 1])
           >>> queue.to_list()
           [2]
         """
+        self._remove_unchecked(self._checked_ids(block_ids))
+
+    def _remove_unchecked(self, block_ids: np.ndarray) -> None:
         if block_ids.size == 0:
             return
+        self._flush_front()
         if (self._pos[block_ids] < 0).any():
             bad = block_ids[self._pos[block_ids] < 0][0]
             raise InvalidBlockIdError(f"block {int(bad)} is not in the free queue")
@@ -211,13 +262,22 @@ class FreeBlockQueue:
         self._tail = tail + 1
         self._len += 1
 
-    def append_n(self, block_ids: np.ndarray) -> None:
+    def append_n(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Puts blocks at the back in the given order (distinct, not queued).
 
+        Args:
+          block_ids: any sequence of ints (a list, a tuple, a numpy array).
+
+        Raises:
+          InvalidBlockIdError: an id out of range or not an int (nothing is queued).
+
         Example:
-          >>> queue = FreeBlockQueue(4, [1]); queue.append_n(np.array([3, 2])); queue.to_list()
+          >>> queue = FreeBlockQueue(4, [1]); queue.append_n([3, 2]); queue.to_list()
           [1, 3, 2]
         """
+        self._append_unchecked(self._checked_ids(block_ids))
+
+    def _append_unchecked(self, block_ids: np.ndarray) -> None:
         count = int(block_ids.size)
         if count == 0:
             return
@@ -236,24 +296,39 @@ class FreeBlockQueue:
           >>> queue = FreeBlockQueue(4, [1]); queue.prepend(3); queue.to_list()
           [3, 1]
         """
-        if self._head == 0:
-            self._compact()
-        head = self._head - 1
-        self._bufv[head] = block_id
-        self._posv[block_id] = head
-        self._head = head
-        self._len += 1
+        self._front.append(block_id)
 
-    def prepend_n(self, block_ids: np.ndarray) -> None:
+    def prepend_n(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Puts blocks at the front keeping their order: ``block_ids[0]`` becomes the front.
 
+        Args:
+          block_ids: any sequence of ints (a list, a tuple, a numpy array).
+
+        Raises:
+          InvalidBlockIdError: an id out of range or not an int (nothing is queued).
+
         Example:
-          >>> queue = FreeBlockQueue(4, [1]); queue.prepend_n(np.array([3, 2])); queue.to_list()
+          >>> queue = FreeBlockQueue(4, [1]); queue.prepend_n([3, 2]); queue.to_list()
           [3, 2, 1]
         """
-        count = int(block_ids.size)
-        if count == 0:
+        self._prepend_unchecked(self._checked_ids(block_ids))
+
+    def _prepend_unchecked(self, block_ids: np.ndarray) -> None:
+        if block_ids.size == 0:
             return
+        self._flush_front()
+        self._prepend_array(block_ids)
+
+    def _checked_ids(self, block_ids: Any) -> np.ndarray:
+        array = self._as_ids(block_ids)
+        if array.size and (array.min() < 0 or array.max() >= self._num_blocks):
+            raise InvalidBlockIdError(
+                f"block ids must be in [0, {self._num_blocks}), got {array.min()}..{array.max()}"
+            )
+        return array
+
+    def _prepend_array(self, block_ids: np.ndarray) -> None:
+        count = int(block_ids.size)
         if self._head < count:
             self._compact()
         head = self._head - count
@@ -291,6 +366,14 @@ class FreeBlockQueue:
         window = self._buf[self._head : self._tail]
         live_mask = self._pos[window] == np.arange(self._head, self._tail)
         live = window[live_mask]
+        front = np.asarray(self._front, dtype=np.int64)
+        if front.size:
+            if np.unique(front).size != front.size:
+                raise AssertionError("a block is on the front stack twice")
+            if front.min() < 0 or front.max() >= self._num_blocks:
+                raise AssertionError("a front-stack block id is out of range")
+            if (self._pos[front] >= 0).any():
+                raise AssertionError("a front-stack block is also in the array")
         if live.size != self._len:
             raise AssertionError(
                 f"free queue holds {live.size} live entries, length says {self._len}"

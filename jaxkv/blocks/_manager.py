@@ -320,7 +320,12 @@ class KVCacheManager:
         """
         sizes = {group.block_size for group in plan.groups}
         if len(sizes) != 1:
-            raise ValueError(f"all KV-cache groups need one block size, got {sorted(sizes)}")
+            raise ValueError(
+                f"all KV-cache groups need one block size, got {plan.block_sizes} (page sizes "
+                "were unified by giving layers with smaller pages larger blocks); a "
+                "KVCacheManager manages one block size: plan with disable_hybrid=True where "
+                "pages match, or choose block sizes that give every layer the same page"
+            )
         return cls(
             plan.num_blocks,
             sizes.pop(),
@@ -494,12 +499,147 @@ class KVCacheManager:
                 f"request {request_id!r} would hold {total} tokens, over "
                 f"max_model_len={self._max_model_len}"
             )
-        if state.hasher is not None:
-            state.hasher.extend(token_ids)  # Validates the tokens too.
-        else:
-            _token_bytes(token_ids)
+        data = _token_bytes(token_ids)  # Validates the tokens.
+        hasher = state.hasher
+        if hasher is not None:
+            if hasher._num_tokens != state.num_tokens:
+                self._sync_hasher(state)
+            hasher._extend_packed(data)
         state.num_tokens = total
         state.outputs.extend(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
+
+    def _sync_hasher(self, state: _Request) -> None:
+        """Feeds the request's hasher the tokens `append_slots` appended without it."""
+        hasher = state.hasher
+        if hasher is not None and hasher._num_tokens < state.num_tokens:
+            missing = state.tokens(hasher._num_tokens, state.num_tokens)
+            hasher._extend_packed(struct.pack(f"<{len(missing)}q", *missing))
+
+    def append_slots(
+        self, request_ids: Sequence[str], token_ids: Sequence[int] | np.ndarray
+    ) -> list[BlockId] | None:
+        """One decode step for many requests in one call: appends one sampled token to each
+        request and gives it a slot (`append_tokens` then ``allocate_slots(request_id, 1)``
+        per request, without their per-call costs).
+
+        A request gets a new block when its token starts one; a block its token fills is
+        hashed and registered in the prefix cache. Each request must be decoding: every token
+        it holds already computed (scheduled) by an earlier allocation. One full-attention
+        KV-cache group only (hybrid managers use the per-request calls).
+
+        Args:
+          request_ids: distinct running requests.
+          token_ids: one new token per request.
+
+        Returns:
+          Per request, the block allocated for it by this step, or `NULL_BLOCK_ID` (0) when
+          its token fits in its last block; None when the pool has too few free blocks for
+          the step (nothing changes: schedule fewer requests or preempt, then retry).
+
+        Raises:
+          UnknownRequestError: an unknown request.
+          BlockError: a request listed twice, not decoding, or that would exceed
+            ``max_model_len``; lengths differ; a hybrid manager. Nothing changes.
+          TypeError, ValueError: tokens that are not int64 integers. Nothing changes.
+
+        Example:
+          >>> manager = KVCacheManager(num_blocks=8, block_size=2)
+          >>> for rid in ("a", "b"):
+          ...     manager.add_request(rid, [1, 2, 3] if rid == "a" else [1, 2])
+          ...     _ = manager.allocate_slots(rid, manager.num_tokens(rid))
+          >>> manager.append_slots(["a", "b"], [7, 8])   # "b" starts a new block
+          [0, 4]
+          >>> manager.get_block_ids("b"), manager.num_computed_tokens("b")
+          (((3, 4),), 3)
+        """
+        count = len(request_ids)
+        if len(token_ids) != count:
+            raise BlockError(f"got {count} requests but {len(token_ids)} tokens")
+        if not self._single_full_group:
+            raise BlockError("append_slots supports one full-attention KV-cache group; use "
+                             "append_tokens and allocate_slots per request")
+        if count == 0:
+            return []
+        tokens = list(struct.unpack(f"<{count}q", _token_bytes(token_ids)))  # Validated ints.
+        requests = self._requests
+        try:
+            states = [requests[request_id] for request_id in request_ids]
+        except KeyError as error:
+            raise UnknownRequestError(f"unknown request {error.args[0]!r}") from None
+        except TypeError:
+            raise UnknownRequestError("request ids must be hashable") from None
+        size = self._block_size
+        last = size - 1
+        limit = self._max_model_len if self._max_model_len is not None else 1 << 62
+        starts: list[int] = []
+        fills: list[_Request] = []
+        done = 0
+        for state, token in zip(states, tokens):  # The hot loop: keep it lean.
+            num = state.num_tokens
+            if num != state.num_computed or num >= limit:
+                break
+            state.outputs.append(token)
+            state.num_tokens = state.num_computed = num + 1
+            position = num % size
+            if position == 0:
+                starts.append(done)
+            if position == last:
+                fills.append(state)
+            done += 1
+        if done == count and len(starts) <= self._pool.num_free_blocks and \
+                (count < 2 or len(set(request_ids)) == count):
+            out: list[Any] = [NULL_BLOCK_ID] * count
+            if starts:
+                new = self._pool.allocate(len(starts))
+                for index, block in zip(starts, new):
+                    state = states[index]
+                    state.blocks[0].append(block)
+                    state.chunks[0] = None
+                    out[index] = block
+            for state in fills:
+                if state.hasher is None:
+                    continue
+                if state.num_cached[0] * size == state.num_tokens - size:
+                    self._cache_filled_block(state)
+                else:
+                    self._cache_full_blocks(state, state.num_tokens)
+            return out
+        for state in states[:done]:  # Undo, then say what was wrong.
+            state.outputs.pop()
+            state.num_tokens = state.num_computed = state.num_tokens - 1
+        if done < count:
+            state = states[done]
+            if state.num_tokens >= limit:
+                raise BlockError(
+                    f"request {state.request_id!r} would hold {state.num_tokens + 1} tokens, "
+                    f"over max_model_len={self._max_model_len}"
+                )
+            raise BlockError(
+                f"request {state.request_id!r} is not decoding: {state.num_tokens} tokens, "
+                f"{state.num_computed} computed (allocate its pending tokens first)"
+            )
+        if len(set(request_ids)) != count:
+            raise BlockError("a request is listed twice in one decode step")
+        return None
+
+    def _cache_filled_block(self, state: _Request) -> None:
+        """Hashes and caches the one block a decode token just filled (all earlier blocks are
+        cached)."""
+        self._sync_hasher(state)
+        index = state.num_cached[0]
+        hasher = state.hasher
+        block_hash = hasher.block_hashes[index]  # type: ignore[union-attr]
+        block = state.blocks[0][index]
+        pool = self._pool
+        if pool._hashedv[block] or pool._events is not None or block_hash in pool._maps[0]:
+            self._cache_full_blocks(state, state.num_tokens)  # Rare cases: the general path.
+            return
+        pool._maps[0][block_hash] = block
+        pool._hash[block] = block_hash
+        pool._hashedv[block] = True
+        pool._groupv[block] = 0
+        pool._num_cached += 1
+        state.num_cached[0] = index + 1
 
     def num_tokens(self, request_id: str) -> int:
         """Tokens the request holds (prompt and appended).
@@ -553,8 +693,11 @@ class KVCacheManager:
           >>> manager.add_request("r", [1, 2, 3]); len(manager.get_block_hashes("r"))
           1
         """
-        hasher = self._request(request_id).hasher
-        return () if hasher is None else tuple(hasher.block_hashes)
+        state = self._request(request_id)
+        if state.hasher is None:
+            return ()
+        self._sync_hasher(state)
+        return tuple(state.hasher.block_hashes)
 
     # ------------------------------------------------------------------ prefix lookup
 
@@ -965,6 +1108,7 @@ class KVCacheManager:
         num_full = num_tokens // size
         hasher = state.hasher
         assert hasher is not None
+        self._sync_hasher(state)
         hashes = hasher.block_hashes
         events = self._pool.enable_events
         for group, window in enumerate(self._windows):

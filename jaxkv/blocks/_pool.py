@@ -143,6 +143,10 @@ class BlockPool:
         self._num_cached = 0
         self._epoch = 0
         self._queue = FreeBlockQueue(num_blocks, np.arange(1, num_blocks))
+        # The queue's front stack (front block last). With caching on it holds only blocks
+        # without a cached hash (freed uncached blocks go to the front), so taking one never
+        # evicts anything: the decode hot path.
+        self._front = self._queue._front
         self._events: list[KVCacheEvent] | None = [] if enable_events else None
         self._evict_hook: EvictionHook | None = None
 
@@ -253,6 +257,18 @@ class BlockPool:
           >>> BlockPool(4).allocate(2)
           [1, 2]
         """
+        front = self._front
+        if type(num_blocks) is int and 0 < num_blocks <= len(front) and self._enable_caching:
+            if num_blocks == 1:
+                block = front.pop()
+                self._refv[block] = 1
+                return [block]  # type: ignore[list-item]
+            out = front[: -num_blocks - 1 : -1]  # The front block first.
+            del front[-num_blocks:]
+            refv = self._refv
+            for block in out:
+                refv[block] = 1
+            return out  # type: ignore[return-value]
         if isinstance(num_blocks, bool):
             raise TypeError("num_blocks must be an int, got bool")
         count = operator.index(num_blocks)
@@ -386,6 +402,32 @@ class BlockPool:
           ...
           jaxkv.blocks._errors.DoubleFreeError: block 1 is already free (double free, or ...
         """
+        if type(block_ids) is list and 0 < len(block_ids) <= 8 and self._enable_caching:
+            # Decode hot path: blocks a request holds alone (ref count 1), without a cached
+            # hash; they go to the front of the queue, the first given block in front. Any
+            # other case is undone and takes the general path.
+            refv = self._refv
+            hashedv = self._hashedv
+            done = 0
+            try:  # An id past the end raises IndexError from the memoryview.
+                for block in block_ids:
+                    if type(block) is int and block > 0 and refv[block] == 1 \
+                            and not hashedv[block]:
+                        refv[block] = 0
+                        done += 1
+                    else:
+                        break
+            except IndexError:
+                pass
+            if done == len(block_ids):
+                front = self._front
+                if done == 1:
+                    front.append(block_ids[0])
+                else:
+                    front.extend(block_ids[::-1])
+                return
+            for block in block_ids[:done]:
+                refv[block] = 1
         if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
             self._free_small(block_ids)
         else:
@@ -450,12 +492,12 @@ class BlockPool:
             cached = self._hashed[freeable]
             if cached.any():
                 if not cached.all():
-                    self._queue.prepend_n(freeable[~cached])
-                self._queue.append_n(freeable[cached])
+                    self._queue._prepend_unchecked(freeable[~cached])
+                self._queue._append_unchecked(freeable[cached])
             else:
-                self._queue.prepend_n(freeable)
+                self._queue._prepend_unchecked(freeable)
         else:
-            self._queue.append_n(freeable)
+            self._queue._append_unchecked(freeable)
 
     def _double_free(self, block: int, count: int) -> DoubleFreeError:
         refs = self._refv[block]
@@ -512,10 +554,10 @@ class BlockPool:
             if uncached.any():
                 raise self._touch_error(int(free_ids[uncached][0]))
         if self._last_occurrence(array).all():
-            self._queue.remove_n(free_ids)
+            self._queue._remove_unchecked(free_ids)
             self._ref[array] = refs + 1
         else:
-            self._queue.remove_n(np.unique(free_ids))
+            self._queue._remove_unchecked(np.unique(free_ids))
             np.add.at(self._ref, array, 1)
 
     @staticmethod

@@ -19,6 +19,17 @@ Follows vLLM's ``get_kv_cache_config`` (v1):
   block_size) + 1`` for a sliding window; it must fit next to the null block, or sizing fails
   with the largest max_model_len that would fit.
 * Maximum concurrency = usable blocks / blocks one max-length request needs.
+* Attention types whose pages differ (e.g. a full-attention layer with head size 64 next to a
+  sliding-window layer with head size 32) are unified first, as vLLM's
+  ``unify_kv_cache_spec_page_size``: a type with a smaller page gets a block size
+  ``largest page / its page`` times larger, so every page has the largest size; its group then
+  has that larger block size (one block covers more of its tokens). A smaller page that does
+  not divide the largest cannot be unified and is refused.
+* ``disable_hybrid=True`` (vLLM's ``--disable-hybrid-kv-cache-manager``): when full-attention
+  and sliding-window layers are both present, the sliding-window layers are managed as full
+  attention (they keep every block; the attention itself still uses its window), so a model
+  whose layers then share one spec has a single group. This saves scheduling work, not
+  memory.
 
 Difference from vLLM: the null block (block 0, never allocated) is left out of the usable
 blocks in the fit check and the concurrency; vLLM counts it.
@@ -198,8 +209,14 @@ class KVCachePlan:
 
     @property
     def block_size(self) -> int:
-        """Tokens per block of the first group (all groups share it unless their specs differ)."""
+        """Tokens per block of the first group (all groups share it unless page sizes were
+        unified, see `block_sizes`)."""
         return self.groups[0].block_size
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Tokens per block of each group (they differ where page sizes were unified)."""
+        return tuple(group.block_size for group in self.groups)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -309,12 +326,50 @@ def _as_attention(
     return items
 
 
+_Types = dict[tuple[KVCacheSpec, int | None], list[int]]
+
+
+def _unify_page_sizes(types: _Types, tp_size: int) -> _Types:
+    """vLLM's ``unify_kv_cache_spec_page_size``: types with a smaller page get a proportionally
+    larger block size, so every page has the largest size."""
+    pages = {spec.page_nbytes_per_layer(tp_size) for spec, _ in types}
+    if len(pages) <= 1:
+        return types
+    largest = max(pages)
+    unified: _Types = {}
+    for (spec, window), layers in types.items():
+        page = spec.page_nbytes_per_layer(tp_size)
+        if page != largest:
+            if largest % page:
+                raise ValueError(
+                    f"cannot unify page sizes: layers {sorted(layers)[:8]} have {page}-byte pages "
+                    f"(bytes per block per layer), which do not divide the largest page "
+                    f"({largest} bytes), so no larger block size matches it. Choose block sizes "
+                    "whose pages divide each other."
+                )
+            spec = spec.replace(block_size=spec.block_size * (largest // page))
+        unified.setdefault((spec, window), []).extend(layers)
+    return unified
+
+
+def _fold_sliding_windows(types: _Types) -> _Types:
+    """vLLM's ``disable_hybrid_kv_cache_manager``: sliding-window layers next to full-attention
+    layers are managed as full attention."""
+    windows = {window for _, window in types}
+    if None not in windows or len(windows) == 1:
+        return types
+    folded: _Types = {}
+    for (spec, _), layers in types.items():
+        folded.setdefault((spec, None), []).extend(layers)
+    return folded
+
+
 def _group(
-    attention: list[AttentionLayers], tp_size: int
+    attention: list[AttentionLayers], tp_size: int, disable_hybrid: bool = False
 ) -> tuple[int, list[tuple[list[int], KVCacheSpec, int | None]], int]:
     """Returns (page_nbytes, [(layers, per-layer spec, window)] per group, group_size)."""
     seen: dict[int, int] = {}
-    types: dict[tuple[KVCacheSpec, int | None], list[int]] = {}
+    types: _Types = {}
     for item in attention:
         for layer in item.layers:  # type: ignore[union-attr]
             if layer in seen:
@@ -322,13 +377,18 @@ def _group(
             seen[layer] = 1
         key = (item.spec.replace(num_layers=1), item.sliding_window)
         types.setdefault(key, []).extend(item.layers)  # type: ignore[arg-type]
-    pages = {key[0].page_nbytes_per_layer(tp_size) for key in types}
-    if len(pages) != 1:
-        raise ValueError(
-            "layers of different attention types must have the same page size (bytes per block "
-            f"per layer) to share one pool; got {sorted(pages)} bytes. Adjust block sizes so the "
-            "pages match."
-        )
+    if disable_hybrid:
+        types = _fold_sliding_windows(types)
+        pages = {spec.page_nbytes_per_layer(tp_size) for spec, _ in types}
+        if len(pages) > 1:
+            raise ValueError(
+                "disable_hybrid needs every layer to have the same page size (bytes per block "
+                f"per layer); got {sorted(pages)} bytes. vLLM then sizes each layer's buffer "
+                "separately, which jaxkv's shared buffers do not; leave disable_hybrid off to "
+                "unify page sizes by block size instead."
+            )
+    types = _unify_page_sizes(types, tp_size)
+    pages = {spec.page_nbytes_per_layer(tp_size) for spec, _ in types}
     page_nbytes = pages.pop()
     ordered = sorted(types.items(), key=lambda item: min(item[1]))
     for _, layers in ordered:
@@ -363,6 +423,7 @@ def estimate_max_model_len(
     upper: int,
     tp_size: int = 1,
     max_num_batched_tokens: int | None = None,
+    disable_hybrid: bool = False,
 ) -> int:
     """The longest request (up to ``upper`` tokens) whose KV fits the budget, next to the null
     block; 0 when not even one token fits.
@@ -373,6 +434,7 @@ def estimate_max_model_len(
       upper: the largest length considered.
       tp_size: tensor-parallel size.
       max_num_batched_tokens: see `blocks_per_request`.
+      disable_hybrid: see `plan_kv_cache`.
 
     Returns:
       The length.
@@ -386,7 +448,7 @@ def estimate_max_model_len(
       >>> estimate_max_model_len(spec, 5 * 1024, upper=1000)
       64
     """
-    page_nbytes, groups, group_size = _group(_as_attention(attention), tp_size)
+    page_nbytes, groups, group_size = _group(_as_attention(attention), tp_size, disable_hybrid)
     _positive_int(upper, "upper")
     usable = num_blocks_for_memory(available_memory, page_nbytes, group_size) - 1
 
@@ -414,6 +476,7 @@ def plan_kv_cache(
     tp_size: int = 1,
     max_num_batched_tokens: int | None = None,
     num_blocks_override: int | None = None,
+    disable_hybrid: bool = False,
 ) -> KVCachePlan:
     """Sizes a KV cache for a memory budget and groups a (hybrid) model's layers.
 
@@ -425,14 +488,19 @@ def plan_kv_cache(
       tp_size: tensor-parallel size (page sizes are per rank).
       max_num_batched_tokens: tokens per scheduler step (see `blocks_per_request`).
       num_blocks_override: use this block count instead of the budget's (tests, debugging).
+      disable_hybrid: manage sliding-window layers as full attention when both types are
+        present (vLLM's ``--disable-hybrid-kv-cache-manager``); every layer must then have the
+        same page size.
 
     Returns:
-      The plan.
+      The plan. Attention types with different page sizes are unified by block size (see the
+      module docstring), so groups may have different block sizes (`KVCachePlan.block_sizes`).
 
     Raises:
       InsufficientMemoryError: no memory, or not enough for one ``max_model_len`` request
         (the message gives the longest length that fits).
-      ValueError: page sizes differ between attention types, a layer appears twice, or other
+      ValueError: page sizes that cannot be unified (a smaller page does not divide the
+        largest; or differ at all with ``disable_hybrid``), a layer appears twice, or other
         invalid arguments.
 
     Example:
@@ -446,13 +514,24 @@ def plan_kv_cache(
       [((0, 3), 0, None), ((1, 4), 0, 32), ((2,), 1, 32)]
       >>> [b.layers for b in plan.buffers], plan.num_blocks
       ([(0, 1, 2), (3, 4)], 512)
+      >>> small = local.replace(num_layers=3, head_dim=4)   # half the page: twice the block
+      >>> plan = plan_kv_cache([AttentionLayers(full, (0, 3)),
+      ...                       AttentionLayers(small, (1, 2, 4), sliding_window=32)],
+      ...                      available_memory=1 << 20, max_model_len=256)
+      >>> plan.block_sizes, plan.page_nbytes
+      ((16, 32, 32), 1024)
+      >>> plan = plan_kv_cache([AttentionLayers(full, (0, 3)),
+      ...                       AttentionLayers(local, (1, 2, 4), sliding_window=32)],
+      ...                      available_memory=1 << 20, max_model_len=256, disable_hybrid=True)
+      >>> [(g.layers, g.sliding_window) for g in plan.groups]
+      [((0, 1, 2, 3, 4), None)]
     """
     attention = _as_attention(attention)
     _positive_int(max_model_len, "max_model_len")
     _positive_int(tp_size, "tp_size")
     if max_num_batched_tokens is not None:
         _positive_int(max_num_batched_tokens, "max_num_batched_tokens")
-    page_nbytes, groups, group_size = _group(attention, tp_size)
+    page_nbytes, groups, group_size = _group(attention, tp_size, disable_hybrid)
     needed = _needed_blocks(groups, max_model_len, max_num_batched_tokens)
     if num_blocks_override is not None:
         if isinstance(num_blocks_override, bool) or not isinstance(num_blocks_override, int) \
@@ -478,7 +557,7 @@ def plan_kv_cache(
             message += f"fit in the available {available_memory / _GIB:.3f} GiB"
             fitting = estimate_max_model_len(
                 attention, available_memory, upper=max_model_len, tp_size=tp_size,
-                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_batched_tokens=max_num_batched_tokens, disable_hybrid=disable_hybrid,
             )
             if fitting:
                 message += f"; the longest max_model_len that fits is {fitting}"
