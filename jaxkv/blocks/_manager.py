@@ -296,6 +296,7 @@ class KVCacheManager:
         self._requests: dict[str, _Request] = {}
         self._metrics = PrefixCachingMetrics(metrics_window)
         self._empty_hit_blocks = tuple(() for _ in windows)
+        self._block_struct = struct.Struct(f"<{self._block_size}q")
         self._single_full_group = self._windows == (None,)
 
     @classmethod
@@ -560,10 +561,10 @@ class KVCacheManager:
                              "append_tokens and allocate_slots per request")
         if count == 0:
             return []
-        tokens = list(struct.unpack(f"<{count}q", _token_bytes(token_ids)))  # Validated ints.
-        requests = self._requests
+        _token_bytes(token_ids)  # Validates (as append_tokens, the given ints are stored).
+        tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
         try:
-            states = [requests[request_id] for request_id in request_ids]
+            states = list(map(self._requests.__getitem__, request_ids))
         except KeyError as error:
             raise UnknownRequestError(f"unknown request {error.args[0]!r}") from None
         except TypeError:
@@ -583,7 +584,9 @@ class KVCacheManager:
             position = num % size
             if position == 0:
                 starts.append(done)
-            if position == last:
+                if size == 1:
+                    fills.append(state)
+            elif position == last:
                 fills.append(state)
             done += 1
         if done == count and len(starts) <= self._pool.num_free_blocks and \
@@ -625,10 +628,29 @@ class KVCacheManager:
     def _cache_filled_block(self, state: _Request) -> None:
         """Hashes and caches the one block a decode token just filled (all earlier blocks are
         cached)."""
-        self._sync_hasher(state)
-        index = state.num_cached[0]
         hasher = state.hasher
-        block_hash = hasher.block_hashes[index]  # type: ignore[union-attr]
+        assert hasher is not None
+        size = self._block_size
+        start = state.num_tokens - size
+        function = hasher._hash_fn
+        if (  # Common case: the hasher is at the block's start and the block is all outputs.
+            hasher._num_tokens == start
+            and not hasher._pending
+            and not hasher._needs_extra
+            and function.constructor is not None
+            and function.encoding == "native"
+            and start >= state.num_tokens - len(state.outputs)
+        ):
+            block_hash = function.constructor(
+                hasher._parent + self._block_struct.pack(*state.outputs[-size:])
+            ).digest()
+            hasher._block_hashes.append(block_hash)
+            hasher._parent = block_hash
+            hasher._num_tokens = state.num_tokens
+        else:
+            self._sync_hasher(state)
+        index = state.num_cached[0]
+        block_hash = hasher.block_hashes[index]
         block = state.blocks[0][index]
         pool = self._pool
         if pool._hashedv[block] or pool._events is not None or block_hash in pool._maps[0]:

@@ -408,30 +408,42 @@ class BlockPool:
             # other case is undone and takes the general path.
             refv = self._refv
             hashedv = self._hashedv
-            done = 0
             try:  # An id past the end raises IndexError from the memoryview.
                 for block in block_ids:
                     if type(block) is int and block > 0 and refv[block] == 1 \
                             and not hashedv[block]:
                         refv[block] = 0
-                        done += 1
                     else:
                         break
+                else:
+                    if len(block_ids) == 1:
+                        self._front.append(block_ids[0])
+                    else:
+                        self._front.extend(block_ids[::-1])
+                    return
             except IndexError:
                 pass
-            if done == len(block_ids):
-                front = self._front
-                if done == 1:
-                    front.append(block_ids[0])
-                else:
-                    front.extend(block_ids[::-1])
-                return
-            for block in block_ids[:done]:
-                refv[block] = 1
+            self._undo_fast_free(block_ids)
         if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
             self._free_small(block_ids)
         else:
             self._free_array(self._id_array(block_ids))
+
+    def _undo_fast_free(self, block_ids: list[Any]) -> None:
+        """Restores the ref counts the fast path of `free` zeroed before it met a block it does
+        not handle. Those blocks are distinct, valid, uncached, at ref count 0 and not queued;
+        the first block that is not all of these is where the fast path stopped (a block that
+        is really free is queued)."""
+        refv = self._refv
+        queue = self._queue
+        seen: set[int] = set()
+        for block in block_ids:
+            if type(block) is not int or not 0 < block < self._num_blocks or block in seen:
+                return
+            if refv[block] != 0 or self._hashedv[block] or block in queue:
+                return
+            refv[block] = 1
+            seen.add(block)
 
     def _free_small(self, block_ids: Sequence[int]) -> None:
         ids = [self._check_id(block) for block in block_ids]
