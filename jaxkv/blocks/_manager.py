@@ -297,6 +297,7 @@ class KVCacheManager:
         self._metrics = PrefixCachingMetrics(metrics_window)
         self._empty_hit_blocks = tuple(() for _ in windows)
         self._block_struct = struct.Struct(f"<{self._block_size}q")
+        self._packers: dict[int, struct.Struct] = {}
         self._single_full_group = self._windows == (None,)
 
     @classmethod
@@ -561,8 +562,21 @@ class KVCacheManager:
                              "append_tokens and allocate_slots per request")
         if count == 0:
             return []
-        _token_bytes(token_ids)  # Validates (as append_tokens, the given ints are stored).
-        tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+        if type(token_ids) is list:
+            # Validates (as append_tokens, the given ints are stored); one cached Struct per
+            # batch size.
+            packer = self._packers.get(count)
+            if packer is None:
+                packer = self._packers.setdefault(count, struct.Struct(f"<{count}q"))
+            try:
+                packer.pack(*token_ids)
+            except struct.error:
+                _token_bytes(token_ids)  # Raises the precise TypeError or ValueError.
+                raise
+            tokens = token_ids
+        else:
+            _token_bytes(token_ids)
+            tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
         try:
             states = list(map(self._requests.__getitem__, request_ids))
         except KeyError as error:
@@ -574,8 +588,7 @@ class KVCacheManager:
         limit = self._max_model_len if self._max_model_len is not None else 1 << 62
         starts: list[int] = []
         fills: list[_Request] = []
-        done = 0
-        for state, token in zip(states, tokens):  # The hot loop: keep it lean.
+        for done, state, token in zip(range(count), states, tokens):  # Hot: keep it lean.
             num = state.num_tokens
             if num != state.num_computed or num >= limit:
                 break
@@ -588,8 +601,10 @@ class KVCacheManager:
                     fills.append(state)
             elif position == last:
                 fills.append(state)
-            done += 1
-        if done == count and len(starts) <= self._pool.num_free_blocks and \
+        else:
+            done = count
+        queue = self._pool._queue
+        if done == count and len(starts) <= queue._len + len(queue._front) and \
                 (count < 2 or len(set(request_ids)) == count):
             out: list[Any] = [NULL_BLOCK_ID] * count
             if starts:
@@ -599,13 +614,8 @@ class KVCacheManager:
                     state.blocks[0].append(block)
                     state.chunks[0] = None
                     out[index] = block
-            for state in fills:
-                if state.hasher is None:
-                    continue
-                if state.num_cached[0] * size == state.num_tokens - size:
-                    self._cache_filled_block(state)
-                else:
-                    self._cache_full_blocks(state, state.num_tokens)
+            if fills and self._enable_caching:
+                self._cache_filled_blocks(fills)
             return out
         for state in states[:done]:  # Undo, then say what was wrong.
             state.outputs.pop()
@@ -624,6 +634,50 @@ class KVCacheManager:
         if len(set(request_ids)) != count:
             raise BlockError("a request is listed twice in one decode step")
         return None
+
+    def _cache_filled_blocks(self, fills: list[_Request]) -> None:
+        """Caches the blocks that a decode step's tokens filled."""
+        size = self._block_size
+        pool = self._pool
+        constructor = self._hash_fn.constructor if self._hash_fn.encoding == "native" else None
+        simple_pool = pool._events is None and not pool._dups
+        cache = pool._maps[0]
+        pack = self._block_struct.pack
+        hash_array = pool._hash
+        hashedv = pool._hashedv
+        for state in fills:
+            hasher = state.hasher
+            num = state.num_tokens
+            start = num - size
+            cached = state.num_cached
+            if (  # Common case: one new full block, hasher at its start, tokens all outputs.
+                simple_pool
+                and constructor is not None
+                and cached[0] * size == start
+                and hasher._num_tokens == start  # type: ignore[union-attr]
+                and not hasher._pending  # type: ignore[union-attr]
+                and not hasher._needs_extra  # type: ignore[union-attr]
+                and len(state.outputs) >= size
+            ):
+                block_hash = constructor(
+                    hasher._parent + pack(*state.outputs[-size:])  # type: ignore[union-attr]
+                ).digest()
+                hasher._block_hashes.append(block_hash)  # type: ignore[union-attr]
+                hasher._parent = block_hash  # type: ignore[union-attr]
+                hasher._num_tokens = num  # type: ignore[union-attr]
+                block = state.blocks[0][cached[0]]
+                if block_hash not in cache and not hashedv[block]:
+                    cache[block_hash] = block
+                    hash_array[block] = block_hash
+                    hashedv[block] = True
+                    pool._groupv[block] = 0
+                    pool._num_cached += 1
+                    cached[0] += 1
+                    continue
+            if cached[0] * size == start:
+                self._cache_filled_block(state)
+            else:
+                self._cache_full_blocks(state, num)
 
     def _cache_filled_block(self, state: _Request) -> None:
         """Hashes and caches the one block a decode token just filled (all earlier blocks are

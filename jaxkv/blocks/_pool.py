@@ -284,18 +284,28 @@ class BlockPool:
             return []
         evicted: list[EvictedBlock] = []
         if count <= _SCALAR_MAX:
-            popleft = self._queue.popleft
+            queue = self._queue
             refv = self._refv
             hashedv = self._hashedv
-            out: list[Any] = []
-            for _ in range(count):
-                block = popleft()
+            out: list[Any]
+            if not front and not queue._stale:
+                # The array holds only live entries: take a slice (no per-block pops).
+                head = queue._head
+                out = queue._bufv[head : head + count].tolist()
+                queue._head = head + count
+                queue._len -= count
+                posv = queue._posv
+                for block in out:
+                    posv[block] = -1
+            else:
+                popleft = queue.popleft
+                out = [popleft() for _ in range(count)]
+            for block in out:
                 if hashedv[block]:
                     if self._evict_hook is not None:
                         evicted.append(EvictedBlock(block, self._hash[block], self._groupv[block]))
                     self._drop_hash(block)
                 refv[block] = 1
-                out.append(block)
         else:
             return self._allocate_array(count).tolist()
         if evicted:
