@@ -185,7 +185,8 @@ def bench_hashing(num_tokens: int, block_size: int, repeats: int) -> dict:
     tokens = _tokens(num_tokens)
     array = np.asarray(tokens, dtype=np.int64)
     out = {}
-    for name, hash_fn in (("sha256", blocks.sha256), ("xxh3_128", blocks.xxhash128)):
+    for name, hash_fn in (("sha256", blocks.sha256), ("xxh3_128", blocks.xxhash128),
+                          ("sha256_cbor", blocks.sha256_cbor)):
         for kind, given in (("list", tokens), ("numpy", array)):
             timing = _time(
                 lambda given=given, hash_fn=hash_fn: blocks.hash_request_tokens(

@@ -590,7 +590,7 @@ class KVCacheManager:
         fills: list[_Request] = []
         for done, state, token in zip(range(count), states, tokens):  # Hot: keep it lean.
             num = state.num_tokens
-            if num != state.num_computed or num >= limit:
+            if num != state.num_computed:
                 break
             state.outputs.append(token)
             state.num_tokens = state.num_computed = num + 1
@@ -603,9 +603,12 @@ class KVCacheManager:
                 fills.append(state)
         else:
             done = count
+        over = None
+        if done == count and self._max_model_len is not None:
+            over = next((state for state in states if state.num_tokens > limit), None)
         queue = self._pool._queue
-        if done == count and len(starts) <= queue._len + len(queue._front) and \
-                (count < 2 or len(set(request_ids)) == count):
+        if done == count and over is None and len(starts) <= queue._len + len(queue._front) \
+                and (count < 2 or len(set(request_ids)) == count):
             out: list[Any] = [NULL_BLOCK_ID] * count
             if starts:
                 new = self._pool.allocate(len(starts))
@@ -620,13 +623,13 @@ class KVCacheManager:
         for state in states[:done]:  # Undo, then say what was wrong.
             state.outputs.pop()
             state.num_tokens = state.num_computed = state.num_tokens - 1
+        if over is not None:
+            raise BlockError(
+                f"request {over.request_id!r} would hold {over.num_tokens + 1} tokens, over "
+                f"max_model_len={self._max_model_len}"
+            )
         if done < count:
             state = states[done]
-            if state.num_tokens >= limit:
-                raise BlockError(
-                    f"request {state.request_id!r} would hold {state.num_tokens + 1} tokens, "
-                    f"over max_model_len={self._max_model_len}"
-                )
             raise BlockError(
                 f"request {state.request_id!r} is not decoding: {state.num_tokens} tokens, "
                 f"{state.num_computed} computed (allocate its pending tokens first)"
