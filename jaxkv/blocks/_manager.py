@@ -3,8 +3,14 @@
 A request's life: `add_request` (hashes its full prompt blocks) -> `get_computed_blocks` (the
 longest cached prefix) -> `allocate_slots` (reuses the prefix, allocates blocks for the new
 tokens, registers newly full blocks in the cache) -> for each generated token `append_tokens`
-and `allocate_slots(request_id, 1)` -> `free` (blocks return to the pool tail-first and stay
-hittable until evicted).
+and `allocate_slots(request_id, 1)` (or, for a whole decode step at once, `append_slots`) ->
+`free` (blocks return to the pool tail-first and stay hittable until evicted).
+
+Block hashes depend on the hash function and the hash seed (`hash_seed`, deterministic by
+default): engines that must agree on hashes (disaggregated prefill and decode, a KV-aware
+router) share both, and `hash_identity` names them for the transfer handshake. With
+``hash_fn="sha256_cbor"`` hashes and events match vLLM's (see `jaxkv.blocks.sha256_cbor` and
+`jaxkv.blocks.encode_vllm_event_batch`).
 
 Hybrid models have several KV-cache groups (e.g. one full-attention group and sliding-window
 groups, see `plan_kv_cache`). Every group has its own block table per request, allocated from
