@@ -257,8 +257,8 @@ class BlockPool:
           >>> BlockPool(4).allocate(2)
           [1, 2]
         """
-        front = self._front
-        if type(num_blocks) is int and 0 < num_blocks <= len(front) and self._enable_caching:
+        front = self._front  # Empty when caching is off (freed blocks then go to the back).
+        if type(num_blocks) is int and 0 < num_blocks <= len(front):
             if num_blocks == 1:
                 block = front.pop()
                 self._refv[block] = 1
