@@ -185,7 +185,8 @@ def bench_hashing(num_tokens: int, block_size: int, repeats: int) -> dict:
     tokens = _tokens(num_tokens)
     array = np.asarray(tokens, dtype=np.int64)
     out = {}
-    for name, hash_fn in (("sha256", blocks.sha256), ("xxh3_128", blocks.xxhash128)):
+    for name, hash_fn in (("sha256", blocks.sha256), ("xxh3_128", blocks.xxhash128),
+                          ("sha256_cbor", blocks.sha256_cbor)):
         for kind, given in (("list", tokens), ("numpy", array)):
             timing = _time(
                 lambda given=given, hash_fn=hash_fn: blocks.hash_request_tokens(
@@ -512,12 +513,13 @@ def bench_decode(num_requests: int, block_size: int, repeats: int, reference: bo
     for request_id, prompt in zip(ids, prompts):
         manager.add_request(request_id, prompt)
         manager.allocate_slots(request_id, len(prompt), manager.get_computed_blocks(request_id))
-    token = iter(range(10**9))
+    # Sampled tokens, drawn before timing (the same for both contenders).
+    batches = np.random.default_rng(3).integers(0, 150_000, (steps, num_requests)).tolist()
 
     def step() -> None:
         append_slots = manager.append_slots
-        for _ in range(steps):
-            assert append_slots(ids, [next(token) % 150_000 for _ in ids]) is not None
+        for batch in batches:
+            assert append_slots(ids, batch) is not None
 
     timing = _time(step, None, repeats)
     out["jaxkv"]["decode_step"] = {"us": timing["best_s"] / steps * 1e6,
@@ -526,9 +528,9 @@ def bench_decode(num_requests: int, block_size: int, repeats: int, reference: bo
 
     def step_per_request() -> None:
         append, allocate = manager.append_tokens, manager.allocate_slots
-        for _ in range(steps):
-            for request_id in ids:
-                append(request_id, [next(token) % 150_000])
+        for batch in batches:
+            for request_id, sampled in zip(ids, batch):
+                append(request_id, [sampled])
                 allocate(request_id, 1)
 
     timing = _time(step_per_request, None, max(3, repeats // 3))
@@ -543,10 +545,9 @@ def bench_decode(num_requests: int, block_size: int, repeats: int, reference: bo
 
         def ref_step() -> None:
             append, allocate = ref_manager.append_token, ref_manager.allocate_slots
-            for _ in range(steps):
-                sampled = [next(token) % 150_000 for _ in ids]
-                for request_id, sampled_token in zip(ids, sampled):
-                    append(request_id, sampled_token)
+            for batch in batches:
+                for request_id, sampled in zip(ids, batch):
+                    append(request_id, sampled)
                     allocate(request_id, 1)
 
         timing = _time(ref_step, None, repeats)

@@ -515,8 +515,8 @@ class ManagerErrorsTest(parameterized.TestCase):
 class AppendSlotsTest(parameterized.TestCase):
     """`append_slots` (one decode step for many requests) equals the per-request calls."""
 
-    def _pair(self, num_blocks=64, **kwargs):
-        managers = [KVCacheManager(num_blocks, 4, **kwargs) for _ in range(2)]
+    def _pair(self, num_blocks=64, block_size=4, **kwargs):
+        managers = [KVCacheManager(num_blocks, block_size, **kwargs) for _ in range(2)]
         for manager in managers:
             for index in range(3):
                 manager.add_request(f"r{index}", list(range(10 * index, 10 * index + 5 + index)),
@@ -524,9 +524,14 @@ class AppendSlotsTest(parameterized.TestCase):
                 manager.allocate_slots(f"r{index}", manager.num_tokens(f"r{index}"))
         return managers
 
-    @parameterized.parameters(False, True)
-    def test_matches_per_request_calls(self, events):
-        batched, single = self._pair(enable_events=events)
+    @parameterized.parameters(
+        dict(events=False), dict(events=True), dict(hash_fn="sha256_cbor"),
+        dict(hash_fn="xxh3_128"), dict(block_size=1), dict(caching=False))
+    def test_matches_per_request_calls(self, events=False, hash_fn="sha256", block_size=4,
+                                       caching=True):
+        batched, single = self._pair(num_blocks=128, block_size=block_size,
+                                     enable_events=events, hash_fn=hash_fn,
+                                     enable_caching=caching)
         ids = ["r0", "r1", "r2"]
         for step in range(13):
             tokens = [100 * step + i for i in range(3)]
@@ -552,7 +557,8 @@ class AppendSlotsTest(parameterized.TestCase):
         for manager in (batched, single):
             tokens = list(range(5)) + [100 * s for s in range(13)]
             manager.add_request("probe", tokens)
-            self.assertEqual(manager.get_computed_blocks("probe").num_computed_tokens, 16)
+            hit = (18 - 1) // block_size * block_size if caching else 0
+            self.assertEqual(manager.get_computed_blocks("probe").num_computed_tokens, hit)
         # Mixing with the per-request calls keeps hashes right.
         batched.append_tokens("r0", [7, 7, 7])
         single.append_tokens("r0", [7, 7, 7])

@@ -378,6 +378,50 @@ class PrefixCacheTest(parameterized.TestCase):
         self.assertGreater(pool.cache_epoch, epoch)
 
 
+class FastFreePathTest(parameterized.TestCase):
+    """free() of a few blocks takes a fast path that must undo itself exactly when it meets a
+    block it does not handle, so the general path sees the original state."""
+
+    def _pool(self):
+        pool = BlockPool(12)
+        a, b, c, d = pool.allocate(4)
+        pool.touch([c])  # c is shared (ref 2)
+        pool.cache_blocks([d], [b"d"])
+        free = pool.allocate(1)[0]
+        pool.free([free])
+        return pool, a, b, c, d, free
+
+    def test_undo_then_error(self):
+        cases = [
+            (lambda a, b, c, d, f: [a, b, a], DoubleFreeError),
+            (lambda a, b, c, d, f: [a, b, f], DoubleFreeError),
+            (lambda a, b, c, d, f: [a, b, 99], InvalidBlockIdError),
+            (lambda a, b, c, d, f: [a, b, -1], InvalidBlockIdError),
+            (lambda a, b, c, d, f: [a, b, 2.0], InvalidBlockIdError),
+            (lambda a, b, c, d, f: [a, b, True], InvalidBlockIdError),
+        ]
+        for make, error in cases:
+            pool, a, b, c, d, free = self._pool()
+            before = [pool.ref_count(x) for x in range(12)]
+            queue = pool.free_block_ids()
+            with self.assertRaises(error):
+                pool.free(make(a, b, c, d, free))
+            self.assertEqual([pool.ref_count(x) for x in range(12)], before)
+            self.assertEqual(pool.free_block_ids(), queue)
+            pool.check_invariants()
+
+    def test_mixed_lists_take_the_general_path(self):
+        pool, a, b, c, d, free = self._pool()
+        pool.free([a, c, d, 0, b])  # shared, cached and null blocks after fast-path ones
+        self.assertEqual(pool.ref_count(c), 1)
+        self.assertEqual(pool.free_block_ids()[:3], [a, b, free])  # uncached first, in order
+        self.assertEqual(pool.free_block_ids()[-1], d)  # cached at the back
+        pool.check_invariants()
+        pool.free([c])
+        self.assertEqual(pool.free_block_ids()[0], c)
+        pool.check_invariants()
+
+
 class EventsTest(parameterized.TestCase):
 
     def test_stored_removed_cleared(self):

@@ -3,8 +3,14 @@
 A request's life: `add_request` (hashes its full prompt blocks) -> `get_computed_blocks` (the
 longest cached prefix) -> `allocate_slots` (reuses the prefix, allocates blocks for the new
 tokens, registers newly full blocks in the cache) -> for each generated token `append_tokens`
-and `allocate_slots(request_id, 1)` -> `free` (blocks return to the pool tail-first and stay
-hittable until evicted).
+and `allocate_slots(request_id, 1)` (or, for a whole decode step at once, `append_slots`) ->
+`free` (blocks return to the pool tail-first and stay hittable until evicted).
+
+Block hashes depend on the hash function and the hash seed (`hash_seed`, deterministic by
+default): engines that must agree on hashes (disaggregated prefill and decode, a KV-aware
+router) share both, and `hash_identity` names them for the transfer handshake. With
+``hash_fn="sha256_cbor"`` hashes and events match vLLM's (see `jaxkv.blocks.sha256_cbor` and
+`jaxkv.blocks.encode_vllm_event_batch`).
 
 Hybrid models have several KV-cache groups (e.g. one full-attention group and sliding-window
 groups, see `plan_kv_cache`). Every group has its own block table per request, allocated from
@@ -296,6 +302,8 @@ class KVCacheManager:
         self._requests: dict[str, _Request] = {}
         self._metrics = PrefixCachingMetrics(metrics_window)
         self._empty_hit_blocks = tuple(() for _ in windows)
+        self._block_struct = struct.Struct(f"<{self._block_size}q")
+        self._packers: dict[int, struct.Struct] = {}
         self._single_full_group = self._windows == (None,)
 
     @classmethod
@@ -560,10 +568,23 @@ class KVCacheManager:
                              "append_tokens and allocate_slots per request")
         if count == 0:
             return []
-        tokens = list(struct.unpack(f"<{count}q", _token_bytes(token_ids)))  # Validated ints.
-        requests = self._requests
+        if type(token_ids) is list:
+            # Validates (as append_tokens, the given ints are stored); one cached Struct per
+            # batch size.
+            packer = self._packers.get(count)
+            if packer is None:
+                packer = self._packers.setdefault(count, struct.Struct(f"<{count}q"))
+            try:
+                packer.pack(*token_ids)
+            except struct.error:
+                _token_bytes(token_ids)  # Raises the precise TypeError or ValueError.
+                raise
+            tokens = token_ids
+        else:
+            _token_bytes(token_ids)
+            tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
         try:
-            states = [requests[request_id] for request_id in request_ids]
+            states = list(map(self._requests.__getitem__, request_ids))
         except KeyError as error:
             raise UnknownRequestError(f"unknown request {error.args[0]!r}") from None
         except TypeError:
@@ -573,21 +594,27 @@ class KVCacheManager:
         limit = self._max_model_len if self._max_model_len is not None else 1 << 62
         starts: list[int] = []
         fills: list[_Request] = []
-        done = 0
-        for state, token in zip(states, tokens):  # The hot loop: keep it lean.
+        for done, state, token in zip(range(count), states, tokens):  # Hot: keep it lean.
             num = state.num_tokens
-            if num != state.num_computed or num >= limit:
+            if num != state.num_computed:
                 break
             state.outputs.append(token)
             state.num_tokens = state.num_computed = num + 1
             position = num % size
             if position == 0:
                 starts.append(done)
-            if position == last:
+                if size == 1:
+                    fills.append(state)
+            elif position == last:
                 fills.append(state)
-            done += 1
-        if done == count and len(starts) <= self._pool.num_free_blocks and \
-                (count < 2 or len(set(request_ids)) == count):
+        else:
+            done = count
+        over = None
+        if done == count and self._max_model_len is not None:
+            over = next((state for state in states if state.num_tokens > limit), None)
+        queue = self._pool._queue
+        if done == count and over is None and len(starts) <= queue._len + len(queue._front) \
+                and (count < 2 or len(set(request_ids)) == count):
             out: list[Any] = [NULL_BLOCK_ID] * count
             if starts:
                 new = self._pool.allocate(len(starts))
@@ -596,24 +623,19 @@ class KVCacheManager:
                     state.blocks[0].append(block)
                     state.chunks[0] = None
                     out[index] = block
-            for state in fills:
-                if state.hasher is None:
-                    continue
-                if state.num_cached[0] * size == state.num_tokens - size:
-                    self._cache_filled_block(state)
-                else:
-                    self._cache_full_blocks(state, state.num_tokens)
+            if fills and self._enable_caching:
+                self._cache_filled_blocks(fills)
             return out
         for state in states[:done]:  # Undo, then say what was wrong.
             state.outputs.pop()
             state.num_tokens = state.num_computed = state.num_tokens - 1
+        if over is not None:
+            raise BlockError(
+                f"request {over.request_id!r} would hold {over.num_tokens + 1} tokens, over "
+                f"max_model_len={self._max_model_len}"
+            )
         if done < count:
             state = states[done]
-            if state.num_tokens >= limit:
-                raise BlockError(
-                    f"request {state.request_id!r} would hold {state.num_tokens + 1} tokens, "
-                    f"over max_model_len={self._max_model_len}"
-                )
             raise BlockError(
                 f"request {state.request_id!r} is not decoding: {state.num_tokens} tokens, "
                 f"{state.num_computed} computed (allocate its pending tokens first)"
@@ -622,13 +644,76 @@ class KVCacheManager:
             raise BlockError("a request is listed twice in one decode step")
         return None
 
+    def _cache_filled_blocks(self, fills: list[_Request]) -> None:
+        """Caches the blocks that a decode step's tokens filled."""
+        size = self._block_size
+        pool = self._pool
+        constructor = self._hash_fn.constructor if self._hash_fn.encoding == "native" else None
+        simple_pool = pool._events is None and not pool._dups
+        cache = pool._maps[0]
+        pack = self._block_struct.pack
+        hash_array = pool._hash
+        hashedv = pool._hashedv
+        for state in fills:
+            hasher = state.hasher
+            num = state.num_tokens
+            start = num - size
+            cached = state.num_cached
+            if (  # Common case: one new full block, hasher at its start, tokens all outputs.
+                simple_pool
+                and constructor is not None
+                and cached[0] * size == start
+                and hasher._num_tokens == start  # type: ignore[union-attr]
+                and not hasher._pending  # type: ignore[union-attr]
+                and not hasher._needs_extra  # type: ignore[union-attr]
+                and len(state.outputs) >= size
+            ):
+                block_hash = constructor(
+                    hasher._parent + pack(*state.outputs[-size:])  # type: ignore[union-attr]
+                ).digest()
+                hasher._block_hashes.append(block_hash)  # type: ignore[union-attr]
+                hasher._parent = block_hash  # type: ignore[union-attr]
+                hasher._num_tokens = num  # type: ignore[union-attr]
+                block = state.blocks[0][cached[0]]
+                if block_hash not in cache and not hashedv[block]:
+                    cache[block_hash] = block
+                    hash_array[block] = block_hash
+                    hashedv[block] = True
+                    pool._groupv[block] = 0
+                    pool._num_cached += 1
+                    cached[0] += 1
+                    continue
+            if cached[0] * size == start:
+                self._cache_filled_block(state)
+            else:
+                self._cache_full_blocks(state, num)
+
     def _cache_filled_block(self, state: _Request) -> None:
         """Hashes and caches the one block a decode token just filled (all earlier blocks are
         cached)."""
-        self._sync_hasher(state)
-        index = state.num_cached[0]
         hasher = state.hasher
-        block_hash = hasher.block_hashes[index]  # type: ignore[union-attr]
+        assert hasher is not None
+        size = self._block_size
+        start = state.num_tokens - size
+        function = hasher._hash_fn
+        if (  # Common case: the hasher is at the block's start and the block is all outputs.
+            hasher._num_tokens == start
+            and not hasher._pending
+            and not hasher._needs_extra
+            and function.constructor is not None
+            and function.encoding == "native"
+            and start >= state.num_tokens - len(state.outputs)
+        ):
+            block_hash = function.constructor(
+                hasher._parent + self._block_struct.pack(*state.outputs[-size:])
+            ).digest()
+            hasher._block_hashes.append(block_hash)
+            hasher._parent = block_hash
+            hasher._num_tokens = state.num_tokens
+        else:
+            self._sync_hasher(state)
+        index = state.num_cached[0]
+        block_hash = hasher.block_hashes[index]
         block = state.blocks[0][index]
         pool = self._pool
         if pool._hashedv[block] or pool._events is not None or block_hash in pool._maps[0]:

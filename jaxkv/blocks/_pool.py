@@ -257,8 +257,8 @@ class BlockPool:
           >>> BlockPool(4).allocate(2)
           [1, 2]
         """
-        front = self._front
-        if type(num_blocks) is int and 0 < num_blocks <= len(front) and self._enable_caching:
+        front = self._front  # Empty when caching is off (freed blocks then go to the back).
+        if type(num_blocks) is int and 0 < num_blocks <= len(front):
             if num_blocks == 1:
                 block = front.pop()
                 self._refv[block] = 1
@@ -284,18 +284,28 @@ class BlockPool:
             return []
         evicted: list[EvictedBlock] = []
         if count <= _SCALAR_MAX:
-            popleft = self._queue.popleft
+            queue = self._queue
             refv = self._refv
             hashedv = self._hashedv
-            out: list[Any] = []
-            for _ in range(count):
-                block = popleft()
+            out: list[Any]
+            if not front and not queue._stale:
+                # The array holds only live entries: take a slice (no per-block pops).
+                head = queue._head
+                out = queue._bufv[head : head + count].tolist()
+                queue._head = head + count
+                queue._len -= count
+                posv = queue._posv
+                for block in out:
+                    posv[block] = -1
+            else:
+                popleft = queue.popleft
+                out = [popleft() for _ in range(count)]
+            for block in out:
                 if hashedv[block]:
                     if self._evict_hook is not None:
                         evicted.append(EvictedBlock(block, self._hash[block], self._groupv[block]))
                     self._drop_hash(block)
                 refv[block] = 1
-                out.append(block)
         else:
             return self._allocate_array(count).tolist()
         if evicted:
@@ -408,30 +418,42 @@ class BlockPool:
             # other case is undone and takes the general path.
             refv = self._refv
             hashedv = self._hashedv
-            done = 0
             try:  # An id past the end raises IndexError from the memoryview.
                 for block in block_ids:
                     if type(block) is int and block > 0 and refv[block] == 1 \
                             and not hashedv[block]:
                         refv[block] = 0
-                        done += 1
                     else:
                         break
+                else:
+                    if len(block_ids) == 1:
+                        self._front.append(block_ids[0])
+                    else:
+                        self._front.extend(block_ids[::-1])
+                    return
             except IndexError:
                 pass
-            if done == len(block_ids):
-                front = self._front
-                if done == 1:
-                    front.append(block_ids[0])
-                else:
-                    front.extend(block_ids[::-1])
-                return
-            for block in block_ids[:done]:
-                refv[block] = 1
+            self._undo_fast_free(block_ids)
         if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
             self._free_small(block_ids)
         else:
             self._free_array(self._id_array(block_ids))
+
+    def _undo_fast_free(self, block_ids: list[Any]) -> None:
+        """Restores the ref counts the fast path of `free` zeroed before it met a block it does
+        not handle. Those blocks are distinct, valid, uncached, at ref count 0 and not queued;
+        the first block that is not all of these is where the fast path stopped (a block that
+        is really free is queued)."""
+        refv = self._refv
+        queue = self._queue
+        seen: set[int] = set()
+        for block in block_ids:
+            if type(block) is not int or not 0 < block < self._num_blocks or block in seen:
+                return
+            if refv[block] != 0 or self._hashedv[block] or block in queue:
+                return
+            refv[block] = 1
+            seen.add(block)
 
     def _free_small(self, block_ids: Sequence[int]) -> None:
         ids = [self._check_id(block) for block in block_ids]
