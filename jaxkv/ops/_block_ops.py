@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _ffi
@@ -23,11 +24,44 @@ from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
 
 
+def element_bits(dtype: Any) -> int:
+    """Bits per element as XLA stores `dtype`: sub-byte types (int4, uint4, int2, uint2,
+    float4_e2m1fn) are packed several to a byte in device buffers.
+
+    Raises:
+      TypeError: a dtype the custom calls cannot take: extended dtypes (PRNG keys), 1-bit
+        integers (StableHLO custom calls refuse them) and the 6-bit floats (XLA has no device
+        representation for them).
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        raise TypeError(f"the block ops move plain arrays; got the extended dtype {dtype}")
+    bits = int(jax.dtypes.itemsize_bits(dtype))
+    if bits not in (2, 4) and bits % 8:
+        raise TypeError(
+            f"dtype {np.dtype(dtype).name} has {bits}-bit elements, which XLA's custom calls "
+            "cannot take"
+        )
+    return bits
+
+
+def block_nbytes(array: Any) -> int:
+    """Bytes of one block of a (local) blocks-first array, packed sub-byte elements included."""
+    return int(np.prod(array.shape[1:], dtype=np.int64)) * element_bits(array.dtype) // 8
+
+
 def _check_blocks_first(array: Any, name: str) -> None:
     if not isinstance(array, (jax.Array, jax.core.Tracer)):
         raise TypeError(f"{name} must be a jax.Array, got {type(array).__name__}")
     if array.ndim < 1:
         raise ValueError(f"{name} must be blocks-first [num_blocks, *block], got a scalar")
+    bits = element_bits(array.dtype)
+    elements = int(np.prod(array.shape[1:], dtype=np.int64))
+    if (elements * bits) % 8:
+        raise ValueError(
+            f"{name}: a block of {elements} {np.dtype(array.dtype).name} elements ({bits} bits "
+            "each, packed) is not a whole number of bytes; sub-byte dtypes need blocks of a "
+            f"multiple of {8 // bits} elements"
+        )
 
 
 def _ffi_call(target: str, result: jax.ShapeDtypeStruct, aliases: dict[int, int] | None):
@@ -121,8 +155,10 @@ def copy_blocks(
     """Copies whole blocks inside one cache array, in place.
 
     Args:
-      cache: blocks-first array ``[num_blocks, *block]`` of any dtype. Consumed (donated)
-        when called outside jit.
+      cache: blocks-first array ``[num_blocks, *block]`` of any dtype XLA can hold,
+        including the packed sub-byte types (int4, uint4, int2, uint2, float4_e2m1fn) as long
+        as a block is a whole number of bytes; 1-bit integers and the 6-bit floats are
+        refused. Consumed (donated) when called outside jit.
       src_ids: int32 ids of the source blocks, shape ``[n]``.
       dst_ids: int32 ids of the destination blocks, shape ``[n]``. A pair with a negative id
         on either side is skipped (padding).

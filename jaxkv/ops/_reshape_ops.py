@@ -18,7 +18,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._placement import place_exactly
-from jaxkv.ops._block_ops import _block_partition, _check_blocks_first, _ffi_call
+from jaxkv.ops._block_ops import (
+    _block_partition,
+    _check_blocks_first,
+    _ffi_call,
+    block_nbytes,
+)
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
 from jaxkv.ops._layouts import check_ratio, layout_pair, one_layout
 
@@ -97,11 +102,6 @@ def run_per_shard(
     return program(*placed)
 
 
-def block_nbytes(array: Any) -> int:
-    """Bytes of one block of a (local) blocks-first array."""
-    return int(np.prod(array.shape[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize
-
-
 # ---------------------------------------------------------------------------------------------
 # permute_blocks / merge_blocks
 
@@ -155,7 +155,9 @@ def permute_blocks(
 
     Args:
       cache: blocks-first array ``[num_blocks, *block]`` whose blocks have `dst_layout`'s
-        shape; any dtype. Consumed (donated) when called outside jit.
+        shape; any dtype `copy_blocks` takes (for packed sub-byte types every moved run must
+        also be whole bytes, or the handler refuses the call). Consumed (donated) when called
+        outside jit.
       block_ids: int32 ids of the blocks to rewrite, shape ``[n]``; negative ids are skipped;
         ids must be unique.
       src_layout, dst_layout: layout letters (or preset names, see `jaxkv.LAYOUT_PRESETS`)
