@@ -4,7 +4,10 @@ Each op works on one blocks-first array ``[num_blocks, *block]``. Called on a co
 it runs a cached jitted program that donates the cache, so the update happens in place (the
 argument is consumed; use the returned array). Called on a tracer (inside the caller's
 ``jax.jit`` / ``shard_map``) it emits the custom call with the cache aliased to the result;
-the caller's jit must donate the cache for the update to stay in place.
+the caller's jit must donate the cache for the update to stay in place. A cache sharded over
+its per-block axes (heads, layers, tokens; over one mesh axis or several) runs locally on every
+shard, in jit too, and the result keeps the cache's sharding (see `jaxkv.ops._partition`); a
+sharded block axis is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv import _ffi
 from jaxkv._placement import place_exactly
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._partition import partitioned_call
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
 
@@ -95,6 +99,14 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
     return call(cache, blocks, ids, validate_ids=validate_ids)
 
 
+_OP_NAMES = {
+    _copy_local: "copy_blocks",
+    _gather_local: "gather_blocks",
+    _gather_into_local: "gather_blocks",
+    _scatter_local: "scatter_blocks",
+}
+
+
 def _block_partition(array: jax.Array) -> tuple[jax.sharding.Mesh, PartitionSpec] | None:
     """The mesh and spec to run a per-shard op under, or None for a one-device array."""
     sharding = array.sharding
@@ -136,7 +148,9 @@ def _eager_program(
 def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_ids: bool):
     cache = operands[0]
     if any(isinstance(x, jax.core.Tracer) for x in operands):
-        return local(*operands, validate_ids=validate_ids)
+        # Inside the caller's jit: a sharding rule keeps the op local to each shard.
+        return partitioned_call(local, operands, kinds, dict(validate_ids=validate_ids),
+                                op=_OP_NAMES.get(local, local.__name__))
     partition = _block_partition(cache)
     program = _eager_program(local, partition, kinds, donate_argnums, validate_ids)
     if partition is not None:

@@ -143,6 +143,7 @@ def split_for_peers(
         _split_local, (cache, ids, *into), ("blocks", "replicated") + ("blocks",) * count,
         dict(box_starts=plan.box_starts(), shapes=local_shapes, validate_ids=validate_ids),
         donate_argnums=tuple(range(2, 2 + count)), num_outputs=plan.num_buffers,
+        op="split_for_peers",
     )
     return list(result)
 
@@ -212,4 +213,5 @@ def concat_from_peers(
         _concat_local, (cache, ids, *buffers),
         ("blocks", "replicated") + ("blocks",) * len(buffers),
         dict(box_starts=plan.box_starts(), validate_ids=validate_ids), donate_argnums=(0,),
+        op="concat_from_peers",
     )
