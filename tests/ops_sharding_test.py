@@ -146,6 +146,15 @@ class ShardedInJitTest(parameterized.TestCase):
         with self.assertRaisesRegex(Exception, r"gather_blocks: the block axis"):
             jax.jit(ops.gather_blocks).lower(cache, ids).compile()
 
+    def test_donated_sharded_cache_is_updated_in_place(self):
+        sharding = NamedSharding(_mesh("2d"), P(None, "dp", "tp"))
+        host, cache = self._cache(7, sharding)
+        before = [s.data.unsafe_buffer_pointer() for s in cache.addressable_shards]
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d), donate_argnums=0)
+        out = step(cache, jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32))
+        self.assertEqual([s.data.unsafe_buffer_pointer() for s in out.addressable_shards], before)
+        np.testing.assert_array_equal(np.asarray(out), kv_testing.numpy_copy_blocks(host, [1], [2]))
+
     def test_one_device_and_shard_map_still_call_the_handler_directly(self):
         host = kv_testing.random_bits(np.random.default_rng(5), SHAPE, np.float32)
         got = jax.jit(lambda c: ops.copy_blocks(c, [1], [2]), donate_argnums=0)(jnp.asarray(host))

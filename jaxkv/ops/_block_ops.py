@@ -179,7 +179,11 @@ def copy_blocks(
       validate_ids: on CUDA, copy traced ids to the host and check them before the launch
         (one small copy and a stream synchronisation). Concrete ids are always checked in
         Python, and CPU handlers always check. Without it, out-of-range ids are skipped on the
-        device and never touch memory outside the buffer, but are not reported.
+        device and never touch memory outside the buffer, but are not reported, and nothing
+        checks that ids are unique or that sources and destinations are disjoint: with
+        duplicate destinations, or a block both read and written, the CUDA threads race and
+        the result is undefined (the bytes stay inside the buffer). Traced ids wider than int32
+        are saturated, never wrapped: values past int32 become ``2**31 - 1`` (out of range).
 
     Returns:
       The updated cache (the same buffer when donated).

@@ -37,7 +37,9 @@ def _plan_for_cache(cache: Any, self_cfg: EngineConfig, peer_cfg: EngineConfig,
             f"split/concat work on cross-layer LKHTD caches; self_cfg.spec.layout is "
             f"{self_cfg.spec.layout!r} (permute the blocks first, see permute_blocks)"
         )
-    plan = plan_peers(self_cfg, peer_cfg, rank)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an integer, got {rank!r}")
+    plan = plan_peers(self_cfg, peer_cfg, int(rank))
     _check_blocks_first(cache, "cache")
     expected = self_cfg.local_block_shape(plan.pp_rank)
     local = _local_block_shape(cache)

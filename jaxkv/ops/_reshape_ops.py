@@ -24,7 +24,7 @@ from jaxkv.ops._block_ops import (
     _ffi_call,
     block_nbytes,
 )
-from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
 from jaxkv.ops._layouts import check_ratio, layout_pair, one_layout
 from jaxkv.ops._partition import ShardingError, partitioned_call
 
@@ -138,7 +138,7 @@ def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target):
     if cache.ndim < 2:
         raise ValueError("cache must be [num_blocks, *block] with at least one block axis")
     src, dst = layout_pair(src_layout, dst_layout, cache.ndim - 1)
-    check_ratio(ratio, cache.shape[1 + dst.index("T")])
+    ratio = check_ratio(ratio, cache.shape[1 + dst.index("T")])
     ids = as_id_array(ids, "ids")
     host = concrete_ids(ids)
     if host is not None:
@@ -265,7 +265,11 @@ def _token_count(num_tokens: Any):
         if num_tokens.ndim != 0 or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
             raise TypeError(f"num_tokens must be an integer scalar, got {num_tokens.dtype}"
                             f"{list(num_tokens.shape)}")
-        return num_tokens.astype(jnp.int32)
+        if isinstance(num_tokens, jax.core.Tracer):
+            return saturate_to_int32(num_tokens)  # anything past T copies whole blocks
+        num_tokens = np.asarray(num_tokens)
+    if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+        num_tokens = max(-1, min(num_tokens, int(np.iinfo(np.int32).max)))  # any Python int
     value = np.asarray(num_tokens)
     if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
         raise TypeError(f"num_tokens must be an integer, got {num_tokens!r}")
