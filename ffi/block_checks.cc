@@ -32,6 +32,59 @@ std::vector<std::pair<int32_t, int64_t>> SortedValidIds(const int32_t* ids, int6
 
 }  // namespace
 
+int64_t ElementBits(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::S1:
+    case ffi::DataType::U1:
+      return 1;
+    case ffi::DataType::S2:
+    case ffi::DataType::U2:
+      return 2;
+    case ffi::DataType::S4:
+    case ffi::DataType::U4:
+    case ffi::DataType::F4E2M1FN:
+      return 4;
+    case ffi::DataType::PRED:
+    case ffi::DataType::S8:
+    case ffi::DataType::U8:
+    case ffi::DataType::F8E5M2:
+    case ffi::DataType::F8E4M3:
+    case ffi::DataType::F8E4M3FN:
+    case ffi::DataType::F8E4M3B11FNUZ:
+    case ffi::DataType::F8E5M2FNUZ:
+    case ffi::DataType::F8E4M3FNUZ:
+    case ffi::DataType::F8E3M4:
+    case ffi::DataType::F8E8M0FNU:
+      return 8;
+    case ffi::DataType::S16:
+    case ffi::DataType::U16:
+    case ffi::DataType::F16:
+    case ffi::DataType::BF16:
+      return 16;
+    case ffi::DataType::S32:
+    case ffi::DataType::U32:
+    case ffi::DataType::F32:
+      return 32;
+    case ffi::DataType::S64:
+    case ffi::DataType::U64:
+    case ffi::DataType::F64:
+    case ffi::DataType::C64:
+      return 64;
+    case ffi::DataType::C128:
+      return 128;
+    default:
+      return 0;
+  }
+}
+
+int64_t BufferBytes(const ffi::AnyBuffer& buffer) {
+  const int64_t bits = ElementBits(buffer.element_type());
+  if (bits >= 8) return static_cast<int64_t>(buffer.element_count()) * (bits / 8);
+  const int64_t per_byte = bits > 0 ? 8 / bits : 1;
+  const int64_t elements = static_cast<int64_t>(buffer.element_count());
+  return elements / per_byte + (elements % per_byte != 0 ? 1 : 0);
+}
+
 ffi::ErrorOr<BlockGeometry> BlocksFirstGeometry(const ffi::AnyBuffer& buffer,
                                                 std::string_view name) {
   const auto dims = buffer.dimensions();
@@ -40,11 +93,25 @@ ffi::ErrorOr<BlockGeometry> BlocksFirstGeometry(const ffi::AnyBuffer& buffer,
         Str(name) + " must be blocks-first with shape [num_blocks, *block]; got a scalar"));
   }
   BlockGeometry geometry;
+  geometry.element_bits = ElementBits(buffer.element_type());
+  if (geometry.element_bits == 0) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        Str(name) + " has an element type (XLA FFI type " +
+        std::to_string(static_cast<int>(buffer.element_type())) +
+        ") the jaxkv handlers do not support"));
+  }
   geometry.num_blocks = dims[0];
   int64_t block_elements = 1;
   for (size_t i = 1; i < dims.size(); ++i) block_elements *= dims[i];
-  geometry.block_bytes =
-      block_elements * static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+  const int64_t block_bits = block_elements * geometry.element_bits;
+  if (block_bits % 8 != 0) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        Str(name) + ": a block of " + std::to_string(block_elements) + " packed " +
+        std::to_string(geometry.element_bits) +
+        "-bit elements is not a whole number of bytes; sub-byte element types need blocks of "
+        "a multiple of " + std::to_string(8 / geometry.element_bits) + " elements"));
+  }
+  geometry.block_bytes = block_bits / 8;
   return geometry;
 }
 
@@ -154,10 +221,11 @@ ffi::Error CheckLayoutPair(std::string_view src_layout, std::string_view dst_lay
 ffi::Error CheckBox(const int64_t* dims, const int64_t* starts, const int64_t* sizes,
                     int64_t rank, std::string_view what) {
   for (int64_t i = 0; i < rank; ++i) {
+    // Compared as starts <= dims - sizes: starts + sizes may overflow for raw attributes.
     if (sizes[i] < 1 || starts[i] < 0 || starts[i] > dims[i] - sizes[i]) {
       return ffi::Error::InvalidArgument(
-          Str(what) + ": axis " + std::to_string(i) + " covers [" + std::to_string(starts[i]) +
-          ", " + std::to_string(starts[i] + sizes[i]) + ") of a block axis of " +
+          Str(what) + ": axis " + std::to_string(i) + " starts at " + std::to_string(starts[i]) +
+          " and spans " + std::to_string(sizes[i]) + " of a block axis of " +
           std::to_string(dims[i]));
     }
   }

@@ -10,13 +10,26 @@
 
 namespace jaxkv {
 
+// Bits per element as XLA lays the type out in the buffers it hands a handler: sub-byte types
+// (S1/U1, S2/U2, S4/U4, F4E2M1FN) are packed, several elements per byte, so their size is NOT
+// ffi::ByteWidth() (which says 1). 0 for types the handlers do not know (TOKEN, INVALID, types
+// newer than these headers).
+int64_t ElementBits(xla::ffi::DataType type);
+
+// Bytes of the whole buffer as XLA allocates it (packed sub-byte elements, rounded up);
+// use instead of AnyBuffer::size_bytes(), which is wrong for packed types.
+int64_t BufferBytes(const xla::ffi::AnyBuffer& buffer);
+
 // Number of blocks and bytes per block of a blocks-first buffer `[num_blocks, *block]`.
 struct BlockGeometry {
   int64_t num_blocks = 0;
   int64_t block_bytes = 0;
+  int64_t element_bits = 0;  // bits per element (less than 8 for packed types)
 };
 
-// Geometry of a blocks-first buffer; fails for rank-0 buffers.
+// Geometry of a blocks-first buffer. Fails for rank-0 buffers, element types the handlers do
+// not know, and packed sub-byte blocks that are not a whole number of bytes (two blocks would
+// then share a byte, and no byte copy could move one alone).
 xla::ffi::ErrorOr<BlockGeometry> BlocksFirstGeometry(const xla::ffi::AnyBuffer& buffer,
                                                      std::string_view name);
 
@@ -54,6 +67,7 @@ xla::ffi::Error CheckBox(const int64_t* dims, const int64_t* starts, const int64
                          int64_t rank, std::string_view what);
 
 // Fails if two of `count` boxes (starts and sizes of `rank` axes each, back to back) overlap.
+// Each box must have passed CheckBox (so starts + sizes cannot overflow).
 xla::ffi::Error CheckBoxesDisjoint(const int64_t* starts, const int64_t* sizes, int64_t count,
                                    int64_t rank);
 

@@ -134,6 +134,25 @@ struct BlockRewriteRequest {
   int64_t staging_bytes = 0;
 };
 
+// A map built in bits (item size = bits per element, for packed sub-byte types) converted to
+// bytes: false unless every run, stride and offset is a whole number of bytes.
+inline bool MapBitsToBytes(RunMap* map) {
+  if (map->run_bytes % 8 != 0 || map->src_offset % 8 != 0 || map->dst_offset % 8 != 0) {
+    return false;
+  }
+  for (int32_t i = 0; i < map->ndim; ++i) {
+    if (map->src_strides[i] % 8 != 0 || map->dst_strides[i] % 8 != 0) return false;
+  }
+  map->run_bytes /= 8;
+  map->src_offset /= 8;
+  map->dst_offset /= 8;
+  for (int32_t i = 0; i < map->ndim; ++i) {
+    map->src_strides[i] /= 8;
+    map->dst_strides[i] /= 8;
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Map builders (host code). They assume validated input (see block_checks.h) and report only
 // whether the result fits a RunMap.

@@ -50,7 +50,7 @@ ffi::Error CopyBlocks(ffi::AnyBuffer cache, IdBuffer src_ids, IdBuffer dst_ids,
 ffi::Error GatherBlocks(ffi::AnyBuffer cache, IdBuffer ids, ffi::Result<ffi::AnyBuffer> out,
                         bool /*validate_ids*/) {
   // XLA allocated `out` for this call and nothing has touched it yet.
-  AdviseFreshOutput(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+  AdviseFreshOutput(out->untyped_data(), BufferBytes(*out));
   CpuPlatform platform;
   return GatherBlocksImpl(platform, cache, ids, out);
 }

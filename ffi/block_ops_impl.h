@@ -35,8 +35,8 @@ template <typename Platform>
 xla::ffi::Error AliasCache(Platform& platform, const xla::ffi::AnyBuffer& cache,
                            xla::ffi::AnyBuffer& out) {
   if (out.untyped_data() == cache.untyped_data()) return xla::ffi::Error::Success();
-  return platform.CopyBytes(out.untyped_data(), cache.untyped_data(),
-                            static_cast<int64_t>(cache.size_bytes()));
+  // BufferBytes, not size_bytes(): the latter counts a byte per packed sub-byte element.
+  return platform.CopyBytes(out.untyped_data(), cache.untyped_data(), BufferBytes(cache));
 }
 
 // Validates one id list against a buffer of `num_blocks` blocks where the platform exposes ids

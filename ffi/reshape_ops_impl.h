@@ -29,8 +29,15 @@ using TokenCount = xla::ffi::Buffer<xla::ffi::S32, 0>;
 
 namespace reshape_internal {
 
-inline int64_t ItemSize(const xla::ffi::AnyBuffer& buffer) {
-  return static_cast<int64_t>(xla::ffi::ByteWidth(buffer.element_type()));
+// The map builders of block_index.h run with an item size of ElementBits (so packed sub-byte
+// elements are exact) and the maps are converted to bytes; a map that would split a byte
+// between runs (e.g. a permute moving single int4 elements) is refused.
+inline xla::ffi::Error SubByteError(std::string_view op, int64_t element_bits) {
+  return xla::ffi::Error::InvalidArgument(
+      std::string(op) + ": with packed " + std::to_string(element_bits) +
+      "-bit elements the bytes this op moves are not whole bytes (it would move parts of a "
+      "byte); make the innermost contiguous extent a multiple of " +
+      std::to_string(8 / element_bits) + " elements");
 }
 
 // The per-block dimensions of a blocks-first buffer (at most kMaxRunDims of them).
@@ -78,7 +85,7 @@ xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cach
                                             std::to_string(tokens));
   }
   const int64_t count = static_cast<int64_t>(ids.element_count());
-  const int64_t scratch_bytes = static_cast<int64_t>(scratch->size_bytes());
+  const int64_t scratch_bytes = BufferBytes(*scratch);
   if (count > 0 && scratch_bytes < geometry->block_bytes) {
     return xla::ffi::Error::InvalidArgument("scratch of " + std::to_string(scratch_bytes) +
                                             " bytes is smaller than one block");
@@ -86,9 +93,13 @@ xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cach
   JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/true));
   RearrangePlan plan;
   if (!RearrangeMap(src_layout.data(), dst_layout.data(), rank, dims->data(), ratio,
-                    reshape_internal::ItemSize(cache), &plan)) {
+                    geometry->element_bits, &plan)) {
     return reshape_internal::MapError("rearrange");
   }
+  if (plan.unit_bytes % 8 != 0 || !MapBitsToBytes(&plan.map)) {
+    return reshape_internal::SubByteError("rearrange", geometry->element_bits);
+  }
+  plan.unit_bytes /= 8;
   JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
   if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
   if (ratio == 1 && src_layout == dst_layout) return xla::ffi::Error::Success();
@@ -130,9 +141,13 @@ xla::ffi::Error CopyBlockPrefixCommon(Platform& platform, const xla::ffi::AnyBuf
   const int t_axis = static_cast<int>(layout.find('T'));
   RunMap map;
   int64_t row_bytes = 0;
-  if (!PrefixMap(dims->data(), rank, t_axis, reshape_internal::ItemSize(dst), &map, &row_bytes)) {
+  if (!PrefixMap(dims->data(), rank, t_axis, dst_geometry->element_bits, &map, &row_bytes)) {
     return reshape_internal::MapError("copy_block_prefix");
   }
+  if (row_bytes % 8 != 0 || !MapBitsToBytes(&map)) {
+    return reshape_internal::SubByteError("copy_block_prefix", dst_geometry->element_bits);
+  }
+  row_bytes /= 8;
   JAXKV_RETURN_IF_ERROR(AliasCache(platform, dst, out));
   if (count == 0 || dst_geometry->block_bytes == 0) return xla::ffi::Error::Success();
 
@@ -198,6 +213,7 @@ xla::ffi::Error SplitBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, I
                                    "box_starts entries (buffers x block axes)"));
   std::vector<xla::ffi::AnyBuffer> results;
   std::vector<int64_t> sizes(static_cast<size_t>(num_out * rank));
+  std::vector<int64_t> row_bytes(static_cast<size_t>(num_out));
   for (int64_t i = 0; i < num_out; ++i) {
     auto result = outs.get<xla::ffi::AnyBuffer>(static_cast<size_t>(i));
     if (!result) return result.error();
@@ -209,6 +225,9 @@ xla::ffi::Error SplitBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, I
       return xla::ffi::Error::InvalidArgument(
           name + " must be [num_ids, *box] with the cache's element type and rank");
     }
+    auto buffer_geometry = BlocksFirstGeometry(buffer, name);
+    if (!buffer_geometry) return buffer_geometry.error();
+    row_bytes[i] = buffer_geometry->block_bytes;
     for (int64_t a = 0; a < rank; ++a) sizes[i * rank + a] = out_dims[a + 1];
     JAXKV_RETURN_IF_ERROR(
         CheckBox(dims->data(), box_starts.begin() + i * rank, &sizes[i * rank], rank, name));
@@ -225,23 +244,24 @@ xla::ffi::Error SplitBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, I
   std::vector<RunMap> maps(static_cast<size_t>(num_out));
   for (int64_t i = 0; i < num_out; ++i) {
     if (!BoxMap(dims->data(), box_starts.begin() + i * rank, &sizes[i * rank],
-                static_cast<int>(rank), reshape_internal::ItemSize(cache), /*to_box=*/true,
-                &maps[i])) {
+                static_cast<int>(rank), geometry->element_bits, /*to_box=*/true, &maps[i])) {
       return reshape_internal::MapError("split");
+    }
+    if (!MapBitsToBytes(&maps[i])) {
+      return reshape_internal::SubByteError("split", geometry->element_bits);
     }
   }
   if (count == 0) return xla::ffi::Error::Success();
   std::vector<BlockCopyRequest> requests;
   for (int64_t i = 0; i < num_out; ++i) {
     xla::ffi::AnyBuffer& buffer = results[i];
-    if (buffer.size_bytes() == 0) continue;
-    if (into.empty()) platform.AdviseFresh(buffer.untyped_data(),
-                                           static_cast<int64_t>(buffer.size_bytes()));
+    if (row_bytes[i] == 0) continue;
+    if (into.empty()) platform.AdviseFresh(buffer.untyped_data(), row_bytes[i] * count);
     BlockCopyRequest request;
     request.src = static_cast<const char*>(cache.untyped_data());
     request.dst = static_cast<char*>(buffer.untyped_data());
     request.src_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(ids)};
-    request.dst_side = {count, static_cast<int64_t>(buffer.size_bytes()) / count, nullptr};
+    request.dst_side = {count, row_bytes[i], nullptr};
     request.num_pairs = count;
     request.map = maps[i];
     request.zero_fill_skipped = true;
@@ -271,6 +291,7 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
                                    "box_starts entries (buffers x block axes)"));
   std::vector<xla::ffi::AnyBuffer> inputs;
   std::vector<int64_t> sizes(static_cast<size_t>(num_in * rank));
+  std::vector<int64_t> row_bytes(static_cast<size_t>(num_in));
   for (int64_t i = 0; i < num_in; ++i) {
     auto arg = buffers.get<xla::ffi::AnyBuffer>(static_cast<size_t>(i));
     if (!arg) return arg.error();
@@ -281,6 +302,9 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
       return xla::ffi::Error::InvalidArgument(
           name + " must be [num_ids, *box] with the cache's element type and rank");
     }
+    auto buffer_geometry = BlocksFirstGeometry(*arg, name);
+    if (!buffer_geometry) return buffer_geometry.error();
+    row_bytes[i] = buffer_geometry->block_bytes;
     for (int64_t a = 0; a < rank; ++a) sizes[i * rank + a] = in_dims[a + 1];
     JAXKV_RETURN_IF_ERROR(
         CheckBox(dims->data(), box_starts.begin() + i * rank, &sizes[i * rank], rank, name));
@@ -291,9 +315,11 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
   std::vector<RunMap> maps(static_cast<size_t>(num_in));
   for (int64_t i = 0; i < num_in; ++i) {
     if (!BoxMap(dims->data(), box_starts.begin() + i * rank, &sizes[i * rank],
-                static_cast<int>(rank), reshape_internal::ItemSize(cache), /*to_box=*/false,
-                &maps[i])) {
+                static_cast<int>(rank), geometry->element_bits, /*to_box=*/false, &maps[i])) {
       return reshape_internal::MapError("concat");
+    }
+    if (!MapBitsToBytes(&maps[i])) {
+      return reshape_internal::SubByteError("concat", geometry->element_bits);
     }
   }
   JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
@@ -301,11 +327,11 @@ xla::ffi::Error ConcatBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, 
   std::vector<BlockCopyRequest> requests;
   for (int64_t i = 0; i < num_in; ++i) {
     const xla::ffi::AnyBuffer& buffer = inputs[i];
-    if (buffer.size_bytes() == 0) continue;
+    if (row_bytes[i] == 0) continue;
     BlockCopyRequest request;
     request.src = static_cast<const char*>(buffer.untyped_data());
     request.dst = static_cast<char*>(out->untyped_data());
-    request.src_side = {count, static_cast<int64_t>(buffer.size_bytes()) / count, nullptr};
+    request.src_side = {count, row_bytes[i], nullptr};
     request.dst_side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(ids)};
     request.num_pairs = count;
     request.map = maps[i];

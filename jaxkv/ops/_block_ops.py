@@ -4,7 +4,10 @@ Each op works on one blocks-first array ``[num_blocks, *block]``. Called on a co
 it runs a cached jitted program that donates the cache, so the update happens in place (the
 argument is consumed; use the returned array). Called on a tracer (inside the caller's
 ``jax.jit`` / ``shard_map``) it emits the custom call with the cache aliased to the result;
-the caller's jit must donate the cache for the update to stay in place.
+the caller's jit must donate the cache for the update to stay in place. A cache sharded over
+its per-block axes (heads, layers, tokens; over one mesh axis or several) runs locally on every
+shard, in jit too, and the result keeps the cache's sharding (see `jaxkv.ops._partition`); a
+sharded block axis is refused.
 """
 
 from __future__ import annotations
@@ -14,13 +17,40 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _ffi
 from jaxkv._placement import place_exactly
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._partition import partitioned_call
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
+
+
+def element_bits(dtype: Any) -> int:
+    """Bits per element as XLA stores `dtype`: sub-byte types (int4, uint4, int2, uint2,
+    float4_e2m1fn) are packed several to a byte in device buffers.
+
+    Raises:
+      TypeError: a dtype the custom calls cannot take: extended dtypes (PRNG keys), 1-bit
+        integers (StableHLO custom calls refuse them) and the 6-bit floats (XLA has no device
+        representation for them).
+    """
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        raise TypeError(f"the block ops move plain arrays; got the extended dtype {dtype}")
+    bits = int(jax.dtypes.itemsize_bits(dtype))
+    if bits not in (2, 4) and bits % 8:
+        raise TypeError(
+            f"dtype {np.dtype(dtype).name} has {bits}-bit elements, which XLA's custom calls "
+            "cannot take"
+        )
+    return bits
+
+
+def block_nbytes(array: Any) -> int:
+    """Bytes of one block of a (local) blocks-first array, packed sub-byte elements included."""
+    return int(np.prod(array.shape[1:], dtype=np.int64)) * element_bits(array.dtype) // 8
 
 
 def _check_blocks_first(array: Any, name: str) -> None:
@@ -28,6 +58,14 @@ def _check_blocks_first(array: Any, name: str) -> None:
         raise TypeError(f"{name} must be a jax.Array, got {type(array).__name__}")
     if array.ndim < 1:
         raise ValueError(f"{name} must be blocks-first [num_blocks, *block], got a scalar")
+    bits = element_bits(array.dtype)
+    elements = int(np.prod(array.shape[1:], dtype=np.int64))
+    if (elements * bits) % 8:
+        raise ValueError(
+            f"{name}: a block of {elements} {np.dtype(array.dtype).name} elements ({bits} bits "
+            "each, packed) is not a whole number of bytes; sub-byte dtypes need blocks of a "
+            f"multiple of {8 // bits} elements"
+        )
 
 
 def _ffi_call(target: str, result: jax.ShapeDtypeStruct, aliases: dict[int, int] | None):
@@ -59,6 +97,14 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
     result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
     call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
     return call(cache, blocks, ids, validate_ids=validate_ids)
+
+
+_OP_NAMES = {
+    _copy_local: "copy_blocks",
+    _gather_local: "gather_blocks",
+    _gather_into_local: "gather_blocks",
+    _scatter_local: "scatter_blocks",
+}
 
 
 def _block_partition(array: jax.Array) -> tuple[jax.sharding.Mesh, PartitionSpec] | None:
@@ -102,7 +148,9 @@ def _eager_program(
 def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_ids: bool):
     cache = operands[0]
     if any(isinstance(x, jax.core.Tracer) for x in operands):
-        return local(*operands, validate_ids=validate_ids)
+        # Inside the caller's jit: a sharding rule keeps the op local to each shard.
+        return partitioned_call(local, operands, kinds, dict(validate_ids=validate_ids),
+                                op=_OP_NAMES.get(local, local.__name__))
     partition = _block_partition(cache)
     program = _eager_program(local, partition, kinds, donate_argnums, validate_ids)
     if partition is not None:
@@ -121,15 +169,21 @@ def copy_blocks(
     """Copies whole blocks inside one cache array, in place.
 
     Args:
-      cache: blocks-first array ``[num_blocks, *block]`` of any dtype. Consumed (donated)
-        when called outside jit.
+      cache: blocks-first array ``[num_blocks, *block]`` of any dtype XLA can hold,
+        including the packed sub-byte types (int4, uint4, int2, uint2, float4_e2m1fn) as long
+        as a block is a whole number of bytes; 1-bit integers and the 6-bit floats are
+        refused. Consumed (donated) when called outside jit.
       src_ids: int32 ids of the source blocks, shape ``[n]``.
       dst_ids: int32 ids of the destination blocks, shape ``[n]``. A pair with a negative id
         on either side is skipped (padding).
       validate_ids: on CUDA, copy traced ids to the host and check them before the launch
         (one small copy and a stream synchronisation). Concrete ids are always checked in
         Python, and CPU handlers always check. Without it, out-of-range ids are skipped on the
-        device and never touch memory outside the buffer, but are not reported.
+        device and never touch memory outside the buffer, but are not reported, and nothing
+        checks that ids are unique or that sources and destinations are disjoint: with
+        duplicate destinations, or a block both read and written, the CUDA threads race and
+        the result is undefined (the bytes stay inside the buffer). Traced ids wider than int32
+        are saturated, never wrapped: values past int32 become ``2**31 - 1`` (out of range).
 
     Returns:
       The updated cache (the same buffer when donated).

@@ -12,12 +12,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["as_id_array", "check_ids", "concrete_ids", "pad_block_ids"]
+__all__ = ["as_id_array", "check_ids", "concrete_ids", "pad_block_ids", "saturate_to_int32"]
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def saturate_to_int32(values: jax.Array) -> jax.Array:
+    """Traced integers as int32 without wrapping: values above the int32 range become
+    ``2**31 - 1`` (out of range for any cache, so the handlers report them, or skip them on
+    CUDA without validation) and values below it ``-1`` (negative: padding). A plain
+    ``astype(int32)`` would turn uint32 4294967295 into -1 (skipped silently) and int64
+    ``2**32 + 1`` into 1 (the wrong block)."""
+    if values.dtype == jnp.int32:
+        return values
+    if jnp.iinfo(values.dtype).bits < 32 or (
+        jnp.iinfo(values.dtype).bits == 32 and jnp.issubdtype(values.dtype, jnp.signedinteger)
+    ):
+        return values.astype(jnp.int32)
+    if jnp.issubdtype(values.dtype, jnp.unsignedinteger):
+        return jnp.minimum(values, _INT32_MAX).astype(jnp.int32)
+    return jnp.clip(values, -1, _INT32_MAX).astype(jnp.int32)
 
 
 def as_id_array(ids: Any, name: str) -> jax.Array | np.ndarray:
     """Returns `ids` as a 1-D int32 array (numpy when concrete, a JAX array or tracer
     otherwise).
+
+    Concrete ids (lists, numpy arrays, jax arrays that are not int32) are range-checked here;
+    traced ids wider than int32 are saturated (see `saturate_to_int32`), never wrapped.
 
     Raises:
       TypeError: ids are not integers.
@@ -28,7 +51,11 @@ def as_id_array(ids: Any, name: str) -> jax.Array | np.ndarray:
             raise ValueError(f"{name} must be one-dimensional, got shape {tuple(ids.shape)}")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must hold integers, got {ids.dtype}")
-        return ids if ids.dtype == jnp.int32 else ids.astype(jnp.int32)
+        if ids.dtype == jnp.int32:
+            return ids
+        if isinstance(ids, jax.core.Tracer):
+            return saturate_to_int32(ids)
+        ids = np.asarray(ids)  # concrete: checked below like any host ids
     array = np.asarray(ids)
     if array.size == 0:
         array = array.astype(np.int32).reshape(0)

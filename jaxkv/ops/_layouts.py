@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxkv._spec import validate_layout
 
 __all__ = ["check_ratio", "layout_pair", "one_layout", "source_shape"]
@@ -60,8 +62,9 @@ def check_ratio(ratio: int, block_size: int) -> int:
       >>> check_ratio(2, 16)
       2
     """
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, np.integer)) or ratio < 1:
         raise ValueError(f"ratio must be a positive integer, got {ratio!r}")
+    ratio = int(ratio)
     if block_size % ratio:
         raise ValueError(
             f"ratio {ratio} does not divide the block size {block_size}: a block cannot hold "

@@ -37,7 +37,9 @@ def _plan_for_cache(cache: Any, self_cfg: EngineConfig, peer_cfg: EngineConfig,
             f"split/concat work on cross-layer LKHTD caches; self_cfg.spec.layout is "
             f"{self_cfg.spec.layout!r} (permute the blocks first, see permute_blocks)"
         )
-    plan = plan_peers(self_cfg, peer_cfg, rank)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an integer, got {rank!r}")
+    plan = plan_peers(self_cfg, peer_cfg, int(rank))
     _check_blocks_first(cache, "cache")
     expected = self_cfg.local_block_shape(plan.pp_rank)
     local = _local_block_shape(cache)
@@ -143,6 +145,7 @@ def split_for_peers(
         _split_local, (cache, ids, *into), ("blocks", "replicated") + ("blocks",) * count,
         dict(box_starts=plan.box_starts(), shapes=local_shapes, validate_ids=validate_ids),
         donate_argnums=tuple(range(2, 2 + count)), num_outputs=plan.num_buffers,
+        op="split_for_peers",
     )
     return list(result)
 
@@ -212,4 +215,5 @@ def concat_from_peers(
         _concat_local, (cache, ids, *buffers),
         ("blocks", "replicated") + ("blocks",) * len(buffers),
         dict(box_starts=plan.box_starts(), validate_ids=validate_ids), donate_argnums=(0,),
+        op="concat_from_peers",
     )

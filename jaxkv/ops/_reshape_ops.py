@@ -18,9 +18,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._placement import place_exactly
-from jaxkv.ops._block_ops import _block_partition, _check_blocks_first, _ffi_call
-from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._block_ops import (
+    _block_partition,
+    _check_blocks_first,
+    _ffi_call,
+    block_nbytes,
+)
+from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
 from jaxkv.ops._layouts import check_ratio, layout_pair, one_layout
+from jaxkv.ops._partition import ShardingError, partitioned_call
 
 __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 
@@ -72,16 +78,27 @@ def run_per_shard(
     donate_argnums: tuple[int, ...],
     num_outputs: int | None = None,
     partition_of: int = 0,
+    op: str | None = None,
+    unsharded_axes: Sequence[tuple[int, str]] = (),
 ):
-    """Runs `local` on `operands` (traced: directly; concrete: a cached donating program,
-    per shard of operand `partition_of`'s sharding). `static` values must be hashable."""
+    """Runs `local` on `operands` (traced: under the sharding rule of `_partition`, local to
+    each shard; concrete: a cached donating program, per shard of operand `partition_of`'s
+    sharding). `static` values must be hashable; `op` names the public op in errors."""
     static_items = tuple(sorted(static.items()))
     if any(isinstance(x, jax.core.Tracer) for x in operands):
-        return local(*operands, **static)
+        # Inside the caller's jit: a sharding rule keeps the op local to each shard.
+        return partitioned_call(local, operands, kinds, static, op=op or local.__name__,
+                                reference=partition_of, unsharded_axes=unsharded_axes)
     partition = _block_partition(operands[partition_of])
     program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums)
     placed = list(operands)
     if partition is not None:
+        for axis, why in unsharded_axes:
+            if partition[1][axis] is not None:
+                raise ShardingError(
+                    f"jaxkv.ops.{op}: axis {axis} of the cache is sharded "
+                    f"({partition[1]}), but {why}; shard another axis."
+                )
         # Outside jit, shard_map wants its operands placed as its in_specs say.
         mesh, spec = partition
         for i, (x, kind) in enumerate(zip(operands, kinds)):
@@ -95,11 +112,6 @@ def run_per_shard(
             if kind == "blocks" and isinstance(x, jax.Array) and x.sharding.device_set != {device}:
                 placed[i] = place_exactly(x, device)
     return program(*placed)
-
-
-def block_nbytes(array: Any) -> int:
-    """Bytes of one block of a (local) blocks-first array."""
-    return int(np.prod(array.shape[1:], dtype=np.int64)) * np.dtype(array.dtype).itemsize
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,18 +138,22 @@ def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target):
     if cache.ndim < 2:
         raise ValueError("cache must be [num_blocks, *block] with at least one block axis")
     src, dst = layout_pair(src_layout, dst_layout, cache.ndim - 1)
-    check_ratio(ratio, cache.shape[1 + dst.index("T")])
+    ratio = check_ratio(ratio, cache.shape[1 + dst.index("T")])
     ids = as_id_array(ids, "ids")
     host = concrete_ids(ids)
     if host is not None:
         check_ids(host, "ids", cache.shape[0], unique=True)
     if (ratio == 1 and src == dst) or ids.shape[0] == 0:
         return cache  # nothing moves
+    unsharded = ()
+    if ratio > 1:
+        unsharded = ((1 + dst.index("T"), f"a merge splits the token axis T into {ratio} sender "
+                      "blocks of the whole block"),)
     return run_per_shard(
         _rearrange_local, (cache, ids), ("blocks", "replicated"),
         dict(target=target, src_layout=src, dst_layout=dst, ratio=ratio,
              validate_ids=validate_ids),
-        donate_argnums=(0,),
+        donate_argnums=(0,), op=target.removeprefix("jaxkv_"), unsharded_axes=unsharded,
     )
 
 
@@ -155,12 +171,17 @@ def permute_blocks(
 
     Args:
       cache: blocks-first array ``[num_blocks, *block]`` whose blocks have `dst_layout`'s
-        shape; any dtype. Consumed (donated) when called outside jit.
+        shape; any dtype `copy_blocks` takes (for packed sub-byte types every moved run must
+        also be whole bytes, or the handler refuses the call). Consumed (donated) when called
+        outside jit.
       block_ids: int32 ids of the blocks to rewrite, shape ``[n]``; negative ids are skipped;
         ids must be unique.
       src_layout, dst_layout: layout letters (or preset names, see `jaxkv.LAYOUT_PRESETS`)
         naming the same axes, as many as the cache's block axes.
       validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    On a sharded cache (eagerly, or traced inside the caller's jit) every shard rewrites its own
+    local blocks (each rank received its own heads' bytes); the block axis must not be sharded.
 
     Returns:
       The updated cache (the same buffer when donated).
@@ -197,6 +218,9 @@ def merge_blocks(
       src_layout: the sender's layout (same axes as `dst_layout`).
       dst_layout: the cache's layout.
       validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    On a sharded cache (eagerly, or traced inside the caller's jit) every shard rewrites its own
+    local blocks (each rank received its own heads' bytes); the block axis must not be sharded.
 
     Returns:
       The updated cache.
@@ -241,7 +265,11 @@ def _token_count(num_tokens: Any):
         if num_tokens.ndim != 0 or not jnp.issubdtype(num_tokens.dtype, jnp.integer):
             raise TypeError(f"num_tokens must be an integer scalar, got {num_tokens.dtype}"
                             f"{list(num_tokens.shape)}")
-        return num_tokens.astype(jnp.int32)
+        if isinstance(num_tokens, jax.core.Tracer):
+            return saturate_to_int32(num_tokens)  # anything past T copies whole blocks
+        num_tokens = np.asarray(num_tokens)
+    if isinstance(num_tokens, int) and not isinstance(num_tokens, bool):
+        num_tokens = max(-1, min(num_tokens, int(np.iinfo(np.int32).max)))  # any Python int
     value = np.asarray(num_tokens)
     if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
         raise TypeError(f"num_tokens must be an integer, got {num_tokens!r}")
@@ -272,6 +300,9 @@ def copy_block_prefix(
       layout: the blocks' layout (letters or a preset name), which says where the token axis
         ``T`` is.
       validate_ids: see `jaxkv.ops.copy_blocks`.
+
+    On a sharded cache (eagerly, or traced inside the caller's jit) each shard copies its own
+    part; neither the block axis nor the token axis may be sharded (a clear error otherwise).
 
     Returns:
       The updated destination cache.
@@ -315,13 +346,17 @@ def copy_block_prefix(
     if src.shape[0] == 0:
         return dst_cache
     static = dict(layout=layout, validate_ids=validate_ids)
+    # A token prefix counts tokens of the whole block: a shard holding some tokens cannot copy
+    # its part alone.
+    unsharded = ((1 + layout.index("T"), "the prefix counts tokens of the whole token axis T"),)
     if same:
         return run_per_shard(
             _prefix_in_place_local, (dst_cache, src, dst, count),
             ("blocks", "replicated", "replicated", "replicated"), static, donate_argnums=(0,),
+            op="copy_block_prefix", unsharded_axes=unsharded,
         )
     return run_per_shard(
         _prefix_local, (src_cache, dst_cache, src, dst, count),
         ("blocks", "blocks", "replicated", "replicated", "replicated"), static,
-        donate_argnums=(1,), partition_of=1,
+        donate_argnums=(1,), partition_of=1, op="copy_block_prefix", unsharded_axes=unsharded,
     )

@@ -84,7 +84,7 @@ def merge_blocks(
       [0.0, 10.0, 1.0, 11.0, 2.0, 12.0, 3.0, 13.0]
     """
     src, dst = layout_pair(src_layout, dst_layout, cache.ndim - 1)
-    check_ratio(ratio, cache.shape[1 + dst.index("T")])
+    ratio = check_ratio(ratio, cache.shape[1 + dst.index("T")])
     ids = jnp.asarray(ids, jnp.int32)
     blocks = cache[jnp.maximum(ids, 0)]
     count = blocks.shape[0]

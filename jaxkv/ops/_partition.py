@@ -1,0 +1,204 @@
+"""Sharding rules for the custom calls, so that an op traced inside the caller's ``jax.jit`` on a
+sharded cache runs on each shard's local blocks.
+
+Without a rule XLA's partitioner cannot look inside a custom call: it all-gathers every sharded
+operand and replicates the result (the whole cache on every device, one full copy per call).
+Each op is wrapped in `jax.experimental.custom_partitioning` with a Shardy sharding rule (and
+the equivalent GSPMD callbacks) that says:
+
+* every per-block axis of the cache (heads, layers, tokens, ...) maps to the same axis of the
+  result and of the other block arrays (dense blocks, destination caches, peer buffers) when the
+  sizes agree, so any sharding of those axes, over one mesh axis or several, stays local and the
+  result keeps the cache's sharding;
+* the block axis must not be sharded: these ops move blocks between arbitrary ids, which a shard
+  holding some of the blocks cannot do alone. Such a sharding is refused with an error naming
+  the op, never silently all-gathered;
+* ids and other small operands are replicated.
+
+The per-shard function (``_*_local`` in the op modules) is what runs on each shard: inside a
+fully manual ``shard_map``, on one device, or under ``vmap`` (custom_partitioning has no
+batching rule) it is called directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+try:  # private, but the only way to tell a vmap tracer; without it, vmap is not detected
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover
+    _BatchTracer = ()
+
+__all__ = ["ShardingError", "partitioned_call"]
+
+
+class ShardingError(ValueError):
+    """A sharding under which an op cannot run shard-locally (raised while compiling)."""
+
+
+def _rule(shapes: Sequence[tuple[int, ...]], kinds: Sequence[str], reference: int,
+          result_shapes: Sequence[tuple[int, ...]]) -> tuple[str, tuple[str, ...], tuple[int, ...]]:
+    """The einsum-like Shardy rule, the factors that need replication, and the per-block axes
+    of the reference operand that other block arrays do not share (must stay unsharded)."""
+    ref_shape = shapes[reference]
+    block_factors = [f"a{d}" for d in range(1, len(ref_shape))]
+    unique = iter(f"u{i}" for i in range(10_000))
+    replicated: list[str] = []
+    unshared: set[int] = set()
+
+    def blocks_mapping(shape: tuple[int, ...], leading: str) -> str:
+        factors = [leading]
+        for d in range(1, len(shape)):
+            if len(shape) == len(ref_shape) and shape[d] == ref_shape[d]:
+                factors.append(block_factors[d - 1])
+            else:
+                factors.append(next(unique))
+                if d < len(ref_shape):
+                    unshared.add(d)
+        return " ".join(factors)
+
+    operands = []
+    for i, (shape, kind) in enumerate(zip(shapes, kinds)):
+        if i == reference:
+            operands.append(" ".join(["n", *block_factors]))
+        elif kind == "blocks":
+            operands.append(blocks_mapping(shape, next(unique)))
+        else:
+            factors = [next(unique) for _ in shape]
+            replicated.extend(factors)
+            operands.append(" ".join(factors))
+    results = []
+    for shape in result_shapes:
+        if tuple(shape) == tuple(ref_shape):
+            results.append(" ".join(["n", *block_factors]))
+        else:
+            results.append(blocks_mapping(shape, next(unique)))
+    rule = ", ".join(operands) + " -> " + ", ".join(results)
+    return rule, tuple(replicated), tuple(sorted(unshared))
+
+
+def _sharded_axes(shape: Sequence[int], sharding: jax.sharding.Sharding) -> list[int]:
+    local = sharding.shard_shape(tuple(shape))
+    return [d for d, (g, s) in enumerate(zip(shape, local)) if g != s]
+
+
+def _replicated_like(sharding: jax.sharding.Sharding, mesh) -> jax.sharding.Sharding:
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec())
+    if mesh is not None and not mesh.empty:
+        return NamedSharding(mesh, PartitionSpec())
+    from jax._src.sharding_impls import GSPMDSharding  # no mesh: XLA handed a raw sharding
+
+    return GSPMDSharding.get_replicated(sharding._device_assignment)
+
+
+@functools.lru_cache(maxsize=512)
+def _partitioned(
+    local: Callable[..., Any],
+    op: str,
+    static: tuple[tuple[str, Any], ...],
+    kinds: tuple[str, ...],
+    shapes: tuple[tuple[int, ...], ...],
+    result_shapes: tuple[tuple[int, ...], ...],
+    reference: int,
+    multiple_results: bool,
+    unsharded_axes: tuple[tuple[int, str], ...],
+) -> Callable[..., Any]:
+    kwargs = dict(static)
+    rule, need_replication, unshared = _rule(shapes, kinds, reference, result_shapes)
+
+    def run(*operands):
+        return local(*operands, **kwargs)
+
+    def shardings(arg_shapes):
+        ref = arg_shapes[reference]
+        sharding = ref.sharding
+        sharded = _sharded_axes(ref.shape, sharding)
+        if 0 in sharded:
+            raise ShardingError(
+                f"jaxkv.ops.{op}: the block axis (axis 0) of its cache operand is sharded "
+                f"({sharding}); the op moves blocks between arbitrary ids, which one shard "
+                "cannot do alone. Shard the other axes (heads, layers, tokens) instead, or "
+                "gather the cache first."
+            )
+        for axis, why in unsharded_axes:
+            if axis in sharded:
+                raise ShardingError(
+                    f"jaxkv.ops.{op}: axis {axis} of the cache is sharded ({sharding}), but "
+                    f"{why}; shard another axis."
+                )
+        bad = [d for d in sharded if d in unshared]
+        if bad:
+            raise ShardingError(
+                f"jaxkv.ops.{op}: axes {bad} of the cache are sharded ({sharding}) but the other "
+                "block arrays of the op have different sizes along them, so no shard holds "
+                "matching pieces; run the op under shard_map with per-shard arrays."
+            )
+        return sharding, _replicated_like(sharding, None)
+
+    def partition(mesh, arg_shapes, result_shape):
+        blocks, replicated = shardings(arg_shapes)
+        arg_shardings = tuple(blocks if k == "blocks" else replicated for k in kinds)
+        results = tuple(blocks for _ in result_shapes)
+        return mesh, run, results if multiple_results else results[0], arg_shardings
+
+    def infer(mesh, arg_shapes, result_shape):
+        blocks, _ = shardings(arg_shapes)
+        results = tuple(blocks for _ in result_shapes)
+        return results if multiple_results else results[0]
+
+    wrapped = custom_partitioning(run)
+    wrapped.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=rule,
+        need_replication_factors=need_replication,
+    )
+    return wrapped
+
+
+def partitioned_call(
+    local: Callable[..., Any],
+    operands: Sequence[Any],
+    kinds: Sequence[str],
+    static: dict[str, Any],
+    *,
+    op: str,
+    reference: int = 0,
+    unsharded_axes: Sequence[tuple[int, str]] = (),
+):
+    """Calls ``local(*operands, **static)`` under a sharding rule (see the module docstring).
+
+    Args:
+      local: the per-shard function; returns one array or a tuple of arrays.
+      operands: arrays or tracers; ``kinds[i] == "blocks"`` marks block arrays laid out like
+        the cache (operand `reference`), anything else is replicated.
+      static: hashable keyword arguments of `local`.
+      op: the public op's name, for errors.
+      reference: index of the cache operand whose sharding the block arrays follow.
+      unsharded_axes: ``(axis, why)`` pairs: axes of the cache that the op cannot split
+        (a shard-local run would compute something else); a sharding of one is refused.
+
+    Returns:
+      What `local` returns.
+    """
+    if any(isinstance(x, _BatchTracer) for x in operands):
+        return local(*operands, **static)
+    operands = tuple(jax.numpy.asarray(x) if not isinstance(x, (jax.Array, jax.core.Tracer))
+                     else x for x in operands)
+    out = jax.eval_shape(lambda *xs: local(*xs, **static), *operands)
+    multiple = isinstance(out, (tuple, list))
+    result_shapes = tuple(tuple(o.shape) for o in out) if multiple else (tuple(out.shape),)
+    wrapped = _partitioned(
+        local, op, tuple(sorted(static.items())), tuple(kinds),
+        tuple(tuple(x.shape) for x in operands), result_shapes, reference, multiple,
+        tuple(unsharded_axes),
+    )
+    result = wrapped(*operands)
+    return tuple(result) if multiple else result

@@ -1,0 +1,175 @@
+"""Raw ops inside the caller's own jit on a sharded cache: local per shard (no collective in
+the compiled HLO), the result keeps the cache's sharding, values exact; a sharded block axis is
+refused."""
+
+import kv_testing
+
+kv_testing.force_cpu_devices()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv import ops
+from jaxkv.ops import reference
+
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+# [blocks, K, H, T, D], layout "KHTD".
+SHAPE = (8, 2, 8, 4, 8)
+MESHES = {"1d": ((4,), ("tp",)), "2d": ((2, 4), ("dp", "tp")), "2d_auto": ((4, 2), ("tp", "dp"))}
+CASES = [
+    ("1d", P(None, None, "tp")),
+    ("1d", P(None, None, None, "tp")),  # tokens
+    ("2d", P(None, "dp", "tp")),
+    ("2d", P(None, None, ("dp", "tp"))),
+    ("2d", P(None, None, "tp", None, "dp")),
+    ("2d_auto", P(None, "dp", "tp")),
+]
+
+
+def _mesh(name):
+    shape, axes = MESHES[name]
+    if name.endswith("_auto"):  # a plain Mesh: Auto axes, shardings unknown while tracing
+        devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+        return jax.sharding.Mesh(devices, axes)
+    return jax.make_mesh(shape, axes)
+
+
+def _spec(sharding, ndim):
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _per_shard(host, sharding, fn):
+    """`fn` applied to every shard's local piece of `host` (how a sharded cache is rewritten:
+    each rank holds and post-processes its own bytes)."""
+    out = np.empty_like(host)
+    for index in sharding.devices_indices_map(host.shape).values():
+        out[index] = np.asarray(fn(host[index]))
+    return out
+
+
+class ShardedInJitTest(parameterized.TestCase):
+    def _check(self, fn, args, donate, expected, sharding):
+        step = jax.jit(fn, donate_argnums=donate)
+        compiled = step.lower(*args).compile()
+        hlo = compiled.as_text()
+        found = [c for c in COLLECTIVES if c in hlo]
+        self.assertEqual(found, [], f"collectives in the compiled HLO: {found}")
+        out = compiled(*args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        wants = expected if isinstance(expected, (tuple, list)) else (expected,)
+        for got, want in zip(outs, wants):
+            self.assertEqual(_spec(got.sharding, got.ndim), _spec(sharding, got.ndim))
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                          np.asarray(want).view(np.uint32))
+
+    def _cache(self, seed, sharding):
+        host = kv_testing.random_bits(np.random.default_rng(seed), SHAPE, np.float32)
+        return host, jax.device_put(host, sharding)
+
+    @parameterized.parameters(*CASES)
+    def test_block_ops(self, mesh_name, spec):
+        sharding = NamedSharding(_mesh(mesh_name), spec)
+        src, dst = jnp.asarray([0, 3, -1], jnp.int32), jnp.asarray([5, 6, 7], jnp.int32)
+        host, cache = self._cache(0, sharding)
+        self._check(lambda c, s, d: ops.copy_blocks(c, s, d), (cache, src, dst), 0,
+                    kv_testing.numpy_copy_blocks(host, [0, 3, -1], [5, 6, 7]), sharding)
+        host, cache = self._cache(1, sharding)
+        self._check(lambda c, i: ops.gather_blocks(c, i), (cache, src), (),
+                    kv_testing.numpy_gather_blocks(host, [0, 3, -1]), sharding)
+        out = jax.device_put(np.zeros((3, *SHAPE[1:]), np.float32), sharding)
+        self._check(lambda c, i, o: ops.gather_blocks(c, i, out=o), (cache, src, out), 2,
+                    kv_testing.numpy_gather_blocks(host, [0, 3, -1]), sharding)
+        blocks_host = kv_testing.random_bits(np.random.default_rng(2), (3, *SHAPE[1:]),
+                                             np.float32)
+        blocks = jax.device_put(blocks_host, sharding)
+        host, cache = self._cache(3, sharding)
+        self._check(lambda c, b, i: ops.scatter_blocks(c, b, i), (cache, blocks, dst), 0,
+                    kv_testing.numpy_scatter_blocks(host, blocks_host, [5, 6, 7]), sharding)
+
+    @parameterized.parameters(*CASES)
+    def test_permute_and_merge_rewrite_each_shard(self, mesh_name, spec):
+        sharding = NamedSharding(_mesh(mesh_name), spec)
+        ids = jnp.asarray([1, -1, 4], jnp.int32)
+        host = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+        for fn in (lambda c, i: ops.permute_blocks(c, i, "KTHD", "KHTD"),
+                   lambda c, i: ops.merge_blocks(c, i, 2, "KHTD", "KHTD")):
+            ref = fn.__code__.co_names[-1]
+            if ref == "merge_blocks" and _spec(sharding, len(SHAPE))[3] is not None:
+                with self.assertRaisesRegex(Exception, "merge_blocks: axis 3 of the cache"):
+                    jax.jit(fn).lower(jax.device_put(host, sharding), ids).compile()
+                continue
+            want = _per_shard(host, sharding, lambda block, ref=ref: getattr(reference, ref)(
+                jnp.asarray(block), ids, *(("KTHD", "KHTD") if ref == "permute_blocks"
+                                           else (2, "KHTD", "KHTD"))))
+            self._check(fn, (jax.device_put(host, sharding), ids), 0, want, sharding)
+
+    @parameterized.parameters(*CASES)
+    def test_prefix_copies(self, mesh_name, spec):
+        sharding = NamedSharding(_mesh(mesh_name), spec)
+        host = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+        src, dst = jnp.asarray([0, 2], jnp.int32), jnp.asarray([6, 7], jnp.int32)
+        if _spec(sharding, len(SHAPE))[3] is not None:  # the token axis
+            cache = jax.device_put(host, sharding)
+            step = jax.jit(lambda c, s, d: ops.copy_block_prefix(c, c, s, d, 3, "KHTD"))
+            with self.assertRaisesRegex(Exception, "copy_block_prefix: axis 3 of the cache"):
+                step.lower(cache, src, dst).compile()
+            with self.assertRaisesRegex(ValueError, "copy_block_prefix: axis 3 of the cache"):
+                ops.copy_block_prefix(cache, cache, src, dst, 3, "KHTD")
+            return
+        other = jax.device_put(host + 1000, sharding)
+        cache = jax.device_put(host, sharding)
+        want = reference.copy_block_prefix(jnp.asarray(host + 1000), jnp.asarray(host), src, dst,
+                                           3, "KHTD")
+        self._check(
+            lambda a, b, s, d, n: ops.copy_block_prefix(a, b, s, d, n, "KHTD"),
+            (other, cache, src, dst, jnp.int32(3)), 1, want, sharding,
+        )
+        cache = jax.device_put(host, sharding)
+        want = reference.copy_block_prefix(jnp.asarray(host), jnp.asarray(host), src, dst, 3,
+                                           "KHTD")
+        self._check(lambda c, s, d: ops.copy_block_prefix(c, c, s, d, 3, "KHTD"),
+                    (cache, src, dst), 0, want, sharding)
+
+    @parameterized.parameters(("1d", P("tp")), ("2d", P(("dp", "tp"))), ("2d", P("dp", None, "tp")))
+    def test_a_sharded_block_axis_is_refused(self, mesh_name, spec):
+        sharding = NamedSharding(_mesh(mesh_name), spec)
+        cache = jax.device_put(np.zeros(SHAPE, np.float32), sharding)
+        ids = jnp.asarray([0], jnp.int32)
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d), donate_argnums=0)
+        with self.assertRaisesRegex(Exception, r"copy_blocks: the block axis \(axis 0\)"):
+            step.lower(cache, ids, ids + 1).compile()
+        with self.assertRaisesRegex(Exception, r"gather_blocks: the block axis"):
+            jax.jit(ops.gather_blocks).lower(cache, ids).compile()
+
+    def test_donated_sharded_cache_is_updated_in_place(self):
+        sharding = NamedSharding(_mesh("2d"), P(None, "dp", "tp"))
+        host, cache = self._cache(7, sharding)
+        before = [s.data.unsafe_buffer_pointer() for s in cache.addressable_shards]
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d), donate_argnums=0)
+        out = step(cache, jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32))
+        self.assertEqual([s.data.unsafe_buffer_pointer() for s in out.addressable_shards], before)
+        np.testing.assert_array_equal(np.asarray(out), kv_testing.numpy_copy_blocks(host, [1], [2]))
+
+    def test_one_device_and_shard_map_still_call_the_handler_directly(self):
+        host = kv_testing.random_bits(np.random.default_rng(5), SHAPE, np.float32)
+        got = jax.jit(lambda c: ops.copy_blocks(c, [1], [2]), donate_argnums=0)(jnp.asarray(host))
+        np.testing.assert_array_equal(np.asarray(got), kv_testing.numpy_copy_blocks(host, [1], [2]))
+        mesh = _mesh("1d")
+        spec = P(None, None, "tp")
+        body = jax.shard_map(lambda c, s, d: ops.copy_blocks(c, s, d), mesh=mesh,
+                             in_specs=(spec, P(), P()), out_specs=spec)
+        cache = jax.device_put(host, NamedSharding(mesh, spec))
+        step = jax.jit(body, donate_argnums=0)
+        src, dst = jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32)
+        self.assertNotIn("CustomSPMDPartitioning", step.lower(cache, src, dst).as_text())
+        np.testing.assert_array_equal(np.asarray(step(cache, src, dst)),
+                                      kv_testing.numpy_copy_blocks(host, [1], [2]))
+
+
+if __name__ == "__main__":
+    absltest.main()
