@@ -180,6 +180,16 @@ class RowRunsTest(parameterized.TestCase):
 
 
 class SwitchTest(absltest.TestCase):
+    def test_docstring_examples(self):
+        import doctest
+
+        import jaxkv
+        from jaxkv.ops import _dispatch
+
+        result = doctest.testmod(_dispatch, extraglobs={"jnp": jnp, "jaxkv": jaxkv})
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
+
     def test_context_and_environment(self):
         self.assertEqual(ops.current_implementation(), "auto")
         with ops.implementation("pallas"):
