@@ -211,7 +211,8 @@ def _timed(report):
         )
         print(f"{name:24s} {results[name]['median_gbps']:8.1f} GB/s  "
               f"{results[name]['vs_limit']:.2f}x of the device copy")
-    report.update(mode="timed on TPU" if not interpret else "dry run (interpret; not timing)", pages=int(pages), moved_pages=int(moved),
+    mode = "dry run (interpret mode; not a timing)" if interpret else "timed on TPU"
+    report.update(mode=mode, pages=int(pages), moved_pages=int(moved),
                   block_bytes=int(block_bytes), results=results, target="jaxkv >= 0.85x limit")
 
 
