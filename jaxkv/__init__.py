@@ -20,7 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
-from jaxkv._spec import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
+from jaxkv._spec import CACHE_PRESETS, LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
 from jaxkv._version import __version__
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BufferMovedError",
     "EngineConfig",
+    "CACHE_PRESETS",
     "KVCacheSpec",
     "LAYOUT_PRESETS",
     "PagedKVCache",

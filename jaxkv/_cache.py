@@ -111,7 +111,7 @@ class PagedKVCache:
         num_blocks: int,
         *,
         mesh: Mesh | None = None,
-        tp_axis: str = "tp",
+        tp_axis: str | tuple[str, ...] = "tp",
     ) -> PagedKVCache:
         """Allocates a zero-filled cache directly in its sharded form (inside jit, so no
         device ever holds more than its shard).
@@ -120,7 +120,8 @@ class PagedKVCache:
           spec: what the cache holds.
           num_blocks: blocks per array.
           mesh: mesh with a `tp_axis` axis; None for one device.
-          tp_axis: the tensor-parallel mesh axis; heads are split (or replicated) over it.
+          tp_axis: the tensor-parallel mesh axis (or a tuple of axes); heads are split (or
+            replicated) over it.
 
         Returns:
           The cache.
@@ -132,7 +133,7 @@ class PagedKVCache:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         layout = head_sharding(spec, mesh, tp_axis)
-        shape = spec.array_shape(num_blocks)
+        shape = (num_blocks, *spec.global_block_shape(layout.tp_size))
         named = layout.named_sharding(spec)
         count = spec.num_arrays
         zeros = jax.jit(
@@ -148,10 +149,10 @@ class PagedKVCache:
         arrays: Sequence[jax.Array],
         *,
         mesh: Mesh | None = None,
-        tp_axis: str = "tp",
+        tp_axis: str | tuple[str, ...] = "tp",
     ) -> PagedKVCache:
         """Builds a cache from existing arrays (global shapes), copied onto the cache's
-        sharding so that the cache owns its buffers.
+        sharding so that the cache owns its buffers (see `wrap` to adopt arrays instead).
 
         Raises:
           ValueError: wrong number of arrays, shapes or dtypes.
@@ -166,7 +167,8 @@ class PagedKVCache:
         num_blocks = int(arrays[0].shape[0]) if arrays[0].ndim else 0
         if num_blocks < 1:
             raise ValueError("arrays must be blocks-first with at least one block")
-        expected = spec.array_shape(num_blocks)
+        tp_size = head_sharding(spec, mesh, tp_axis).tp_size
+        expected = (num_blocks, *spec.global_block_shape(tp_size))
         for index, array in enumerate(arrays):
             if tuple(array.shape) != expected or array.dtype != spec.dtype:
                 raise ValueError(
@@ -178,6 +180,77 @@ class PagedKVCache:
         # among all replicas, and a donated update could then not happen in place.
         cache = cls.allocate(spec, num_blocks, mesh=mesh, tp_axis=tp_axis)
         return cache.scatter_blocks(arrays, np.arange(num_blocks, dtype=np.int32))
+
+    @classmethod
+    def wrap(
+        cls,
+        arrays: Sequence[jax.Array],
+        spec: KVCacheSpec,
+        mesh: Mesh | None = None,
+        *,
+        tp_axis: str | tuple[str, ...] = "tp",
+    ) -> PagedKVCache:
+        """Adopts existing device arrays as a cache, zero-copy: the cache's arrays are the
+        given ones (same buffers), e.g. the per-layer caches a serving framework allocated.
+        Donate the cache to later updates as usual; the caller must stop using the arrays.
+
+        Args:
+          arrays: one global array per `spec.array_keys()` entry, ``[num_blocks,
+            *spec.global_block_shape(tp)]``, already sharded as the cache would shard them
+            (block axis and other axes unsharded, the head axis over `tp_axis`).
+          spec: what the arrays hold (e.g. `KVCacheSpec.for_tpu_inference`).
+          mesh: the mesh the arrays are sharded over; None for arrays on one device.
+          tp_axis: the tensor-parallel mesh axis, or a tuple of axes (``("model",
+            "expert")``).
+
+        Returns:
+          The cache, holding the same `jax.Array` objects.
+
+        Raises:
+          ValueError: wrong number of arrays, shapes, dtypes, deleted arrays, or arrays sharded
+            differently from the cache's sharding (adopting them would need a copy).
+
+        Example:
+          >>> spec = KVCacheSpec.for_tpu_inference(1, 2, 64, 16, dtype="bfloat16")
+          >>> layer = jnp.zeros((8, *spec.block_shape()), spec.dtype)
+          >>> PagedKVCache.wrap([layer], spec).arrays[0] is layer
+          True
+        """
+        arrays = tuple(arrays)
+        if len(arrays) != spec.num_arrays or not arrays:
+            raise ValueError(
+                f"spec {spec.layout!r} needs {spec.num_arrays} arrays, got {len(arrays)}"
+            )
+        for index, array in enumerate(arrays):
+            if not isinstance(array, jax.Array):
+                raise ValueError(f"array {index} is a {type(array).__name__}, not a jax.Array")
+            if array.is_deleted():
+                raise ValueError(f"array {index} has been deleted (donated)")
+        if mesh is None:
+            devices = arrays[0].sharding.device_set
+            if len(devices) != 1:
+                raise ValueError("arrays spread over several devices need their mesh")
+            names = (tp_axis,) if isinstance(tp_axis, str) else tuple(tp_axis)
+            mesh = Mesh(np.array(list(devices)).reshape((1,) * len(names)), names)
+        layout = head_sharding(spec, mesh, tp_axis)
+        num_blocks = int(arrays[0].shape[0]) if arrays[0].ndim else 0
+        if num_blocks < 1:
+            raise ValueError("arrays must be blocks-first with at least one block")
+        expected = (num_blocks, *spec.global_block_shape(layout.tp_size))
+        named = layout.named_sharding(spec)
+        for index, array in enumerate(arrays):
+            if tuple(array.shape) != expected or array.dtype != spec.dtype:
+                raise ValueError(
+                    f"array {index} has shape {tuple(array.shape)} and dtype {array.dtype}; "
+                    f"the spec needs {expected} and {spec.dtype.name}"
+                )
+            if not array.sharding.is_equivalent_to(named, array.ndim):
+                raise ValueError(
+                    f"array {index} is sharded as {array.sharding}; the cache needs "
+                    f"{named.spec} over mesh axes {dict(named.mesh.shape)} (adopting it would "
+                    "copy: use from_arrays to copy on purpose)"
+                )
+        return cls(spec, arrays, layout)
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -346,14 +419,18 @@ class PagedKVCache:
         are alive; re-check them with `verify_unmoved` after each update.
         """
         self.block_until_ready()
-        head_axis = 1 + self.spec.layout.index("H") if "H" in self.spec.layout else None
+        axes = self.spec.block_axes()
+        head_axis = 1 + axes.index("H") if "H" in axes and not self.spec.mla else None
+        per_rank = self.spec.heads_per_rank(self.tp_size)
         buffers = []
         for index, (key, array) in enumerate(zip(self.array_keys, self.arrays)):
             for shard in array.addressable_shards:
                 heads = (0, self.spec.num_kv_heads)
                 if head_axis is not None:
                     start, stop, _ = shard.index[head_axis].indices(array.shape[head_axis])
-                    heads = (start, stop)
+                    if stop - start != array.shape[head_axis]:  # a head shard
+                        first = start // (stop - start) * per_rank
+                        heads = (first, first + per_rank)
                 buffers.append(
                     ShardBuffer(
                         array_index=index,

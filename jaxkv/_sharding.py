@@ -26,21 +26,23 @@ class HeadSharding:
     Attributes:
       mesh: the mesh the cache arrays are sharded over (the caller's mesh, or a view of it whose
         TP axis is split into heads x replicas when TP exceeds the head count).
-      head_axis: mesh axis the head axis is split over, or None when heads are replicated.
-      tp_axis: the caller's tensor-parallel axis name.
+      head_axis: mesh axis (or tuple of axes) the head axis is split over, or None when heads
+        are replicated.
+      tp_axis: the caller's tensor-parallel axis name, or a tuple of names (e.g.
+        ``("model", "expert")``) whose product is the TP size.
       tp_size: tensor-parallel size.
       source_mesh: the mesh the caller gave (equal to `mesh` unless TP exceeds the heads).
     """
 
     mesh: Mesh
-    head_axis: str | None
-    tp_axis: str
+    head_axis: str | tuple[str, ...] | None
+    tp_axis: str | tuple[str, ...]
     tp_size: int
     source_mesh: Mesh
 
     def partition_spec(self, spec: KVCacheSpec) -> PartitionSpec:
         """Partition spec of one cache array (block axis first, unsharded)."""
-        axes = [self.head_axis if letter == "H" else None for letter in spec.layout]
+        axes = [self.head_axis if letter == "H" else None for letter in spec.block_axes()]
         return PartitionSpec(None, *axes)
 
     def named_sharding(self, spec: KVCacheSpec) -> NamedSharding:
@@ -49,14 +51,15 @@ class HeadSharding:
 
 
 def head_sharding(
-    spec: KVCacheSpec, mesh: Mesh | None = None, tp_axis: str = "tp"
+    spec: KVCacheSpec, mesh: Mesh | None = None, tp_axis: str | tuple[str, ...] = "tp"
 ) -> HeadSharding:
     """Builds the head sharding of `spec` over `mesh`'s `tp_axis`.
 
     Args:
       spec: the cache spec.
       mesh: a mesh with a `tp_axis` axis; other axes replicate the cache. None: one device.
-      tp_axis: name of the tensor-parallel axis.
+      tp_axis: name of the tensor-parallel axis, or a tuple of names sharded together (the
+        head axis is split over their product, major axis first).
 
     Returns:
       A `HeadSharding`.
@@ -69,17 +72,28 @@ def head_sharding(
       >>> head_sharding(KVCacheSpec(1, 2, 8, 4, "float32"), mesh).head_axis is None
       True
     """
+    if isinstance(tp_axis, (list, tuple)):
+        tp_axis = tuple(tp_axis)
+        if len(tp_axis) == 1:
+            tp_axis = tp_axis[0]
+    names = (tp_axis,) if isinstance(tp_axis, str) else tp_axis
     if mesh is None:
-        mesh = Mesh(np.array(jax.devices()[:1]), (tp_axis,))
-    if tp_axis not in mesh.axis_names:
+        mesh = Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+    missing = [name for name in names if name not in mesh.axis_names]
+    if missing or len(set(names)) != len(names):
         raise ValueError(f"mesh axes {mesh.axis_names} do not include the TP axis {tp_axis!r}")
-    tp_size = int(mesh.shape[tp_axis])
+    tp_size = int(np.prod([mesh.shape[name] for name in names]))
     if spec.mla or tp_size == 1 or "H" not in spec.layout:
         spec.heads_per_rank(tp_size)  # validates divisibility for non-MLA specs
         return HeadSharding(mesh, None, tp_axis, tp_size, mesh)
     spec.heads_per_rank(tp_size)
     if tp_size <= spec.num_kv_heads:
         return HeadSharding(mesh, tp_axis, tp_axis, tp_size, mesh)
+    if not isinstance(tp_axis, str):
+        raise ValueError(
+            f"TP over the mesh axes {tp_axis} ({tp_size} ranks) exceeds the {spec.num_kv_heads} "
+            "KV heads; replicating heads is supported over a single TP axis only"
+        )
     replicas = tp_size // spec.num_kv_heads
     names = list(mesh.axis_names)
     position = names.index(tp_axis)

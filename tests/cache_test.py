@@ -268,5 +268,95 @@ class ShardedOpsTest(parameterized.TestCase):
         self.assertIn("layout='HTD'", repr(rebuilt))
 
 
+class FrameworkCacheTest(parameterized.TestCase):
+    """Caches as tpu-inference / sglang-jax allocate them: adopted zero-copy, TP over a tuple
+    of mesh axes."""
+
+    def _mesh2(self):
+        return jax.make_mesh((2, 2), ("model", "expert"), devices=jax.devices()[:4])
+
+    def _framework_arrays(self, spec, mesh, axes, num_blocks, seed):
+        """Per-layer arrays allocated the way the framework does (a jitted computation with
+        its sharding), holding random bits."""
+        rng = np.random.default_rng(seed)
+        shape = (num_blocks, *spec.global_block_shape(4))
+        hosts = [kv_testing.random_bits(rng, shape, spec.dtype) for _ in range(spec.num_arrays)]
+        named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, axes))
+        make = jax.jit(jnp.copy, out_shardings=named)
+        return [make(h) for h in hosts], hosts
+
+    def test_wrap_adopts_tpu_inference_layers_zero_copy(self):
+        spec = KVCacheSpec.for_tpu_inference(2, num_kv_heads=8, head_dim=64, page_size=4,
+                                             dtype="bfloat16")
+        mesh = self._mesh2()
+        arrays, hosts = self._framework_arrays(spec, mesh, ("model", "expert"), 6, 0)
+        self.assertEqual(arrays[0].shape, (6, 4, 8, 2, 128))  # 16 combined heads / packing 2
+        pointers = [[s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+                    for a in arrays]
+        cache = PagedKVCache.wrap(arrays, spec, mesh, tp_axis=("model", "expert"))
+        self.assertEqual(cache.tp_size, 4)
+        for adopted, given in zip(cache.arrays, arrays):
+            self.assertIs(adopted, given)
+        self.assertEqual([[b.address for b in cache.shard_buffers() if b.array_index == i]
+                          for i in range(2)], pointers)
+        self.assertEqual(sorted({(b.head_start, b.head_stop) for b in cache.shard_buffers()}),
+                         [(0, 2), (2, 4), (4, 6), (6, 8)])
+        before = cache.shard_buffers()
+        cache = cache.copy_blocks([0, 1], [5, -1])
+        cache.verify_unmoved(before)  # updated in place
+        for array, host in zip(cache.arrays, hosts):
+            expected = kv_testing.numpy_copy_blocks(host, [0], [5])
+            np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(expected))
+
+    def test_wrap_refuses_what_it_would_have_to_copy(self):
+        spec = KVCacheSpec.for_tpu_inference(1, num_kv_heads=4, head_dim=128, page_size=4,
+                                             dtype="float32")
+        mesh = self._mesh2()
+        arrays, _ = self._framework_arrays(spec, mesh, ("model", "expert"), 3, 1)
+        with self.assertRaisesRegex(ValueError, "adopting it would copy"):
+            PagedKVCache.wrap([jax.device_put(arrays[0], jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec()))], spec, mesh, tp_axis=("model", "expert"))
+        with self.assertRaisesRegex(ValueError, "needs 1 arrays, got 2"):
+            PagedKVCache.wrap(arrays * 2, spec, mesh, tp_axis=("model", "expert"))
+        with self.assertRaisesRegex(ValueError, "the spec needs"):
+            PagedKVCache.wrap([arrays[0][:, :2]], spec, mesh, tp_axis=("model", "expert"))
+        with self.assertRaisesRegex(ValueError, "do not include the TP axis"):
+            PagedKVCache.wrap(arrays, spec, mesh, tp_axis=("model", "tp"))
+        arrays[0].delete()
+        with self.assertRaisesRegex(ValueError, "deleted"):
+            PagedKVCache.wrap(arrays, spec, mesh, tp_axis=("model", "expert"))
+
+    def test_wrap_one_device(self):
+        spec = KVCacheSpec.for_tpu_inference_mla(1, latent_dim=64, page_size=8, dtype="bfloat16")
+        layer = jax.jit(jnp.zeros, static_argnums=(0, 1))((5, *spec.block_shape()), spec.dtype)
+        cache = PagedKVCache.wrap([layer], spec)
+        self.assertIs(cache.arrays[0], layer)
+        self.assertEqual(layer.shape, (5, 4, 2, 128))
+
+    @parameterized.parameters("KHTD", "tpu_inference")
+    def test_tuple_tp_axes_ops_are_exact_without_collectives(self, layout):
+        if layout == "tpu_inference":
+            spec = KVCacheSpec.for_tpu_inference(2, 4, 64, 4, dtype="float8_e4m3fn")
+        else:
+            spec = _spec(layout, heads=4)
+        mesh = self._mesh2()
+        cache = PagedKVCache.allocate(spec, num_blocks=6, mesh=mesh, tp_axis=("model", "expert"))
+        self.assertIn(("model", "expert"), tuple(cache.partition_spec()))
+        rng = np.random.default_rng(3)
+        hosts = [kv_testing.random_bits(rng, a.shape, a.dtype) for a in cache.arrays]
+        cache = PagedKVCache.from_arrays(spec, hosts, mesh=mesh, tp_axis=("model", "expert"))
+        cache = cache.copy_blocks([1, 2], [4, 5])
+        got = cache.gather_blocks([4, -1])
+        for g, h in zip(got, hosts):
+            expected = kv_testing.numpy_copy_blocks(h, [1, 2], [4, 5])
+            np.testing.assert_array_equal(kv_testing.bits(g),
+                                          kv_testing.bits(kv_testing.numpy_gather_blocks(
+                                              expected, [4, -1])))
+        text = jax.jit(lambda c, i: c.copy_blocks(i, i + 3), donate_argnums=0).lower(
+            cache, jnp.array([0, 1], jnp.int32)).compile().as_text()
+        for collective in COLLECTIVES:
+            self.assertNotIn(collective, text)
+
+
 if __name__ == "__main__":
     absltest.main()

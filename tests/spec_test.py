@@ -7,8 +7,8 @@ import ml_dtypes
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
-from jaxkv._spec import canonical_dtype, heads_per_rank, validate_layout
+from jaxkv import CACHE_PRESETS, LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
+from jaxkv._spec import canonical_dtype, dtype_packing, heads_per_rank, validate_layout
 
 
 class LayoutTest(parameterized.TestCase):
@@ -111,6 +111,96 @@ class SpecTest(parameterized.TestCase):
         self.assertEqual(a, b)
         self.assertEqual(hash(a), hash(b))
         self.assertEqual(a.replace(block_size=8).block_size, 8)
+
+
+def _align(x, a):
+    return -(-x // a) * a
+
+
+class FrameworkCacheTest(parameterized.TestCase):
+    """tpu-inference / sglang-jax caches, built from the frameworks' own shape formulas."""
+
+    @parameterized.product(
+        dtype=[d.name for d in SUPPORTED_DTYPES], heads=[1, 2, 3, 8], head_dim=[64, 100, 128],
+        tp=[1, 2],
+    )
+    def test_tpu_inference_shapes_follow_the_formula(self, dtype, heads, head_dim, tp):
+        if heads % tp:
+            return
+        spec = KVCacheSpec.for_tpu_inference(4, heads, head_dim, page_size=16, dtype=dtype)
+        packing = 32 // (np.dtype(dtype).itemsize * 8)
+        per_rank = heads // tp
+        local = (16, _align(2 * per_rank, packing) // packing, packing, _align(head_dim, 128))
+        self.assertEqual(spec.block_shape(tp), local)
+        self.assertEqual(spec.global_block_shape(tp), (16, local[1] * tp, *local[2:]))
+        self.assertEqual(spec.num_arrays, 4)  # one array per layer, K and V inside
+        self.assertEqual(spec.array_keys(), tuple((layer, None) for layer in range(4)))
+        # Values only: 2 * heads * tokens * head_dim; storage is the padded block.
+        self.assertEqual(spec.payload_nbytes(tp), 2 * per_rank * 16 * head_dim * spec.itemsize)
+        self.assertEqual(spec.block_nbytes(tp), int(np.prod(local)) * spec.itemsize)
+        self.assertEqual(spec.page_nbytes_per_layer(tp), spec.block_nbytes(tp))
+
+    def test_interleaved_heads_and_phantoms(self):
+        # 3 KV heads in fp8 (packing 4): combined heads K0 V0 K1 | V1 K2 V2 [phantom, phantom].
+        spec = KVCacheSpec.for_tpu_inference(1, 3, 100, page_size=2, dtype="float8_e4m3fn")
+        self.assertEqual(spec.block_shape(), (2, 2, 4, 128))
+        self.assertEqual(spec.block_axes(), ("T", "H", "h", "D"))
+        self.assertEqual([spec.combined_head(h, kv) for h in range(3) for kv in range(2)],
+                         [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)])
+        mask = spec.payload_mask()
+        expected = np.zeros((2, 2, 4, 128), bool)
+        expected[:, 0, :, :100] = True
+        expected[:, 1, :2, :100] = True
+        np.testing.assert_array_equal(mask, expected)
+        # The runs cover exactly the mask's bytes, never a padding byte.
+        covered = np.zeros(mask.size * spec.itemsize, bool)
+        for offset, length in spec.payload_runs():
+            self.assertFalse(covered[offset:offset + length].any())
+            covered[offset:offset + length] = True
+        np.testing.assert_array_equal(covered, np.repeat(mask.reshape(-1), spec.itemsize))
+        self.assertEqual(spec.payload_nbytes(), 2 * 3 * 2 * 100)
+
+    def test_unpadded_specs_are_one_run(self):
+        spec = KVCacheSpec(2, 4, 8, 4, "bf16", "LKHTD")
+        self.assertFalse(spec.padded)
+        self.assertEqual(spec.payload_runs(), ((0, spec.block_nbytes()),))
+        self.assertEqual(spec.block_axes(), tuple("LKHTD"))
+
+    @parameterized.parameters("bfloat16", "float8_e4m3fn", "float32")
+    def test_mla_shape_follows_the_formula(self, dtype):
+        spec = KVCacheSpec.for_tpu_inference_mla(3, latent_dim=512 + 64, page_size=60,
+                                                 dtype=dtype)
+        packing = dtype_packing(dtype)
+        self.assertEqual(spec.block_shape(), (_align(60, packing) // packing, packing, 640))
+        self.assertEqual(spec.block_shape(tp_size=4), spec.block_shape())  # replicated
+        self.assertEqual(spec.num_arrays, 3)
+        self.assertEqual(spec.payload_nbytes(), 60 * 576 * spec.itemsize)
+        wide = KVCacheSpec.for_tpu_inference_mla(1, 640, page_size=128, dtype="bfloat16",
+                                                 packing=2)
+        self.assertEqual(wide.block_shape(), (64, 2, 640))
+        f32 = KVCacheSpec.for_tpu_inference(1, 2, 128, 16, dtype="float32")
+        self.assertEqual(f32.block_shape(), (16, 4, 1, 128))  # the packing axis stays
+        self.assertEqual(f32.payload_runs(), ((0, f32.block_nbytes()),))
+
+    def test_presets_by_framework_name(self):
+        self.assertEqual(set(CACHE_PRESETS), {"tpu_inference", "sglang_jax", "tpu_inference_mla"})
+        a = CACHE_PRESETS["sglang_jax"](2, 8, 128, 16, "bfloat16")
+        self.assertEqual(a, CACHE_PRESETS["tpu_inference"](2, 8, 128, 16, "bfloat16"))
+        self.assertEqual(a.block_shape(), (16, 8, 2, 128))
+
+    @parameterized.named_parameters(
+        ("interleaved_with_k", dict(layout="KTHD", kv_interleaved=True), "kv_interleaved"),
+        ("interleaved_mla", dict(layout="THD", kv_interleaved=True, kv_factor=1), "kv_factor=2"),
+        ("packing_3", dict(layout="THD", packing=3), "packing must be None, 1, 2 or 4"),
+        ("packing_too_wide", dict(layout="THD", packing=2, dtype="float32"), "32-bit word"),
+        ("packed_axis", dict(layout="THD", packing=2, packed_axis="L"), "packed_axis"),
+        ("packed_missing", dict(layout="TD", packing=2, num_kv_heads=1), "packed_axis"),
+        ("alignment", dict(layout="THD", head_dim_alignment=0), "head_dim_alignment"),
+    )
+    def test_bad_fields(self, changes, message):
+        fields = dict(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype="bf16")
+        with self.assertRaisesRegex(ValueError, message):
+            KVCacheSpec(**{**fields, **changes})
 
 
 class ImportTest(absltest.TestCase):

@@ -76,27 +76,47 @@ def _ffi_call(target: str, result: jax.ShapeDtypeStruct, aliases: dict[int, int]
 
 
 def _copy_local(cache, src_ids, dst_ids, *, validate_ids: bool):
-    result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
-    call = _ffi_call("jaxkv_copy_blocks", result, {0: 0})
-    return call(cache, src_ids, dst_ids, validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, src_ids, dst_ids):
+        result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+        call = _ffi_call("jaxkv_copy_blocks", result, {0: 0})
+        return call(cache, src_ids, dst_ids, validate_ids=validate_ids)
+
+    return dispatch("copy", ffi, cache, src_ids, dst_ids)
 
 
 def _gather_local(cache, ids, *, validate_ids: bool):
-    result = jax.ShapeDtypeStruct((ids.shape[0], *cache.shape[1:]), cache.dtype)
-    call = _ffi_call("jaxkv_gather_blocks", result, None)
-    return call(cache, ids, validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, ids):
+        result = jax.ShapeDtypeStruct((ids.shape[0], *cache.shape[1:]), cache.dtype)
+        call = _ffi_call("jaxkv_gather_blocks", result, None)
+        return call(cache, ids, validate_ids=validate_ids)
+
+    return dispatch("gather", ffi, cache, ids)
 
 
 def _gather_into_local(cache, ids, out, *, validate_ids: bool):
-    result = jax.ShapeDtypeStruct(out.shape, out.dtype)
-    call = _ffi_call("jaxkv_gather_blocks_into", result, {2: 0})
-    return call(cache, ids, out, validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, ids, out):
+        result = jax.ShapeDtypeStruct(out.shape, out.dtype)
+        call = _ffi_call("jaxkv_gather_blocks_into", result, {2: 0})
+        return call(cache, ids, out, validate_ids=validate_ids)
+
+    return dispatch("gather_into", ffi, cache, ids, out)
 
 
 def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
-    result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
-    call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
-    return call(cache, blocks, ids, validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, blocks, ids):
+        result = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
+        call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
+        return call(cache, blocks, ids, validate_ids=validate_ids)
+
+    return dispatch("scatter", ffi, cache, blocks, ids)
 
 
 _OP_NAMES = {

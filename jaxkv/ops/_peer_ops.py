@@ -67,17 +67,29 @@ def _global_buffer_shape(cache: Any, local_shape: tuple[int, ...]) -> tuple[int,
 
 def _split_local(cache, ids, *into, box_starts: tuple[int, ...],
                  shapes: tuple[tuple[int, ...], ...], validate_ids: bool):
-    results = tuple(jax.ShapeDtypeStruct((ids.shape[0], *shape), cache.dtype) for shape in shapes)
-    aliases = {2 + i: i for i in range(len(into))} if into else None
-    call = _ffi_call("jaxkv_split_blocks", results, aliases)
-    return tuple(call(cache, ids, *into, box_starts=np.asarray(box_starts, np.int64),
-                      validate_ids=validate_ids))
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, ids, *into):
+        results = tuple(jax.ShapeDtypeStruct((ids.shape[0], *shape), cache.dtype)
+                        for shape in shapes)
+        aliases = {2 + i: i for i in range(len(into))} if into else None
+        call = _ffi_call("jaxkv_split_blocks", results, aliases)
+        return tuple(call(cache, ids, *into, box_starts=np.asarray(box_starts, np.int64),
+                          validate_ids=validate_ids))
+
+    return dispatch("split", ffi, cache, ids, *into, box_starts=box_starts, shapes=shapes)
 
 
 def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], validate_ids: bool):
-    call = _ffi_call("jaxkv_concat_blocks", jax.ShapeDtypeStruct(cache.shape, cache.dtype), {0: 0})
-    return call(cache, ids, *buffers, box_starts=np.asarray(box_starts, np.int64),
-                validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, ids, *buffers):
+        call = _ffi_call("jaxkv_concat_blocks", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                         {0: 0})
+        return call(cache, ids, *buffers, box_starts=np.asarray(box_starts, np.int64),
+                    validate_ids=validate_ids)
+
+    return dispatch("concat", ffi, cache, ids, *buffers, box_starts=box_starts)
 
 
 def split_for_peers(

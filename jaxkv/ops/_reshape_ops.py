@@ -120,17 +120,23 @@ def run_per_shard(
 
 def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: str, ratio: int,
                      validate_ids: bool):
-    block_bytes = block_nbytes(cache)
-    slots = max(1, min(ids.shape[0],
-                       max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // max(1, block_bytes))))
-    results = (
-        jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-        jax.ShapeDtypeStruct((slots * block_bytes,), jnp.uint8),
-    )
-    call = _ffi_call(target, results, {0: 0})
-    out, _ = call(cache, ids, src_layout=src_layout, dst_layout=dst_layout,
-                  ratio=np.int64(ratio), validate_ids=validate_ids)
-    return out
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, ids):
+        block_bytes = block_nbytes(cache)
+        slots = max(1, min(ids.shape[0],
+                           max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // max(1, block_bytes))))
+        results = (
+            jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+            jax.ShapeDtypeStruct((slots * block_bytes,), jnp.uint8),
+        )
+        call = _ffi_call(target, results, {0: 0})
+        out, _ = call(cache, ids, src_layout=src_layout, dst_layout=dst_layout,
+                      ratio=np.int64(ratio), validate_ids=validate_ids)
+        return out
+
+    return dispatch("rearrange", ffi, cache, ids, src_layout=src_layout,
+                    dst_layout=dst_layout, ratio=ratio)
 
 
 def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target):
@@ -247,17 +253,29 @@ def merge_blocks(
 
 def _prefix_local(src_cache, dst_cache, src_ids, dst_ids, num_tokens, *, layout: str,
                   validate_ids: bool):
-    call = _ffi_call("jaxkv_copy_block_prefix",
-                     jax.ShapeDtypeStruct(dst_cache.shape, dst_cache.dtype), {1: 0})
-    return call(src_cache, dst_cache, src_ids, dst_ids, num_tokens, layout=layout,
-                validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(src_cache, dst_cache, src_ids, dst_ids, num_tokens):
+        call = _ffi_call("jaxkv_copy_block_prefix",
+                         jax.ShapeDtypeStruct(dst_cache.shape, dst_cache.dtype), {1: 0})
+        return call(src_cache, dst_cache, src_ids, dst_ids, num_tokens, layout=layout,
+                    validate_ids=validate_ids)
+
+    return dispatch("prefix", ffi, src_cache, dst_cache, src_ids, dst_ids, num_tokens,
+                    layout=layout)
 
 
 def _prefix_in_place_local(cache, src_ids, dst_ids, num_tokens, *, layout: str,
                            validate_ids: bool):
-    call = _ffi_call("jaxkv_copy_block_prefix_in_place",
-                     jax.ShapeDtypeStruct(cache.shape, cache.dtype), {0: 0})
-    return call(cache, src_ids, dst_ids, num_tokens, layout=layout, validate_ids=validate_ids)
+    from jaxkv.ops._dispatch import dispatch
+
+    def ffi(cache, src_ids, dst_ids, num_tokens):
+        call = _ffi_call("jaxkv_copy_block_prefix_in_place",
+                         jax.ShapeDtypeStruct(cache.shape, cache.dtype), {0: 0})
+        return call(cache, src_ids, dst_ids, num_tokens, layout=layout,
+                    validate_ids=validate_ids)
+
+    return dispatch("prefix_in_place", ffi, cache, src_ids, dst_ids, num_tokens, layout=layout)
 
 
 def _token_count(num_tokens: Any):

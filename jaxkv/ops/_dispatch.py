@@ -1,0 +1,188 @@
+"""Which implementation of the block ops runs: XLA FFI custom calls, Pallas TPU kernels or the
+pure-jnp reference.
+
+By default ("auto") the choice is made per platform when the program is lowered
+(``jax.lax.platform_dependent``): the custom calls on "cpu" and "cuda", the Pallas kernels on
+"tpu", and the jnp reference on any other platform, so every op lowers everywhere. A forced
+implementation (`implementation` or the environment variable ``JAXKV_OPS_IMPL``) is used on
+every platform; "pallas" off TPU runs the kernels in Pallas's TPU interpret mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from jaxkv.ops import _pallas, reference
+
+__all__ = ["IMPLEMENTATIONS", "current_implementation", "dispatch", "implementation"]
+
+IMPLEMENTATIONS = ("auto", "ffi", "pallas", "reference")
+"""Names accepted by `implementation` and ``JAXKV_OPS_IMPL``."""
+
+_ENV = "JAXKV_OPS_IMPL"
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxkv_ops_impl",
+                                                                    default=None)
+
+
+def _checked(name: Any, source: str) -> str:
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{source} must be one of {', '.join(repr(n) for n in IMPLEMENTATIONS)}; got {name!r}"
+        )
+    return name
+
+
+def current_implementation() -> str:
+    """The implementation ops traced now use: the innermost `implementation` context, else
+    ``JAXKV_OPS_IMPL``, else "auto".
+
+    Raises:
+      ValueError: ``JAXKV_OPS_IMPL`` names no implementation.
+
+    Example:
+      >>> with implementation("reference"):
+      ...     current_implementation()
+      'reference'
+    """
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    env = os.environ.get(_ENV, "").strip()
+    return _checked(env, _ENV) if env else "auto"
+
+
+def _clear_program_caches() -> None:
+    # The ops cache jitted programs; a program traced under one implementation must not be
+    # reused under another (user jits too: the implementation is picked at trace time).
+    from jaxkv import _cache
+    from jaxkv.ops import _block_ops, _reshape_ops
+
+    _block_ops._eager_program.cache_clear()
+    _reshape_ops._program.cache_clear()
+    _cache._cache_program.cache_clear()
+    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def implementation(name: str) -> Iterator[None]:
+    """Forces the implementation of every `jaxkv.ops` op (and `PagedKVCache` method) traced
+    inside the block.
+
+    Args:
+      name: "ffi" (XLA FFI custom calls: cpu and cuda only), "pallas" (Pallas TPU kernels;
+        interpret mode off TPU), "reference" (pure jnp, any platform) or "auto" (per platform
+        at lowering time: ffi on cpu/cuda, pallas on tpu, reference elsewhere).
+
+    Raises:
+      ValueError: an unknown name.
+
+    Example:
+      >>> with implementation("reference"):
+      ...     jaxkv.ops.copy_blocks(jnp.arange(4.0).reshape(2, 2), [0], [1]).tolist()
+      [[0.0, 1.0], [0.0, 1.0]]
+    """
+    _checked(name, "implementation")
+    token = _forced.set(name)
+    _clear_program_caches()
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+        _clear_program_caches()
+
+
+def _reference_concat(cache, ids, *buffers, box_starts):
+    return _reference_boxes(cache, ids, buffers, box_starts)
+
+
+def _reference_boxes(cache, ids, buffers, box_starts):
+    import jax.numpy as jnp
+
+    ndim = cache.ndim - 1
+    targets = jnp.where((ids < 0) | (ids >= cache.shape[0]), cache.shape[0], ids)
+    for k, buffer in enumerate(buffers):
+        starts = box_starts[k * ndim:(k + 1) * ndim]
+        index = tuple(slice(s, s + size) for s, size in zip(starts, buffer.shape[1:]))
+        cache = cache.at[(targets, *index)].set(buffer, mode="drop")
+    return cache
+
+
+def _reference_split(cache, ids, *into, box_starts, shapes):
+    ndim = cache.ndim - 1
+    blocks = _reference_gather(cache, ids)
+    out = []
+    for k, shape in enumerate(shapes):
+        starts = box_starts[k * ndim:(k + 1) * ndim]
+        out.append(blocks[(slice(None), *(slice(s, s + n) for s, n in zip(starts, shape)))])
+    return tuple(out)
+
+
+def _reference_gather(cache, ids):
+    import jax.numpy as jnp
+
+    # Out-of-range ids come out as zeros, like padding (the kernels skip them as well).
+    ids = jnp.where(ids >= cache.shape[0], -1, ids)
+    return reference.gather_blocks(cache, ids)
+
+
+def _in_range(ids, num_blocks):
+    import jax.numpy as jnp
+
+    return jnp.where(ids >= num_blocks, -1, ids)
+
+
+_REFERENCE: dict[str, Callable[..., Any]] = {
+    "copy": lambda cache, src, dst: reference.copy_blocks(
+        cache, _in_range(src, cache.shape[0]), _in_range(dst, cache.shape[0])),
+    "gather": _reference_gather,
+    "gather_into": lambda cache, ids, out: _reference_gather(cache, ids),
+    "scatter": lambda cache, blocks, ids: reference.scatter_blocks(
+        cache, blocks, _in_range(ids, cache.shape[0])),
+    "rearrange": lambda cache, ids, *, src_layout, dst_layout, ratio: reference.merge_blocks(
+        cache, _in_range(ids, cache.shape[0]), ratio, src_layout, dst_layout),
+    "prefix": lambda src_cache, dst_cache, src, dst, count, *, layout: (
+        reference.copy_block_prefix(src_cache, dst_cache, _in_range(src, src_cache.shape[0]),
+                                    _in_range(dst, dst_cache.shape[0]), count, layout)),
+    "prefix_in_place": lambda cache, src, dst, count, *, layout: reference.copy_block_prefix(
+        cache, cache, _in_range(src, cache.shape[0]), _in_range(dst, cache.shape[0]), count,
+        layout),
+    "split": _reference_split,
+    "concat": _reference_concat,
+}
+"""Per-shard jnp implementations with the custom calls' signatures."""
+
+
+def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) -> Any:
+    """Runs one per-shard op with the current implementation.
+
+    Args:
+      op: the op's name (a key of `_pallas.OPS`).
+      ffi: the custom-call implementation, called as ``ffi(*operands)``.
+      operands: the op's array operands.
+      params: static parameters of the Pallas and reference implementations.
+
+    Returns:
+      What the op returns (an array or a tuple of arrays).
+
+    Raises:
+      ValueError: an unknown implementation name in ``JAXKV_OPS_IMPL``.
+    """
+    impl = current_implementation()
+    reference_fn = functools.partial(_REFERENCE[op], **params)
+    if impl == "ffi":
+        return ffi(*operands)
+    if impl == "reference":
+        return reference_fn(*operands)
+    compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
+    interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
+    if impl == "pallas":
+        return jax.lax.platform_dependent(*operands, tpu=compiled, default=interpreted)
+    return jax.lax.platform_dependent(*operands, cpu=ffi, cuda=ffi, tpu=compiled,
+                                      default=reference_fn)

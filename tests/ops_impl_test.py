@@ -1,0 +1,252 @@
+"""The op suite under every implementation: XLA FFI custom calls, Pallas TPU kernels (TPU
+interpret mode here, on CPU) and the jnp reference, each checked bit for bit against
+independent numpy references (every dtype, layouts, ratios, padding and out-of-range ids,
+TP/PP peer pairs). Shapes are small: interpret mode is slow."""
+
+import kv_testing
+
+kv_testing.force_cpu_devices()
+
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from reshape_testing import DST_IDS, FAST, GRID, SRC_IDS, numpy_merge, numpy_prefix, round_trip
+
+from jaxkv import SUPPORTED_DTYPES, EngineConfig, KVCacheSpec, PagedKVCache, ops
+from jaxkv.ops import _pallas
+
+IMPLS = ("ffi", "pallas", "reference")
+DTYPES = [d.name for d in SUPPORTED_DTYPES]
+NUM_BLOCKS = 10
+
+
+def _bits(array):
+    return kv_testing.bits(np.asarray(array))
+
+
+def _assert_bits(actual, expected, msg=""):
+    np.testing.assert_array_equal(_bits(actual), kv_testing.bits(expected), err_msg=msg)
+
+
+def _random(seed, shape, dtype):
+    return kv_testing.random_bits(np.random.default_rng(seed), shape, dtype)
+
+
+class _ImplTest(parameterized.TestCase):
+    impl = "auto"
+
+    def setUp(self):
+        super().setUp()
+        self.enter_context(ops.implementation(self.impl))
+
+
+class _BlockOps:
+    """The op suite; mixed into one TestCase per implementation."""
+
+    def test_copy_every_dtype(self):
+        src = np.array([0, 3, -1, 5, 7, 2], np.int32)
+        dst = np.array([1, 4, 9, -1, 8, 6], np.int32)
+        for i, dtype in enumerate(DTYPES):
+            host = _random(i, (NUM_BLOCKS, 2, 8, 16), dtype)
+            result = ops.copy_blocks(jnp.asarray(host), src, dst)
+            _assert_bits(result, kv_testing.numpy_copy_blocks(host, src, dst), dtype)
+
+    def test_gather_scatter_every_dtype(self):
+        ids = np.array([7, -1, 2, 9, 0], np.int32)
+        for i, dtype in enumerate(DTYPES):
+            host = _random(i, (NUM_BLOCKS, 3, 5), dtype)
+            _assert_bits(ops.gather_blocks(jnp.asarray(host), ids),
+                         kv_testing.numpy_gather_blocks(host, ids), dtype)
+            blocks = _random(i + 50, (len(ids), 3, 5), dtype)
+            result = ops.scatter_blocks(jnp.asarray(host), jnp.asarray(blocks), ids)
+            _assert_bits(result, kv_testing.numpy_scatter_blocks(host, blocks, ids), dtype)
+
+    def test_gather_into_overwrites_every_row(self):
+        host = _random(3, (NUM_BLOCKS, 4, 128), "bfloat16")
+        ids = np.array([4, -1, 1], np.int32)
+        out = jnp.asarray(_random(4, (3, 4, 128), "bfloat16"))
+        result = ops.gather_blocks(jnp.asarray(host), ids, out=out)
+        _assert_bits(result, kv_testing.numpy_gather_blocks(host, ids))
+
+    def test_traced_ids_inside_jit(self):
+        host = _random(5, (NUM_BLOCKS, 2, 4, 8), "float32")
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d), donate_argnums=0)
+        src, dst = jnp.array([2, 6, -1], jnp.int32), jnp.array([8, 1, 3], jnp.int32)
+        result = step(jnp.asarray(host), src, dst)
+        _assert_bits(result, kv_testing.numpy_copy_blocks(host, [2, 6, -1], [8, 1, 3]))
+
+    def test_permute_and_merge(self):
+        cases = [("HTD", "THD", 1), ("THD", "HTD", 2), ("KHTD", "KTHD", 4), ("LKTHD", "LKHTD", 2),
+                 ("HTKD", "KTHD", 2), ("TD", "TD", 4)]
+        ids = np.array([7, -1, 2, 0], np.int32)
+        for i, (src, dst, ratio) in enumerate(cases):
+            dtype = DTYPES[i % len(DTYPES)]
+            sizes = {"L": 2, "K": 2, "H": 3, "T": 8, "D": 8}
+            host = _random(i, (NUM_BLOCKS, *(sizes[a] for a in dst)), dtype)
+            result = ops.merge_blocks(jnp.asarray(host), ids, ratio, src, dst)
+            _assert_bits(result, numpy_merge(host, ids, ratio, src, dst), f"{src}->{dst} {ratio}")
+
+    def test_prefix_copy(self):
+        for i, (layout, count) in enumerate([("HTD", 3), ("THD", 0), ("KTHD", 7)]):
+            dtype = DTYPES[(i + 1) % len(DTYPES)]
+            shape = {"HTD": (2, 8, 16), "THD": (8, 2, 16), "KTHD": (2, 8, 2, 16)}[layout]
+            src = _random(i, (NUM_BLOCKS, *shape), dtype)
+            dst = _random(i + 9, (6, *shape), dtype)
+            src_ids, dst_ids = np.array([1, 7, -1, 3]), np.array([5, 0, 2, -1])
+            result = ops.copy_block_prefix(jnp.asarray(src), jnp.asarray(dst), src_ids, dst_ids,
+                                           count, layout)
+            _assert_bits(result, numpy_prefix(src, dst, src_ids, dst_ids, count, layout), layout)
+            cache = jnp.asarray(src)
+            result = ops.copy_block_prefix(cache, cache, [1, 2], [4, 9], jnp.int32(count), layout)
+            _assert_bits(result, numpy_prefix(src, src, [1, 2], [4, 9], count, layout))
+
+    def test_split_concat_round_trips(self):
+        def split(local, sender, receiver, s):
+            return [np.asarray(b) for b in
+                    ops.split_for_peers(jnp.asarray(local), SRC_IDS, sender, receiver, s)]
+
+        def concat(initial, buffers, receiver, sender, r):
+            return ops.concat_from_peers(jnp.asarray(initial), [jnp.asarray(b) for b in buffers],
+                                         DST_IDS, receiver, sender, r)
+
+        for case in [c for c in GRID if c.name in FAST][:4]:
+            for r, (result, expected) in round_trip(case, split, concat).items():
+                _assert_bits(result, expected, f"{case.name} receiver {r}")
+
+    def test_cache_methods_on_a_sharded_cache(self):
+        mesh = jax.make_mesh((2,), ("tp",))
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="KHTD")
+        host = [_random(k, spec.array_shape(6), spec.dtype) for k in range(spec.num_arrays)]
+        cache = PagedKVCache.from_arrays(spec, [jnp.asarray(h) for h in host], mesh=mesh)
+        cache = cache.copy_blocks([0, 1], [4, -1])
+        got = cache.gather_blocks([4, -1, 2])
+        for g, h in zip(got, host):
+            expected = kv_testing.numpy_copy_blocks(h, [0, 1], [4, -1])
+            _assert_bits(g, kv_testing.numpy_gather_blocks(expected, [4, -1, 2]))
+
+
+class FfiOpsTest(_BlockOps, _ImplTest):
+    impl = "ffi"
+
+
+class PallasOpsTest(_BlockOps, _ImplTest):
+    impl = "pallas"
+
+    def test_out_of_range_traced_ids_are_skipped(self):
+        # Traced ids are not checked on the host; the kernels skip ids >= num_blocks, so no
+        # DMA leaves the buffer.
+        host = _random(8, (NUM_BLOCKS, 2, 8), "float32")
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d))
+        result = step(jnp.asarray(host), jnp.array([1, 50]), jnp.array([60, 2]))
+        _assert_bits(result, host)
+        gather = jax.jit(lambda c, i: ops.gather_blocks(c, i))(jnp.asarray(host),
+                                                               jnp.array([3, 99]))
+        _assert_bits(gather, kv_testing.numpy_gather_blocks(host, [3, -1]))
+
+    def test_updates_are_aliased_in_place(self):
+        cache = jnp.zeros((NUM_BLOCKS, 8, 128), jnp.float32)
+        hlo = jax.jit(lambda c: ops.copy_blocks(c, jnp.array([0]), jnp.array([1])),
+                      donate_argnums=0).lower(cache).as_text()
+        self.assertRegex(hlo, r"tensor<10x8x128xf32> \{tf.aliasing_output = \d+ : i32\}")
+
+
+class ReferenceOpsTest(_BlockOps, _ImplTest):
+    impl = "reference"
+
+
+class RowRunsTest(parameterized.TestCase):
+    @parameterized.parameters(("HTD", "THD", 1), ("THD", "THD", 2), ("LKTHD", "LKHTD", 4))
+    def test_runs_cover_every_row_once(self, src, dst, ratio):
+        sizes = {"L": 2, "K": 2, "H": 3, "T": 8, "D": 1}
+        shape = tuple(sizes[a] for a in dst)
+        run, radices, strides, stride = _pallas.row_runs(shape, src, dst, ratio)
+        rows = int(np.prod(shape[:-1]))
+        sources = []
+        for r in range(rows // run):
+            digits, rest = [], r
+            for size in reversed(radices):
+                digits.append(rest % size)
+                rest //= size
+            start = sum(d * s for d, s in zip(digits, reversed(strides)))
+            sources += [start + k * stride for k in range(run)]
+        block = np.arange(rows).reshape(1, *shape)
+        expected = numpy_merge(block, [0], ratio, src, dst).reshape(-1)
+        np.testing.assert_array_equal(np.asarray(sources), expected)
+
+
+class SwitchTest(absltest.TestCase):
+    def test_docstring_examples(self):
+        import doctest
+
+        import jaxkv
+        from jaxkv.ops import _dispatch
+
+        result = doctest.testmod(_dispatch, extraglobs={"jnp": jnp, "jaxkv": jaxkv})
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
+
+    def test_context_and_environment(self):
+        self.assertEqual(ops.current_implementation(), "auto")
+        with ops.implementation("pallas"):
+            self.assertEqual(ops.current_implementation(), "pallas")
+            with ops.implementation("reference"):
+                self.assertEqual(ops.current_implementation(), "reference")
+            self.assertEqual(ops.current_implementation(), "pallas")
+        with mock.patch.dict(os.environ, {"JAXKV_OPS_IMPL": "reference"}):
+            self.assertEqual(ops.current_implementation(), "reference")
+        with mock.patch.dict(os.environ, {"JAXKV_OPS_IMPL": "cuda"}):
+            self.assertRaisesRegex(ValueError, "JAXKV_OPS_IMPL must be one of",
+                                   ops.current_implementation)
+        with self.assertRaisesRegex(ValueError, "implementation must be one of"):
+            ops.implementation("tpu").__enter__()
+
+    def test_the_switch_changes_what_is_lowered(self):
+        cache = jnp.zeros((4, 8, 128), jnp.float32)
+
+        def lowered():
+            return jax.jit(lambda c: ops.copy_blocks(c, jnp.array([0]), jnp.array([1]))).lower(
+                cache).as_text()
+
+        self.assertIn("jaxkv_copy_blocks", lowered())  # auto on cpu: the custom call
+        with ops.implementation("reference"):
+            self.assertNotIn("custom_call", lowered())
+        with ops.implementation("pallas"):
+            self.assertNotIn("jaxkv_copy_blocks", lowered())
+
+    def test_auto_lowers_the_pallas_kernels_for_tpu(self):
+        # Lowering for a TPU from this CPU-only machine picks the Pallas branch (Mosaic custom
+        # calls), never the CPU custom call. This runs Pallas's TPU lowering of the DMA kernels
+        # (Mosaic's own compile needs a TPU). The permute/merge kernels' lowering asks for the
+        # TPU generation and cannot run here.
+        s = jax.ShapeDtypeStruct
+        cache, ids = s((16, 4, 8, 128), jnp.bfloat16), s((4,), jnp.int32)
+        rows = s((4, 4, 8, 128), jnp.bfloat16)
+        spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=128, block_size=16,
+                           dtype="bfloat16")
+        sender, receiver = EngineConfig(spec, 1), EngineConfig(spec, 2)
+        big = s((8, 4, 2, 4, 16, 128), jnp.bfloat16)
+        part = s((4, 4, 2, 2, 16, 128), jnp.bfloat16)
+        programs = {
+            "copy": (lambda c, a, b: ops.copy_blocks(c, a, b), (cache, ids, ids)),
+            "gather": (lambda c, a: ops.gather_blocks(c, a), (cache, ids)),
+            "gather_into": (lambda c, a, o: ops.gather_blocks(c, a, out=o), (cache, ids, rows)),
+            "scatter": (lambda c, b, a: ops.scatter_blocks(c, b, a), (cache, rows, ids)),
+            "prefix": (lambda c, d, a, b: ops.copy_block_prefix(c, d, a, b, 3, "HTD"),
+                       (cache, cache, ids, ids)),
+            "split": (lambda c, a: ops.split_for_peers(c, a, sender, receiver, 0), (big, ids)),
+            "concat": (lambda c, a, x: ops.concat_from_peers(c, [x], a, receiver, sender, 0),
+                       (s((8, 4, 2, 2, 16, 128), jnp.bfloat16), ids, part)),
+        }
+        for name, (fn, args) in programs.items():
+            traced = jax.jit(fn).trace(*args)
+            text = traced.lower(lowering_platforms=("tpu",)).as_text()
+            self.assertIn("tpu_custom_call", text, name)
+            self.assertNotIn("jaxkv_", text, name)
+
+if __name__ == "__main__":
+    absltest.main()
