@@ -180,9 +180,44 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) ->
         return ffi(*operands)
     if impl == "reference":
         return reference_fn(*operands)
-    compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
-    interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
+    unsupported = pallas_unsupported(operands)
     if impl == "pallas":
+        if unsupported:
+            raise NotImplementedError(f"jaxkv.ops: the Pallas kernels {unsupported}; use "
+                                      "implementation('reference') or 'auto'")
+        compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
+        interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
         return jax.lax.platform_dependent(*operands, tpu=compiled, default=interpreted)
-    return jax.lax.platform_dependent(*operands, cpu=ffi, cuda=ffi, tpu=compiled,
+    # "auto": element types the TPU kernels do not move (bool, complex, 64-bit, packed
+    # sub-byte types) take the jnp reference on TPU, so every op still lowers there.
+    tpu = reference_fn if unsupported else functools.partial(
+        _pallas.OPS[op], interpret=False, **params)
+    return jax.lax.platform_dependent(*operands, cpu=ffi, cuda=ffi, tpu=tpu,
                                       default=reference_fn)
+
+
+def pallas_unsupported(operands: Any) -> str:
+    """Why the Pallas kernels cannot run on `operands` ("" when they can).
+
+    The kernels move 8-, 16- and 32-bit elements (bit patterns kept through same-width integer
+    views); bool, complex, 64-bit and packed sub-byte element types are not handled.
+
+    Example:
+      >>> import numpy as np
+      >>> pallas_unsupported([np.zeros(2, np.float32)])
+      ''
+      >>> pallas_unsupported([np.zeros(2, np.complex64)])
+      'do not handle complex64 elements'
+    """
+    import numpy as np
+
+    for x in operands:
+        dtype = np.dtype(x.dtype)
+        bits = getattr(jax.numpy.finfo(dtype) if jax.numpy.issubdtype(dtype, jax.numpy.floating)
+                       else None, "bits", None)
+        if jax.numpy.issubdtype(dtype, jax.numpy.integer):
+            bits = jax.numpy.iinfo(dtype).bits
+        if (dtype == np.bool_ or jax.numpy.issubdtype(dtype, jax.numpy.complexfloating)
+                or dtype.itemsize not in (1, 2, 4) or (bits is not None and bits < 8)):
+            return f"do not handle {dtype.name} elements"
+    return ""

@@ -163,6 +163,17 @@ def _partitioned(
     return wrapped
 
 
+def _without_rule() -> bool:
+    # The forced jnp reference is plain XLA, which the SPMD partitioner handles itself.
+    # Pallas's TPU interpret mode (forced "pallas" off TPU) runs kernels through ordered host
+    # callbacks, whose effects custom_partitioning cannot lower; it is a debugging aid on
+    # unsharded arrays, so the op runs without a sharding rule there.
+    from jaxkv.ops._dispatch import current_implementation
+
+    impl = current_implementation()
+    return impl == "reference" or (impl == "pallas" and jax.default_backend() != "tpu")
+
+
 def partitioned_call(
     local: Callable[..., Any],
     operands: Sequence[Any],
@@ -188,7 +199,7 @@ def partitioned_call(
     Returns:
       What `local` returns.
     """
-    if any(isinstance(x, _BatchTracer) for x in operands):
+    if any(isinstance(x, _BatchTracer) for x in operands) or _without_rule():
         return local(*operands, **static)
     operands = tuple(jax.numpy.asarray(x) if not isinstance(x, (jax.Array, jax.core.Tracer))
                      else x for x in operands)
