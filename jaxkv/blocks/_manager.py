@@ -579,7 +579,7 @@ class KVCacheManager:
             except struct.error:
                 _token_bytes(token_ids)  # Raises the precise TypeError or ValueError.
                 raise
-            tokens = token_ids
+            tokens: Sequence[int] = token_ids
         else:
             _token_bytes(token_ids)
             tokens = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
@@ -945,9 +945,9 @@ class KVCacheManager:
         hashes = state.hasher.block_hashes
         length = min(limit // self._block_size, len(hashes))
         blocks = self._pool.find_longest_tiered_hit(hashes[:length], lower_tiers)
-        device = []
+        device: list[BlockId] = []
         for block in blocks:
-            if block.tier != "device":
+            if block.tier != "device" or block.block_id is None:
                 break
             device.append(block.block_id)
         self._metrics.observe(PrefixCacheStats(

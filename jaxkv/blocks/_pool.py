@@ -263,12 +263,12 @@ class BlockPool:
                 block = front.pop()
                 self._refv[block] = 1
                 return [block]  # type: ignore[list-item]
-            out = front[: -num_blocks - 1 : -1]  # The front block first.
+            taken: list[Any] = front[: -num_blocks - 1 : -1]  # The front block first.
             del front[-num_blocks:]
             refv = self._refv
-            for block in out:
+            for block in taken:
                 refv[block] = 1
-            return out  # type: ignore[return-value]
+            return taken
         if isinstance(num_blocks, bool):
             raise TypeError("num_blocks must be an int, got bool")
         count = operator.index(num_blocks)
@@ -303,14 +303,15 @@ class BlockPool:
             for block in out:
                 if hashedv[block]:
                     if self._evict_hook is not None:
-                        evicted.append(EvictedBlock(block, self._hash[block], self._groupv[block]))
+                        evicted.append(EvictedBlock(BlockId(block), self._hash[block],
+                                                    self._groupv[block]))
                     self._drop_hash(block)
                 refv[block] = 1
         else:
             return self._allocate_array(count).tolist()
         if evicted:
             self._notify_evicted(evicted)
-        return out
+        return out  # type: ignore[return-value]
 
     def _allocate_array(self, count: int) -> np.ndarray:
         """`allocate` for a checked ``0 < count <= num_free_blocks``, returning an array."""
