@@ -10,6 +10,9 @@ rendered page):
 
 * ``<!-- example: own-process -->``: the block runs alone in its own process (it sets
   ``XLA_FLAGS``, e.g. for several host devices, before it imports JAX).
+* ``<!-- example: needs-nixl -->``: the block runs in order with the others where NIXL is
+  installed (as the transfer tests, it is not run without NIXL, and the test reports itself
+  skipped then).
 * ``<!-- example: skip REASON -->``: the block is not run here (e.g. it needs a GPU). Keep such
   blocks few; the reason is required.
 
@@ -28,11 +31,13 @@ import textwrap
 
 from absl.testing import absltest, parameterized
 
+from jaxkv.transfer import nixl_available
+
 # The source tree: the real location of this file (under Bazel the test is a symlink in the
 # runfiles tree, whose target is the checked-out file).
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 TIMEOUT_S = 240
-_MARKER = re.compile(r"^<!--\s*example:\s*(own-process|skip)\b\s*(.*?)\s*-->\s*$")
+_MARKER = re.compile(r"^<!--\s*example:\s*(own-process|needs-nixl|skip)\b\s*(.*?)\s*-->\s*$")
 _FENCE = re.compile(r"^(`{3,}|~{3,})\s*([\w+-]*)")
 
 # Runs the blocks it reads from stdin (JSON: [[file, line, code], ...]) in one namespace; a
@@ -71,7 +76,7 @@ def python_blocks(path: str) -> list[dict]:
 
 def parse_blocks(text: str, path: str) -> list[dict]:
     """The ```python blocks of Markdown `text`: ``line`` (first code line, 1-based), ``code``,
-    ``mode`` ("shared", "own-process" or "skip") and ``reason``.
+    ``mode`` ("shared", "needs-nixl", "own-process" or "skip") and ``reason``.
 
     Raises:
       ValueError: an unterminated fence, a marker not followed by a python block, or a skip
@@ -165,11 +170,15 @@ class CollectorTest(absltest.TestCase):
             ````python
             y = 2
             ````
+            <!-- example: needs-nixl -->
+            ```python
+            z = 3
+            ```
             """)
         blocks = parse_blocks(text, "t.md")
         self.assertEqual([(b["line"], b["mode"], b["code"]) for b in blocks],
                          [(3, "shared", "x = 1\n"), (10, "skip", "import cupy\n"),
-                          (14, "own-process", "y = 2\n")])
+                          (14, "own-process", "y = 2\n"), (18, "needs-nixl", "z = 3\n")])
         self.assertEqual(blocks[1]["reason"], "needs a GPU")
         with self.assertRaisesRegex(ValueError, "t.md:1: a skipped example needs a reason"):
             parse_blocks("<!-- example: skip -->\n```python\nx\n```\n", "t.md")
@@ -194,7 +203,9 @@ class DocsExamplesTest(parameterized.TestCase):
         (re.sub(r"\W", "_", path), path) for path in FILES if python_blocks(path))
     def test_examples_run(self, path):
         blocks = python_blocks(path)
-        shared = [b for b in blocks if b["mode"] == "shared"]
+        have_nixl = nixl_available()
+        shared = [b for b in blocks
+                  if b["mode"] == "shared" or (b["mode"] == "needs-nixl" and have_nixl)]
         if shared:
             output = run_blocks(path, shared)
             self.assertEqual(output.count("EXAMPLE OK:"), len(shared), output[-3000:])
@@ -204,6 +215,8 @@ class DocsExamplesTest(parameterized.TestCase):
         skipped = [f"{path}:{b['line']} ({b['reason']})" for b in blocks if b["mode"] == "skip"]
         if skipped:
             print("skipped examples:", "; ".join(skipped))
+        if not have_nixl and any(b["mode"] == "needs-nixl" for b in blocks):
+            self.skipTest(f"the NIXL examples of {path} need NIXL (nixl-cu13), not installed")
 
 
 if __name__ == "__main__":
