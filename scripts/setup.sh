@@ -52,7 +52,7 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 # 1. Dependencies (pip is a no-op when they are already satisfied).
 REQS_STAMP="$VENV/.jaxkv-requirements"
-REQS="jax jaxlib numpy ml_dtypes absl-py msgspec cbor2 xxhash prometheus-client pytest hypothesis matplotlib ruff==0.17.6 scikit-build-core pybind11 ninja"
+REQS="jax jaxlib numpy ml_dtypes absl-py msgspec cbor2 xxhash prometheus-client pytest hypothesis matplotlib ruff==0.17.6 scikit-build-core pybind11 ninja mkdocs mkdocstrings[python]"
 if [[ ! -f "$REQS_STAMP" || "$(cat "$REQS_STAMP")" != "$REQS $WITH_NIXL" ]]; then
   log "installing dependencies"
   "${PIP[@]}" install --upgrade pip
