@@ -129,6 +129,17 @@ class _BlockOps:
             expected = kv_testing.numpy_copy_blocks(h, [0, 1], [4, -1])
             _assert_bits(g, kv_testing.numpy_gather_blocks(expected, [4, -1, 2]))
 
+    def test_cache_methods_on_a_data_parallel_cache(self):
+        mesh = jax.make_mesh((2, 2), ("data", "tp"), devices=jax.devices()[:4])
+        spec = KVCacheSpec.for_tpu_inference(1, 2, 64, 4, dtype="bfloat16")
+        host = _random(7, (8, *spec.global_block_shape(2)), spec.dtype)
+        cache = PagedKVCache.from_arrays(spec, [jnp.asarray(host)], mesh=mesh, data_axis="data")
+        cache = cache.copy_blocks([0, 1, 5, -1], [2, 3, 7, 6])  # shard 0: 0-3, shard 1: 4-7
+        expected = kv_testing.numpy_copy_blocks(host, [0, 1, 5], [2, 3, 7])
+        _assert_bits(cache.arrays[0], expected)
+        (got,) = cache.gather_blocks([3, -1, 7, 4])
+        _assert_bits(got, kv_testing.numpy_gather_blocks(expected, [3, -1, 7, 4]))
+
 
 class FfiOpsTest(_BlockOps, _ImplTest):
     impl = "ffi"
@@ -220,9 +231,8 @@ class SwitchTest(absltest.TestCase):
 
     def test_auto_lowers_the_pallas_kernels_for_tpu(self):
         # Lowering for a TPU from this CPU-only machine picks the Pallas branch (Mosaic custom
-        # calls), never the CPU custom call. This runs Pallas's TPU lowering of the DMA kernels
-        # (Mosaic's own compile needs a TPU). The permute/merge kernels' lowering asks for the
-        # TPU generation and cannot run here.
+        # calls), never the CPU custom call. This runs Pallas's TPU lowering of every kernel
+        # (Mosaic's own compile needs a TPU).
         s = jax.ShapeDtypeStruct
         cache, ids = s((16, 4, 8, 128), jnp.bfloat16), s((4,), jnp.int32)
         rows = s((4, 4, 8, 128), jnp.bfloat16)
@@ -239,6 +249,9 @@ class SwitchTest(absltest.TestCase):
             "prefix": (lambda c, d, a, b: ops.copy_block_prefix(c, d, a, b, 3, "HTD"),
                        (cache, cache, ids, ids)),
             "split": (lambda c, a: ops.split_for_peers(c, a, sender, receiver, 0), (big, ids)),
+            "permute": (lambda c, a: ops.permute_blocks(c, a, "HTD", "THD"),
+                        (s((16, 8, 16, 128), jnp.float8_e4m3fn), ids)),
+            "merge": (lambda c, a: ops.merge_blocks(c, a, 2, "LKTHD", "LKHTD"), (big, ids)),
             "concat": (lambda c, a, x: ops.concat_from_peers(c, [x], a, receiver, sender, 0),
                        (s((8, 4, 2, 2, 16, 128), jnp.bfloat16), ids, part)),
         }

@@ -138,6 +138,27 @@ def _in_range(ids, num_blocks):
     return jnp.where(ids >= num_blocks, -1, ids)
 
 
+def _bitwise(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a reference op on same-width unsigned views of floating operands: XLA's gather
+    and scatter may canonicalise NaN payloads of floats, and a KV move must copy every bit."""
+    import jax.numpy as jnp
+
+    def unsigned(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+    @functools.wraps(fn)
+    def run(*operands, **params):
+        dtype = operands[0].dtype
+        out = fn(*(unsigned(x) for x in operands), **params)
+        back = (lambda x: jax.lax.bitcast_convert_type(x, dtype)) if jnp.issubdtype(
+            dtype, jnp.floating) else (lambda x: x)
+        return tuple(back(x) for x in out) if isinstance(out, tuple) else back(out)
+
+    return run
+
+
 _REFERENCE: dict[str, Callable[..., Any]] = {
     "copy": lambda cache, src, dst: reference.copy_blocks(
         cache, _in_range(src, cache.shape[0]), _in_range(dst, cache.shape[0])),
@@ -175,7 +196,7 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) ->
       ValueError: an unknown implementation name in ``JAXKV_OPS_IMPL``.
     """
     impl = current_implementation()
-    reference_fn = functools.partial(_REFERENCE[op], **params)
+    reference_fn = functools.partial(_bitwise(_REFERENCE[op]), **params)
     if impl == "ffi":
         return ffi(*operands)
     if impl == "reference":

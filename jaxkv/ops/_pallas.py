@@ -348,8 +348,10 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
                     source = 0
                     rest = r
                     for size, src_stride in zip(reversed(radices), reversed(source_strides)):
-                        source = source + (rest % size) * src_stride
-                        rest = rest // size
+                        # lax.rem/div (values are non-negative): jnp's floor semantics lower
+                        # through sign(), which Mosaic lowers per TPU generation.
+                        source = source + jax.lax.rem(rest, size) * src_stride
+                        rest = jax.lax.div(rest, size)
                     part = wide[pl.ds(source, run, stride=stride), :] if run > 1 else (
                         wide[pl.ds(source, 1), :])
                     out_buf[slot, pl.ds(r * run, run), :] = jax.lax.bitcast_convert_type(
