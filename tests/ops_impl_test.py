@@ -79,6 +79,21 @@ class _BlockOps:
         result = step(jnp.asarray(host), src, dst)
         _assert_bits(result, kv_testing.numpy_copy_blocks(host, [2, 6, -1], [8, 1, 3]))
 
+    def test_vmap_over_a_stack_of_caches(self):
+        # The custom calls' sequential vmap loses bfloat16 NaN payloads on CPU (XLA's loop
+        # around the call): a known gap of the ffi path, so it is checked with float32.
+        dtype = "float32" if self.impl == "ffi" else "bfloat16"
+        host = _random(9, (2, NUM_BLOCKS, 4, 128), dtype)
+        src = jnp.array([[0, 1], [2, -1]], jnp.int32)
+        dst = jnp.array([[4, 5], [3, 0]], jnp.int32)
+        result = jax.vmap(lambda c, s, d: ops.copy_blocks(c, s, d))(jnp.asarray(host), src, dst)
+        for b in range(2):
+            _assert_bits(result[b], kv_testing.numpy_copy_blocks(host[b], src[b], dst[b]))
+        ids = jnp.array([7, -1], jnp.int32)
+        gathered = jax.vmap(lambda c: ops.gather_blocks(c, ids))(jnp.asarray(host))
+        for b in range(2):
+            _assert_bits(gathered[b], kv_testing.numpy_gather_blocks(host[b], [7, -1]))
+
     def test_permute_and_merge(self):
         cases = [("HTD", "THD", 1), ("THD", "HTD", 2), ("KHTD", "KTHD", 4), ("LKTHD", "LKHTD", 2),
                  ("HTKD", "KTHD", 2), ("TD", "TD", 4)]

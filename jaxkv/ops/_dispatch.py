@@ -180,6 +180,28 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
 """Per-shard jnp implementations with the custom calls' signatures."""
 
 
+def _sequential_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a Pallas op) under `jax.vmap` runs once per batch element, in a loop, like the
+    custom calls' ``vmap_method="sequential"`` (a pallas_call with HBM operands and scalar
+    prefetch has no batching rule of its own)."""
+    import jax.numpy as jnp
+
+    @jax.custom_batching.custom_vmap
+    def run(*operands):
+        return fn(*operands)
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, *operands):
+        stacked = [x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+                   for x, batched in zip(operands, in_batched)]
+        # The loop slices floats through XLA, which may canonicalise NaN payloads: loop over
+        # same-width unsigned views (the kernels move bytes of any dtype).
+        out = _bitwise(lambda *xs: jax.lax.map(lambda args: fn(*args), xs))(*stacked)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run
+
+
 def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) -> Any:
     """Runs one per-shard op with the current implementation.
 
@@ -201,8 +223,8 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) ->
         return ffi(*operands)
     if impl == "reference":
         return reference_fn(*operands)
-    compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
-    interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
+    compiled = _sequential_vmap(functools.partial(_pallas.OPS[op], interpret=False, **params))
+    interpreted = _sequential_vmap(functools.partial(_pallas.OPS[op], interpret=True, **params))
     if impl == "pallas":
         return jax.lax.platform_dependent(*operands, tpu=compiled, default=interpreted)
     return jax.lax.platform_dependent(*operands, cpu=ffi, cuda=ffi, tpu=compiled,
