@@ -13,10 +13,11 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest, parameterized
 from reshape_testing import DST_IDS, FAST, GRID, SRC_IDS, numpy_merge, numpy_prefix, round_trip
 
-from jaxkv import SUPPORTED_DTYPES, EngineConfig, KVCacheSpec, PagedKVCache, ops
+from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, EngineConfig, KVCacheSpec, PagedKVCache, ops
 from jaxkv.ops import _pallas
 
 IMPLS = ("ffi", "pallas", "reference")
@@ -94,6 +95,22 @@ class _BlockOps:
         for b in range(2):
             _assert_bits(gathered[b], kv_testing.numpy_gather_blocks(host[b], [7, -1]))
 
+    def test_bad_traced_ids_raise(self):
+        # Every implementation checks traced ids before moving a byte (the custom calls in
+        # their handlers, Pallas and the reference through a host check).
+        host = _random(10, (NUM_BLOCKS, 2, 8), "float32")
+        cases = [
+            (lambda c, a, b: ops.copy_blocks(c, a, b), [1, 2], [12, 3], "dst_ids\\[0\\] = 12"),
+            (lambda c, a, b: ops.copy_blocks(c, a, b), [1, 2], [4, 4], "duplicate id 4"),
+            (lambda c, a, b: ops.copy_blocks(c, a, b), [1, 2], [2, 3], "both in src_ids"),
+            (lambda c, a, b: ops.scatter_blocks(c, c[:2], b), [0, 0], [5, 5], "duplicate id 5"),
+            (lambda c, a, b: ops.gather_blocks(c, a), [3, 10], [0, 0], "ids\\[1\\] = 10"),
+        ]
+        for fn, a, b, message in cases:
+            cache = jnp.asarray(host)
+            with self.assertRaisesRegex(jax.errors.JaxRuntimeError, message):
+                jax.block_until_ready(jax.jit(fn)(cache, jnp.array(a), jnp.array(b)))
+
     def test_permute_and_merge(self):
         cases = [("HTD", "THD", 1), ("THD", "HTD", 2), ("KHTD", "KTHD", 4), ("LKTHD", "LKHTD", 2),
                  ("HTKD", "KTHD", 2), ("TD", "TD", 4)]
@@ -164,15 +181,28 @@ class PallasOpsTest(_BlockOps, _ImplTest):
     impl = "pallas"
 
     def test_out_of_range_traced_ids_are_skipped(self):
-        # Traced ids are not checked on the host; the kernels skip ids >= num_blocks, so no
-        # DMA leaves the buffer.
+        # With validate_ids=False traced ids are not checked on the host; the kernels skip ids
+        # >= num_blocks, so no DMA leaves the buffer.
         host = _random(8, (NUM_BLOCKS, 2, 8), "float32")
-        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d))
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d, validate_ids=False))
         result = step(jnp.asarray(host), jnp.array([1, 50]), jnp.array([60, 2]))
         _assert_bits(result, host)
-        gather = jax.jit(lambda c, i: ops.gather_blocks(c, i))(jnp.asarray(host),
-                                                               jnp.array([3, 99]))
+        gather = jax.jit(lambda c, i: ops.gather_blocks(c, i, validate_ids=False))(
+            jnp.asarray(host), jnp.array([3, 99]))
         _assert_bits(gather, kv_testing.numpy_gather_blocks(host, [3, -1]))
+
+    @pytest.mark.slow
+    def test_every_preset_layout_reversed_and_merged(self):
+        sizes = {"L": 2, "K": 2, "H": 3, "T": 8, "D": 16}
+        ids = np.array([5, -1, 0], np.int32)
+        for i, dst in enumerate(sorted(set(LAYOUT_PRESETS.values()))):
+            src = dst[-2::-1] + "D"  # the major axes reversed
+            for ratio in (1, 4):
+                dtype = DTYPES[(i + ratio) % len(DTYPES)]
+                host = _random(i, (NUM_BLOCKS, *(sizes[a] for a in dst)), dtype)
+                result = ops.merge_blocks(jnp.asarray(host), ids, ratio, src, dst)
+                _assert_bits(result, numpy_merge(host, ids, ratio, src, dst),
+                             f"{src}->{dst} ratio {ratio} {dtype}")
 
     def test_updates_are_aliased_in_place(self):
         cache = jnp.zeros((NUM_BLOCKS, 8, 128), jnp.float32)
@@ -240,14 +270,17 @@ class SwitchTest(absltest.TestCase):
 
         self.assertIn("jaxkv_copy_blocks", lowered())  # auto on cpu: the custom call
         with ops.implementation("reference"):
-            self.assertNotIn("custom_call", lowered())
+            text = lowered()
+            self.assertNotIn("jaxkv_copy_blocks", text)
+            self.assertIn("stablehlo.scatter", text)
         with ops.implementation("pallas"):
             self.assertNotIn("jaxkv_copy_blocks", lowered())
 
     def test_auto_lowers_the_pallas_kernels_for_tpu(self):
         # Lowering for a TPU from this CPU-only machine picks the Pallas branch (Mosaic custom
         # calls), never the CPU custom call. This runs Pallas's TPU lowering of every kernel
-        # (Mosaic's own compile needs a TPU).
+        # (Mosaic's own compile needs a TPU). validate_ids=False: the host check of traced
+        # ids is a host callback, which only lowers for the backend it runs on.
         s = jax.ShapeDtypeStruct
         cache, ids = s((16, 4, 8, 128), jnp.bfloat16), s((4,), jnp.int32)
         rows = s((4, 4, 8, 128), jnp.bfloat16)
@@ -256,18 +289,23 @@ class SwitchTest(absltest.TestCase):
         sender, receiver = EngineConfig(spec, 1), EngineConfig(spec, 2)
         big = s((8, 4, 2, 4, 16, 128), jnp.bfloat16)
         part = s((4, 4, 2, 2, 16, 128), jnp.bfloat16)
+        off = dict(validate_ids=False)
         programs = {
-            "copy": (lambda c, a, b: ops.copy_blocks(c, a, b), (cache, ids, ids)),
-            "gather": (lambda c, a: ops.gather_blocks(c, a), (cache, ids)),
-            "gather_into": (lambda c, a, o: ops.gather_blocks(c, a, out=o), (cache, ids, rows)),
-            "scatter": (lambda c, b, a: ops.scatter_blocks(c, b, a), (cache, rows, ids)),
-            "prefix": (lambda c, d, a, b: ops.copy_block_prefix(c, d, a, b, 3, "HTD"),
+            "copy": (lambda c, a, b: ops.copy_blocks(c, a, b, **off), (cache, ids, ids)),
+            "gather": (lambda c, a: ops.gather_blocks(c, a, **off), (cache, ids)),
+            "gather_into": (lambda c, a, o: ops.gather_blocks(c, a, out=o, **off),
+                            (cache, ids, rows)),
+            "scatter": (lambda c, b, a: ops.scatter_blocks(c, b, a, **off), (cache, rows, ids)),
+            "prefix": (lambda c, d, a, b: ops.copy_block_prefix(c, d, a, b, 3, "HTD", **off),
                        (cache, cache, ids, ids)),
-            "split": (lambda c, a: ops.split_for_peers(c, a, sender, receiver, 0), (big, ids)),
-            "permute": (lambda c, a: ops.permute_blocks(c, a, "HTD", "THD"),
+            "split": (lambda c, a: ops.split_for_peers(c, a, sender, receiver, 0, **off),
+                      (big, ids)),
+            "permute": (lambda c, a: ops.permute_blocks(c, a, "HTD", "THD", **off),
                         (s((16, 8, 16, 128), jnp.float8_e4m3fn), ids)),
-            "merge": (lambda c, a: ops.merge_blocks(c, a, 2, "LKTHD", "LKHTD"), (big, ids)),
-            "concat": (lambda c, a, x: ops.concat_from_peers(c, [x], a, receiver, sender, 0),
+            "merge": (lambda c, a: ops.merge_blocks(c, a, 2, "LKTHD", "LKHTD", **off),
+                      (big, ids)),
+            "concat": (lambda c, a, x: ops.concat_from_peers(c, [x], a, receiver, sender, 0,
+                                                              **off),
                        (s((8, 4, 2, 2, 16, 128), jnp.bfloat16), ids, part)),
         }
         for name, (fn, args) in programs.items():

@@ -45,7 +45,7 @@ def _copy_local(cache, src_ids, dst_ids, *, validate_ids: bool):
         call = _ffi_call("jaxkv_copy_blocks", result, {0: 0})
         return call(cache, src_ids, dst_ids, validate_ids=validate_ids)
 
-    return dispatch("copy", ffi, cache, src_ids, dst_ids)
+    return dispatch("copy", ffi, cache, src_ids, dst_ids, validate_ids=validate_ids)
 
 
 def _gather_local(cache, ids, *, validate_ids: bool):
@@ -56,7 +56,7 @@ def _gather_local(cache, ids, *, validate_ids: bool):
         call = _ffi_call("jaxkv_gather_blocks", result, None)
         return call(cache, ids, validate_ids=validate_ids)
 
-    return dispatch("gather", ffi, cache, ids)
+    return dispatch("gather", ffi, cache, ids, validate_ids=validate_ids)
 
 
 def _gather_into_local(cache, ids, out, *, validate_ids: bool):
@@ -67,7 +67,7 @@ def _gather_into_local(cache, ids, out, *, validate_ids: bool):
         call = _ffi_call("jaxkv_gather_blocks_into", result, {2: 0})
         return call(cache, ids, out, validate_ids=validate_ids)
 
-    return dispatch("gather_into", ffi, cache, ids, out)
+    return dispatch("gather_into", ffi, cache, ids, out, validate_ids=validate_ids)
 
 
 def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
@@ -78,7 +78,7 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
         call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
         return call(cache, blocks, ids, validate_ids=validate_ids)
 
-    return dispatch("scatter", ffi, cache, blocks, ids)
+    return dispatch("scatter", ffi, cache, blocks, ids, validate_ids=validate_ids)
 
 
 def _block_partition(array: jax.Array) -> tuple[jax.sharding.Mesh, PartitionSpec] | None:

@@ -45,6 +45,10 @@ __all__ = [
     "split_blocks",
 ]
 
+# HBM operands left in place for DMAs: `pl.ANY` (jax 0.10); later releases also name the TPU
+# memory space `pltpu.HBM`, which means the same for these kernels.
+_ANY = getattr(pl, "ANY", None) or getattr(pltpu, "ANY", None) or pltpu.HBM
+
 _IN_FLIGHT = 8
 """DMAs one kernel keeps in flight (per semaphore group)."""
 
@@ -58,7 +62,7 @@ def _interpret(interpret: bool) -> Any:
 
 def _pallas_call(kernel, *, out_shape, num_prefetch, num_inputs, scratch, aliases, interpret,
                  num_outputs=1):
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=_ANY)
     out_specs = any_spec if num_outputs == 1 and not isinstance(out_shape, tuple) else tuple(
         any_spec for _ in range(num_outputs))
     return pl.pallas_call(
