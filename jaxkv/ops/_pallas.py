@@ -56,8 +56,12 @@ _ZERO_CHUNK_BYTES = 1 << 20
 """Largest VMEM zero buffer used to fill the rows of padding ids."""
 
 
-def _interpret(interpret: bool) -> Any:
-    return pltpu.InterpretParams() if interpret else False
+def _interpret(interpret: Any) -> Any:
+    """``interpret``: False (compile for TPU), True (TPU interpret mode) or a
+    ``pltpu.InterpretParams`` (interpret mode with those settings, e.g. race detection)."""
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret or False
 
 
 def _pallas_call(kernel, *, out_shape, num_prefetch, num_inputs, scratch, aliases, interpret,
