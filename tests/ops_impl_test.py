@@ -265,6 +265,26 @@ class PallasRaceTest(absltest.TestCase):
                 interpret=p),
                        numpy_prefix(host, host, [0, 1, 2], [5, 6, -1], 5, "TD")),
         }
+        # Split into two head halves of an LKHTD block, then concat them back elsewhere.
+        big_host = _random(2, (6, 2, 2, 4, 4, 128), "float8_e4m3fn")
+        starts = (0, 0, 0, 0, 0, 0, 0, 2, 0, 0)
+        halves = ((2, 2, 2, 4, 128),) * 2
+        ids = [4, -1, 1]
+        split_expected = [kv_testing.numpy_gather_blocks(big_host, ids)[:, :, :, h:h + 2]
+                          for h in (0, 2)]
+        parts, found = self._races(lambda c: _pallas.split_blocks(
+            c, jnp.array(ids), box_starts=starts, shapes=halves, interpret=p),
+            jnp.asarray(big_host))
+        for part, want in zip(parts, split_expected):
+            _assert_bits(part, want, "split")
+        self.assertFalse(found, "split: the race detector reported a race")
+        concat_expected = big_host.copy()
+        concat_expected[[0, 5]] = big_host[[4, 1]]
+        result, found = self._races(lambda c, a, b: _pallas.concat_blocks(
+            c, jnp.array([0, -1, 5]), a, b, box_starts=starts, interpret=p),
+            jnp.asarray(big_host), *parts)
+        _assert_bits(result, concat_expected, "concat")
+        self.assertFalse(found, "concat: the race detector reported a race")
         for name, (fn, expected) in cases.items():
             result, found = self._races(fn, cache)
             _assert_bits(result, expected, name)
