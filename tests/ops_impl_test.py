@@ -299,6 +299,20 @@ class PallasRaceTest(absltest.TestCase):
         self.assertTrue(found)
 
 
+class LargeBlockTest(absltest.TestCase):
+    def test_blocks_beyond_vmem_take_the_xla_path_on_tpu(self):
+        # Compiled (not interpreted), a block that does not fit the VMEM budget is rewritten by
+        # XLA instead: no Pallas call at all, so this runs here with interpret=False.
+        host = _random(3, (NUM_BLOCKS, 2, 8, 16), "float8_e5m2")
+        ids = np.array([3, -1, 11, 0], np.int32)  # 11: out of range, skipped
+        with mock.patch.object(_pallas, "_REARRANGE_VMEM_BYTES", 64):
+            fn = jax.jit(lambda c, i: _pallas.rearrange_blocks(
+                c, i, src_layout="THD", dst_layout="HTD", ratio=2, interpret=False))
+            self.assertNotIn("tpu_custom_call", fn.lower(jnp.asarray(host), ids).as_text())
+            result = fn(jnp.asarray(host), ids)
+        _assert_bits(result, numpy_merge(host, [3, -1, -1, 0], 2, "THD", "HTD"))
+
+
 class RowRunsTest(parameterized.TestCase):
     @parameterized.parameters(("HTD", "THD", 1), ("THD", "THD", 2), ("LKTHD", "LKHTD", 4))
     def test_runs_cover_every_row_once(self, src, dst, ratio):

@@ -55,6 +55,10 @@ _IN_FLIGHT = 8
 _ZERO_CHUNK_BYTES = 1 << 20
 """Largest VMEM zero buffer used to fill the rows of padding ids."""
 
+_REARRANGE_VMEM_BYTES = 24 << 20
+"""VMEM the permute/merge kernel may use (two input and two output blocks plus a 32-bit copy
+of one); larger blocks take the XLA path on TPU."""
+
 
 def _interpret(interpret: Any) -> Any:
     """``interpret``: False (compile for TPU), True (TPU interpret mode) or a
@@ -313,6 +317,17 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
     run, radices, source_strides, stride = row_runs(block_shape, src_layout, dst_layout, ratio)
     num_runs = rows // run
     dtype = np.dtype(cache.dtype)
+    vmem = math.prod(block_shape) * (4 * dtype.itemsize + 4)
+    if not interpret and vmem > _REARRANGE_VMEM_BYTES:
+        # A block too large to stage in VMEM: XLA's gather/transpose/scatter on unsigned
+        # views (bit-exact), still in place when the cache is donated.
+        from jaxkv.ops import reference
+
+        unsigned = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        ids = jnp.where(ids >= num_blocks, -1, ids)
+        out = reference.merge_blocks(jax.lax.bitcast_convert_type(cache, unsigned), ids, ratio,
+                                     src_layout, dst_layout)
+        return jax.lax.bitcast_convert_type(out, cache.dtype)
     # Same-width integers keep every bit pattern (NaN payloads included); 32-bit rows are the
     # TPU's unpacked sublane layout, where strided row loads need no unpacking.
     narrow = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dtype.itemsize]
