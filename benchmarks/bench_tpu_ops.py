@@ -63,7 +63,7 @@ def chunked_insert(cache, blocks, starts, dst_starts, sizes, num_chunks, *, inte
         jax.lax.fori_loop(0, count_ref[0], start, 0)
         jax.lax.fori_loop(0, count_ref[0], wait, 0)
 
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=getattr(pl, "ANY", None) or pltpu.HBM)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),

@@ -1,7 +1,8 @@
 """jaxkv: paged KV caches for LLM serving as JAX arrays, with in-place block operations.
 
 Public names:
-  KVCacheSpec, LAYOUT_PRESETS, SUPPORTED_DTYPES   (jaxkv._spec; no JAX needed)
+  KVCacheSpec, LAYOUT_PRESETS, CACHE_PRESETS     (jaxkv._spec; no JAX needed)
+  SUPPORTED_DTYPES
   EngineConfig, PeerPlan, plan_peers              (jaxkv._parallel; TP/PP split; no JAX)
   PagedKVCache, ShardBuffer, BufferMovedError     (jaxkv._cache)
   ops                                             (block ops: copy, gather, scatter; reshaping

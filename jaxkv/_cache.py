@@ -40,6 +40,9 @@ class ShardBuffer:
       nbytes: buffer length in bytes.
       head_start: first KV head (model numbering) in the buffer.
       head_stop: one past the last KV head in the buffer.
+      block_start: first global block id in the buffer (0 unless the blocks are split over a
+        data-parallel axis).
+      block_stop: one past the last global block id in the buffer (-1: all blocks).
     """
 
     array_index: int
@@ -50,6 +53,8 @@ class ShardBuffer:
     nbytes: int
     head_start: int
     head_stop: int
+    block_start: int = 0
+    block_stop: int = -1
 
     @property
     def memory_kind(self) -> str:
@@ -112,6 +117,7 @@ class PagedKVCache:
         *,
         mesh: Mesh | None = None,
         tp_axis: str | tuple[str, ...] = "tp",
+        data_axis: str | None = None,
     ) -> PagedKVCache:
         """Allocates a zero-filled cache directly in its sharded form (inside jit, so no
         device ever holds more than its shard).
@@ -122,17 +128,26 @@ class PagedKVCache:
           mesh: mesh with a `tp_axis` axis; None for one device.
           tp_axis: the tensor-parallel mesh axis (or a tuple of axes); heads are split (or
             replicated) over it.
+          data_axis: a mesh axis to split the blocks over (data parallelism): shard ``s``
+            of ``dp`` owns blocks ``[s * num_blocks / dp, (s + 1) * num_blocks / dp)``, and an
+            op's ids come in ``dp`` equal segments, segment ``s`` naming shard ``s``'s blocks
+            (or padding), so every op runs on the owning shards without collectives.
 
         Returns:
           The cache.
 
         Raises:
-          ValueError: bad `num_blocks`, a mesh without `tp_axis`, or heads and TP size that do
-            not divide.
+          ValueError: bad `num_blocks` (or not divisible by the data-parallel size), a mesh
+            without `tp_axis`, or heads and TP size that do not divide.
         """
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        layout = head_sharding(spec, mesh, tp_axis)
+        layout = head_sharding(spec, mesh, tp_axis, data_axis)
+        if num_blocks % layout.data_size:
+            raise ValueError(
+                f"{num_blocks} blocks cannot be split evenly over {layout.data_size} "
+                f"data-parallel shards"
+            )
         shape = (num_blocks, *spec.global_block_shape(layout.tp_size))
         named = layout.named_sharding(spec)
         count = spec.num_arrays
@@ -150,6 +165,7 @@ class PagedKVCache:
         *,
         mesh: Mesh | None = None,
         tp_axis: str | tuple[str, ...] = "tp",
+        data_axis: str | None = None,
     ) -> PagedKVCache:
         """Builds a cache from existing arrays (global shapes), copied onto the cache's
         sharding so that the cache owns its buffers (see `wrap` to adopt arrays instead).
@@ -178,7 +194,7 @@ class PagedKVCache:
         # Copy into freshly allocated buffers with the scatter custom call (a byte copy). On
         # CPU, device_put may leave the arrays sharing the caller's numpy memory, or one buffer
         # among all replicas, and a donated update could then not happen in place.
-        cache = cls.allocate(spec, num_blocks, mesh=mesh, tp_axis=tp_axis)
+        cache = cls.allocate(spec, num_blocks, mesh=mesh, tp_axis=tp_axis, data_axis=data_axis)
         return cache.scatter_blocks(arrays, np.arange(num_blocks, dtype=np.int32))
 
     @classmethod
@@ -189,6 +205,7 @@ class PagedKVCache:
         mesh: Mesh | None = None,
         *,
         tp_axis: str | tuple[str, ...] = "tp",
+        data_axis: str | None = None,
     ) -> PagedKVCache:
         """Adopts existing device arrays as a cache, zero-copy: the cache's arrays are the
         given ones (same buffers), e.g. the per-layer caches a serving framework allocated.
@@ -202,6 +219,7 @@ class PagedKVCache:
           mesh: the mesh the arrays are sharded over; None for arrays on one device.
           tp_axis: the tensor-parallel mesh axis, or a tuple of axes (``("model",
             "expert")``).
+          data_axis: the mesh axis the block axis is split over, if any (see `allocate`).
 
         Returns:
           The cache, holding the same `jax.Array` objects.
@@ -232,7 +250,7 @@ class PagedKVCache:
                 raise ValueError("arrays spread over several devices need their mesh")
             names = (tp_axis,) if isinstance(tp_axis, str) else tuple(tp_axis)
             mesh = Mesh(np.array(list(devices)).reshape((1,) * len(names)), names)
-        layout = head_sharding(spec, mesh, tp_axis)
+        layout = head_sharding(spec, mesh, tp_axis, data_axis)
         num_blocks = int(arrays[0].shape[0]) if arrays[0].ndim else 0
         if num_blocks < 1:
             raise ValueError("arrays must be blocks-first with at least one block")
@@ -340,9 +358,12 @@ class PagedKVCache:
         src_host, dst_host = concrete_ids(src), concrete_ids(dst)
         if src_host is not None:
             check_ids(src_host, "src_ids", self.num_blocks)
+            self._check_owners(src_host, "src_ids")
         if dst_host is not None:
             disjoint = (src_host, "src_ids") if src_host is not None else None
             check_ids(dst_host, "dst_ids", self.num_blocks, unique=True, disjoint_from=disjoint)
+            self._check_owners(dst_host, "dst_ids")
+        self._check_segments(src.shape[0])
         return self._with_arrays(self._execute("copy", (self.arrays, src, dst), validate_ids))
 
     def gather_blocks(
@@ -371,11 +392,39 @@ class PagedKVCache:
         host = concrete_ids(ids)
         if host is not None:
             check_ids(host, "ids", self.num_blocks)
+            self._check_owners(host, "ids")
+        self._check_segments(ids.shape[0])
         if out is None:
             return tuple(self._execute("gather", (self.arrays, ids), validate_ids))
         out = tuple(out)
         self._check_dense(out, ids.shape[0], "out")
         return tuple(self._execute("gather_into", (self.arrays, ids, out), validate_ids))
+
+    def _check_segments(self, count: int) -> None:
+        dp = self.sharding.data_size
+        if count % dp:
+            raise ValueError(
+                f"{count} ids for {dp} data-parallel shards: ids come in {dp} equal segments, "
+                "one per shard (pad with -1)"
+            )
+
+    def _check_owners(self, ids: np.ndarray, name: str) -> None:
+        """With a data-parallel block axis, segment ``s`` of the ids must name blocks of
+        shard ``s`` (or be padding): moving a block between shards would need a collective."""
+        dp = self.sharding.data_size
+        if dp == 1 or ids.size % dp:
+            return
+        per_shard = self.num_blocks // dp
+        owners = np.repeat(np.arange(dp), ids.size // dp)
+        wrong = np.flatnonzero((ids >= 0) & (ids // per_shard != owners))
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(
+                f"{name}[{i}] = {int(ids[i])} is in data shard {int(ids[i]) // per_shard}, but "
+                f"position {i} is in shard {int(owners[i])}'s segment (ids come in {dp} "
+                f"segments of {ids.size // dp}; shard s owns blocks [s*{per_shard}, "
+                f"(s+1)*{per_shard}))"
+            )
 
     def _check_dense(self, dense: tuple[jax.Array, ...], rows: int, name: str) -> None:
         if len(dense) != len(self.arrays):
@@ -406,6 +455,8 @@ class PagedKVCache:
         host = concrete_ids(ids)
         if host is not None:
             check_ids(host, "ids", self.num_blocks, unique=True)
+            self._check_owners(host, "ids")
+        self._check_segments(ids.shape[0])
         return self._with_arrays(
             self._execute("scatter", (self.arrays, blocks, ids), validate_ids)
         )
@@ -431,6 +482,7 @@ class PagedKVCache:
                     if stop - start != array.shape[head_axis]:  # a head shard
                         first = start // (stop - start) * per_rank
                         heads = (first, first + per_rank)
+                blocks = shard.index[0].indices(array.shape[0])[:2]
                 buffers.append(
                     ShardBuffer(
                         array_index=index,
@@ -441,6 +493,8 @@ class PagedKVCache:
                         nbytes=int(shard.data.nbytes),
                         head_start=heads[0],
                         head_stop=heads[1],
+                        block_start=blocks[0],
+                        block_stop=blocks[1],
                     )
                 )
         return tuple(buffers)
@@ -490,18 +544,37 @@ def _cache_program(
     """A shard_map program applying one op to every array of a cache on every shard."""
     local = functools.partial(_LOCAL_OPS[kind], validate_ids=validate_ids)
     arrays_spec = (sharding.partition_spec(spec),) * spec.num_arrays
+    data_axis = sharding.data_axis
+    dp = sharding.data_size
     ids_spec = PartitionSpec()
 
+    def localize(ids, arrays):
+        """This shard's segment of the (replicated) global ids, as ids in its local block
+        range; ids of other shards become padding. No collective: only this shard's axis
+        index is read."""
+        if data_axis is None:
+            return ids
+        per_shard = arrays[0].shape[0]
+        shard = jax.lax.axis_index(data_axis)
+        segment = ids.shape[0] // dp
+        ids = jax.lax.dynamic_slice_in_dim(ids, shard * segment, segment)
+        start = shard * per_shard
+        return jnp.where((ids >= start) & (ids < start + per_shard), ids - start, -1)
+
     def copy_body(arrays, src, dst):
+        src, dst = localize(src, arrays), localize(dst, arrays)
         return tuple(local(a, src, dst) for a in arrays)
 
     def gather_body(arrays, ids):
+        ids = localize(ids, arrays)
         return tuple(local(a, ids) for a in arrays)
 
     def gather_into_body(arrays, ids, outs):
+        ids = localize(ids, arrays)
         return tuple(local(a, ids, o) for a, o in zip(arrays, outs))
 
     def scatter_body(arrays, blocks, ids):
+        ids = localize(ids, arrays)
         return tuple(local(a, b, ids) for a, b in zip(arrays, blocks))
 
     bodies: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {

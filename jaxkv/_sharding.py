@@ -32,6 +32,8 @@ class HeadSharding:
         ``("model", "expert")``) whose product is the TP size.
       tp_size: tensor-parallel size.
       source_mesh: the mesh the caller gave (equal to `mesh` unless TP exceeds the heads).
+      data_axis: mesh axis the block axis is split over (data parallelism: shard ``s`` owns
+        blocks ``[s * n / dp, (s + 1) * n / dp)``), or None.
     """
 
     mesh: Mesh
@@ -39,11 +41,17 @@ class HeadSharding:
     tp_axis: str | tuple[str, ...]
     tp_size: int
     source_mesh: Mesh
+    data_axis: str | None = None
+
+    @property
+    def data_size(self) -> int:
+        """Data-parallel shards of the block axis (1 when it is not sharded)."""
+        return int(self.mesh.shape[self.data_axis]) if self.data_axis else 1
 
     def partition_spec(self, spec: KVCacheSpec) -> PartitionSpec:
-        """Partition spec of one cache array (block axis first, unsharded)."""
+        """Partition spec of one cache array (block axis first, over `data_axis`)."""
         axes = [self.head_axis if letter == "H" else None for letter in spec.block_axes()]
-        return PartitionSpec(None, *axes)
+        return PartitionSpec(self.data_axis, *axes)
 
     def named_sharding(self, spec: KVCacheSpec) -> NamedSharding:
         """NamedSharding of one cache array."""
@@ -51,7 +59,10 @@ class HeadSharding:
 
 
 def head_sharding(
-    spec: KVCacheSpec, mesh: Mesh | None = None, tp_axis: str | tuple[str, ...] = "tp"
+    spec: KVCacheSpec,
+    mesh: Mesh | None = None,
+    tp_axis: str | tuple[str, ...] = "tp",
+    data_axis: str | None = None,
 ) -> HeadSharding:
     """Builds the head sharding of `spec` over `mesh`'s `tp_axis`.
 
@@ -60,6 +71,7 @@ def head_sharding(
       mesh: a mesh with a `tp_axis` axis; other axes replicate the cache. None: one device.
       tp_axis: name of the tensor-parallel axis, or a tuple of names sharded together (the
         head axis is split over their product, major axis first).
+      data_axis: a mesh axis to split the block axis over (data parallelism), or None.
 
     Returns:
       A `HeadSharding`.
@@ -72,6 +84,19 @@ def head_sharding(
       >>> head_sharding(KVCacheSpec(1, 2, 8, 4, "float32"), mesh).head_axis is None
       True
     """
+    result = _head_sharding(spec, mesh, tp_axis)
+    if data_axis is None:
+        return result
+    names = (result.tp_axis,) if isinstance(result.tp_axis, str) else result.tp_axis
+    if data_axis not in result.mesh.axis_names or data_axis in names:
+        raise ValueError(
+            f"data_axis {data_axis!r} must be a mesh axis other than the TP axes "
+            f"(mesh axes {result.source_mesh.axis_names})"
+        )
+    return dataclasses.replace(result, data_axis=data_axis)
+
+
+def _head_sharding(spec: KVCacheSpec, mesh: Mesh | None, tp_axis) -> HeadSharding:
     if isinstance(tp_axis, (list, tuple)):
         tp_axis = tuple(tp_axis)
         if len(tp_axis) == 1:

@@ -358,5 +358,69 @@ class FrameworkCacheTest(parameterized.TestCase):
             self.assertNotIn(collective, text)
 
 
+class DataParallelTest(parameterized.TestCase):
+    """A block axis split over a data-parallel mesh axis: ids come in one segment per shard and
+    every op runs on the owning shard, without collectives."""
+
+    def _cache(self, layout="KHTD", seed=0):
+        mesh = jax.make_mesh((2, 2), ("data", "tp"), devices=jax.devices()[:4])
+        spec = _spec(layout, heads=4)
+        rng = np.random.default_rng(seed)
+        shape = spec.array_shape(8)
+        hosts = [kv_testing.random_bits(rng, shape, spec.dtype) for _ in range(spec.num_arrays)]
+        cache = PagedKVCache.from_arrays(spec, hosts, mesh=mesh, data_axis="data")
+        return cache, hosts
+
+    @parameterized.parameters("KHTD", "TD")
+    def test_ops_route_to_the_owning_shard(self, layout):
+        cache, hosts = self._cache(layout)
+        self.assertEqual(cache.partition_spec()[0], "data")
+        self.assertEqual(sorted({(b.block_start, b.block_stop) for b in cache.shard_buffers()}),
+                         [(0, 4), (4, 8)])
+        before = cache.shard_buffers()
+        # Shard 0 owns blocks 0-3, shard 1 blocks 4-7; two ids per shard segment.
+        cache = cache.copy_blocks([0, -1, 5, 6], [3, 2, 4, -1])
+        cache.verify_unmoved(before)
+        hosts = [kv_testing.numpy_copy_blocks(h, [0, 5], [3, 4]) for h in hosts]
+        got = cache.gather_blocks([3, -1, 7, 4])
+        for g, h in zip(got, hosts):
+            self.assertEqual(g.sharding.spec[0], "data")
+            expected = kv_testing.numpy_gather_blocks(h, [3, -1, 7, 4])
+            np.testing.assert_array_equal(kv_testing.bits(g), kv_testing.bits(expected))
+        cache = cache.scatter_blocks(got, [1, 2, -1, 6])
+        for array, h in zip(cache.arrays, hosts):
+            expected = kv_testing.numpy_scatter_blocks(h, np.asarray(
+                kv_testing.numpy_gather_blocks(h, [3, -1, 7, 4])), [1, 2, -1, 6])
+            np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(expected))
+
+    def test_traced_ids_and_no_collectives(self):
+        cache, hosts = self._cache()
+        step = jax.jit(lambda c, s, d: c.copy_blocks(s, d), donate_argnums=0)
+        src, dst = jnp.array([1, 2, 4, 7], jnp.int32), jnp.array([0, 3, 5, 6], jnp.int32)
+        text = step.lower(cache, src, dst).compile().as_text()
+        for collective in COLLECTIVES:
+            self.assertNotIn(collective, text)
+        cache = step(cache, src, dst)
+        for array, h in zip(cache.arrays, hosts):
+            expected = kv_testing.numpy_copy_blocks(h, [1, 2, 4, 7], [0, 3, 5, 6])
+            np.testing.assert_array_equal(kv_testing.bits(array), kv_testing.bits(expected))
+        text = jax.jit(lambda c, i: c.gather_blocks(i)).lower(cache, src).compile().as_text()
+        for collective in COLLECTIVES:
+            self.assertNotIn(collective, text)
+
+    def test_ids_in_the_wrong_segment_raise(self):
+        cache, _ = self._cache()
+        with self.assertRaisesRegex(ValueError, "ids\\[0\\] = 5 is in data shard 1"):
+            cache.gather_blocks([5, 0])
+        with self.assertRaisesRegex(ValueError, "dst_ids\\[0\\] = 4 is in data shard 1"):
+            cache.copy_blocks([0, 5], [4, 6])
+        with self.assertRaisesRegex(ValueError, "3 ids for 2 data-parallel shards"):
+            cache.gather_blocks([0, 1, 5])
+        with self.assertRaisesRegex(ValueError, "cannot be split evenly over 2"):
+            PagedKVCache.allocate(_spec("KHTD"), 7, mesh=cache.sharding.mesh, data_axis="data")
+        with self.assertRaisesRegex(ValueError, "data_axis 'tp' must be a mesh axis other"):
+            PagedKVCache.allocate(_spec("KHTD"), 8, mesh=cache.sharding.mesh, data_axis="tp")
+
+
 if __name__ == "__main__":
     absltest.main()

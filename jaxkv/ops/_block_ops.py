@@ -83,7 +83,7 @@ def _copy_local(cache, src_ids, dst_ids, *, validate_ids: bool):
         call = _ffi_call("jaxkv_copy_blocks", result, {0: 0})
         return call(cache, src_ids, dst_ids, validate_ids=validate_ids)
 
-    return dispatch("copy", ffi, cache, src_ids, dst_ids)
+    return dispatch("copy", ffi, cache, src_ids, dst_ids, validate_ids=validate_ids)
 
 
 def _gather_local(cache, ids, *, validate_ids: bool):
@@ -94,7 +94,7 @@ def _gather_local(cache, ids, *, validate_ids: bool):
         call = _ffi_call("jaxkv_gather_blocks", result, None)
         return call(cache, ids, validate_ids=validate_ids)
 
-    return dispatch("gather", ffi, cache, ids)
+    return dispatch("gather", ffi, cache, ids, validate_ids=validate_ids)
 
 
 def _gather_into_local(cache, ids, out, *, validate_ids: bool):
@@ -105,7 +105,7 @@ def _gather_into_local(cache, ids, out, *, validate_ids: bool):
         call = _ffi_call("jaxkv_gather_blocks_into", result, {2: 0})
         return call(cache, ids, out, validate_ids=validate_ids)
 
-    return dispatch("gather_into", ffi, cache, ids, out)
+    return dispatch("gather_into", ffi, cache, ids, out, validate_ids=validate_ids)
 
 
 def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
@@ -116,7 +116,7 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
         call = _ffi_call("jaxkv_scatter_blocks", result, {0: 0})
         return call(cache, blocks, ids, validate_ids=validate_ids)
 
-    return dispatch("scatter", ffi, cache, blocks, ids)
+    return dispatch("scatter", ffi, cache, blocks, ids, validate_ids=validate_ids)
 
 
 _OP_NAMES = {

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from jax.experimental import io_callback
 
 from jaxkv.ops import _pallas, reference
 
@@ -138,6 +139,27 @@ def _in_range(ids, num_blocks):
     return jnp.where(ids >= num_blocks, -1, ids)
 
 
+def _bitwise(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a reference op on same-width unsigned views of floating operands: XLA's gather
+    and scatter may canonicalise NaN payloads of floats, and a KV move must copy every bit."""
+    import jax.numpy as jnp
+
+    def unsigned(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+    @functools.wraps(fn)
+    def run(*operands, **params):
+        dtype = operands[0].dtype
+        out = fn(*(unsigned(x) for x in operands), **params)
+        back = (lambda x: jax.lax.bitcast_convert_type(x, dtype)) if jnp.issubdtype(
+            dtype, jnp.floating) else (lambda x: x)
+        return tuple(back(x) for x in out) if isinstance(out, tuple) else back(out)
+
+    return run
+
+
 _REFERENCE: dict[str, Callable[..., Any]] = {
     "copy": lambda cache, src, dst: reference.copy_blocks(
         cache, _in_range(src, cache.shape[0]), _in_range(dst, cache.shape[0])),
@@ -159,13 +181,91 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
 """Per-shard jnp implementations with the custom calls' signatures."""
 
 
-def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) -> Any:
+# Which id operands each op checks, as the custom calls' handlers do: (operand index of the
+# ids, their name, operand index of the array they index, unique, operand index of ids they
+# must be disjoint from or None).
+_ID_CHECKS: dict[str, tuple[tuple[int, str, int, bool, int | None], ...]] = {
+    "copy": ((1, "src_ids", 0, False, None), (2, "dst_ids", 0, True, 1)),
+    "gather": ((1, "ids", 0, False, None),),
+    "gather_into": ((1, "ids", 0, False, None),),
+    "scatter": ((2, "ids", 0, True, None),),
+    "rearrange": ((1, "ids", 0, True, None),),
+    "prefix": ((2, "src_ids", 0, False, None), (3, "dst_ids", 1, True, None)),
+    "prefix_in_place": ((1, "src_ids", 0, False, None), (2, "dst_ids", 0, True, 1)),
+    "split": ((1, "block_ids", 0, False, None),),
+    "concat": ((1, "block_ids", 0, True, None),),
+}
+
+
+def _validated(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` preceded by a host check of its traced ids (one device-to-host copy, like the
+    CUDA custom calls' ``validate_ids=True``): bad ids raise ``jax.errors.JaxRuntimeError``
+    naming the problem before the kernel runs (the kernel takes the checked ids, so it waits
+    for the check)."""
+    import numpy as np
+
+    from jaxkv.ops._ids import check_ids
+
+    checks = _ID_CHECKS[op]
+    positions = tuple(sorted({c[0] for c in checks}))
+
+    def run(*operands):
+        sizes = {c[2]: operands[c[2]].shape[0] for c in checks}
+
+        def host_check(*ids):
+            values = {p: np.asarray(v) for p, v in zip(positions, ids)}
+            for position, name, array, unique, disjoint in checks:
+                other = None if disjoint is None else (values[disjoint], _name(disjoint))
+                check_ids(values[position], name, sizes[array], unique=unique,
+                          disjoint_from=other)
+            return ids
+
+        def _name(position):
+            return next(c[1] for c in checks if c[0] == position)
+
+        shapes = tuple(jax.ShapeDtypeStruct(operands[p].shape, operands[p].dtype)
+                       for p in positions)
+        checked = io_callback(host_check, shapes, *(operands[p] for p in positions))
+        operands = list(operands)
+        for p, value in zip(positions, checked):
+            operands[p] = value
+        return fn(*operands)
+
+    return run
+
+
+def _sequential_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a Pallas op) under `jax.vmap` runs once per batch element, in a loop, like the
+    custom calls' ``vmap_method="sequential"`` (a pallas_call with HBM operands and scalar
+    prefetch has no batching rule of its own)."""
+    import jax.numpy as jnp
+
+    @jax.custom_batching.custom_vmap
+    def run(*operands):
+        return fn(*operands)
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, *operands):
+        stacked = [x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+                   for x, batched in zip(operands, in_batched)]
+        # The loop slices floats through XLA, which may canonicalise NaN payloads: loop over
+        # same-width unsigned views (the kernels move bytes of any dtype).
+        out = _bitwise(lambda *xs: jax.lax.map(lambda args: fn(*args), xs))(*stacked)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run
+
+
+def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, validate_ids: bool = False,
+             **params: Any) -> Any:
     """Runs one per-shard op with the current implementation.
 
     Args:
       op: the op's name (a key of `_pallas.OPS`).
       ffi: the custom-call implementation, called as ``ffi(*operands)``.
       operands: the op's array operands.
+      validate_ids: check the ids on the host before the Pallas or reference op runs (the
+        custom calls check them themselves).
       params: static parameters of the Pallas and reference implementations.
 
     Returns:
@@ -175,23 +275,27 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, **params: Any) ->
       ValueError: an unknown implementation name in ``JAXKV_OPS_IMPL``.
     """
     impl = current_implementation()
-    reference_fn = functools.partial(_REFERENCE[op], **params)
+    reference_fn = functools.partial(_bitwise(_REFERENCE[op]), **params)
+    if validate_ids:
+        reference_fn = _validated(op, reference_fn)
     if impl == "ffi":
         return ffi(*operands)
     if impl == "reference":
         return reference_fn(*operands)
     unsupported = pallas_unsupported(operands)
+    compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
+    interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
+    if validate_ids:
+        compiled, interpreted = _validated(op, compiled), _validated(op, interpreted)
+    compiled, interpreted = _sequential_vmap(compiled), _sequential_vmap(interpreted)
     if impl == "pallas":
         if unsupported:
             raise NotImplementedError(f"jaxkv.ops: the Pallas kernels {unsupported}; use "
                                       "implementation('reference') or 'auto'")
-        compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
-        interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
         return jax.lax.platform_dependent(*operands, tpu=compiled, default=interpreted)
     # "auto": element types the TPU kernels do not move (bool, complex, 64-bit, packed
     # sub-byte types) take the jnp reference on TPU, so every op still lowers there.
-    tpu = reference_fn if unsupported else functools.partial(
-        _pallas.OPS[op], interpret=False, **params)
+    tpu = reference_fn if unsupported else compiled
     return jax.lax.platform_dependent(*operands, cpu=ffi, cuda=ffi, tpu=tpu,
                                       default=reference_fn)
 

@@ -45,20 +45,32 @@ __all__ = [
     "split_blocks",
 ]
 
+# HBM operands left in place for DMAs: `pl.ANY` (jax 0.10); later releases also name the TPU
+# memory space `pltpu.HBM`, which means the same for these kernels.
+_ANY = getattr(pl, "ANY", None) or getattr(pltpu, "ANY", None) or pltpu.HBM
+
 _IN_FLIGHT = 8
 """DMAs one kernel keeps in flight (per semaphore group)."""
 
 _ZERO_CHUNK_BYTES = 1 << 20
 """Largest VMEM zero buffer used to fill the rows of padding ids."""
 
+_REARRANGE_VMEM_BYTES = 24 << 20
+"""VMEM the permute/merge kernel may use (two input and two output blocks plus a 32-bit copy
+of one); larger blocks take the XLA path on TPU."""
 
-def _interpret(interpret: bool) -> Any:
-    return pltpu.InterpretParams() if interpret else False
+
+def _interpret(interpret: Any) -> Any:
+    """``interpret``: False (compile for TPU), True (TPU interpret mode) or a
+    ``pltpu.InterpretParams`` (interpret mode with those settings, e.g. race detection)."""
+    if interpret is True:
+        return pltpu.InterpretParams()
+    return interpret or False
 
 
 def _pallas_call(kernel, *, out_shape, num_prefetch, num_inputs, scratch, aliases, interpret,
                  num_outputs=1):
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=_ANY)
     out_specs = any_spec if num_outputs == 1 and not isinstance(out_shape, tuple) else tuple(
         any_spec for _ in range(num_outputs))
     return pl.pallas_call(
@@ -305,6 +317,17 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
     run, radices, source_strides, stride = row_runs(block_shape, src_layout, dst_layout, ratio)
     num_runs = rows // run
     dtype = np.dtype(cache.dtype)
+    vmem = math.prod(block_shape) * (4 * dtype.itemsize + 4)
+    if not interpret and vmem > _REARRANGE_VMEM_BYTES:
+        # A block too large to stage in VMEM: XLA's gather/transpose/scatter on unsigned
+        # views (bit-exact), still in place when the cache is donated.
+        from jaxkv.ops import reference
+
+        unsigned = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        ids = jnp.where(ids >= num_blocks, -1, ids)
+        out = reference.merge_blocks(jax.lax.bitcast_convert_type(cache, unsigned), ids, ratio,
+                                     src_layout, dst_layout)
+        return jax.lax.bitcast_convert_type(out, cache.dtype)
     # Same-width integers keep every bit pattern (NaN payloads included); 32-bit rows are the
     # TPU's unpacked sublane layout, where strided row loads need no unpacking.
     narrow = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dtype.itemsize]
@@ -348,8 +371,10 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
                     source = 0
                     rest = r
                     for size, src_stride in zip(reversed(radices), reversed(source_strides)):
-                        source = source + (rest % size) * src_stride
-                        rest = rest // size
+                        # lax.rem/div (values are non-negative): jnp's floor semantics lower
+                        # through sign(), which Mosaic lowers per TPU generation.
+                        source = source + jax.lax.rem(rest, size) * src_stride
+                        rest = jax.lax.div(rest, size)
                     part = wide[pl.ds(source, run, stride=stride), :] if run > 1 else (
                         wide[pl.ds(source, 1), :])
                     out_buf[slot, pl.ds(r * run, run), :] = jax.lax.bitcast_convert_type(

@@ -77,7 +77,8 @@ def _split_local(cache, ids, *into, box_starts: tuple[int, ...],
         return tuple(call(cache, ids, *into, box_starts=np.asarray(box_starts, np.int64),
                           validate_ids=validate_ids))
 
-    return dispatch("split", ffi, cache, ids, *into, box_starts=box_starts, shapes=shapes)
+    return dispatch("split", ffi, cache, ids, *into, box_starts=box_starts, shapes=shapes,
+                    validate_ids=validate_ids)
 
 
 def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], validate_ids: bool):
@@ -89,7 +90,8 @@ def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], validate_id
         return call(cache, ids, *buffers, box_starts=np.asarray(box_starts, np.int64),
                     validate_ids=validate_ids)
 
-    return dispatch("concat", ffi, cache, ids, *buffers, box_starts=box_starts)
+    return dispatch("concat", ffi, cache, ids, *buffers, box_starts=box_starts,
+                    validate_ids=validate_ids)
 
 
 def split_for_peers(

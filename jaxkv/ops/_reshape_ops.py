@@ -136,7 +136,7 @@ def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: st
         return out
 
     return dispatch("rearrange", ffi, cache, ids, src_layout=src_layout,
-                    dst_layout=dst_layout, ratio=ratio)
+                    dst_layout=dst_layout, ratio=ratio, validate_ids=validate_ids)
 
 
 def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target):
@@ -262,7 +262,7 @@ def _prefix_local(src_cache, dst_cache, src_ids, dst_ids, num_tokens, *, layout:
                     validate_ids=validate_ids)
 
     return dispatch("prefix", ffi, src_cache, dst_cache, src_ids, dst_ids, num_tokens,
-                    layout=layout)
+                    layout=layout, validate_ids=validate_ids)
 
 
 def _prefix_in_place_local(cache, src_ids, dst_ids, num_tokens, *, layout: str,
@@ -275,7 +275,8 @@ def _prefix_in_place_local(cache, src_ids, dst_ids, num_tokens, *, layout: str,
         return call(cache, src_ids, dst_ids, num_tokens, layout=layout,
                     validate_ids=validate_ids)
 
-    return dispatch("prefix_in_place", ffi, cache, src_ids, dst_ids, num_tokens, layout=layout)
+    return dispatch("prefix_in_place", ffi, cache, src_ids, dst_ids, num_tokens, layout=layout,
+                    validate_ids=validate_ids)
 
 
 def _token_count(num_tokens: Any):
