@@ -374,10 +374,10 @@ class SwitchTest(absltest.TestCase):
         with ops.implementation("pallas"):
             self.assertNotIn("jaxkv_copy_blocks", lowered())
 
-    def test_auto_lowers_the_pallas_kernels_for_tpu(self):
-        # Lowering for a TPU from this CPU-only machine picks the Pallas branch (Mosaic custom
-        # calls), never the CPU custom call. This runs Pallas's TPU lowering of every kernel
-        # (Mosaic's own compile needs a TPU). validate_ids=False: the host check of traced
+    def test_pallas_lowers_for_tpu(self):
+        # Lowering for a TPU from this CPU-only machine with the Pallas implementation gives
+        # Mosaic custom calls, never the CPU custom call. This runs Pallas's TPU lowering of
+        # every kernel (Mosaic's own compile needs a TPU). validate_ids=False: the host check of traced
         # ids is a host callback, which only lowers for the backend it runs on.
         s = jax.ShapeDtypeStruct
         cache, ids = s((16, 4, 8, 128), jnp.bfloat16), s((4,), jnp.int32)
@@ -407,7 +407,10 @@ class SwitchTest(absltest.TestCase):
                        (s((8, 4, 2, 2, 16, 128), jnp.bfloat16), ids, part)),
         }
         for name, (fn, args) in programs.items():
-            traced = jax.jit(fn).trace(*args)
+            # Traced as on a TPU backend: the implementation is picked when tracing.
+            with ops.implementation("pallas"), mock.patch.object(jax, "default_backend",
+                                                                 return_value="tpu"):
+                traced = jax.jit(fn).trace(*args)
             text = traced.lower(lowering_platforms=("tpu",)).as_text()
             self.assertIn("tpu_custom_call", text, name)
             self.assertNotIn("jaxkv_", text, name)

@@ -1,11 +1,13 @@
 """Which implementation of the block ops runs: XLA FFI custom calls, Pallas TPU kernels or the
 pure-jnp reference.
 
-By default ("auto") the choice is made per platform when the program is lowered
-(``jax.lax.platform_dependent``): the custom calls on "cpu" and "cuda", the Pallas kernels on
+By default ("auto") the choice is made per platform, for the backend a program is traced on
+(``jax.default_backend()``): the custom calls on "cpu" and "cuda", the Pallas kernels on
 "tpu", and the jnp reference on any other platform, so every op lowers everywhere. A forced
 implementation (`implementation` or the environment variable ``JAXKV_OPS_IMPL``) is used on
-every platform; "pallas" off TPU runs the kernels in Pallas's TPU interpret mode.
+every platform; "pallas" off TPU runs the kernels in Pallas's TPU interpret mode. To lower for
+another platform than the default one (``lowering_platforms=...``), force the implementation
+that platform needs.
 """
 
 from __future__ import annotations
@@ -292,12 +294,21 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, validate_ids: boo
         if unsupported:
             raise NotImplementedError(f"jaxkv.ops: the Pallas kernels {unsupported}; use "
                                       "implementation('reference') or 'auto'")
-        return jax.lax.platform_dependent(*operands, tpu=compiled, default=interpreted)
-    # "auto": element types the TPU kernels do not move (bool, complex, 64-bit, packed
-    # sub-byte types) take the jnp reference on TPU, so every op still lowers there.
-    tpu = reference_fn if unsupported else compiled
-    return jax.lax.platform_dependent(*operands, cpu=ffi, cuda=ffi, tpu=tpu,
-                                      default=reference_fn)
+        # Interpret mode runs through ordered host callbacks, which cannot sit in a
+        # platform_dependent branch lowered for a TPU: pick by the default backend.
+        return (compiled if jax.default_backend() == "tpu" else interpreted)(*operands)
+    # "auto" picks by the backend the program is traced for: the custom calls where they are
+    # registered (cpu, cuda), the Pallas kernels on TPU (the jnp reference for element types
+    # they do not move: bool, complex, 64-bit, packed sub-byte), the reference elsewhere.
+    # Branching with platform_dependent instead would trace every branch in the caller's
+    # context, and neither a pallas_call nor the jnp reference traces under a caller's sharded
+    # mesh; to lower for another platform than the default, force an implementation.
+    backend = jax.default_backend()
+    if backend in ("cpu", "gpu", "cuda"):
+        return ffi(*operands)
+    if backend == "tpu" and not unsupported:
+        return compiled(*operands)
+    return reference_fn(*operands)
 
 
 def pallas_unsupported(operands: Any) -> str:
