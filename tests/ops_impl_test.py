@@ -377,8 +377,8 @@ class SwitchTest(absltest.TestCase):
     def test_pallas_lowers_for_tpu(self):
         # Lowering for a TPU from this CPU-only machine with the Pallas implementation gives
         # Mosaic custom calls, never the CPU custom call. This runs Pallas's TPU lowering of
-        # every kernel (Mosaic's own compile needs a TPU). validate_ids=False: the host check of traced
-        # ids is a host callback, which only lowers for the backend it runs on.
+        # every kernel (Mosaic's own compile needs a TPU). validate_ids=False: the host check
+        # of traced ids is a host callback, which only lowers for the backend it runs on.
         s = jax.ShapeDtypeStruct
         cache, ids = s((16, 4, 8, 128), jnp.bfloat16), s((4,), jnp.int32)
         rows = s((4, 4, 8, 128), jnp.bfloat16)
