@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sanitizer run of the CPU custom calls: builds jaxkv._ffi_cpu with
 # -fsanitize=address,undefined (streaming stores off: AddressSanitizer does not check
-# _mm_stream_si128 stores), puts a copy of the package holding that module first on the path,
-# and runs the ops tests under it. Any out-of-bounds access or undefined behaviour in a
+# _mm_stream_si128 stores), runs the thread pool's standalone test under ASan+UBSan and TSan,
+# puts a copy of the package holding the sanitized module first on the path, and runs the ops
+# tests under it. Any out-of-bounds access or undefined behaviour in a
 # handler aborts the run with a report. CI-able: exits non-zero on a failure.
 #
 # Usage: scripts/sanitize.sh [--venv DIR] [pytest arguments...]
@@ -27,6 +28,14 @@ cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_MAKE_PROGRAM="$VENV/bin/ninja" \
   -DJAXKV_FFI_INCLUDE_DIR="$HEADERS" -DJAXKV_ENABLE_CUDA=OFF \
   -DJAXKV_SANITIZE=address,undefined >/dev/null
 cmake --build "$BUILD" --target _ffi_cpu >/dev/null
+
+# The thread pool on its own (no Python, so ThreadSanitizer works too).
+for sanitizers in address,undefined thread; do
+  "$CXX" -std=c++17 -O1 -g -fsanitize="$sanitizers" -fno-sanitize-recover=all -I"$ROOT/ffi" \
+    "$ROOT/ffi/thread_pool.cc" "$ROOT/ffi/thread_pool_test.cc" -pthread \
+    -o "$BUILD/thread_pool_test_${sanitizers//,/_}"
+  log "thread pool under -fsanitize=$sanitizers: $("$BUILD/thread_pool_test_${sanitizers//,/_}")"
+done
 
 # The package from the source tree with the sanitized module; first on sys.path.
 SITE="$BUILD/site"
