@@ -186,6 +186,14 @@ class LayeredTransferTest(tt.TransferTestBase):
         for index, (g, w) in enumerate(zip(got, want)):
             np.testing.assert_array_equal(kv_testing.bits(np.asarray(g)), w,
                                           err_msg=f"array {index}")
+        # A callback that runs after every consumer confirmed and the producer freed the
+        # request (e.g. a redundant last announcement): accepted quietly, no error logged.
+        deadline = time.monotonic() + WAIT_S
+        while "req-layers" not in self.call(conn, "state")[1]:
+            self.assertLess(time.monotonic(), deadline, "the producer never freed the request")
+        self.assertEqual(
+            self.call(conn, "late", p_handle, REMOTE_IDS, spec.num_layers), (1, [])
+        )
         print(f"{layout} tp={p_tp}: step {1e3 * (step_end - step_start):.0f} ms, layer 0 "
               f"arrived {1e3 * (step_end - arrival[0]):.0f} ms before its end")
 

@@ -8,6 +8,7 @@ that a `ReadPlan`'s byte copies can be simulated and checked bit for bit.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import time
 
@@ -695,7 +696,8 @@ def layered_producer_main(
     """A producer process whose jitted prefill announces each layer from inside the step:
     ("pin", request_id, block_ids) -> (params, handle); ("prefill", handle, ids, seed) ->
     (statuses, wall time at dispatch, wall time once the step finished); ("publications",)
-    -> the PublishRecords; ("state",) -> (pinned, freed)."""
+    -> the PublishRecords; ("state",) -> (pinned, freed); ("late", handle, ids, stop) -> the
+    publishing callback run now: (its status, the ERROR messages it logged)."""
     child_env(tp)
     import time
 
@@ -733,4 +735,24 @@ def layered_producer_main(
                     conn.send(list(engine.stats.publications))
                 elif command[0] == "state":
                     conn.send((engine.num_pinned, list(freed)))
+                elif command[0] == "late":  # a callback that runs after the request was freed
+                    _, handle, ids, stop = command
+                    errors = _ErrorRecords()
+                    logging.getLogger("jaxkv.transfer").addHandler(errors)
+                    try:
+                        status = engine._callback_publish(handle, np.asarray(ids), stop)
+                    finally:
+                        logging.getLogger("jaxkv.transfer").removeHandler(errors)
+                    conn.send((status, errors.messages))
             freed.extend(engine.poll().freeable)
+
+
+class _ErrorRecords(logging.Handler):
+    """Collects the messages of ERROR records."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
