@@ -263,7 +263,24 @@ class _Side:
         return out
 
 
+_SIDE_CACHE: dict[tuple[int, int], _Side] = {}
+
+
 def _side(meta: EngineMetadata, rank: int) -> _Side:
+    """`_build_side`, cached per (metadata object, rank): an engine keeps one metadata object
+    per peer and generation, so every read of a peer after the first reuses it."""
+    key = (id(meta), rank)
+    hit = _SIDE_CACHE.get(key)
+    if hit is not None and hit.meta is meta:  # the entry keeps `meta` alive: ids not reused
+        return hit
+    side = _build_side(meta, rank)
+    if len(_SIDE_CACHE) >= _TEMPLATE_CACHE_SIZE:
+        _SIDE_CACHE.pop(next(iter(_SIDE_CACHE)), None)
+    _SIDE_CACHE[key] = side
+    return side
+
+
+def _build_side(meta: EngineMetadata, rank: int) -> _Side:
     config = meta.config()
     tp_rank, pp_rank = config.coordinates(rank)
     layer_start, layer_stop = config.layer_range(pp_rank)
