@@ -1,6 +1,7 @@
 """Read planning: which remote bytes a decode rank reads into which local bytes.
 
-Pure functions over two `EngineMetadata` (no NIXL, no JAX). The model (semantics.md 2-6):
+Pure functions over two `EngineMetadata` (no NIXL, no JAX). The model
+(docs/data-movement.md sections 2-6):
 
 * Every block of every region is a set of *slabs*, one per (global layer, kv): the heads of
   the rank for that layer and K/V, ``[H_rank, T, D]`` ("HTD" order) or ``[T, H_rank, D]``
@@ -59,7 +60,7 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PostProcess:
-    """Rearrange received blocks of one local array in place (semantics.md section 3).
+    """Rearrange received blocks of one local array in place (docs/data-movement.md section 3).
 
     The bytes of each block in `block_ids` of local region `region` (cache array
     `array_index`) arrived as ``[ratio, *src_layout]`` with ``T / ratio`` tokens (``ratio``
