@@ -421,6 +421,8 @@ class KVCacheSpec:
             if axis == "D":
                 shape.append(_align(self.head_dim, self.head_dim_alignment))
             elif axis.islower():
+                # block_axes() yields a lowercase axis only when packing is set.
+                assert self.packing is not None
                 shape.append(self.packing)
             elif self.packing is not None and axis == self.packed_axis:
                 shape.append(-(-sizes[axis] // self.packing))

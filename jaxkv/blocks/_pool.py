@@ -917,19 +917,19 @@ class BlockPool:
         group = self._groupv[block]
         cache = self._maps[group]
         key = (group, block_hash)
-        if cache.get(block_hash) == block:  # type: ignore[arg-type]
-            others = self._dups.get(key) if self._dups else None  # type: ignore[arg-type]
+        if cache.get(block_hash) == block:
+            others = self._dups.get(key) if self._dups else None
             if others:
-                cache[block_hash] = others.pop(0)  # type: ignore[index]
+                cache[block_hash] = others.pop(0)
                 if not others:
-                    del self._dups[key]  # type: ignore[arg-type]
+                    del self._dups[key]
             else:
-                del cache[block_hash]  # type: ignore[arg-type]
+                del cache[block_hash]
         else:
-            others = self._dups[key]  # type: ignore[index]
+            others = self._dups[key]
             others.remove(block)
             if not others:
-                del self._dups[key]  # type: ignore[arg-type]
+                del self._dups[key]
         self._hash[block] = None
         self._hashedv[block] = False
         self._num_cached -= 1

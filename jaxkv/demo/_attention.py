@@ -11,6 +11,7 @@ enclosing jit donates the cache).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,7 @@ def write_tokens(
       [[[0.0, 0.0], [1.0, 1.0]]]
     """
     index, fixed = _locate(spec, layer, kv)
-    selector = [block_ids]
+    selector: list[Any] = [block_ids]
     for c in spec.layout:
         if c in fixed:
             selector.append(fixed[c])

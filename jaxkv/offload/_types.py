@@ -34,7 +34,8 @@ class SlotKey(NamedTuple):
     """
 
     tier: Tier
-    index: int | bytes
+    # The public field name shadows tuple.index(); renaming it would break callers.
+    index: int | bytes  # type: ignore[assignment]
 
 
 class OffloadError(RuntimeError):

@@ -127,7 +127,9 @@ _OP_NAMES = {
 }
 
 
-def _block_partition(array: jax.Array) -> tuple[jax.sharding.Mesh, PartitionSpec] | None:
+def _block_partition(
+    array: jax.Array,
+) -> tuple[jax.sharding.Mesh | jax.sharding.AbstractMesh, PartitionSpec] | None:
     """The mesh and spec to run a per-shard op under, or None for a one-device array."""
     sharding = array.sharding
     if len(sharding.device_set) == 1:

@@ -277,7 +277,7 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, validate_ids: boo
       ValueError: an unknown implementation name in ``JAXKV_OPS_IMPL``.
     """
     impl = current_implementation()
-    reference_fn = functools.partial(_bitwise(_REFERENCE[op]), **params)
+    reference_fn: Callable[..., Any] = functools.partial(_bitwise(_REFERENCE[op]), **params)
     if validate_ids:
         reference_fn = _validated(op, reference_fn)
     if impl == "ffi":
@@ -285,8 +285,8 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, validate_ids: boo
     if impl == "reference":
         return reference_fn(*operands)
     unsupported = pallas_unsupported(operands)
-    compiled = functools.partial(_pallas.OPS[op], interpret=False, **params)
-    interpreted = functools.partial(_pallas.OPS[op], interpret=True, **params)
+    compiled: Callable[..., Any] = functools.partial(_pallas.OPS[op], interpret=False, **params)
+    interpreted: Callable[..., Any] = functools.partial(_pallas.OPS[op], interpret=True, **params)
     if validate_ids:
         compiled, interpreted = _validated(op, compiled), _validated(op, interpreted)
     compiled, interpreted = _sequential_vmap(compiled), _sequential_vmap(interpreted)

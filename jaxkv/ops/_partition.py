@@ -31,9 +31,11 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 try:  # private, but the only way to tell a vmap tracer; without it, vmap is not detected
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+    from jax._src.interpreters.batching import BatchTracer
+
+    _BATCH_TRACERS: tuple[type, ...] = (BatchTracer,)
 except ImportError:  # pragma: no cover
-    _BatchTracer = ()
+    _BATCH_TRACERS = ()
 
 __all__ = ["ShardingError", "partitioned_call"]
 
@@ -199,7 +201,7 @@ def partitioned_call(
     Returns:
       What `local` returns.
     """
-    if any(isinstance(x, _BatchTracer) for x in operands) or _without_rule():
+    if any(isinstance(x, _BATCH_TRACERS) for x in operands) or _without_rule():
         return local(*operands, **static)
     operands = tuple(jax.numpy.asarray(x) if not isinstance(x, (jax.Array, jax.core.Tracer))
                      else x for x in operands)

@@ -49,12 +49,12 @@ __all__ = [
 _NEVER = -(1 << 30)  # a status no callback returns (keeps `after_callback`'s select unfoldable)
 
 
-def _publish_callback(engine: Any, handle, block_ids, layer_stop, token) -> np.ndarray:
+def _publish_callback(engine: Any, handle, block_ids, layer_stop, token) -> np.int32:
     del token  # only orders the callback after the writes
     return np.int32(engine._callback_publish(int(handle), np.asarray(block_ids), int(layer_stop)))
 
 
-def _wait_callback(engine: Any, timeout_s: float, handle) -> np.ndarray:
+def _wait_callback(engine: Any, timeout_s: float, handle) -> np.int32:
     return np.int32(engine._callback_wait(int(handle), timeout_s))
 
 

@@ -209,7 +209,7 @@ def engine_metadata(
         generation=int(generation),
         tp_size=config.tp_size,
         pp_size=config.pp_size,
-        layers_per_pp=list(config.layers_per_pp),
+        layers_per_pp=list(config.layer_split),
         num_layers=spec.num_layers,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,

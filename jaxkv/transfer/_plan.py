@@ -544,7 +544,9 @@ def _build_templates(
                 rg, r_slab = rem.slab(layer)[kv]
                 r_off = r_slab + ri * rem.h_stride
                 if direct:
-                    length, count, rs, ls = _direct_pattern(n, t_local, item * d, rem, loc)
+                    pattern = _direct_pattern(n, t_local, item * d, rem, loc)
+                    assert pattern is not None  # `direct` checked every run above
+                    length, count, rs, ls = pattern
                     templates.append(
                         (rr, rg, r_off, lg, l_slab + li * loc.h_stride, length, count, rs, ls, 0)
                     )

@@ -44,10 +44,14 @@ _FAILURES = ("failed_transfers", "failed_notifications", "failed_handshakes", "e
              "malformed_messages")
 
 
-def _families(stats: Any) -> list[tuple[str, str, str, list[tuple[str, dict, float]]]]:
+_Sample = tuple[str, dict[str, str], float]
+_Family = tuple[str, str, str, list[_Sample]]
+
+
+def _families(stats: Any) -> list[_Family]:
     """``(name, type, help, samples)``; samples are ``(suffix, labels, value)``."""
     records = list(stats.records)
-    out = [
+    out: list[_Family] = [
         ("jaxkv_transfer_requests_total", "counter", "KV reads finished",
          [("", {}, float(stats.requests_total))]),
         ("jaxkv_transfer_bytes_total", "counter", "KV bytes read",
