@@ -296,12 +296,12 @@ class _Engine:
             return []
         next_tokens, _ = self.runner.dispatch(tokens, positions, tables)
         wait_ready([next_tokens, *self.runner.cache.arrays], idle)
-        next_tokens = np.asarray(next_tokens)
+        host_tokens = np.asarray(next_tokens)
         for i, rid in enumerate(self.slots):
             if rid is None:
                 continue
             st = self.state[rid]
-            st["tokens"].append(int(next_tokens[i, 0]))
+            st["tokens"].append(int(host_tokens[i, 0]))
             if len(st["tokens"]) >= self.settings.max_new_tokens:
                 finished.append(rid)
                 self.slots[i] = None

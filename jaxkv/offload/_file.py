@@ -343,6 +343,7 @@ class _Task:
     def __call__(self) -> None:
         if self._claim.acquire(blocking=False):
             fn, self._fn = self._fn, None
+            assert fn is not None  # only the thread holding the claim gets here, once
             fn()
 
 

@@ -159,11 +159,11 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ raw memory of slots
 
-    def _slot_layout(self):
+    def _slot_layout(self) -> tuple[list[tuple[int, int]], list[list[int]], list[int]]:
         """Per array and head range: the primary shard buffer and its replicas."""
         primary: list[tuple[int, int]] = []  # (address, bytes per slot) in payload order
         replicas: list[list[int]] = []
-        addresses = []
+        addresses: list[int] = []
         for array in self._pool.arrays:
             groups: dict[Any, list[Any]] = {}
             for shard in array.addressable_shards:
@@ -348,12 +348,14 @@ class OffloadManager:
                 [self._host_keys[s]])]
         if never:
             raise UnknownSlotError(f"host slot {never[0]} holds no block")
-        result: concurrent.futures.Future = TierFuture()
+        result = TierFuture()
         deps = self._order.claim(
             reads=[self._host_keys[s] for s in slots],
             writes=[SlotKey(Tier.DISK, h) for h in hashes], op=result)
-        inner = tier.write_async([(h, self._slot_regions(s)[0]) for h, s in zip(hashes, slots)],
-                                 after=deps, skip=lambda: [not self.slot_valid(s) for s in slots])
+        inner = TierFuture()
+        tier.write_async([(h, self._slot_regions(s)[0]) for h, s in zip(hashes, slots)],
+                         after=deps, skip=lambda: [not self.slot_valid(s) for s in slots],
+                         future=inner)
         result.help_with(inner.run_if_queued)
         _chain(inner, result, None)
         self.stats.file_writes += len(slots)
@@ -380,7 +382,7 @@ class OffloadManager:
         """
         tier = self._require_file_tier()
         slots, hashes = self._check_read(block_hashes, host_slots)
-        result: concurrent.futures.Future = TierFuture()
+        result = TierFuture()
         deps = self._order.claim(
             reads=[SlotKey(Tier.DISK, h) for h in hashes],
             writes=[self._host_keys[s] for s in slots], op=result)
@@ -497,7 +499,7 @@ class OffloadManager:
             raise HostPoolFullError(
                 f"need {count} host slots but the pool has {self._pool.num_slots} "
                 f"({len(protect)} in use by this batch)")
-        out = []
+        out: list[int] = []
         while len(out) < count and self._free_slots:
             out.append(self._free_slots.pop())
         for slot in list(self._lru):
@@ -622,8 +624,10 @@ class OffloadManager:
                 count = index
                 continue
             if todo[index].tier == "device":
-                if int(todo[index].block_id) != targets[index]:
-                    copies.append((int(todo[index].block_id), targets[index]))
+                block_id = todo[index].block_id
+                assert block_id is not None  # a device block always carries its id
+                if int(block_id) != targets[index]:
+                    copies.append((int(block_id), targets[index]))
                 index += 1
                 count = index
                 continue
@@ -634,7 +638,7 @@ class OffloadManager:
                 break
             # A run of disk blocks, at most `capacity` at a time: read them into host slots
             # (waiting, bounded), then onboard; a later run may reuse the slots (ordered).
-            run = []
+            run: list[int] = []
             while (index + len(run) < len(todo) and len(run) < capacity
                    and todo[index + len(run)].tier != "device"
                    and hashes[index + len(run)] not in self._host_index):

@@ -49,7 +49,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -491,7 +491,10 @@ class KVTransferEngine:
             for address in addresses:
                 metas.append(
                     fetch_metadata(
-                        tuple(address), engine_id, self.handshake_timeout_s, self.handshake_retries
+                        _address(address),
+                        engine_id,
+                        self.handshake_timeout_s,
+                        self.handshake_retries,
                     )
                 )
             merged = _merge(metas)
@@ -509,7 +512,7 @@ class KVTransferEngine:
             self.agent.connect(name)
         generations = {a.name: m.generation for m in metas for a in m.agents}
         self._peers[engine_id] = _Peer(
-            merged, tuple(tuple(a) for a in addresses), agents, generations
+            merged, tuple(_address(a) for a in addresses), agents, generations
         )
         hello = encode_message(
             Hello(self.engine_id, self.generation, self.agent.name, self.agent.metadata())
@@ -573,7 +576,7 @@ class KVTransferEngine:
                 self._publish_layers(request_id, pinned, self.config.spec.num_layers)
         return TransferParams(
             self.engine_id,
-            [tuple(self.address)],
+            [_address(self.address)],
             request_id,
             list(ids),
             lease,
@@ -987,6 +990,7 @@ class KVTransferEngine:
             and message.producer_rank in pinned.notified
         )
         if live:
+            assert pinned is not None  # implied by `live`
             pinned.notified[message.producer_rank].add((message.engine_id, message.consumer_rank))
             pinned.expected[message.producer_rank] = message.expected
         target = self._consumers.get(message.agent_name)
@@ -1336,6 +1340,11 @@ class KVTransferEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _address(address: Sequence[Any]) -> tuple[str, int]:
+    """A ``(host, port)`` address as a tuple (decoded messages carry it as a list)."""
+    return cast(tuple[str, int], tuple(address))
 
 
 def _merge(metas: list[EngineMetadata]) -> EngineMetadata:
