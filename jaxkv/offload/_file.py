@@ -27,6 +27,7 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -37,7 +38,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import xxhash
-from absl import logging
 
 from jaxkv._spec import KVCacheSpec
 from jaxkv.offload._ordering import Dependency, wait_for
@@ -54,6 +54,7 @@ Region = tuple[int, int]
 """``(address, nbytes)`` of host memory."""
 
 _encode = msgspec.msgpack.Encoder().encode
+_log = logging.getLogger(__name__)
 
 
 class _Header(msgspec.Struct, frozen=True):
@@ -570,7 +571,7 @@ class FileTier:
                         f"this tier is {self.compat_key[:12]}...")
                 order = [entry[0] for entry in manifest.entries]
             except (msgspec.DecodeError, msgspec.ValidationError, OSError) as error:
-                logging.warning("jaxkv file tier: ignoring unreadable manifest %s (%s); "
+                _log.warning("jaxkv file tier: ignoring unreadable manifest %s (%s); "
                                 "scanning the files", manifest_path, error)
         on_disk = {}
         for name in os.listdir(self._blocks):
@@ -1031,7 +1032,7 @@ class FileTier:
                     continue
                 error = next(errors)
                 if error is not None:
-                    logging.warning("jaxkv file tier: %s; quarantined, treated as a miss", error)
+                    _log.warning("jaxkv file tier: %s; quarantined, treated as a miss", error)
                     states[k] = "corrupt"
                     continue
                 states[k] = "ok"

@@ -84,7 +84,7 @@ from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats
 
 __all__ = ["FailedRead", "KVTransferEngine", "PollResult", "TransferParams"]
 
-log = logging.getLogger("jaxkv.transfer")
+_log = logging.getLogger(__name__)
 _generation_counter = itertools.count()
 _attempt_counter = itertools.count(1)
 _MAX_HANDLES = 1 << 16
@@ -881,13 +881,13 @@ class KVTransferEngine:
                 if len(versions) == len(self._caches):
                     still.append((request_id, stop, versions))
                     continue
-                log.error("publishing %s failed: the caches were re-registered", request_id)
+                _log.error("publishing %s failed: the caches were re-registered", request_id)
                 pinned.deadline = -1.0
                 continue
             try:
                 self._publish_layers(request_id, pinned, stop)
             except Exception as error:  # noqa: BLE001 - the request is aborted
-                log.error("publishing %s failed: %s", request_id, error)
+                _log.error("publishing %s failed: %s", request_id, error)
                 pinned.deadline = -1.0
         self._deferred = still
 
@@ -1101,7 +1101,7 @@ class KVTransferEngine:
                 # results, which live in the same (registered) buffers.
                 cache.arrays = updated.arrays
         except Exception as error:  # noqa: BLE001 - reported as a failed request
-            log.error("post-processing of %s failed: %s", state.request_id, error)
+            _log.error("post-processing of %s failed: %s", state.request_id, error)
             state.error = f"post-processing failed: {type(error).__name__}: {error}"
         state.post_s = time.perf_counter() - start
 
@@ -1223,12 +1223,12 @@ class KVTransferEngine:
         num_layers = self.config.spec.num_layers
         stop = num_layers if layer_stop < 0 else min(int(layer_stop), num_layers)
         if not self._lock.acquire(timeout=self.read_timeout_s):
-            log.error("publish from a jitted step: the engine stayed busy")
+            _log.error("publish from a jitted step: the engine stayed busy")
             return 0
         try:
             request_id = self._handles.get(int(handle))
             if request_id is None:
-                log.error("publish from a jitted step: unknown handle %d", handle)
+                _log.error("publish from a jitted step: unknown handle %d", handle)
                 return 0
             # Subscriptions (Want) that arrived since the last poll: the announcement must
             # reach consumers that subscribed while the step ran.
@@ -1238,12 +1238,12 @@ class KVTransferEngine:
                 if self._released.get(request_id):
                     # Every consumer confirmed it already (it read the layers announced
                     # before): a late announcement of a finished request is no error.
-                    log.debug("publish from a jitted step: %s already confirmed", request_id)
+                    _log.debug("publish from a jitted step: %s already confirmed", request_id)
                     return 1
-                log.error("publish from a jitted step: %s is not published", request_id)
+                _log.error("publish from a jitted step: %s is not published", request_id)
                 return 0
             if ids and tuple(ids) != pinned.block_ids:
-                log.error(
+                _log.error(
                     "publish from a jitted step: %s wrote blocks %s, it was published with %s",
                     request_id, ids, list(pinned.block_ids),
                 )
@@ -1308,7 +1308,7 @@ class KVTransferEngine:
                         # No JAX here: reads that need it are left to the caller's poll.
                         self._stashed.extend(self._poll(allow_jax=False))
                 except Exception as error:  # noqa: BLE001 - the next poll reports failures
-                    log.debug("background progress: %s", error)
+                    _log.debug("background progress: %s", error)
                 finally:
                     self._lock.release()
             time.sleep(interval)
