@@ -115,8 +115,10 @@ class CrashAndCorruptionTest(parameterized.TestCase):
             else:
                 handle.truncate(_file._HEADER_BYTES + 10)
         offloader.offload(cache, [3, 0], [0, 1])                # other bytes in both slots
-        result = offloader.read_file([b"b1", b"b2"], [0, 1]).result(10)
+        with self.assertLogs("jaxkv.offload", level="WARNING") as logs:
+            result = offloader.read_file([b"b1", b"b2"], [0, 1]).result(10)
         self.assertEqual(result, [False, True])
+        self.assertIn("quarantined, treated as a miss", logs.output[0])
         self.assertFalse(tier.contains(b"b1"))
         self.assertFalse(os.path.exists(path))
         self.assertLen(os.listdir(tier._quarantine), 1)
@@ -198,7 +200,9 @@ class CrashAndCorruptionTest(parameterized.TestCase):
         tier.close()
         with open(os.path.join(tier.directory, "manifest.msgpack"), "wb") as handle:
             handle.write(b"\x00garbage")
-        again = _tier(root)
+        with self.assertLogs("jaxkv.offload", level="WARNING") as logs:  # the package's logger
+            again = _tier(root)
+        self.assertIn("ignoring unreadable manifest", logs.output[0])
         self.assertTrue(again.contains(b"x"))
         again.close()
 
