@@ -1,0 +1,201 @@
+"""`JaxKVConnector` driven by vLLM 0.33's real `Scheduler` on a producer and a consumer engine,
+with real jaxkv transfer engines over NIXL and a fake model (bytes compared exactly)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import importlib.util  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed: run scripts/test.sh --integrations (sets up .venv-vllm)",
+        allow_module_level=True,
+    )
+
+from jaxkv import KVCacheSpec  # noqa: E402
+from jaxkv.transfer import nixl_available  # noqa: E402
+
+if not nixl_available():
+    pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
+
+import vllm_harness as vh  # noqa: E402
+
+SPEC = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="bfloat16")
+
+
+def spec(layout: str, block_size: int) -> KVCacheSpec:
+    return KVCacheSpec(**SPEC, block_size=block_size, layout=layout)
+
+
+@pytest.fixture
+def pair(request):
+    """(producer, consumer) `Side`s; parameters: (p_layout, p_block, d_layout, d_block, d_tp)."""
+    p_layout, p_block, d_layout, d_block, d_tp = getattr(
+        request, "param", ("LKHTD", 8, "LKHTD", 8, 1)
+    )
+    producer = vh.Side(
+        "kv_producer", spec(p_layout, p_block), 64, {"engine_id": "prefill", "lease_s": 20.0}
+    )
+    consumer = vh.Side(
+        "kv_consumer",
+        spec(d_layout, d_block),
+        64,
+        {"engine_id": "decode", "read_timeout_s": 20.0},
+        tp=d_tp,
+    )
+    yield producer, consumer
+    consumer.close()
+    producer.close()
+
+
+def prefill(producer, prompts, max_steps=50):
+    """Runs prompts through the producer; returns their consumer-side params, in order."""
+    reqs = [vh.request(p, producer.spec.block_size, {"do_remote_decode": True}, 1) for p in prompts]
+    for r in reqs:
+        producer.add(r)
+    vh.run_until([producer], lambda: all(r.request_id in producer.sent_params for r in reqs))
+    return [producer.sent_params[r.request_id] for r in reqs]
+
+
+def decode(consumer, prompts, params, max_tokens=3):
+    reqs = [
+        vh.request(p, consumer.spec.block_size, dict(kv), max_tokens)
+        for p, kv in zip(prompts, params)
+    ]
+    for r in reqs:
+        consumer.add(r)
+    return reqs
+
+
+def check_received(consumer, req, prompt):
+    got = consumer.received[req.request_id]
+    n = len(got[0])
+    expected = vh.dense_blocks(consumer.spec, vh.token_kv(consumer.spec, prompt), n)
+    assert n == -(-len(prompt) // consumer.spec.block_size)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def finish(pair_, reqs, timeout_s=60.0):
+    producer, consumer = pair_
+    vh.run_until(
+        [producer, consumer],
+        lambda: all(r.request_id in consumer.outputs for r in reqs)
+        and not producer.busy()
+        and not consumer.busy(),
+        timeout_s,
+    )
+    vh.assert_empty(producer)
+    vh.assert_empty(consumer)
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 50000, size=n).tolist() for n in lengths]
+
+
+def test_full_prompts(pair):
+    producer, consumer = pair
+    prompts = prompts_of([5, 8, 21, 40])
+    params = prefill(producer, prompts)
+    assert params[0]["remote_engine_id"] == "prefill"
+    assert producer.worker.engine.num_pinned == 4  # held until the consumer read them
+    reqs = decode(consumer, prompts, params)
+    finish(pair, reqs)
+    for r, p in zip(reqs, prompts):
+        check_received(consumer, r, p)
+        assert len(consumer.outputs[r.request_id].new_token_ids) >= 1
+    assert consumer.worker.engine.stats.requests_total == 4
+    assert not consumer.load_errors
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        # (p_layout, p_block, d_layout, d_block, d_tp): another layout (post-processing),
+        # a consumer block twice the producer's (merged), decode TP 2 from prefill TP 1
+        ("LKHTD", 8, "KTHD", 8, 1),
+        ("LKHTD", 8, "LKHTD", 16, 1),
+        ("KHTD", 8, "KTHD", 16, 2),
+    ],
+    indirect=True,
+)
+def test_other_layout_block_size_tp(pair):
+    producer, consumer = pair
+    # whole consumer blocks: an even number of producer blocks when the sizes differ
+    prompts = prompts_of([16, 45, 64], seed=1)
+    params = prefill(producer, prompts)
+    reqs = decode(consumer, prompts, params)
+    finish(pair, reqs)
+    for r, p in zip(reqs, prompts):
+        check_received(consumer, r, p)
+
+
+def test_partial_local_prefix_hit(pair):
+    producer, consumer = pair
+    shared = prompts_of([24], seed=2)[0]
+    first = shared + prompts_of([5], seed=3)[0]
+    second = shared + prompts_of([13], seed=4)[0]
+    params = prefill(producer, [first])
+    reqs = decode(consumer, [first], params)
+    finish(pair, reqs)
+    before = consumer.worker.engine.stats.bytes_total
+    params = prefill(producer, [second])
+    reqs2 = decode(consumer, [second], params)
+    finish(pair, reqs2)
+    check_received(consumer, reqs2[0], second)
+    # the 3 shared full blocks were a local hit: only the tail (37 tokens -> blocks 3, 4) read
+    block_bytes = consumer.spec.block_nbytes(1)
+    assert consumer.worker.engine.stats.bytes_total - before == 2 * block_bytes
+
+
+def test_abort_before_transfer_releases_producer(pair):
+    producer, consumer = pair
+    prompts = prompts_of([20, 20], seed=5)
+    params = prefill(producer, prompts)
+    reqs = decode(consumer, prompts, params)
+    consumer.scheduler.finish_requests(
+        [reqs[0].request_id], __import__("vllm.v1.request").v1.request.RequestStatus.FINISHED_ABORTED
+    )
+    finish(pair, reqs[1:], timeout_s=15.0)  # well before the producer's 20 s lease
+    check_received(consumer, reqs[1], prompts[1])
+    assert producer.worker.engine.stats.expired_leases == 0
+
+
+def test_producer_abort_after_publish(pair):
+    producer, consumer = pair
+    (prompt,) = prompts_of([30], seed=6)
+    req = vh.request(prompt, 8, {"do_remote_decode": True}, 4)  # not finished by its prefill
+    producer.add(req)
+    vh.run_until([producer], lambda: req.request_id in producer.worker.engine._pinned)
+    from vllm.v1.request import RequestStatus
+
+    producer.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    vh.run_until([producer], lambda: not producer.busy() and not producer.worker.engine.num_pinned)
+    vh.assert_empty(producer)
+    assert req.request_id not in producer.sent_params
+
+
+def test_200_requests_leave_both_schedulers_empty(pair):
+    producer, consumer = pair
+    rng = np.random.default_rng(7)
+    prompts = prompts_of(rng.integers(1, 60, size=200).tolist(), seed=8)
+    reqs = []
+    for start in range(0, 200, 25):
+        batch = prompts[start : start + 25]
+        params = prefill(producer, batch)
+        reqs += decode(consumer, batch, params, max_tokens=2)
+        for _ in range(3):
+            producer.step()
+            consumer.step()
+    finish(pair, reqs, timeout_s=240.0)
+    for r, p in zip(reqs, prompts):
+        check_received(consumer, r, p)
+    assert consumer.worker.engine.stats.requests_total == 200
