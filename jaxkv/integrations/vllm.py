@@ -277,7 +277,8 @@ class JaxKVConnector(KVConnectorBase_V1):
                 self._meta.to_abort.add(request_id)
             return False, None
         if not published:
-            raise RuntimeError(f"request {request_id!r} finished without its prefill published")
+            log.error("request %s finished before its prefill completed: not sent", request_id)
+            return False, None
         if not self.settings.side_channel:
             raise ValueError("a kv_producer needs side_channel addresses in its settings")
         num_tokens = request.num_prompt_tokens
@@ -373,14 +374,17 @@ class JaxKVConnector(KVConnectorBase_V1):
         engine = self._engine()
         try:
             params = transfer_params_from_dict(recv.params)
-            remote_ids, local_ids = read_plan_ids(
-                params.block_ids,
-                int(recv.params["remote_num_tokens"]),
-                int(recv.params["remote_block_size"]),
-                recv.local_block_ids,
-                self.block_size,
-                recv.num_local_hit_blocks,
-            )
+            if recv.release_only:  # an empty read: the producer is only notified
+                remote_ids, local_ids = params.block_ids, []
+            else:
+                remote_ids, local_ids = read_plan_ids(
+                    params.block_ids,
+                    int(recv.params["remote_num_tokens"]),
+                    int(recv.params["remote_block_size"]),
+                    recv.local_block_ids,
+                    self.block_size,
+                    recv.num_local_hit_blocks,
+                )
         except ValueError as error:
             log.error("request %s: %s", recv.request_id, error)
             self._fail_now(recv)
@@ -400,7 +404,6 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._reading[producer_id] = recv.request_id
         if recv.release_only:
             self._releasing.add(producer_id)
-            local_ids = []
         engine.start_read(params, local_ids)
 
     def _fail_now(self, recv: _Recv) -> None:

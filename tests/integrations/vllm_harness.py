@@ -193,7 +193,12 @@ class Side:
         runner = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            # a partial prefill samples nothing
+            sampled_token_ids=[
+                [7] if self.scheduler.requests[r].num_computed_tokens
+                >= self.scheduler.requests[r].num_prompt_tokens else []
+                for r in req_ids
+            ],
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=None,
@@ -220,9 +225,12 @@ class Side:
     def _fake_forward(self, out) -> None:
         """Writes the KV of every scheduled request's computed prompt tokens."""
         cache = self.worker.cache
-        for request_id, n in out.num_scheduled_tokens.items():
+        for request_id in out.num_scheduled_tokens:
             req = self.scheduler.requests[request_id]
-            upto = min(req.num_computed_tokens + n, req.num_prompt_tokens)
+            # schedule() already counted this step's tokens as computed
+            upto = min(req.num_computed_tokens, req.num_prompt_tokens)
+            if upto == 0:
+                continue
             blocks = -(-upto // self.spec.block_size)
             ids = self._block_ids(request_id)[:blocks]
             g = token_kv(self.spec, req.prompt_token_ids[:upto])
