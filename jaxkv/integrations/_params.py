@@ -163,8 +163,8 @@ def read_plan_ids(
 
     `local_block_ids` are the consumer's blocks after its local prefix hit of
     `num_local_hit_blocks` whole blocks; they are cut to the number the remote tokens fill
-    after the hit, the remote ids to the number holding `remote_num_tokens`. `jaxkv.transfer` reads only the tail of the remote
-    blocks that the local ones cover.
+    after the hit, the remote ids to the number holding `remote_num_tokens`. `jaxkv.transfer`
+    reads only the tail of the remote blocks that the local ones cover.
 
     Raises:
       ValueError: the block sizes do not divide (the consumer's must be a multiple of the

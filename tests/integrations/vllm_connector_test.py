@@ -161,9 +161,9 @@ def test_abort_before_transfer_releases_producer(pair):
     prompts = prompts_of([20, 20], seed=5)
     params = prefill(producer, prompts)
     reqs = decode(consumer, prompts, params)
-    consumer.scheduler.finish_requests(
-        [reqs[0].request_id], __import__("vllm.v1.request").v1.request.RequestStatus.FINISHED_ABORTED
-    )
+    from vllm.v1.request import RequestStatus
+
+    consumer.scheduler.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
     finish(pair, reqs[1:], timeout_s=15.0)  # well before the producer's 20 s lease
     check_received(consumer, reqs[1], prompts[1])
     assert producer.worker.engine.stats.expired_leases == 0
@@ -184,18 +184,54 @@ def test_producer_abort_after_publish(pair):
 
 
 def test_200_requests_leave_both_schedulers_empty(pair):
+    """200 requests streamed through both engines (more than either cache holds at once):
+    each consumer request starts once its producer request handed over its params."""
     producer, consumer = pair
     rng = np.random.default_rng(7)
     prompts = prompts_of(rng.integers(1, 60, size=200).tolist(), seed=8)
-    reqs = []
-    for start in range(0, 200, 25):
-        batch = prompts[start : start + 25]
-        params = prefill(producer, batch)
-        reqs += decode(consumer, batch, params, max_tokens=2)
-        for _ in range(3):
-            producer.step()
-            consumer.step()
-    finish(pair, reqs, timeout_s=240.0)
-    for r, p in zip(reqs, prompts):
-        check_received(consumer, r, p)
+    pending = list(enumerate(prompts))
+    sent: dict[str, int] = {}
+    reqs: dict[int, object] = {}
+
+    def pump():
+        while pending and len(producer.scheduler.requests) < 8:
+            index, prompt = pending.pop(0)
+            r = vh.request(prompt, producer.spec.block_size, {"do_remote_decode": True}, 1)
+            sent[r.request_id] = index
+            producer.add(r)
+        for request_id, kv in list(producer.sent_params.items()):
+            index = sent.pop(request_id, None)
+            if index is not None:
+                reqs[index] = decode(consumer, [prompts[index]], [kv], max_tokens=2)[0]
+        return len(reqs) == 200
+
+    vh.run_until([producer, consumer], pump, timeout_s=240.0)
+    finish(pair, list(reqs.values()), timeout_s=120.0)
+    assert not consumer.load_errors
+    for index, prompt in enumerate(prompts):
+        check_received(consumer, reqs[index], prompt)
     assert consumer.worker.engine.stats.requests_total == 200
+
+
+def test_lease_expiry_is_a_load_error_vllm_recomputes():
+    """A consumer that reads after the producer's lease expired gets its blocks reported
+    through get_block_ids_with_load_errors; vLLM recomputes the request, which finishes."""
+    producer = vh.Side(
+        "kv_producer", spec("LKHTD", 8), 64, {"engine_id": "prefill", "lease_s": 0.5}
+    )
+    consumer = vh.Side("kv_consumer", spec("LKHTD", 8), 64, {"engine_id": "decode"})
+    try:
+        prompts = prompts_of([20, 33], seed=9)
+        params = prefill(producer, prompts)
+        vh.run_until([producer], lambda: not producer.busy(), 10.0)  # freed by expiry
+        assert producer.worker.engine.stats.expired_leases == 2
+        reqs = decode(consumer, prompts, params)
+        finish((producer, consumer), reqs)
+        expected = {b for r in reqs for b in consumer.failed_blocks.get(r.request_id, ())}
+        assert sorted(consumer.failed_blocks) == sorted(r.request_id for r in reqs)
+        assert consumer.load_errors and consumer.load_errors <= expected
+        assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)
+        assert not consumer.received  # nothing was reported as read
+    finally:
+        consumer.close()
+        producer.close()

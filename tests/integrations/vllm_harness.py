@@ -116,9 +116,22 @@ def request(prompt: list[int], block_size: int, params: dict | None, max_tokens:
     return req
 
 
+_kv_memo: dict[tuple, np.ndarray] = {}
+
+
 def token_kv(spec: KVCacheSpec, prompt: list[int]) -> np.ndarray:
     """``G[layer, kv, head, position, d]`` (unsigned ints of the dtype's width): position p
     holds random bits seeded by the tokens ``prompt[:p + 1]``."""
+    key = (spec.num_layers, spec.kv_factor, spec.num_kv_heads, spec.head_dim, spec.itemsize,
+           tuple(prompt))
+    if key not in _kv_memo:
+        if len(_kv_memo) > 1024:
+            _kv_memo.clear()
+        _kv_memo[key] = _token_kv(spec, prompt)
+    return _kv_memo[key]
+
+
+def _token_kv(spec: KVCacheSpec, prompt: list[int]) -> np.ndarray:
     width = np.dtype(f"u{spec.itemsize}")
     shape = (spec.num_layers, spec.kv_factor, spec.num_kv_heads, spec.head_dim)
     out = np.empty((*shape[:3], len(prompt), shape[3]), width)
@@ -165,6 +178,7 @@ class Side:
         self.received: dict[str, list[np.ndarray]] = {}  # consumer: blocks as read
         self.sent_params: dict[str, dict] = {}
         self.load_errors: set[int] = set()
+        self.failed_blocks: dict[str, set[int]] = {}  # consumer: blocks of failed reads
         self.steps = 0
 
     def add(self, req) -> None:
@@ -185,6 +199,8 @@ class Side:
         self.load_errors |= invalid
         stats = worker.get_kv_connector_stats()
         worker.clear_connector_metadata()
+        for request_id in results.failed_recving:
+            self.failed_blocks[request_id] = set(self._block_ids(request_id))
         for request_id in results.finished_recving - results.failed_recving:
             ids = self._block_ids(request_id)
             self.received[request_id] = [np.asarray(a) for a in worker.cache.gather_blocks(
@@ -233,8 +249,9 @@ class Side:
                 continue
             blocks = -(-upto // self.spec.block_size)
             ids = self._block_ids(request_id)[:blocks]
-            g = token_kv(self.spec, req.prompt_token_ids[:upto])
-            cache = cache.scatter_blocks(dense_blocks(self.spec, g, blocks), np.asarray(ids, np.int32))
+            g = token_kv(self.spec, req.prompt_token_ids)[:, :, :, :upto]
+            dense = dense_blocks(self.spec, g, blocks)
+            cache = cache.scatter_blocks(dense, np.asarray(ids, np.int32))
         self.worker.update_cache(cache)
 
     def busy(self) -> bool:
