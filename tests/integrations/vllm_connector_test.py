@@ -8,7 +8,9 @@ import os
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -114,6 +116,16 @@ def test_full_prompts(pair):
         assert len(consumer.outputs[r.request_id].new_token_ids) >= 1
     assert consumer.worker.engine.stats.requests_total == 4
     assert not consumer.load_errors
+    # loaded through vLLM's factory from kv_connector_module_path
+    from jaxkv.integrations.vllm import JaxKVConnector
+
+    assert isinstance(consumer.scheduler.connector, JaxKVConnector)
+    # the worker's KVConnectorStats, as vLLM aggregates and reduces them
+    reduced = consumer.stats.reduce()
+    assert reduced["transfers"] == 4 and reduced["failed"] == 0
+    assert reduced["bytes"] == sum(
+        consumer.spec.block_nbytes(1) * -(-len(p) // consumer.spec.block_size) for p in prompts
+    )
 
 
 @pytest.mark.parametrize(
@@ -235,3 +247,74 @@ def test_lease_expiry_is_a_load_error_vllm_recomputes():
     finally:
         consumer.close()
         producer.close()
+
+
+class _Remote:
+    """The producer engine in a spawned process (`vllm_harness.producer_process`)."""
+
+    def __init__(self, spec_kwargs, extra):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=vh.producer_process, args=(child, spec_kwargs, 64, extra), daemon=True
+        )
+        self.process.start()
+        assert self.conn.poll(180), "the producer process did not start"
+        assert self.conn.recv()[0] == "ready"
+
+    def call(self, *command, timeout_s=60.0):
+        self.conn.send(command)
+        assert self.conn.poll(timeout_s), f"no answer to {command[0]}"
+        return self.conn.recv()
+
+    def close(self):
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(("exit",))
+            self.process.join(20)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def test_two_processes_then_producer_killed_mid_transfer():
+    """The producer engine runs in another process: reads are bytes exact; then the producer
+    stops answering and is killed while the consumer's reads are in flight: their blocks come
+    back through get_block_ids_with_load_errors, vLLM recomputes, both ends stay consistent."""
+    spec_kwargs = dict(SPEC, block_size=8, layout="LKHTD")
+    remote = _Remote(spec_kwargs, {"engine_id": "prefill", "lease_s": 30.0})
+    consumer = vh.Side(
+        "kv_consumer", spec("KTHD", 16), 64, {"engine_id": "decode", "read_timeout_s": 3.0}
+    )
+    try:
+        prompts = prompts_of([7, 32, 50], seed=10)
+        params = remote.call("add", prompts)
+        reqs = decode(consumer, prompts, params)
+        vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
+        for r, p in zip(reqs, prompts):
+            check_received(consumer, r, p)
+        busy, pinned, expired, leak = remote.call("state")
+        deadline = time.monotonic() + 30
+        while (busy or pinned) and time.monotonic() < deadline:
+            busy, pinned, expired, leak = remote.call("state")
+        assert (busy, pinned, expired, leak) == (False, 0, 0, None)
+
+        prompts = prompts_of([24, 40], seed=11)
+        params = remote.call("add", prompts)
+        remote.conn.send(("pause", 600))  # stops acknowledging
+        reqs = decode(consumer, prompts, params)
+        vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 30.0)
+        remote.process.kill()
+        remote.process.join(10)
+        vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
+        vh.assert_empty(consumer)
+        assert sorted(consumer.failed_blocks) == sorted(r.request_id for r in reqs)
+        expected = set().union(*consumer.failed_blocks.values())
+        assert consumer.load_errors and consumer.load_errors <= expected
+        assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)
+        assert consumer.worker.engine.stats.failed_transfers == 2
+    finally:
+        consumer.close()
+        remote.close()

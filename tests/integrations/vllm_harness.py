@@ -178,6 +178,7 @@ class Side:
         self.received: dict[str, list[np.ndarray]] = {}  # consumer: blocks as read
         self.sent_params: dict[str, dict] = {}
         self.load_errors: set[int] = set()
+        self.stats = None  # the worker's KVConnectorStats, aggregated over steps
         self.failed_blocks: dict[str, set[int]] = {}  # consumer: blocks of failed reads
         self.steps = 0
 
@@ -198,6 +199,10 @@ class Side:
         invalid = worker.get_block_ids_with_load_errors()
         self.load_errors |= invalid
         stats = worker.get_kv_connector_stats()
+        if stats is not None:
+            # what vLLM's KVOutputAggregator / logger do with worker stats
+            rebuilt = type(worker).build_kv_connector_stats(stats.to_dict())
+            self.stats = rebuilt if self.stats is None else self.stats.aggregate(rebuilt)
         worker.clear_connector_metadata()
         for request_id in results.failed_recving:
             self.failed_blocks[request_id] = set(self._block_ids(request_id))
@@ -286,3 +291,50 @@ def assert_empty(side: Side) -> None:
     w = side.worker
     assert not w._reading and not w._awaiting_send and not w._freeable, "connector state left"
     assert w.engine.num_pinned == 0 and w.engine.num_reading == 0, "engine state left"
+
+
+# -- a producer engine in another process ----------------------------------------------------
+
+
+def producer_process(conn, spec_kwargs: dict, num_blocks: int, extra: dict) -> None:
+    """A producer `Side` serving commands from `conn` and stepping in between:
+    ("add", prompts) -> the consumer params of each, once all were handed over;
+    ("pause", seconds) -> stops stepping (no acknowledgements) that long, then True;
+    ("state",) -> (busy, pinned, expired leases, leak report or None); ("exit",)."""
+    tt.child_env(1)
+    import os
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    side = Side("kv_producer", KVCacheSpec(**spec_kwargs), num_blocks, extra)
+    waiting: list = []
+    conn.send(("ready", side.worker.address))
+    try:
+        while True:
+            if conn.poll(0.0):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "add":
+                    waiting = []
+                    for prompt in command[1]:
+                        r = request(prompt, side.spec.block_size, {"do_remote_decode": True}, 1)
+                        side.add(r)
+                        waiting.append(r.request_id)
+                elif command[0] == "pause":
+                    time.sleep(command[1])
+                    conn.send(True)
+                elif command[0] == "state":
+                    try:
+                        assert_empty(side)
+                        leak = None
+                    except AssertionError as error:
+                        leak = str(error) or "leak"
+                    engine = side.worker.engine
+                    conn.send((side.busy(), engine.num_pinned, engine.stats.expired_leases, leak))
+            side.step()
+            if waiting and all(r in side.sent_params for r in waiting):
+                conn.send([side.sent_params[r] for r in waiting])
+                waiting = []
+            time.sleep(0.001)
+    finally:
+        side.close()
