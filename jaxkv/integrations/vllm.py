@@ -101,12 +101,15 @@ class JaxKVConnectorMetadata(KVConnectorMetadata):
         `get_finished` reports them).
       to_abort: producer requests published but not handed off (aborted): release them.
       to_recv: consumer reads to start.
+      to_cancel: consumer requests aborted while their read is in flight: stop it (vLLM
+        frees their blocks once `get_finished` reports the read over).
     """
 
     to_publish: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     to_send: set[str] = dataclasses.field(default_factory=set)
     to_abort: set[str] = dataclasses.field(default_factory=set)
     to_recv: list[_Recv] = dataclasses.field(default_factory=list)
+    to_cancel: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -180,6 +183,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, Request] = {}  # producer requests not yet published
         self._published: set[str] = set()
+        self._loading: set[str] = set()  # consumer requests whose read is in flight
         self._meta = JaxKVConnectorMetadata()
         # worker side
         self.engine = None
@@ -190,6 +194,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._aborted: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # reads refused before they started
+        self._cancelled: set[str] = set()  # producer ids of reads stopped by an abort
         self._stats = JaxKVConnectorStats()
         self._stats_seen = (0, 0, 0)  # engine totals at the last stats call
 
@@ -224,6 +229,7 @@ class JaxKVConnector(KVConnectorBase_V1):
             hit = sum(1 for block in group if block.block_hash is not None)
             local = [block.block_id for block in group if block.block_hash is None]
             self._meta.to_recv.append(_Recv(request.request_id, dict(params), local, hit))
+            self._loading.add(request.request_id)
         else:
             # Everything was a local hit: the producer's blocks are only released.
             self._meta.to_recv.append(_Recv(request.request_id, dict(params), [], 0, True))
@@ -265,6 +271,9 @@ class JaxKVConnector(KVConnectorBase_V1):
             self._meta.to_recv.append(_Recv(request_id, dict(params), [], 0, True))
             return False, None
         if not params.get("do_remote_decode"):
+            if request_id in self._loading:  # aborted while reading: stop the read
+                self._loading.discard(request_id)
+                self._meta.to_cancel.add(request_id)
             return False, None
         published = request_id in self._published
         self._published.discard(request_id)
@@ -292,6 +301,10 @@ class JaxKVConnector(KVConnectorBase_V1):
         )
         self._meta.to_send.add(request_id)
         return True, transfer_params_to_dict(transfer, num_tokens, self.block_size)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Forgets the consumer reads the workers reported over."""
+        self._loading -= set(connector_output.finished_recving or ())
 
     # -- worker side ----------------------------------------------------------------------
 
@@ -367,6 +380,11 @@ class JaxKVConnector(KVConnectorBase_V1):
             engine.abort_request(request_id)
             self._aborted.add(request_id)
         self._awaiting_send |= meta.to_send
+        if meta.to_cancel:
+            for producer_id, consumer_id in self._reading.items():
+                if consumer_id in meta.to_cancel:
+                    self._cancelled.add(producer_id)
+                    engine.abort_request(producer_id)
         for recv in meta.to_recv:
             self._start_read(recv)
 
@@ -444,6 +462,7 @@ class JaxKVConnector(KVConnectorBase_V1):
             return results
         polled = self.engine.poll()
         for producer_id in polled.finished:
+            self._cancelled.discard(producer_id)
             consumer_id = self._reading.pop(producer_id, None)
             if consumer_id is not None and producer_id not in self._releasing:
                 results.finished_recving.add(consumer_id)
@@ -452,6 +471,11 @@ class JaxKVConnector(KVConnectorBase_V1):
             consumer_id = self._reading.pop(failure.request_id, None)
             if failure.request_id in self._releasing:
                 self._releasing.discard(failure.request_id)
+                continue
+            if failure.request_id in self._cancelled:  # aborted: vLLM frees the blocks
+                self._cancelled.discard(failure.request_id)
+                if consumer_id is not None:
+                    results.finished_recving.add(consumer_id)
                 continue
             log.warning("read of %s failed: %s", failure.request_id, failure.reason)
             self._load_errors.update(failure.invalid_block_ids)

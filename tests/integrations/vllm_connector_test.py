@@ -38,12 +38,17 @@ def spec(layout: str, block_size: int) -> KVCacheSpec:
 
 @pytest.fixture
 def pair(request):
-    """(producer, consumer) `Side`s; parameters: (p_layout, p_block, d_layout, d_block, d_tp)."""
-    p_layout, p_block, d_layout, d_block, d_tp = getattr(
+    """(producer, consumer) `Side`s; parameters: (p_layout, p_block, d_layout, d_block, d_tp
+    [, p_tp])."""
+    p_layout, p_block, d_layout, d_block, d_tp, *p_tp = getattr(
         request, "param", ("LKHTD", 8, "LKHTD", 8, 1)
     )
     producer = vh.Side(
-        "kv_producer", spec(p_layout, p_block), 64, {"engine_id": "prefill", "lease_s": 20.0}
+        "kv_producer",
+        spec(p_layout, p_block),
+        64,
+        {"engine_id": "prefill", "lease_s": 20.0},
+        tp=p_tp[0] if p_tp else 1,
     )
     consumer = vh.Side(
         "kv_consumer",
@@ -136,6 +141,9 @@ def test_full_prompts(pair):
         ("LKHTD", 8, "KTHD", 8, 1),
         ("LKHTD", 8, "LKHTD", 16, 1),
         ("KHTD", 8, "KTHD", 16, 2),
+        # prefill TP 2 (two devices of one process) to decode TP 1 and TP 2
+        ("KHTD", 8, "LKTHD", 8, 1, 2),
+        ("THD", 8, "KTHD", 16, 2, 2),
     ],
     indirect=True,
 )
@@ -179,6 +187,27 @@ def test_abort_before_transfer_releases_producer(pair):
     finish(pair, reqs[1:], timeout_s=15.0)  # well before the producer's 20 s lease
     check_received(consumer, reqs[1], prompts[1])
     assert producer.worker.engine.stats.expired_leases == 0
+
+
+def test_abort_during_transfer(pair):
+    """A consumer request aborted while its read waits for the producer's confirmation: the
+    read is stopped, vLLM frees its blocks, the producer is released without lease expiry."""
+    producer, consumer = pair
+    prompts = prompts_of([30, 17], seed=12)
+    params = prefill(producer, prompts)
+    reqs = decode(consumer, prompts, params)
+    # only the consumer steps: the producer does not acknowledge, the reads stay in flight
+    vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 20.0)
+    from vllm.v1.request import RequestStatus
+
+    consumer.scheduler.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
+    finish(pair, reqs[1:], timeout_s=15.0)  # well before the producer's 20 s lease
+    check_received(consumer, reqs[1], prompts[1])
+    assert reqs[0].request_id not in consumer.received
+    assert not consumer.load_errors and not consumer.failed_blocks
+    assert producer.worker.engine.stats.expired_leases == 0
+    stats = consumer.worker.engine.stats
+    assert (stats.requests_total, stats.failed_transfers) == (1, 1)  # one read was stopped
 
 
 def test_producer_abort_after_publish(pair):

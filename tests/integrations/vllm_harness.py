@@ -207,6 +207,8 @@ class Side:
         for request_id in results.failed_recving:
             self.failed_blocks[request_id] = set(self._block_ids(request_id))
         for request_id in results.finished_recving - results.failed_recving:
+            if self.scheduler.requests[request_id].is_finished():
+                continue  # aborted while reading: its read was stopped
             ids = self._block_ids(request_id)
             self.received[request_id] = [np.asarray(a) for a in worker.cache.gather_blocks(
                 np.asarray(ids, np.int32))]
