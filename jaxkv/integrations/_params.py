@@ -46,6 +46,8 @@ class ConnectorSettings:
       lease_s: how long a producer pins a request's blocks without a consumer heartbeat.
       read_timeout_s: the consumer's deadline for a request's reads and confirmations.
       handshake_timeout_s: the bound of each metadata fetch from a producer.
+      num_kv_heads: the model's KV heads, when a worker registers one TP rank's cache (its
+        heads only); None: the cache's heads times `tp_size`.
 
     Example:
       >>> ConnectorSettings.from_dict({"engine_id": "p", "side_channel": [["127.0.0.1", 5600]]})
@@ -62,6 +64,7 @@ class ConnectorSettings:
     lease_s: float = 30.0
     read_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    num_kv_heads: int | None = None
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any], default_engine_id: str | None = None):

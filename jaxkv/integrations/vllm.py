@@ -337,7 +337,11 @@ class JaxKVConnector(KVConnectorBase_V1):
         host, port = (
             s.side_channel[s.process_index] if s.side_channel else ("127.0.0.1", 0)
         )
-        config = EngineConfig(cache.spec, s.tp_size, s.pp_size)
+        spec = cache.spec
+        if s.tp_rank is not None and not spec.mla:
+            # one TP rank's cache holds its heads only; the engine describes the model's
+            spec = spec.replace(num_kv_heads=s.num_kv_heads or spec.num_kv_heads * s.tp_size)
+        config = EngineConfig(spec, s.tp_size, s.pp_size)
         if self.engine is not None:
             self.engine.close()
         self.engine = KVTransferEngine(

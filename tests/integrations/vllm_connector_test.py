@@ -39,16 +39,20 @@ def spec(layout: str, block_size: int) -> KVCacheSpec:
 @pytest.fixture
 def pair(request):
     """(producer, consumer) `Side`s; parameters: (p_layout, p_block, d_layout, d_block, d_tp
-    [, p_tp])."""
-    p_layout, p_block, d_layout, d_block, d_tp, *p_tp = getattr(
+    [, p_tp[, p_rank_workers, d_rank_workers]]): TP ranks as devices of one worker, or (rank
+    workers) one worker, transfer engine and cache per rank."""
+    p_layout, p_block, d_layout, d_block, d_tp, *rest = getattr(
         request, "param", ("LKHTD", 8, "LKHTD", 8, 1)
     )
+    p_tp = rest[:1]
+    p_ranks, d_ranks = rest[1:3] if len(rest) == 3 else (False, False)
     producer = vh.Side(
         "kv_producer",
         spec(p_layout, p_block),
         64,
         {"engine_id": "prefill", "lease_s": 20.0},
         tp=p_tp[0] if p_tp else 1,
+        rank_workers=p_ranks,
     )
     consumer = vh.Side(
         "kv_consumer",
@@ -56,6 +60,7 @@ def pair(request):
         64,
         {"engine_id": "decode", "read_timeout_s": 20.0},
         tp=d_tp,
+        rank_workers=d_ranks,
     )
     yield producer, consumer
     consumer.close()
@@ -84,10 +89,11 @@ def decode(consumer, prompts, params, max_tokens=3):
 def check_received(consumer, req, prompt):
     got = consumer.received[req.request_id]
     n = len(got[0])
-    expected = vh.dense_blocks(consumer.spec, vh.token_kv(consumer.spec, prompt), n)
     assert n == -(-len(prompt) // consumer.spec.block_size)
+    expected = consumer.expected_blocks(prompt, n)
+    assert len(got) == len(expected)
     for a, b in zip(got, expected):
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        np.testing.assert_array_equal(a.view(np.uint8).reshape(b.shape), b)
 
 
 def finish(pair_, reqs, timeout_s=60.0):
@@ -144,6 +150,11 @@ def test_full_prompts(pair):
         # prefill TP 2 (two devices of one process) to decode TP 1 and TP 2
         ("KHTD", 8, "LKTHD", 8, 1, 2),
         ("THD", 8, "KTHD", 16, 2, 2),
+        # one worker (transfer engine, cache of its heads) per TP rank, as vLLM runs them:
+        # prefill TP 2 -> decode TP 1 and TP 2 (block size x2), prefill TP 1 -> decode TP 2
+        ("KHTD", 8, "KTHD", 8, 1, 2, True, False),
+        ("LKHTD", 8, "KTHD", 16, 2, 2, True, True),
+        ("LKHTD", 8, "LKHTD", 8, 2, 1, False, True),
     ],
     indirect=True,
 )
@@ -152,6 +163,7 @@ def test_other_layout_block_size_tp(pair):
     # whole consumer blocks: an even number of producer blocks when the sizes differ
     prompts = prompts_of([16, 45, 64], seed=1)
     params = prefill(producer, prompts)
+    assert len(params[0]["remote_addresses"]) == len(producer.workers)  # one per worker
     reqs = decode(consumer, prompts, params)
     finish(pair, reqs)
     for r, p in zip(reqs, prompts):

@@ -153,24 +153,40 @@ def dense_blocks(spec: KVCacheSpec, g: np.ndarray, num_blocks: int, first_token:
 
 
 class Side:
-    """One vLLM engine: its scheduler, one worker-side connector and its jaxkv cache."""
+    """One vLLM engine: its scheduler, its worker-side connectors and their jaxkv caches.
+
+    ``tp`` TP ranks are either devices of one worker (``rank_workers=False``: one connector,
+    one transfer engine) or one worker each (``rank_workers=True``: a connector, a transfer
+    engine and a cache of its heads per rank, as vLLM runs one worker process per rank)."""
 
     def __init__(self, role: str, spec: KVCacheSpec, num_blocks: int, extra: dict[str, Any],
-                 tp: int = 1, scheduler_extra: dict[str, Any] | None = None):
+                 tp: int = 1, scheduler_extra: dict[str, Any] | None = None,
+                 rank_workers: bool = False):
         import jax
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from jaxkv.integrations.vllm import JaxKVConnector
 
-        self.role, self.spec, self.num_blocks = role, spec, num_blocks
-        worker_config = vllm_config(role, spec.block_size, {**extra, "tp_size": tp}, num_blocks)
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 else None
-        cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
-        self.worker = JaxKVConnector(worker_config, KVConnectorRole.WORKER)
-        self.worker.register_kv_caches({"jaxkv": cache})
+        self.role, self.spec, self.num_blocks, self.tp = role, spec, num_blocks, tp
+        self.rank_workers = rank_workers
+        self.workers = []
+        for rank in range(tp if rank_workers else 1):
+            worker_extra = {**extra, "tp_size": tp}
+            if rank_workers:
+                worker_extra.update(tp_rank=rank, process_index=rank)
+                rank_spec = spec.replace(num_kv_heads=spec.heads_per_rank(tp))
+                cache = PagedKVCache.allocate(rank_spec, num_blocks)
+            else:
+                mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+                cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh if tp > 1 else None)
+            config = vllm_config(role, spec.block_size, worker_extra, num_blocks)
+            worker = JaxKVConnector(config, KVConnectorRole.WORKER)
+            worker.register_kv_caches({"jaxkv": cache})
+            self.workers.append(worker)
+        self.worker = self.workers[0]
         sched_extra = {**extra, "tp_size": tp, **(scheduler_extra or {})}
         if role == "kv_producer":
-            sched_extra["side_channel"] = [list(self.worker.address)]
+            sched_extra["side_channel"] = [list(w.address) for w in self.workers]
         self.config = vllm_config(role, spec.block_size, sched_extra, num_blocks)
         self.scheduler, _ = scheduler(self.config, num_blocks)
         self.connector = self.scheduler.connector
@@ -178,40 +194,68 @@ class Side:
         self.received: dict[str, list[np.ndarray]] = {}  # consumer: blocks as read
         self.sent_params: dict[str, dict] = {}
         self.load_errors: set[int] = set()
-        self.stats = None  # the worker's KVConnectorStats, aggregated over steps
+        self.stats = None  # the workers' KVConnectorStats, aggregated over steps
         self.failed_blocks: dict[str, set[int]] = {}  # consumer: blocks of failed reads
+        self._counts: dict[tuple[str, str], int] = {}  # (kind, request) -> workers reporting
         self.steps = 0
 
     def add(self, req) -> None:
         self.scheduler.add_request(req)
 
+    def expected_blocks(self, prompt: list[int], num_blocks: int) -> list[np.ndarray]:
+        """What a request's blocks hold on every worker (uint views, worker by worker)."""
+        g = token_kv(self.spec, prompt)
+        if not self.rank_workers:
+            return [a.view(np.uint8) for a in dense_blocks(self.spec, g, num_blocks)]
+        layout = tt.NumpyEngine.__new__(tt.NumpyEngine)
+        layout.config, layout.spec = EngineConfig(self.spec, self.tp), self.spec
+        return [a.view(np.uint8) for r in range(self.tp) for a in layout.slice_of(r, g, 0,
+                                                                                  num_blocks)]
+
+    def _all_reported(self, kind: str, ids: set[str]) -> set[str]:
+        """vLLM's KVOutputAggregator: a request is over once every worker reported it."""
+        done = set()
+        for request_id in ids:
+            key = (kind, request_id)
+            self._counts[key] = self._counts.get(key, 0) + 1
+            if self._counts[key] == len(self.workers):
+                del self._counts[key]
+                done.add(request_id)
+        return done
+
     def step(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
-        worker = self.worker
-        worker.bind_connector_metadata(out.kv_connector_metadata)
-        worker.start_load_kv(None)
-        if self.role == "kv_producer":
-            self._fake_forward(out)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(out.finished_req_ids)
-        invalid = worker.get_block_ids_with_load_errors()
+        sending, recving, failed, invalid = set(), set(), set(), set()
+        for rank, worker in enumerate(self.workers):
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
+            if self.role == "kv_producer":
+                self._fake_forward(out, rank, worker)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(out.finished_req_ids)
+            sending |= self._all_reported("send", results.finished_sending)
+            recving |= self._all_reported("recv", results.finished_recving)
+            failed |= results.failed_recving
+            invalid |= worker.get_block_ids_with_load_errors()
+            stats = worker.get_kv_connector_stats()
+            if stats is not None:
+                # what vLLM's KVOutputAggregator / logger do with worker stats
+                rebuilt = type(worker).build_kv_connector_stats(stats.to_dict())
+                self.stats = rebuilt if self.stats is None else self.stats.aggregate(rebuilt)
+            worker.clear_connector_metadata()
+        failed &= recving | failed
         self.load_errors |= invalid
-        stats = worker.get_kv_connector_stats()
-        if stats is not None:
-            # what vLLM's KVOutputAggregator / logger do with worker stats
-            rebuilt = type(worker).build_kv_connector_stats(stats.to_dict())
-            self.stats = rebuilt if self.stats is None else self.stats.aggregate(rebuilt)
-        worker.clear_connector_metadata()
-        for request_id in results.failed_recving:
+        for request_id in failed & recving:
             self.failed_blocks[request_id] = set(self._block_ids(request_id))
-        for request_id in results.finished_recving - results.failed_recving:
+        for request_id in recving - failed:
             if self.scheduler.requests[request_id].is_finished():
                 continue  # aborted while reading: its read was stopped
-            ids = self._block_ids(request_id)
-            self.received[request_id] = [np.asarray(a) for a in worker.cache.gather_blocks(
-                np.asarray(ids, np.int32))]
+            ids = np.asarray(self._block_ids(request_id), np.int32)
+            self.received[request_id] = [
+                np.asarray(a) for w in self.workers for a in w.cache.gather_blocks(ids)
+            ]
         req_ids = list(out.num_scheduled_tokens)
         runner = ModelRunnerOutput(
             req_ids=req_ids,
@@ -226,11 +270,11 @@ class Side:
             prompt_logprobs_dict={},
             pooler_output=None,
             kv_connector_output=KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None,
-                failed_recving=results.failed_recving,
+                finished_sending=sending or None,
+                finished_recving=recving or None,
+                failed_recving=failed & recving,
                 invalid_block_ids=invalid,
-                kv_connector_stats=stats,
+                kv_connector_stats=None,
             ),
         )
         engine_outputs = self.scheduler.update_from_output(out, runner)
@@ -245,9 +289,14 @@ class Side:
     def _block_ids(self, request_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
 
-    def _fake_forward(self, out) -> None:
-        """Writes the KV of every scheduled request's computed prompt tokens."""
-        cache = self.worker.cache
+    def _fake_forward(self, out, rank: int, worker) -> None:
+        """Writes the KV of every scheduled request's computed prompt tokens (this worker's
+        heads)."""
+        cache = worker.cache
+        layout = None
+        if self.rank_workers:
+            layout = tt.NumpyEngine.__new__(tt.NumpyEngine)
+            layout.config, layout.spec = EngineConfig(self.spec, self.tp), self.spec
         for request_id in out.num_scheduled_tokens:
             req = self.scheduler.requests[request_id]
             # schedule() already counted this step's tokens as computed
@@ -257,16 +306,20 @@ class Side:
             blocks = -(-upto // self.spec.block_size)
             ids = self._block_ids(request_id)[:blocks]
             g = token_kv(self.spec, req.prompt_token_ids)[:, :, :, :upto]
-            dense = dense_blocks(self.spec, g, blocks)
+            if layout is None:
+                dense = dense_blocks(self.spec, g, blocks)
+            else:
+                dense = [a.view(self.spec.dtype) for a in layout.slice_of(rank, g, 0, blocks)]
             cache = cache.scatter_blocks(dense, np.asarray(ids, np.int32))
-        self.worker.update_cache(cache)
+        worker.update_cache(cache)
 
     def busy(self) -> bool:
         s = self.scheduler
         return bool(s.requests or s.finished_req_ids or s.finished_recving_kv_req_ids)
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.scheduler.shutdown()
 
 
@@ -290,9 +343,9 @@ def assert_empty(side: Side) -> None:
     pool = manager.block_pool
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1, "blocks not free"
     assert all(block.ref_cnt == 0 for block in pool.blocks)
-    w = side.worker
-    assert not w._reading and not w._awaiting_send and not w._freeable, "connector state left"
-    assert w.engine.num_pinned == 0 and w.engine.num_reading == 0, "engine state left"
+    for w in side.workers:
+        assert not w._reading and not w._awaiting_send and not w._freeable, "connector state"
+        assert w.engine.num_pinned == 0 and w.engine.num_reading == 0, "engine state left"
 
 
 # -- a producer engine in another process ----------------------------------------------------
