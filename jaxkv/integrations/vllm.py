@@ -54,7 +54,10 @@ try:
         KVConnectorRole,
         KVConnectorTransferResults,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
 except ImportError as _error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "jaxkv.integrations.vllm needs vLLM 0.33 (pip install vllm==0.33.0; "
@@ -77,7 +80,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["JaxKVConnector", "JaxKVConnectorMetadata", "JaxKVConnectorStats"]
+__all__ = [
+    "JaxKVConnector",
+    "JaxKVConnectorMetadata",
+    "JaxKVConnectorStats",
+    "JaxKVPromMetrics",
+]
 
 log = logging.getLogger("jaxkv.integrations.vllm")
 
@@ -148,6 +156,35 @@ class JaxKVConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return self.data["transfers"] == 0 and self.data["failed"] == 0
+
+
+class JaxKVPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters of the connector's transfers, per vLLM engine:
+    ``vllm:jaxkv_transfers``, ``vllm:jaxkv_failed_transfers`` and
+    ``vllm:jaxkv_transferred_bytes`` (``_total`` samples), fed from `JaxKVConnectorStats`."""
+
+    _METRICS = (
+        ("transfers", "vllm:jaxkv_transfers", "KV reads finished by the jaxkv connector"),
+        ("failed", "vllm:jaxkv_failed_transfers", "KV reads of the jaxkv connector that failed"),
+        ("bytes", "vllm:jaxkv_transferred_bytes", "Bytes read by the jaxkv connector"),
+    )
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for key, name, documentation in self._METRICS:
+            counter = self._counter_cls(
+                name=name, documentation=documentation, labelnames=labelnames
+            )
+            self._counters[key] = {
+                index: counter.labels(*values) for index, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, counters in self._counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                counters[engine_idx].inc(value)
 
 
 class JaxKVConnector(KVConnectorBase_V1):
@@ -520,6 +557,13 @@ class JaxKVConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> JaxKVConnectorStats:
         """vLLM rebuilds the workers' stats from their dicts with this."""
         return JaxKVConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> JaxKVPromMetrics:
+        """vLLM's Prometheus hook: `JaxKVPromMetrics`."""
+        return JaxKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Closes the transfer engine (its side channel and NIXL agent)."""

@@ -137,6 +137,16 @@ def test_full_prompts(pair):
     assert reduced["bytes"] == sum(
         consumer.spec.block_nbytes(1) * -(-len(p) // consumer.spec.block_size) for p in prompts
     )
+    # ... and through vLLM's Prometheus hook (build_prom_metrics)
+    import prometheus_client
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    labels = {"model_name": "m", "engine": "0"}
+    prom = KVConnectorProm(consumer.config, list(labels), {0: list(labels.values())})
+    prom.observe(consumer.stats.to_dict(), 0)
+    sample = prometheus_client.REGISTRY.get_sample_value
+    assert sample("vllm:jaxkv_transfers_total", labels) == 4
+    assert sample("vllm:jaxkv_transferred_bytes_total", labels) == reduced["bytes"]
 
 
 @pytest.mark.parametrize(
