@@ -369,3 +369,19 @@ def test_two_processes_then_producer_killed_mid_transfer():
     finally:
         consumer.close()
         remote.close()
+
+
+def test_two_consumer_requests_of_one_producer_request(pair):
+    """jaxkv keys a read by the producer's request id: a second consumer request reading the
+    same producer request at the same time is refused with load errors (vLLM recomputes it);
+    the first is read exactly."""
+    producer, consumer = pair
+    (prompt,) = prompts_of([26], seed=13)
+    (params,) = prefill(producer, [prompt])
+    first, second = decode(consumer, [prompt, prompt], [params, params])
+    finish(pair, [first, second])
+    check_received(consumer, first, prompt)
+    assert list(consumer.failed_blocks) == [second.request_id]
+    assert consumer.load_errors
+    assert consumer.load_errors <= consumer.failed_blocks[second.request_id]
+    assert consumer.outputs[second.request_id].new_token_ids
