@@ -232,7 +232,6 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # reads refused before they started
         self._cancelled: set[str] = set()  # producer ids of reads stopped by an abort
-        self._stats = JaxKVConnectorStats()
         self._stats_seen = (0, 0, 0)  # engine totals at the last stats call
 
     # -- scheduler side -------------------------------------------------------------------
@@ -282,7 +281,8 @@ class JaxKVConnector(KVConnectorBase_V1):
             if request.num_computed_tokens + n >= request.num_prompt_tokens:
                 # Its prefill completes this step: the workers pin the blocks after the
                 # forward wrote them.
-                assert self._kv_cache_manager is not None
+                if self._kv_cache_manager is None:
+                    raise RuntimeError("vLLM did not bind its KV cache manager to the connector")
                 ids = self._kv_cache_manager.get_block_ids(request_id)[0]
                 needed = math.ceil(request.num_prompt_tokens / self.block_size)
                 meta.to_publish[request_id] = list(ids[:needed])
