@@ -28,8 +28,8 @@ done
 [[ "$VENV" = /* ]] || VENV="$ROOT/$VENV"
 bash "$ROOT/scripts/setup.sh" "${SETUP_ARGS[@]}"
 cd "$ROOT"
-# The installed package is tested: -P keeps the source tree (which lacks the compiled
-# modules) off the front of sys.path.
+# setup.sh installs jaxkv in editable mode (Python from the source tree, compiled modules from
+# the environment); -P keeps the current directory off the front of sys.path all the same.
 # Without test paths among the arguments, the whole tests/ directory runs.
 TARGETS=(tests)
 for arg in "$@"; do
