@@ -300,8 +300,9 @@ class _RefBlock:
 
 
 class _RefPool:
-    """vLLM's block-pool algorithm as described in semantics.md section 7 (per-block objects,
-    doubly linked free list with sentinels, hash -> block dict). Written for this benchmark."""
+    """vLLM's block-pool algorithm as described in docs/data-movement.md section 7 (per-block
+    objects, doubly linked free list with sentinels, hash -> block dict). Written for this
+    benchmark."""
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [_RefBlock(i) for i in range(num_blocks)]

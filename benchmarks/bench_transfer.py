@@ -15,6 +15,20 @@ alternate so that all see the same machine load. Prints one JSON object (and wri
 ``--json_out``):
 
   python benchmarks/bench_transfer.py --mib=80 --repeats=10 --json_out=/tmp/bench_transfer.json
+
+``--small``: the latency of a small request instead (192 KiB as 192 descriptors of 1 KiB: 16
+scattered blocks of 12 per-layer arrays), like for like with a bare NIXL READ of the same 192
+descriptors between the same two agents, with the producer idle (polling in a loop) and
+computing (a jitted step of ~10 ms between its polls, as when serving). ``landed``:
+start_read -> every READ complete (`TransferRecord.duration_s`, the consumer polling in a
+loop); ``confirmed``: start_read -> `poll` reports the request finished (the producer
+acknowledged). The bare READs are timed under the same producer load, alternating with the
+pulls: after another bare READ (``bare_read``), carrying a 160-byte notification (what a Done
+riding on the READ costs), and right after such a notification went over the same endpoint
+(``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
+jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
+
+  python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ SPEC = dict(
 MODES = {"direct": False, "staged": True}  # engine name suffix -> host_staging
 
 
-def _producer(conn, num_blocks: int) -> None:
+def _producer(conn, num_blocks: int, progress: float | None = 0.001) -> None:
     """("pin", mode, request_id, block_ids) -> (params, seconds staging to the mirror)."""
     import jax
 
@@ -60,7 +74,8 @@ def _producer(conn, num_blocks: int) -> None:
         ]
         cache = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
         engine = KVTransferEngine(
-            f"prefill-{mode}", EngineConfig(spec, 1), lease_s=60.0, host_staging=staging
+            f"prefill-{mode}", EngineConfig(spec, 1), lease_s=60.0, host_staging=staging,
+            progress_interval_s=progress,
         )
         engine.register_cache(cache)
         engines[mode] = engine
@@ -81,6 +96,182 @@ def _producer(conn, num_blocks: int) -> None:
     finally:
         for engine in engines.values():
             engine.close()
+
+
+SMALL_SPEC = dict(
+    num_layers=6, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16", layout="HTD"
+)  # 12 arrays (layer, K/V), 1 KiB per block per array
+SMALL_BLOCKS = 16
+SMALL_NUM_BLOCKS = 256
+
+
+def _small_producer(conn, progress: float | None) -> None:
+    """("pin", request_id, block_ids) -> params; ("busy", seconds): compute that long (a
+    jitted loop, GIL released) between polls; ("exit",)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
+    from jaxkv.transfer import KVTransferEngine
+
+    spec = KVCacheSpec(**SMALL_SPEC)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    rng = np.random.default_rng(0)
+    arrays = [
+        rng.integers(0, 1 << 16, spec.array_shape(SMALL_NUM_BLOCKS), dtype=np.uint16).view(
+            spec.dtype
+        )
+        for _ in spec.array_keys()
+    ]
+    cache = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
+
+    @jax.jit
+    def step(x, iters):
+        return jax.lax.fori_loop(0, iters, lambda _, v: v * jnp.uint32(1664525) + 1, x)
+
+    x = jnp.arange(64, dtype=jnp.uint32)
+    iters, busy = 1000, 0.0
+    with KVTransferEngine("prefill", EngineConfig(spec, 1), lease_s=60.0,
+                          progress_interval_s=progress) as engine:
+        engine.register_cache(cache)
+        conn.send(engine.address)
+        while True:
+            if conn.poll(0):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "busy":
+                    busy = command[1]
+                    if busy:  # calibrate the step to ~busy seconds
+                        for _ in range(6):
+                            start = time.perf_counter()
+                            step(x, iters).block_until_ready()
+                            took = time.perf_counter() - start
+                            iters = max(1, int(iters * busy / max(took, 1e-6)))
+                    conn.send(iters)
+                elif command[0] == "pin":
+                    conn.send(engine.publish_request(command[1], command[2]))
+            engine.poll()
+            if busy:
+                step(x, iters).block_until_ready()
+
+
+def small_requests(args) -> dict:
+    """The small-request latency benchmark (``--small``)."""
+    import jax
+
+    from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
+    from jaxkv.transfer import KVTransferEngine, plan_read
+
+    spec = KVCacheSpec(**SMALL_SPEC)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    progress = None if args.no_progress_thread else 0.001
+    process = ctx.Process(target=_small_producer, args=(child, progress), daemon=True)
+    process.start()
+    out: dict = {"bench": "bench_transfer --small"}
+    try:
+        if not parent.poll(120):
+            raise TimeoutError("producer did not start")
+        address = parent.recv()
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+        cache = PagedKVCache.allocate(spec, SMALL_NUM_BLOCKS, mesh=mesh)
+        engine = KVTransferEngine("decode", EngineConfig(spec, 1), read_timeout_s=60.0,
+                                  progress_interval_s=progress)
+        engine.register_cache(cache)
+        engine._attach_done = not args.done_apart  # noqa: SLF001 - the alternative, measured
+        peer = engine.add_peer("prefill", [address])
+        remote_name = next(iter(engine.agent.remote_agents))
+        rng = np.random.default_rng(1)
+        remote_ids = (rng.permutation(SMALL_NUM_BLOCKS // 2)[:SMALL_BLOCKS] * 2).tolist()
+        local_ids = (rng.permutation(SMALL_NUM_BLOCKS // 2)[:SMALL_BLOCKS] * 2 + 1).tolist()
+        plan = plan_read(engine.metadata, 0, peer, local_ids, remote_ids)
+        loc, rem = plan.expanded_descriptors(engine.metadata, peer, 0)
+        assert len(loc) == 192 and int(loc[:, 1].sum()) == 192 << 10, (len(loc), loc[:, 1].sum())
+        notif = b"x" * 160
+
+        def bare(notif=b""):
+            start = time.perf_counter()
+            handle = engine.agent.read(loc, rem, remote_name, notif=notif)
+            _wait(lambda: engine.agent.state(handle) == "DONE")
+            elapsed = time.perf_counter() - start
+            engine.agent.release(handle)
+            return elapsed
+
+        def pull(request_id):
+            parent.send(("pin", request_id, remote_ids))
+            params = parent.recv()
+            start = time.perf_counter()
+            engine.start_read(params, local_ids)
+            finished = []
+
+            def done():
+                result = engine.poll()
+                if result.failed:
+                    raise RuntimeError(result.failed)
+                finished.extend(result.finished)
+                return finished
+
+            _wait(done)
+            confirmed = time.perf_counter() - start
+            record = engine.stats.records[-1]
+            assert record.request_id == request_id
+            return record.duration_s, confirmed
+
+        results = {}
+        for load, busy_s in (("idle", 0.0), ("busy_10ms", 0.010)):
+            parent.send(("busy", busy_s))
+            iters = parent.recv()
+            times = {"bare_read": [], "bare_read_notif_160B": [],
+                     "bare_read_after_notif": [], "landed": [], "confirmed": []}
+            for rep in range(args.repeats + 3):
+                bare()
+                b = bare()  # after a bare READ: nothing else on the endpoint
+                bn = bare(notif)
+                ba = bare()  # right after a notification went over the same endpoint
+                landed, confirmed = pull(f"{load}-{rep}")
+                if rep >= 3:  # warm-up
+                    times["bare_read"].append(b)
+                    times["bare_read_notif_160B"].append(bn)
+                    times["bare_read_after_notif"].append(ba)
+                    times["landed"].append(landed)
+                    times["confirmed"].append(confirmed)
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            results[load] = {
+                "producer_step_iters": iters,
+                "median_ms": med,
+                "p90_ms": {k: float(np.percentile(v, 90)) * 1e3 for k, v in times.items()},
+                "landed_vs_bare": med["landed"] / med["bare_read"],
+                "confirmed_vs_bare": med["confirmed"] / med["bare_read"],
+                "landed_vs_bare_after_notif": med["landed"] / med["bare_read_after_notif"],
+            }
+        idle, busy = results["idle"], results["busy_10ms"]
+        out.update(
+            machine={"python": sys.version.split()[0], "platform": platform.platform(),
+                     "cpus": os.cpu_count(), "UCX_TLS": os.environ.get("UCX_TLS"),
+                     **_versions()},
+            request={"bytes": 192 << 10, "descriptors": len(loc), "blocks": SMALL_BLOCKS},
+            repeats=args.repeats,
+            options={"progress_thread": progress is not None, "attach_done": not args.done_apart},
+            results=results,
+            checks={
+                "idle_landed_le_1.3x_bare": {"ratio": idle["landed_vs_bare"],
+                                             "pass": idle["landed_vs_bare"] <= 1.3},
+                "idle_confirmed_le_2.5x_bare": {"ratio": idle["confirmed_vs_bare"],
+                                                "pass": idle["confirmed_vs_bare"] <= 2.5},
+                "busy_landed_le_2x_bare": {"ratio": busy["landed_vs_bare"],
+                                           "pass": busy["landed_vs_bare"] <= 2.0},
+            },
+            stats=engine.stats.summary(),
+        )
+        engine.close()
+    finally:
+        parent.send(("exit",))
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    return out
 
 
 def _versions() -> dict:
@@ -116,8 +307,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--mib", type=int, default=80, help="request size (>= 64)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no_staging", action="store_true", help="skip the staged pulls")
+    parser.add_argument("--small", action="store_true",
+                        help="small-request latency (192 descriptors of 1 KiB) instead")
+    parser.add_argument("--no_progress_thread", action="store_true",
+                        help="engines without the background progress thread")
+    parser.add_argument("--done_apart", action="store_true",
+                        help="the consumer's Done sent on its own after the READs completed "
+                             "(instead of riding on the READ)")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
+    if args.small:
+        out = small_requests(args)
+        text = json.dumps(out, indent=2)
+        print(text)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                f.write(text + "\n")
+        return out
 
     import jax
 
@@ -130,7 +336,8 @@ def main(argv=None) -> dict:
     num_blocks = 2 * n + 8
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_producer, args=(child, num_blocks), daemon=True)
+    progress = None if args.no_progress_thread else 0.001
+    process = ctx.Process(target=_producer, args=(child, num_blocks, progress), daemon=True)
     process.start()
     try:
         if not parent.poll(120):
@@ -146,7 +353,9 @@ def main(argv=None) -> dict:
                 EngineConfig(spec, 1),
                 read_timeout_s=60.0,
                 host_staging=MODES[mode],
+                progress_interval_s=progress,
             )
+            engines[mode]._attach_done = not args.done_apart  # noqa: SLF001 - measured
             engines[mode].register_cache(cache)
             engines[mode].add_peer(f"prefill-{mode}", [addresses[mode]])
         engine = engines["direct"]

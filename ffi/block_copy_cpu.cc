@@ -2,7 +2,11 @@
 
 #include <sys/mman.h>
 
-#if defined(__SSE2__)
+// Streaming (non-temporal) stores and software prefetch; off with JAXKV_NO_STREAMING_STORES
+// (sanitizer builds: AddressSanitizer does not check _mm_stream_si128 stores, so there every
+// byte goes through memcpy, which it does check).
+#if defined(__SSE2__) && !defined(JAXKV_NO_STREAMING_STORES)
+#define JAXKV_STREAMING_STORES 1
 #include <emmintrin.h>
 #include <xmmintrin.h>
 #endif
@@ -10,10 +14,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "block_index.h"
+#include "thread_pool.h"
 
 namespace jaxkv {
 namespace {
@@ -41,7 +45,7 @@ constexpr int64_t kPrefetchDistance = int64_t{16} << 10;
 // threads) of a plain copy of the same bytes. Prefetches never fault, so `next` may point past
 // the source buffer.
 inline void StreamCopy(char* dst, const char* src, size_t bytes, const char* next = nullptr) {
-#if defined(__SSE2__)
+#if defined(JAXKV_STREAMING_STORES)
   size_t i = 0;
   for (; i + 64 <= bytes; i += 64) {
     if (next != nullptr) _mm_prefetch(next + i, _MM_HINT_T0);
@@ -64,9 +68,10 @@ inline void StreamCopy(char* dst, const char* src, size_t bytes, const char* nex
 #endif
 }
 
-// Orders this thread's streaming stores before whatever it does next (joining included).
+// Orders this thread's streaming stores before whatever it does next (reporting its chunk
+// done to the thread pool included).
 inline void StreamFence() {
-#if defined(__SSE2__)
+#if defined(JAXKV_STREAMING_STORES)
   _mm_sfence();
 #endif
 }
@@ -192,33 +197,19 @@ void CopyPairRange(const BlockCopyRequest* requests, int64_t count, int64_t firs
   if (any_stream) StreamFence();
 }
 
-// Splits items [0, count) over `threads` threads (the calling one included).
-template <typename Fn>
-void ParallelFor(int64_t count, unsigned threads, Fn fn) {
-  if (threads <= 1 || count <= 1) {
-    fn(0u, int64_t{0}, count);
-    return;
-  }
-  std::vector<std::thread> workers;
-  workers.reserve(threads - 1);
-  const int64_t chunk = (count + threads - 1) / threads;
-  for (unsigned t = 1; t < threads; ++t) {
-    const int64_t first = std::min<int64_t>(count, t * chunk);
-    const int64_t last = std::min<int64_t>(count, first + chunk);
-    if (first >= last) break;
-    workers.emplace_back([&fn, t, first, last] { fn(t, first, last); });
-  }
-  fn(0u, int64_t{0}, std::min<int64_t>(count, chunk));
-  for (auto& worker : workers) worker.join();
-}
-
 unsigned ThreadsFor(int64_t total_bytes, int64_t items) {
   if (total_bytes < kParallelBytes) return 1;
-  return std::min({std::max(1u, std::thread::hardware_concurrency()), kMaxThreads,
+  return std::min({ParallelThreads(), kMaxThreads,
                    static_cast<unsigned>(std::min<int64_t>(items, kMaxThreads))});
 }
 
 constexpr int64_t kHugePageBytes = int64_t{2} << 20;
+
+#if defined(JAXKV_STREAMING_STORES)
+constexpr bool kStreamingStores = true;
+#else
+constexpr bool kStreamingStores = false;
+#endif
 
 }  // namespace
 
@@ -255,7 +246,7 @@ void CopyBlocksCpu(const BlockCopyRequest* requests, int64_t count) {
                             request.dst_side.block_stride) * request.num_pairs;
   }
   const unsigned threads = ThreadsFor(total_bytes, num_pairs);
-  const bool stream = total_bytes >= kStreamBytes;
+  const bool stream = kStreamingStores && total_bytes >= kStreamBytes;
   // Destinations are unique and disjoint from sources (checked by the handlers), so pairs can
   // run in any order.
   ParallelFor(num_pairs, threads,

@@ -1,6 +1,8 @@
 // CPU FFI handlers: ids live in host memory, so they are always validated.
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -15,22 +17,34 @@ namespace {
 
 namespace ffi = xla::ffi;
 
+// Runs `fn`, turning an exception (the thread pool's allocations can throw) into an error:
+// nothing may unwind through XLA's C API.
+template <typename Fn>
+ffi::Error Guarded(Fn fn) {
+  try {
+    fn();
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("jaxkv CPU engine: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("jaxkv CPU engine: unknown exception");
+  }
+}
+
 struct CpuPlatform {
   ffi::ErrorOr<const int32_t*> HostIds(const IdBuffer& ids, std::vector<int32_t>*) {
     return ids.typed_data();
   }
   const int32_t* EngineIds(const IdBuffer& ids) { return ids.typed_data(); }
   ffi::Error Run(const BlockCopyRequest& request) {
-    CopyBlocksCpu(request);
-    return ffi::Error::Success();
+    return Guarded([&] { CopyBlocksCpu(request); });
   }
   ffi::Error RunRewrite(const BlockRewriteRequest& request) {
-    RewriteBlocksCpu(request);
-    return ffi::Error::Success();
+    return Guarded([&] { RewriteBlocksCpu(request); });
   }
   ffi::Error RunMany(const std::vector<BlockCopyRequest>& requests) {
-    CopyBlocksCpu(requests.data(), static_cast<int64_t>(requests.size()));
-    return ffi::Error::Success();
+    return Guarded(
+        [&] { CopyBlocksCpu(requests.data(), static_cast<int64_t>(requests.size())); });
   }
   ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes) {
     std::memcpy(dst, src, static_cast<size_t>(bytes));

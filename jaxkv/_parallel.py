@@ -1,5 +1,5 @@
 """`EngineConfig`: how an engine splits a model's KV cache over tensor- and pipeline-parallel
-ranks (semantics.md sections 2 and 4). No JAX import.
+ranks (docs/data-movement.md sections 2 and 4). No JAX import.
 
 Rank numbering inside an engine: ``rank = pp_rank * tp_size + tp_rank``. Pipeline parallelism
 splits layers (by default the first ``num_layers % pp_size`` ranks get one extra layer);
@@ -195,7 +195,7 @@ def _check_peer_compatible(self_cfg: EngineConfig, peer_cfg: EngineConfig) -> No
 @dataclasses.dataclass(frozen=True)
 class PeerPlan:
     """How one rank exchanges its cache with a peer engine of another TP/PP layout
-    (TensorRT-LLM's ``targetIRanks`` and cache split/concat; semantics.md section 4).
+    (TensorRT-LLM's ``targetIRanks`` and cache split/concat; docs/data-movement.md section 4).
 
     The same plan serves both directions: a sender splits its blocks into `num_buffers` dense
     buffers and sends buffer ``connection_buffers[p]`` to peer rank ``target_ranks[p]`` (if
@@ -277,7 +277,7 @@ class PeerPlan:
 
 def plan_peers(self_cfg: EngineConfig, peer_cfg: EngineConfig, rank: int) -> PeerPlan:
     """Plans the exchange of rank `rank` of engine `self_cfg` with the engine `peer_cfg`
-    (semantics.md section 4). Pure: no data, no JAX.
+    (docs/data-movement.md section 4). Pure: no data, no JAX.
 
     Args:
       self_cfg: this engine.

@@ -1,4 +1,4 @@
-"""Head sharding of a KV cache over a tensor-parallel mesh axis (semantics.md section 2).
+"""Head sharding of a KV cache over a tensor-parallel mesh axis (docs/data-movement.md section 2).
 
 With ``tp <= num_kv_heads`` the head axis is split over the TP mesh axis. With more ranks than
 heads, the TP axis is viewed as ``(num_kv_heads, tp // num_kv_heads)``: the head axis is split

@@ -3,8 +3,8 @@
 This module imports numpy and ml_dtypes only (no JAX), so host-side bookkeeping such as
 `jaxkv.blocks` can size caches without starting a JAX backend.
 
-Layout vocabulary (see semantics.md section 1): a layout is the order of the axes inside one
-block, written with the letters ``L`` (layer), ``K`` (K/V), ``H`` (KV head), ``T`` (token) and
+Layout vocabulary (see docs/data-movement.md section 1): a layout is the order of the axes inside
+one block, written with the letters ``L`` (layer), ``K`` (K/V), ``H`` (KV head), ``T`` (token) and
 ``D`` (head dim, always last). The block axis is always the leading array axis. Axes that a
 layout leaves out become separate arrays: ``"KHTD"`` is one array per layer, ``"HTD"`` one
 array per layer and K/V.
@@ -160,7 +160,7 @@ def validate_layout(layout: str) -> str:
 
 
 def heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads each tensor-parallel rank holds (semantics.md section 2).
+    """KV heads each tensor-parallel rank holds (docs/data-movement.md section 2).
 
     With ``tp_size <= num_kv_heads`` the heads are split evenly; with more ranks than heads
     each rank holds one head and ``tp_size // num_kv_heads`` consecutive ranks share it.

@@ -38,6 +38,27 @@ class CudaOpsTest(parameterized.TestCase):
         host = kv_testing.numpy_scatter_blocks(host, blocks, [11, -1, 63])
         np.testing.assert_array_equal(kv_testing.bits(cache), kv_testing.bits(host))
 
+    @parameterized.parameters("int4", "uint4", "int2", "float4_e2m1fn")
+    def test_packed_sub_byte_caches(self, name):
+        # XLA packs these on the GPU too: blocks are sized in bits (64 elements = 32 or 16 bytes).
+        import ml_dtypes
+
+        dtype = np.dtype(getattr(ml_dtypes, name))
+        codes = np.arange(16, dtype=np.uint8).view(dtype) if name.startswith("float") else None
+        rng = np.random.default_rng(4)
+        if codes is None:
+            info = ml_dtypes.iinfo(dtype)
+            host = rng.integers(int(info.min), int(info.max) + 1, size=(8, 64)).astype(dtype)
+        else:
+            host = rng.choice(codes, size=(8, 64))
+        cache = jax.device_put(host, kv_testing.gpus()[0])
+        gathered = ops.gather_blocks(cache, [3, -1, 7])
+        want = kv_testing.numpy_gather_blocks(host, [3, -1, 7])
+        np.testing.assert_array_equal(np.asarray(gathered).view(np.uint8), want.view(np.uint8))
+        copied = ops.copy_blocks(cache, [1, 2], [5, 6])
+        want = kv_testing.numpy_copy_blocks(host, [1, 2], [5, 6])
+        np.testing.assert_array_equal(np.asarray(copied).view(np.uint8), want.view(np.uint8))
+
     def test_traced_bad_ids_raise_with_validation(self):
         host, cache = self._cache(2, "bfloat16")
         step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d))

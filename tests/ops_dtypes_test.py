@@ -105,8 +105,17 @@ class EveryDtypeTest(parameterized.TestCase):
     def test_big_sub_byte_gather_stays_in_bounds(self, name):
         # A multi-MiB gather takes the threaded, streaming path of the CPU engine.
         rng = np.random.default_rng(1)
-        host = _values(rng, (3, 4096 * 8 // _bits(name) * 256), name)
+        host = _values(rng, (3, (2 << 20) * 8 // _bits(name)), name)  # 2 MiB blocks
         _same(ops.gather_blocks(_device(host), [2, 0]), host[[2, 0]])
+
+    def test_the_reported_int4_gather(self):
+        # Two packed 16 MiB int4 blocks: one block crossed the streaming-store threshold and,
+        # sized at a byte per element, read 16 MiB past the buffer.
+        cache = jnp.ones((2, 32 << 20), jnp.int4).at[1].set(-3)
+        out = ops.gather_blocks(cache, [1])
+        self.assertEqual(out.shape, (1, 32 << 20))
+        self.assertTrue(bool(jnp.all(out == -3)))
+        self.assertTrue(bool(jnp.all(ops.copy_blocks(cache, [1], [0]) == -3)))
 
     @parameterized.parameters(*ALL_DTYPES)
     def test_reshaping_ops_match_the_references(self, name):

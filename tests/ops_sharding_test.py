@@ -92,6 +92,21 @@ class ShardedInJitTest(parameterized.TestCase):
                     kv_testing.numpy_scatter_blocks(host, blocks_host, [5, 6, 7]), sharding)
 
     @parameterized.parameters(*CASES)
+    def test_eager_calls_on_the_same_shardings(self, mesh_name, spec):
+        sharding = NamedSharding(_mesh(mesh_name), spec)
+        host, cache = self._cache(8, sharding)
+        out = ops.copy_blocks(cache, [0, 3], [5, 6])
+        self.assertEqual(_spec(out.sharding, out.ndim), _spec(sharding, out.ndim))
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint32),
+                                      kv_testing.numpy_copy_blocks(host, [0, 3], [5, 6])
+                                      .view(np.uint32))
+        gathered = ops.gather_blocks(out, [6, -1])
+        self.assertEqual(_spec(gathered.sharding, gathered.ndim), _spec(sharding, gathered.ndim))
+        np.testing.assert_array_equal(np.asarray(gathered).view(np.uint32),
+                                      kv_testing.numpy_gather_blocks(np.asarray(out), [6, -1])
+                                      .view(np.uint32))
+
+    @parameterized.parameters(*CASES)
     def test_permute_and_merge_rewrite_each_shard(self, mesh_name, spec):
         sharding = NamedSharding(_mesh(mesh_name), spec)
         ids = jnp.asarray([1, -1, 4], jnp.int32)

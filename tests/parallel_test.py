@@ -1,4 +1,5 @@
-"""Tests of EngineConfig: ranks, layer splits and head ranges (semantics.md sections 2, 4)."""
+"""Tests of EngineConfig: ranks, layer splits and head ranges (docs/data-movement.md
+sections 2, 4)."""
 
 from absl.testing import absltest, parameterized
 

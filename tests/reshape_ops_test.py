@@ -1,5 +1,5 @@
 """permute_blocks, merge_blocks and copy_block_prefix: custom calls against jnp references and
-against numpy references written from semantics.md sections 1, 3 and 5."""
+against numpy references written from docs/data-movement.md sections 1, 3 and 5."""
 
 import kv_testing
 
@@ -54,7 +54,8 @@ _PERMUTATIONS = sorted(
 
 
 class WorkedExamplesTest(absltest.TestCase):
-    """semantics.md section 3, literally: H=2, T=4, n=2, D=1; aT / bT = head 0 / 1 at token T."""
+    """docs/data-movement.md section 3, literally: H=2, T=4, n=2, D=1; aT / bT = head 0 / 1 at
+    token T."""
 
     def setUp(self):
         super().setUp()
@@ -214,8 +215,8 @@ class MergeBlocksTest(parameterized.TestCase):
         _assert_bits(result, numpy_merge(host, IDS, SIZES["T"], "HTD", "HTD"))
 
     def test_receiver_side_id_expansion(self):
-        # semantics.md section 3: a receiver block b holds remote blocks b*r .. b*r + r-1. Model
-        # the transfer with numpy: sender blocks (HTD, n tokens) land back to back in receiver
+        # docs/data-movement.md section 3: a receiver block b holds remote blocks b*r .. b*r + r-1.
+        # Model the transfer with numpy: sender blocks (HTD, n tokens) land back to back in receiver
         # blocks, then merge_blocks rebuilds token order.
         ratio, n = 2, 4
         rng = np.random.default_rng(13)

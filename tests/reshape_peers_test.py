@@ -1,9 +1,9 @@
-"""split_for_peers / concat_from_peers and plan_peers (semantics.md sections 2 and 4).
+"""split_for_peers / concat_from_peers and plan_peers (docs/data-movement.md sections 2 and 4).
 
 Checked three ways: the plan against an independent re-derivation of TensorRT-LLM's
-targetIRanks written from semantics.md; the custom calls against numpy references of the split
-and concat formulas and against the jnp reference; and round trips split -> route -> concat over
-every sender/receiver pair of engines, which must rebuild each receiver's slice of a global
+targetIRanks written from docs/data-movement.md; the custom calls against numpy references of the
+split and concat formulas and against the jnp reference; and round trips split -> route -> concat
+over every sender/receiver pair of engines, which must rebuild each receiver's slice of a global
 cache (layers of its PP rank, heads of its TP rank, computed here from section 2) exactly.
 """
 
@@ -43,7 +43,7 @@ def _assert_bits(actual, expected, msg=""):
 
 class PlanTest(parameterized.TestCase):
     def test_worked_example_tp2_to_tp1_pp2(self):
-        # semantics.md: sender TP=2 PP=1 -> receiver TP=1 PP=2, L=4, H=4, B=2.
+        # docs/data-movement.md: sender TP=2 PP=1 -> receiver TP=1 PP=2, L=4, H=4, B=2.
         spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=8, block_size=4)
         sender, receiver = EngineConfig(spec, 2), EngineConfig(spec, 1, pp_size=2)
         for s in range(2):

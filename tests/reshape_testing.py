@@ -1,5 +1,5 @@
-"""Independent numpy models of the reshaping ops, written from semantics.md sections 1-5, and
-the engine grid of the split/concat tests (shared by the reshape_*_test suites; not a test)."""
+"""Independent numpy models of the reshaping ops, written from docs/data-movement.md sections 1-5,
+and the engine grid of the split/concat tests (shared by the reshape_*_test suites; not a test)."""
 
 import dataclasses
 
@@ -18,11 +18,11 @@ def block_shape(layout: str, sizes=None) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent numpy references, token by token, from semantics.md.
+# Independent numpy references, token by token, from docs/data-movement.md.
 
 
 def numpy_merge(cache, ids, ratio, src_layout, dst_layout):
-    """semantics.md section 3: a block's bytes are `ratio` sub-blocks [src_layout, T/ratio]
+    """docs/data-movement.md section 3: a block's bytes are `ratio` sub-blocks [src_layout, T/ratio]
     back to back; new[.., j*n + t, ..] = recv[j][.., t, ..] with the axes in dst order."""
     out = cache.copy()
     sizes = dict(zip(dst_layout, cache.shape[1:]))
@@ -47,7 +47,8 @@ def numpy_merge(cache, ids, ratio, src_layout, dst_layout):
 
 
 def numpy_prefix(src, dst, src_ids, dst_ids, num_tokens, layout):
-    """semantics.md section 5: the first n token rows of every slab; n <= 0 or n >= T: all."""
+    """docs/data-movement.md section 5: the first n token rows of every slab; n <= 0 or n >= T:
+    all."""
     out = dst.copy()
     t_axis = layout.index("T")
     tokens = dst.shape[1 + t_axis]
@@ -140,7 +141,7 @@ assert {c.name for c in GRID} >= FAST, FAST - {c.name for c in GRID}
 
 
 # ---------------------------------------------------------------------------------------------
-# Independent models from semantics.md.
+# Independent models from docs/data-movement.md.
 
 
 def head_range(total_heads: int, tp: int, tp_rank: int, mla: bool) -> tuple[int, int]:

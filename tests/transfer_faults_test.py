@@ -58,7 +58,8 @@ class FaultTest(e2e.TransferTestBase):
         self.assertEqual((pinned, freed, summary["expired_leases"]), (0, ["lonely"], 1))
 
     def test_read_confirmed_after_lease_expiry_is_a_failure(self):
-        _, conn, _ = self.producer()
+        # no background progress: a paused producer answers nothing
+        _, conn, _ = self.producer(progress_interval_s=None)
         params = self.call(conn, "pin", "late", e2e.REMOTE_IDS, 0.3)
         engine, cache, _ = self.consumer(SPEC, 1, read_timeout_s=10.0)
         engine.add_peer("prefill", params.addresses)
@@ -74,7 +75,7 @@ class FaultTest(e2e.TransferTestBase):
     def test_heartbeats_keep_a_slow_read_alive(self):
         _, conn, _ = self.producer()
         params = self.call(conn, "pin", "slow", e2e.REMOTE_IDS, 0.6)
-        engine, _, _ = self.consumer(SPEC, 1)
+        engine, _, _ = self.consumer(SPEC, 1, progress_interval_s=None)  # only we confirm
         engine.start_read(params, e2e.LOCAL_IDS)
         # Heartbeats every lease/3 while we wait well past the lease before confirming.
         deadline = time.monotonic() + 1.5
@@ -122,7 +123,8 @@ class FaultTest(e2e.TransferTestBase):
         self.ready(conn)
         self.call(conn, "register", ids)
         params = self.call(conn, "pin", "huge", ids, 30.0)
-        engine, cache, config = self.consumer(spec, 1, read_timeout_s=3.0)
+        engine, cache, config = self.consumer(spec, 1, read_timeout_s=3.0,
+                                              progress_interval_s=None)
         engine.add_peer("prefill", params.addresses)
         local = [i + 6 for i in ids]
         regions = engine.metadata.rank_info(0).regions

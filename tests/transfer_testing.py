@@ -8,6 +8,7 @@ that a `ReadPlan`'s byte copies can be simulated and checked bit for bit.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import time
 
@@ -610,3 +611,148 @@ def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, bloc
                 elif command[0] == "state":
                     conn.send(list(freed))
             freed.extend(engine.poll().freeable)
+
+
+# -- layer-wise publishing from inside a jitted step (transfer_jit_layers_test) -------------
+
+
+def layer_part_shape(spec: KVCacheSpec, array_shape, layer_key, rows: int) -> tuple:
+    """Shape of one layer's part of `rows` blocks of an array (its L axis dropped if any)."""
+    block = list(array_shape[1:])
+    if layer_key is None:
+        del block[spec.layout.index("L")]
+    return (rows, *block)
+
+
+def layer_seed(seed: int, layer: int, index: int) -> int:
+    return seed + 16 * layer + index
+
+
+def make_layered_prefill_step(engine, iters, naive=False):
+    """A jitted prefill step over every layer of the cache: layer k writes `slow_values`
+    (seed `layer_seed(seed, k, array index)`) into its part of the request's blocks, then
+    announces layers ``[0, k + 1)`` with `publish_layer_in_jit`, threading the next layer's
+    input (the seed) through it. ``naive``: `publish_in_jit` per layer, nothing threaded (what
+    the engine offered before: copies and no order)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.transfer import publish_in_jit, publish_layer_in_jit
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def prefill(cache, ids, handle, seed):
+        spec = cache.spec
+        x = jnp.asarray(seed, jnp.uint32)
+        statuses = []
+        for layer in range(spec.num_layers):
+            arrays = list(cache.arrays)
+            for index, ((key_layer, _), array) in enumerate(zip(cache.array_keys, arrays)):
+                if key_layer is not None and key_layer != layer:
+                    continue
+                shape = layer_part_shape(spec, array.shape, key_layer, ids.shape[0])
+                values = jax.lax.bitcast_convert_type(
+                    slow_values(shape, x + jnp.uint32(16 * layer + index), iters), array.dtype
+                )
+                if key_layer is None:
+                    axis = spec.layout.index("L")
+                    where = (ids, *([slice(None)] * axis), layer)
+                else:
+                    where = (ids,)
+                arrays[index] = array.at[where].set(values)
+            cache = jax.tree.unflatten(jax.tree.structure(cache), arrays)
+            if naive:
+                status = publish_in_jit(engine, handle, ids, cache, layer + 1)
+            else:
+                x, status = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
+            statuses.append(status)
+        return cache, jnp.stack(statuses)
+
+    return prefill
+
+
+def expected_layer_values(spec: KVCacheSpec, array_keys, array_shapes, rows, seed, iters):
+    """Per array, what `make_layered_prefill_step` wrote into its `rows` blocks (uint view)."""
+    out = []
+    for index, ((key_layer, _), shape) in enumerate(zip(array_keys, array_shapes)):
+        if key_layer is not None:
+            part = layer_part_shape(spec, shape, key_layer, rows)
+            out.append(slow_values_numpy(part, layer_seed(seed, key_layer, index), iters))
+            continue
+        axis = 1 + spec.layout.index("L")
+        layers = [
+            slow_values_numpy(layer_part_shape(spec, shape, None, rows),
+                              layer_seed(seed, layer, index), iters)
+            for layer in range(spec.num_layers)
+        ]
+        out.append(np.stack(layers, axis=axis))
+    return out
+
+
+def layered_producer_main(
+    conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: int, engine_kwargs=None
+) -> None:
+    """A producer process whose jitted prefill announces each layer from inside the step:
+    ("pin", request_id, block_ids) -> (params, handle); ("prefill", handle, ids, seed) ->
+    (statuses, wall time at dispatch, wall time once the step finished); ("publications",)
+    -> the PublishRecords; ("state",) -> (pinned, freed); ("late", handle, ids, stop) -> the
+    publishing callback run now: (its status, the ERROR messages it logged)."""
+    child_env(tp)
+    import time
+
+    import jax
+
+    from jaxkv import PagedKVCache
+    from jaxkv.transfer import KVTransferEngine
+
+    spec = KVCacheSpec(**spec_kwargs)
+    config = EngineConfig(spec, tp)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    freed: list[str] = []
+    with KVTransferEngine("prefill", config, **(engine_kwargs or {})) as engine:
+        cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
+        engine.register_cache(cache)
+        prefill = make_layered_prefill_step(engine, iters)
+        conn.send(("ready", engine.address))
+        while True:
+            if conn.poll(0.0005):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "pin":
+                    params = engine.publish_request(command[1], command[2], layerwise=True)
+                    conn.send((params, engine.handle(command[1])))
+                elif command[0] == "prefill":
+                    _, handle, ids, seed = command
+                    args = (engine.caches[0], ids, np.int32(handle), np.uint32(seed))
+                    step = prefill.lower(*args).compile()  # not timed
+                    start = time.time()
+                    cache, statuses = step(*args)
+                    engine.update_cache(cache)
+                    conn.send((np.asarray(statuses).tolist(), start, time.time()))
+                elif command[0] == "publications":
+                    conn.send(list(engine.stats.publications))
+                elif command[0] == "state":
+                    conn.send((engine.num_pinned, list(freed)))
+                elif command[0] == "late":  # a callback that runs after the request was freed
+                    _, handle, ids, stop = command
+                    errors = _ErrorRecords()
+                    logging.getLogger("jaxkv.transfer").addHandler(errors)
+                    try:
+                        status = engine._callback_publish(handle, np.asarray(ids), stop)
+                    finally:
+                        logging.getLogger("jaxkv.transfer").removeHandler(errors)
+                    conn.send((status, errors.messages))
+            freed.extend(engine.poll().freeable)
+
+
+class _ErrorRecords(logging.Handler):
+    """Collects the messages of ERROR records."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

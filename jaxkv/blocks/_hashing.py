@@ -1,4 +1,4 @@
-"""Chained block hashes for prefix caching (semantics.md section 7).
+"""Chained block hashes for prefix caching (docs/data-movement.md section 7).
 
 A full block's hash is ``hash_fn(parent_hash || token_ids || tail)``, where
 

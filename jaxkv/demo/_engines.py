@@ -401,7 +401,8 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     config = EngineConfig(engine.runner.spec, settings.prefill_tp)
     queue: list[tuple[str, list[int]]] = []
     with KVTransferEngine(
-        "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s
+        "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
+        block_hashing=engine.manager.hash_identity,
     ) as transfer:
         transfer.register_cache(engine.runner.cache)
 
@@ -608,6 +609,7 @@ def run_disaggregated(
         transfer = KVTransferEngine(
             "decode", config, agent_options=_agent_options(settings),
             read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s,
+            block_hashing=engine.manager.hash_identity,
         )
         transfer.register_cache(engine.runner.cache)
         timings["decode_ready_s"] = time.monotonic() - t_begin

@@ -278,7 +278,7 @@ def offload_blocks(cache: PagedKVCache, pool: HostPool, device_ids: Any, host_sl
 def onboard_blocks(pool: HostPool, cache: PagedKVCache, host_slots: Any, device_ids: Any,
                    num_tokens: Any = None, *, validate_ids: bool = True) -> PagedKVCache:
     """Copies host slots into device blocks: ``cache[device_ids[i]] = pool[host_slots[i]]``,
-    or only the first `num_tokens` tokens of each block (semantics.md section 5).
+    or only the first `num_tokens` tokens of each block (docs/data-movement.md section 5).
 
     Works on concrete arrays and inside ``jax.jit`` (donate the cache there).
 

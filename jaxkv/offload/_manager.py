@@ -277,7 +277,7 @@ class OffloadManager:
           host_slots: source host slots ``[n]``.
           device_ids: destination device block ids ``[n]`` (unique).
           num_tokens: None for whole blocks, else copy only tokens ``[0, num_tokens)`` of each
-            block (semantics.md section 5).
+            block (docs/data-movement.md section 5).
 
         Returns:
           The updated cache.

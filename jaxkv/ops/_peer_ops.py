@@ -99,7 +99,7 @@ def split_for_peers(
     *, out: Sequence[jax.Array] | None = None, validate_ids: bool = True,
 ) -> list[jax.Array]:
     """Splits listed blocks into the dense buffers a peer engine with another TP/PP layout
-    needs (TensorRT-LLM's cache split; semantics.md section 4).
+    needs (TensorRT-LLM's cache split; docs/data-movement.md section 4).
 
     Buffer ``i`` is ``[n, peer_layers, K, Hn, T, D]`` with
     ``out[(h // Hn) * dPP + r][b, lid, kv, h % Hn] = block_b[l, kv, h]``, where ``(r, lid)``
@@ -127,7 +127,7 @@ def split_for_peers(
         layout, wrong `out` buffers.
       IndexError: an id out of range (concrete ids).
 
-    Example (semantics.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
+    Example (docs/data-movement.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
       >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
       ...                    dtype="float32")
       >>> cache = jnp.arange(2 * 4 * 2 * 2.0).reshape(2, 4, 2, 2, 1, 1)
@@ -193,7 +193,8 @@ def concat_from_peers(
         wrong number of buffers, repeated ids.
       IndexError: an id out of range (concrete ids).
 
-    Example (semantics.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2 senders):
+    Example (docs/data-movement.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2
+    senders):
       >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
       ...                    dtype="float32")
       >>> parts = [jnp.full((1, 2, 2, 2, 1, 1), 1.0), jnp.full((1, 2, 2, 2, 1, 1), 2.0)]

@@ -172,8 +172,8 @@ def permute_blocks(
     The bytes of each listed block are currently arranged in `src_layout` (the same axes and
     sizes as `dst_layout`, in another order; for example received from an engine with another
     layout); afterwards they are arranged in `dst_layout`. Other blocks are untouched. This is
-    vLLM's layout post-processing after a receive (semantics.md section 3), e.g. ``"HTD"`` ->
-    ``"THD"``.
+    vLLM's layout post-processing after a receive (docs/data-movement.md section 3), e.g.
+    ``"HTD"`` -> ``"THD"``.
 
     Args:
       cache: blocks-first array ``[num_blocks, *block]`` whose blocks have `dst_layout`'s
@@ -215,7 +215,7 @@ def merge_blocks(
     Each listed block of ``T`` tokens holds `ratio` sender blocks of ``n = T / ratio`` tokens
     back to back, each arranged in `src_layout`; it is rewritten as one block in `dst_layout`
     (the cache's) where token ``j * n + t`` comes from token ``t`` of sub-block ``j``: vLLM's
-    block-size and block-size-and-layout post-processing (semantics.md section 3).
+    block-size and block-size-and-layout post-processing (docs/data-movement.md section 3).
 
     Args:
       cache: blocks-first array in `dst_layout`. Consumed (donated) outside jit.
@@ -236,7 +236,7 @@ def merge_blocks(
         ids.
       IndexError: an id >= num_blocks (concrete ids).
 
-    Example (semantics.md's worked example):
+    Example (the worked example of docs/data-movement.md):
       >>> received = jnp.array([0, 1, 10, 11, 2, 3, 12, 13.0])   # a0 a1 b0 b1 | a2 a3 b2 b3
       >>> merge_blocks(received.reshape(1, 2, 4, 1), [0], 2, "HTD", "HTD").ravel().tolist()
       [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
@@ -304,7 +304,7 @@ def copy_block_prefix(
     For every index of the other axes, tokens ``[0, num_tokens)`` of block ``src_ids[i]`` of
     `src_cache` overwrite those of block ``dst_ids[i]`` of `dst_cache`; the rest of each
     destination block stays untouched (TensorRT-LLM's ``kvCacheBlockPartialCopy``, used for
-    copy-on-partial-reuse of a prefix block; semantics.md section 5). `num_tokens` outside
+    copy-on-partial-reuse of a prefix block; docs/data-movement.md section 5). `num_tokens` outside
     ``1 .. block_size-1`` copies whole blocks.
 
     Args:

@@ -73,9 +73,9 @@ def merge_blocks(
 ) -> jax.Array:
     """Each listed block holds `ratio` sub-blocks of ``T / ratio`` tokens in `src_layout`;
     rewrite it in `dst_layout` (the cache's) with token ``j * n + t`` from token ``t`` of
-    sub-block ``j`` (semantics.md section 3). Negative ids are skipped.
+    sub-block ``j`` (docs/data-movement.md section 3). Negative ids are skipped.
 
-    Example (semantics.md's worked example: H=2, T=4, n=2, D=1, a/b = head 0/1):
+    Example (the worked example of docs/data-movement.md: H=2, T=4, n=2, D=1, a/b = head 0/1):
       >>> received = jnp.array([0, 1, 10, 11, 2, 3, 12, 13.0]).reshape(1, 2, 4, 1)
       >>> merge_blocks(received, jnp.array([0]), 2, "HTD", "HTD").ravel().tolist()
       [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
@@ -120,7 +120,7 @@ def copy_block_prefix(
 ) -> jax.Array:
     """Copies the first `num_tokens` tokens (axis ``T`` of `layout`) of each source block into
     its destination block, for every other axis index; the rest of the destination is kept.
-    `num_tokens` outside ``1 .. T-1`` copies whole blocks (semantics.md section 5).
+    `num_tokens` outside ``1 .. T-1`` copies whole blocks (docs/data-movement.md section 5).
 
     Example:
       >>> src, dst = jnp.ones((2, 4, 1)), jnp.zeros((2, 4, 1))

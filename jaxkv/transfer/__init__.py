@@ -13,7 +13,13 @@ from jaxkv.transfer._groups import (
     LayoutAdvice,
     recommend_layout,
 )
-from jaxkv.transfer._jit import publish_in_jit, wait_in_jit, written_token
+from jaxkv.transfer._jit import (
+    after_callback,
+    publish_in_jit,
+    publish_layer_in_jit,
+    wait_in_jit,
+    written_token,
+)
 from jaxkv.transfer._metadata import (
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
@@ -65,7 +71,9 @@ __all__ = [
     "WorkerAggregator",
     "load_nixl",
     "nixl_available",
+    "after_callback",
     "publish_in_jit",
+    "publish_layer_in_jit",
     "recommend_layout",
     "wait_in_jit",
     "written_token",

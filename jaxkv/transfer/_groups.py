@@ -48,11 +48,11 @@ def recommend_layout(self_cfg: EngineConfig, peers: Sequence[EngineConfig]) -> L
     """The cache layout that lets this engine exchange blocks with `peers` without
     post-processing and with the fewest descriptors.
 
-    Rules (semantics.md 3-5): the L/K axes of this engine's layout are kept (they decide the
-    number of arrays, not the transfer); the H/T order is chosen so that every received run of
-    heads lands in place. With another TP size on either side a run is a subset of the heads
-    of a block: heads-outer ("HND", ``...HTD``) keeps each head's tokens contiguous (one
-    descriptor per head run), tokens-outer needs one chunk per token (strided) or, when the
+    Rules (docs/data-movement.md sections 3-5): the L/K axes of this engine's layout are kept
+    (they decide the number of arrays, not the transfer); the H/T order is chosen so that every
+    received run of heads lands in place. With another TP size on either side a run is a subset
+    of the heads of a block: heads-outer ("HND", ``...HTD``) keeps each head's tokens contiguous
+    (one descriptor per head run), tokens-outer needs one chunk per token (strided) or, when the
     orders differ, a permute after the read. So: the peers' common order when they agree and
     TP is homogeneous; HND when TP differs (or the peers disagree), flagging the peers that
     still need a permute. A block size that is not a multiple of a peer's needs a merge.

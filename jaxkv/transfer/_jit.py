@@ -19,8 +19,16 @@ instructions), and ``ordered=True`` only orders callbacks among themselves. So:
   callback's operand copy is enqueued after those writes and synchronised before it runs.
 * the waiting callback's status masks the block ids the step reads the received blocks with
   (``-1`` unless finished): every op that uses the returned ids is data dependent on the wait.
+* layer by layer (`publish_layer_in_jit`), both directions: layer k's callback depends on
+  layer k's writes (the token), and the next layer's input depends on the callback's status
+  (`after_callback`), so layer k is announced before layer k+1 is computed, the callbacks run
+  in layer order (each depends on the previous one) under SPMD as well, and XLA needs no copy
+  of the cache: every later write of a buffer the token read is ordered after the read.
 
-Pass the cache with ``donate_argnums`` so that it stays in its registered buffers.
+Pass the cache with ``donate_argnums`` so that it stays in its registered buffers, and hand
+the step's output to `KVTransferEngine.update_cache`: with host staging, a publication from
+inside a step is copied to the host mirror from that output (the step's input was donated),
+by the first `poll` or `update_cache` after it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["publish_in_jit", "wait_in_jit", "written_token"]
+__all__ = [
+    "after_callback",
+    "publish_in_jit",
+    "publish_layer_in_jit",
+    "wait_in_jit",
+    "written_token",
+]
+
+_NEVER = -(1 << 30)  # a status no callback returns (keeps `after_callback`'s select unfoldable)
 
 
 def _publish_callback(engine: Any, handle, block_ids, layer_stop, token) -> np.ndarray:
@@ -120,6 +136,59 @@ def publish_in_jit(
         stop,
         written_token(written),  # the data dependence on the writes (module docstring)
     )
+
+
+def after_callback(tree: Any, status: Any) -> Any:
+    """`tree` (any pytree of arrays) with the same values, data dependent on `status`.
+
+    An elementwise select on a condition that never holds (`status` equal to a value no
+    callback returns): XLA cannot fold it, so every op using the result runs after the
+    callback that produced `status`. Costs one pass over `tree` (pass activations, not the
+    cache).
+
+    Example:
+      >>> x = after_callback(x, status)  # doctest: +SKIP
+    """
+    import jax
+    import jax.numpy as jnp
+
+    never = jnp.asarray(status, jnp.int32).reshape(()) == _NEVER
+    return jax.tree.map(lambda x: jnp.where(never, jnp.zeros_like(x), x), tree)
+
+
+def publish_layer_in_jit(
+    engine: Any,
+    handle: Any,
+    block_ids: Any,
+    written: Any,
+    layer_stop: Any,
+    next_input: Any,
+) -> tuple[Any, Any]:
+    """Announces layers ``[0, layer_stop)`` of a request from inside a jitted step, between two
+    layers: after `written` (the cache with this layer's writes) is computed and before the
+    next layer can start (it must use the returned `next_input`).
+
+    Call it after each layer's KV write (the request published with ``layerwise=True``); the
+    consumer reads layer k while the step computes the later ones. See the module docstring
+    for the ordering; no copy of the cache is added.
+
+    Args:
+      engine, handle, block_ids: as for `publish_in_jit`.
+      written: the cache after this layer's writes (or only the arrays written).
+      layer_stop: int32 scalar, one past the last written global layer.
+      next_input: the next layer's input (pytree of arrays, e.g. hidden states).
+
+    Returns:
+      ``(next_input, status)``: the same values, data dependent on the callback; status as
+      `publish_in_jit` returns it.
+
+    Example:
+      >>> for layer in range(num_layers):  # doctest: +SKIP
+      ...     x, cache = layer_fn(layer, x, cache)
+      ...     x, ok = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
+    """
+    status = publish_in_jit(engine, handle, block_ids, written, layer_stop)
+    return after_callback(next_input, status), status
 
 
 def wait_in_jit(

@@ -1,6 +1,7 @@
 """Read planning: which remote bytes a decode rank reads into which local bytes.
 
-Pure functions over two `EngineMetadata` (no NIXL, no JAX). The model (semantics.md 2-6):
+Pure functions over two `EngineMetadata` (no NIXL, no JAX). The model
+(docs/data-movement.md sections 2-6):
 
 * Every block of every region is a set of *slabs*, one per (global layer, kv): the heads of
   the rank for that layer and K/V, ``[H_rank, T, D]`` ("HTD" order) or ``[T, H_rank, D]``
@@ -59,7 +60,7 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PostProcess:
-    """Rearrange received blocks of one local array in place (semantics.md section 3).
+    """Rearrange received blocks of one local array in place (docs/data-movement.md section 3).
 
     The bytes of each block in `block_ids` of local region `region` (cache array
     `array_index`) arrived as ``[ratio, *src_layout]`` with ``T / ratio`` tokens (``ratio``
@@ -263,7 +264,24 @@ class _Side:
         return out
 
 
+_SIDE_CACHE: dict[tuple[int, int], _Side] = {}
+
+
 def _side(meta: EngineMetadata, rank: int) -> _Side:
+    """`_build_side`, cached per (metadata object, rank): an engine keeps one metadata object
+    per peer and generation, so every read of a peer after the first reuses it."""
+    key = (id(meta), rank)
+    hit = _SIDE_CACHE.get(key)
+    if hit is not None and hit.meta is meta:  # the entry keeps `meta` alive: ids not reused
+        return hit
+    side = _build_side(meta, rank)
+    if len(_SIDE_CACHE) >= _TEMPLATE_CACHE_SIZE:
+        _SIDE_CACHE.pop(next(iter(_SIDE_CACHE)), None)
+    _SIDE_CACHE[key] = side
+    return side
+
+
+def _build_side(meta: EngineMetadata, rank: int) -> _Side:
     config = meta.config()
     tp_rank, pp_rank = config.coordinates(rank)
     layer_start, layer_stop = config.layer_range(pp_rank)
