@@ -2,9 +2,18 @@
 # The test suite: prepare an environment (idempotent) and run every test with pytest.
 #
 # Usage: scripts/test.sh [--python PYTHON] [--venv DIR] [pytest arguments...]
+#        scripts/test.sh --integrations [pytest arguments...]
 #   defaults: python3 and .venv; e.g. `scripts/test.sh -m "not slow"` skips the slow grids.
+#   --integrations: set up the vLLM integration environment (.venv-vllm, large: see
+#   scripts/setup_integrations.sh) and run tests/integrations with it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ "${1:-}" == --integrations ]]; then
+  shift
+  bash "$ROOT/scripts/setup_integrations.sh"
+  cd "$ROOT"
+  exec "$ROOT/.venv-vllm/bin/python" -P -m pytest -p no:cacheprovider tests/integrations "$@"
+fi
 SETUP_ARGS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -19,8 +28,8 @@ done
 [[ "$VENV" = /* ]] || VENV="$ROOT/$VENV"
 bash "$ROOT/scripts/setup.sh" "${SETUP_ARGS[@]}"
 cd "$ROOT"
-# The installed package is tested: -P keeps the source tree (which lacks the compiled
-# modules) off the front of sys.path.
+# setup.sh installs jaxkv in editable mode (Python from the source tree, compiled modules from
+# the environment); -P keeps the current directory off the front of sys.path all the same.
 # Without test paths among the arguments, the whole tests/ directory runs.
 TARGETS=(tests)
 for arg in "$@"; do

@@ -342,8 +342,12 @@ class KVTransferEngine:
             expected_spec = local_spec
             mesh = cache.sharding.source_mesh
             names = list(mesh.axis_names)
-            tp_pos = names.index(cache.sharding.tp_axis)
-            devices = np.moveaxis(mesh.devices, tp_pos, 0).reshape(config.tp_size, -1)[:, 0]
+            tp_axes = cache.sharding.tp_axis
+            tp_axes = (tp_axes,) if isinstance(tp_axes, str) else tuple(tp_axes)
+            # TP over a tuple of mesh axes: ranks run over their product, first axis major.
+            tp_pos = [names.index(a) for a in tp_axes]
+            devices = np.moveaxis(mesh.devices, tp_pos, list(range(len(tp_pos)))).reshape(
+                config.tp_size, -1)[:, 0]
             rank_of = {d.id: config.rank(i, pp_rank) for i, d in enumerate(devices)}
         else:
             expected_spec = (

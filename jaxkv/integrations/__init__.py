@@ -1,0 +1,27 @@
+"""Connectors that plug jaxkv into serving frameworks.
+
+`import jaxkv.integrations` needs none of those frameworks; each connector module imports its
+framework when it is imported itself:
+
+* `jaxkv.integrations.vllm`: `JaxKVConnector`, a vLLM (0.33) `KVConnectorBase_V1` moving KV
+  blocks between a prefill (``kv_producer``) and a decode (``kv_consumer``) vLLM engine with
+  `jaxkv.transfer.KVTransferEngine`; load it with vLLM's ``kv_connector="JaxKVConnector"`` and
+  ``kv_connector_module_path="jaxkv.integrations.vllm"``.
+
+The helpers below (no framework needed) convert the transfer parameters that
+travel through the framework's router.
+"""
+
+from jaxkv.integrations._params import (
+    ConnectorSettings,
+    read_plan_ids,
+    transfer_params_from_dict,
+    transfer_params_to_dict,
+)
+
+__all__ = [
+    "ConnectorSettings",
+    "read_plan_ids",
+    "transfer_params_from_dict",
+    "transfer_params_to_dict",
+]

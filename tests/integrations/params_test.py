@@ -1,0 +1,77 @@
+"""`jaxkv.integrations`' framework-free helpers (no vLLM needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from jaxkv.integrations import (
+    ConnectorSettings,
+    read_plan_ids,
+    transfer_params_from_dict,
+    transfer_params_to_dict,
+)
+from jaxkv.transfer import TransferParams
+
+
+def test_settings():
+    s = ConnectorSettings.from_dict(
+        {"side_channel": [["10.0.0.1", "5600"]], "tp_size": 2}, default_engine_id="p"
+    )
+    assert s.engine_id == "p" and s.side_channel == (("10.0.0.1", 5600),) and s.tp_size == 2
+    with pytest.raises(ValueError, match="unknown jaxkv connector settings"):
+        ConnectorSettings.from_dict({"engine_id": "p", "lease": 3})
+    with pytest.raises(ValueError, match="needs an engine_id"):
+        ConnectorSettings.from_dict({})
+    with pytest.raises(ValueError, match="side_channel"):
+        ConnectorSettings.from_dict({"engine_id": "p", "side_channel": [5600]})
+    with pytest.raises(ValueError, match="lease_s"):
+        ConnectorSettings.from_dict({"engine_id": "p", "lease_s": 0})
+
+
+def test_params_round_trip():
+    params = TransferParams("prefill", [("h", 1), ("h", 2)], "r-1", [5, 3, 9], 12.5)
+    d = transfer_params_to_dict(params, 20, 8)
+    assert d["do_remote_prefill"] and not d["do_remote_decode"]
+    back = transfer_params_from_dict(d)
+    assert back == params
+    for key in ("remote_engine_id", "remote_block_ids", "remote_addresses"):
+        with pytest.raises(ValueError, match=key):
+            transfer_params_from_dict({k: v for k, v in d.items() if k != key})
+    with pytest.raises(ValueError, match="malformed"):
+        transfer_params_from_dict({**d, "remote_block_ids": ["x"]})
+    with pytest.raises(ValueError, match="no producer address"):
+        transfer_params_from_dict({**d, "remote_addresses": []})
+
+
+@pytest.mark.parametrize(
+    "remote, tokens, rbs, local, lbs, hit, expected",
+    [
+        ([3, 4, 5], 20, 8, [7, 8, 9, 10], 8, 0, ([3, 4, 5], [7, 8, 9])),  # extra local block
+        ([3, 4, 5, 6], 50, 16, [9, 8, 2], 16, 2, ([3, 4, 5, 6], [9, 8])),  # local prefix hit
+        ([3, 4, 5, 6], 64, 16, [9, 8], 32, 0, ([3, 4, 5, 6], [9, 8])),  # consumer blocks x2
+        ([3, 4, 5, 6, 1], 64, 16, [9, 8], 32, 0, ([3, 4, 5, 6], [9, 8])),  # extra remote block
+    ],
+)
+def test_read_plan_ids(remote, tokens, rbs, local, lbs, hit, expected):
+    assert read_plan_ids(remote, tokens, rbs, local, lbs, hit) == expected
+
+
+def test_read_plan_ids_errors():
+    with pytest.raises(ValueError, match="not a multiple"):
+        read_plan_ids([1, 2], 16, 16, [1], 8)
+    with pytest.raises(ValueError, match="need 3 remote blocks"):
+        read_plan_ids([1, 2], 20, 8, [1, 2, 3], 8)
+    with pytest.raises(ValueError, match="need 3 local blocks"):
+        read_plan_ids([1, 2, 3], 20, 8, [1, 2], 8)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_vllm_module_without_vllm_names_what_is_missing():
+    code = "import jaxkv.integrations, jaxkv.integrations.vllm"
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "jaxkv.integrations.vllm needs vLLM 0.33" in out.stderr
