@@ -82,7 +82,13 @@ from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_m
 from jaxkv.transfer._staging import HostMirror
 from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats
 
-__all__ = ["FailedRead", "KVTransferEngine", "PollResult", "TransferParams"]
+__all__ = [
+    "FailedRead",
+    "KVTransferEngine",
+    "PollResult",
+    "TransferParams",
+    "make_transfer_params",
+]
 
 log = logging.getLogger("jaxkv.transfer")
 _generation_counter = itertools.count()
@@ -112,6 +118,104 @@ class TransferParams(msgspec.Struct, frozen=True):
     lease_s: float
     generation: int = -1
     layerwise: bool = False
+
+
+def make_transfer_params(
+    engine_id: str,
+    addresses: tuple[str, int] | Sequence[tuple[str, int]],
+    request_id: str,
+    block_ids: Sequence[int],
+    lease_s: float = 30.0,
+    *,
+    num_tokens: int | None = None,
+    block_size: int | None = None,
+    generation: int = -1,
+    layerwise: bool = False,
+) -> TransferParams:
+    """Builds a request's `TransferParams` where no `KVTransferEngine` runs (a serving
+    framework's scheduler process): what the producer's workers pin with
+    `KVTransferEngine.publish_request` and the consumer reads with `start_read`.
+
+    The consumer fetches the producer's metadata from `addresses` (every producer process's
+    side channel, i.e. each worker's `KVTransferEngine.address`); ``generation=-1`` accepts
+    whatever the producer's processes publish when the read starts. When the workers may pin
+    the blocks after the consumer already read them, keep the producer's
+    ``early_read_grace_s`` above that delay.
+
+    Args:
+      engine_id: the producer engine's id (shared by all of its processes).
+      addresses: one ``(host, port)`` or a list of them, in process order; ports > 0.
+      request_id: the producer's request id (the one its workers publish).
+      block_ids: the request's blocks on the producer, in token order.
+      lease_s: the lease the producer's workers pin the blocks with (`publish_request`).
+      num_tokens, block_size: when both are given, `block_ids` is cut to the blocks that hold
+        `num_tokens` tokens of `block_size` (a scheduler's block list may be longer).
+      generation: the producer's generation, or -1 (any).
+      layerwise: the workers publish the request layer by layer.
+
+    Returns:
+      The params, as `publish_request` would return them (the addresses as given).
+
+    Raises:
+      ValueError: an empty id, no address or a malformed one, a negative block id, too few
+        blocks for `num_tokens`, a non-positive lease or block size.
+
+    Example:
+      >>> p = make_transfer_params("prefill", ("10.0.0.5", 5600), "req-7", [4, 9, 2, 8],
+      ...                          lease_s=20.0, num_tokens=40, block_size=16)
+      >>> p.addresses, p.block_ids, p.lease_s, p.generation
+      ([('10.0.0.5', 5600)], [4, 9, 2], 20.0, -1)
+      >>> make_transfer_params("prefill", [], "req-7", [4])
+      Traceback (most recent call last):
+      ...
+      ValueError: addresses: at least one (host, port) is needed
+    """
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ValueError(f"engine_id must be a non-empty str, got {engine_id!r}")
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+    if isinstance(addresses, tuple) and len(addresses) == 2 and isinstance(addresses[0], str):
+        addresses = [addresses]
+    try:
+        pairs = [(host, port) for host, port in addresses]
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"addresses must be (host, port) pairs, got {addresses!r}"
+        ) from error
+    if not pairs:
+        raise ValueError("addresses: at least one (host, port) is needed")
+    checked = []
+    for host, port in pairs:
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"addresses: bad host {host!r}")
+        if isinstance(port, bool) or not isinstance(port, (int, np.integer)):
+            raise ValueError(f"addresses: port {port!r} of {host!r} is not an int")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"addresses: port {port} of {host!r} is outside [1, 65535]")
+        checked.append((host, int(port)))
+    ids = []
+    for block in block_ids:
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 0:
+            raise ValueError(f"block_ids must be ints >= 0, got {block!r}")
+        ids.append(int(block))
+    if (num_tokens is None) != (block_size is None):
+        raise ValueError("num_tokens and block_size go together")
+    if num_tokens is not None:
+        if int(block_size) < 1 or int(num_tokens) < 0:
+            raise ValueError(f"bad num_tokens {num_tokens} / block_size {block_size}")
+        needed = -(-int(num_tokens) // int(block_size))
+        if needed > len(ids):
+            raise ValueError(
+                f"{num_tokens} tokens need {needed} blocks of {block_size}, got {len(ids)}"
+            )
+        ids = ids[:needed]
+    if not float(lease_s) > 0:
+        raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    if int(generation) < -1:
+        raise ValueError(f"generation must be >= -1, got {generation}")
+    return TransferParams(
+        engine_id, checked, request_id, ids, float(lease_s), int(generation), bool(layerwise)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +334,14 @@ class KVTransferEngine:
         this often whenever it is not in use (no JAX; what it finds is reported by the next
         `poll`): peers' READs, notifications, completions and acknowledgements move while the
         caller computes between polls. None: only `poll` and the in-jit callbacks do.
+      early_read_grace_s: producer: how long a consumer's confirmation (`Done`) of a request
+        this process has not published yet is held before it is refused. A serving
+        framework's scheduler may hand the params to the consumer before its worker pinned
+        the blocks (already written by the step that computed them); a read landing in
+        between is confirmed once `publish_request` pins the request within this window,
+        and refused after it (the consumer reports the request failed). 0: refuse at once.
+        Not for host staging (the mirror holds the bytes only once published: such early
+        reads are always refused) nor layer-wise requests (their reads wait for `Ready`).
     """
 
     def __init__(
@@ -246,7 +358,11 @@ class KVTransferEngine:
         host_staging: bool | None = None,
         block_hashing: str | None = None,
         progress_interval_s: float | None = 0.001,
+        early_read_grace_s: float = 5.0,
     ):
+        if not early_read_grace_s >= 0:
+            raise ValueError(f"early_read_grace_s must be >= 0, got {early_read_grace_s}")
+        self.early_read_grace_s = float(early_read_grace_s)
         self.engine_id = engine_id
         self.config = config
         self.block_hashing = block_hashing
@@ -274,6 +390,8 @@ class KVTransferEngine:
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._early_wants: dict[str, tuple[set[str], float]] = {}
+        # Done messages of requests not published yet: request -> [(message, expiry)]
+        self._early_dones: dict[str, list[tuple[Done, float]]] = {}
         self._stashed = PollResult()  # found by polls inside host callbacks
         # publications from host callbacks that need JAX (host staging): (request, stop,
         # the cache versions at the callback); staged from a later version (the step's output)
@@ -575,6 +693,10 @@ class KVTransferEngine:
                 pinned.subscribers |= early[0]
             if not layerwise:
                 self._publish_layers(request_id, pinned, self.config.spec.num_layers)
+            for message, _ in self._early_dones.pop(request_id, []):
+                # Held reads: the blocks held the request's bytes already (direct mode);
+                # confirmed (or refused) now that the request is pinned.
+                self._on_done(message)
         return TransferParams(
             self.engine_id,
             [tuple(self.address)],
@@ -904,6 +1026,15 @@ class KVTransferEngine:
         for request_id, (_, expiry) in list(self._early_wants.items()):
             if now > expiry:
                 del self._early_wants[request_id]
+        for request_id, held in list(self._early_dones.items()):
+            keep = [(m, expiry) for m, expiry in held if now <= expiry]
+            for message, expiry in held:
+                if now > expiry:
+                    self._on_done(message, hold=False)  # refused: never published in time
+            if keep:
+                self._early_dones[request_id] = keep
+            else:
+                del self._early_dones[request_id]
         for request_id, pinned in list(self._pinned.items()):
             complete = all(
                 len(pinned.notified[r]) >= pinned.expected.get(r, 1 << 30) for r in pinned.notified
@@ -980,9 +1111,13 @@ class KVTransferEngine:
             if not self.agent.send(target, encode_message(ready)):
                 self.stats.failed_notifications += 1
 
-    def _on_done(self, message: Done) -> None:
+    def _on_done(self, message: Done, hold: bool = True) -> None:
         pinned = self._pinned.get(message.request_id)
         stale = message.generation != self.generation
+        if hold and self._holds_early(message, pinned, stale):
+            held = self._early_dones.setdefault(message.request_id, [])
+            held.append((message, time.monotonic() + self.early_read_grace_s))
+            return
         live = (
             not stale
             and pinned is not None
@@ -1006,6 +1141,24 @@ class KVTransferEngine:
         )
         if target is None or not self.agent.send(target, ack):
             self.stats.failed_notifications += 1
+
+    def _holds_early(self, message: Done, pinned: _Pinned | None, stale: bool) -> bool:
+        """Whether a Done is for a request this process has not published yet and may still
+        publish: a successful read of a rank of this process, in direct mode, within the
+        grace window's bounds (the number of held requests is bounded too)."""
+        return (
+            pinned is None
+            and message.ok
+            and not stale
+            and self.early_read_grace_s > 0
+            and message.request_id not in self._released
+            and message.producer_rank in self._ranks
+            and all(entry.mirror is None for entry in self._caches)
+            and (
+                message.request_id in self._early_dones
+                or len(self._early_dones) < _MAX_OUTCOMES
+            )
+        )
 
     def _progress_read(self, state: _Reading, now: float, result: PollResult) -> None:
         if state.error is None and now > state.deadline:
@@ -1299,7 +1452,7 @@ class KVTransferEngine:
         acknowledgements so move while the caller computes between polls."""
         interval = float(self._progress_interval_s or 0.001)
         while not self._closed:
-            if not (self._pinned or self._reading):
+            if not (self._pinned or self._reading or self._early_dones):
                 time.sleep(max(interval, 0.01))
                 continue
             if self._lock.acquire(blocking=False):
@@ -1326,6 +1479,7 @@ class KVTransferEngine:
                 self._release_handles(state)
             self._reading.clear()
             self._pinned.clear()
+            self._early_dones.clear()
             self.server.close()
             self.agent.close()
             self._caches.clear()
