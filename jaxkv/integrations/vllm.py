@@ -12,8 +12,10 @@ Flow of one request:
   forward wrote the KV) pins those blocks (`publish_request`), so they are readable before
   the request's output, and so its `kv_transfer_params`, leaves the engine.
 * Producer scheduler: `request_finished` keeps the blocks (``delay_free``) and returns the
-  `kv_transfer_params` built from the configured side-channel addresses (the scheduler has no
-  transfer engine). Aborted requests are released by the workers at their next step.
+  `kv_transfer_params` built from the configured side-channel addresses with
+  `jaxkv.transfer.make_transfer_params` (the scheduler has no transfer engine); a read that
+  reaches a worker before it pinned the request waits up to ``early_read_grace_s``. Aborted
+  requests are released by the workers at their next step.
 * Consumer scheduler: `get_num_new_matched_tokens` / `update_state_after_alloc` take the
   remote tokens beyond the local prefix hit; consumer workers `start_load_kv` posts the reads
   and `get_finished` reports them (failed ones also through `get_block_ids_with_load_errors`,
@@ -70,7 +72,7 @@ from jaxkv.integrations._params import (
     transfer_params_from_dict,
     transfer_params_to_dict,
 )
-from jaxkv.transfer import TransferParams
+from jaxkv.transfer import make_transfer_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -328,13 +330,14 @@ class JaxKVConnector(KVConnectorBase_V1):
         if not self.settings.side_channel:
             raise ValueError("a kv_producer needs side_channel addresses in its settings")
         num_tokens = request.num_prompt_tokens
-        ids = list(block_ids[: math.ceil(num_tokens / self.block_size)])
-        transfer = TransferParams(
+        transfer = make_transfer_params(
             self.settings.engine_id,
-            [tuple(a) for a in self.settings.side_channel],
+            list(self.settings.side_channel),
             request_id,
-            ids,
+            block_ids,
             self.settings.lease_s,
+            num_tokens=num_tokens,
+            block_size=self.block_size,
         )
         self._meta.to_send.add(request_id)
         return True, transfer_params_to_dict(transfer, num_tokens, self.block_size)
@@ -389,6 +392,7 @@ class JaxKVConnector(KVConnectorBase_V1):
             lease_s=s.lease_s,
             read_timeout_s=s.read_timeout_s,
             handshake_timeout_s=s.handshake_timeout_s,
+            early_read_grace_s=s.early_read_grace_s,
         )
         self.engine.register_cache(cache, tp_rank=s.tp_rank)
 
