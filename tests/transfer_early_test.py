@@ -1,6 +1,7 @@
-"""Scheduler-side transfer params and reads that reach a producer before its workers pinned
-the request (a serving framework's scheduler hands the params out before its worker's next
-step publishes them), over real NIXL."""
+"""What serving frameworks need of the transfer layer, over real NIXL: scheduler-side transfer
+params, reads that reach a producer before its workers pinned the request (a scheduler hands
+the params out before its worker's next step publishes them), and several consumer requests
+reading one producer request (reads keyed by the consumer's own request id)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import kv_testing  # noqa: E402
 
 kv_testing.force_cpu_devices()
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import transfer_testing as e2e  # noqa: E402
 from absl.testing import absltest  # noqa: E402
+from kv_testing import bits  # noqa: E402
 
 from jaxkv import KVCacheSpec  # noqa: E402
 from jaxkv.transfer import _engine, make_transfer_params, nixl_available  # noqa: E402
@@ -126,6 +129,64 @@ class EarlyReadTest(e2e.TransferTestBase):
         finished, failed = self.wait(engine, ["now"])
         self.assertEqual(finished, [])
         self.assertIn("released the blocks", failed[0].reason)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+class ReadIdTest(e2e.TransferTestBase):
+    OTHER_IDS = [0, 1, 2, 3, 4, 5]
+
+    def producer(self):
+        process, conn = self.start_producer(SPEC_KWARGS, 1)
+        address = self.ready(conn)[1]
+        self.call(conn, "register", e2e.REMOTE_IDS)
+        return process, conn, address
+
+    def check_both(self, cache, config):
+        g = e2e.global_cache(SPEC, len(e2e.REMOTE_IDS) * SPEC.block_size, seed=e2e.G_SEED)
+        for ids in (e2e.LOCAL_IDS, self.OTHER_IDS):
+            want = e2e.expected_arrays(config, 0, g, ids)
+            for index, (array, expected) in enumerate(zip(cache.arrays, want)):
+                got = bits(np.asarray(array))
+                np.testing.assert_array_equal(got[np.asarray(ids)], expected, f"array {index}")
+
+    def test_two_consumer_requests_read_one_producer_request(self):
+        _, conn, _ = self.producer()
+        params = self.call(conn, "pin", "shared", e2e.REMOTE_IDS, 30.0, 2)
+        engine, cache, config = self.consumer(SPEC, 1)
+        engine.start_read(params, e2e.LOCAL_IDS, read_id="decode-a")
+        engine.start_read(params, self.OTHER_IDS, read_id="decode-b")
+        with self.assertRaisesRegex(ValueError, "already in flight"):
+            engine.start_read(params, [15], read_id="decode-a")
+        finished, failed = self.wait(engine, ["decode-a", "decode-b"])
+        self.assertEqual((sorted(finished), failed), (["decode-a", "decode-b"], []))
+        self.check_both(cache, config)
+        state = self.assert_freed(conn, "shared")  # once, after both confirmed
+        self.assertEqual(state[2]["expired_leases"], 0)
+
+    def test_producer_waits_for_every_expected_read(self):
+        _, conn, _ = self.producer()
+        params = self.call(conn, "pin", "shared", e2e.REMOTE_IDS, 30.0, 2)
+        engine, _, _ = self.consumer(SPEC, 1)
+        engine.start_read(params, e2e.LOCAL_IDS, read_id="decode-a")
+        self.assertEqual(self.wait(engine, ["decode-a"]), (["decode-a"], []))
+        time.sleep(0.3)
+        self.assertEqual(self.call(conn, "state")[:2], (1, []))  # still pinned for the other
+        engine.start_read(params, self.OTHER_IDS, read_id="decode-b")
+        self.assertEqual(self.wait(engine, ["decode-b"]), (["decode-b"], []))
+        self.assert_freed(conn, "shared")
+
+    def test_abort_by_read_id_stops_only_that_read(self):
+        _, conn, _ = self.producer()
+        params = self.call(conn, "pin", "shared", e2e.REMOTE_IDS, 30.0, 2)
+        engine, _, _ = self.consumer(SPEC, 1, progress_interval_s=None)
+        engine.start_read(params, e2e.LOCAL_IDS, read_id="decode-a")
+        engine.start_read(params, self.OTHER_IDS, read_id="decode-b")
+        engine.abort_request("decode-a")
+        finished, failed = self.wait(engine, ["decode-a", "decode-b"])
+        self.assertEqual(finished, ["decode-b"])
+        self.assertEqual([(f.request_id, f.reason) for f in failed], [("decode-a", "aborted")])
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(e2e.LOCAL_IDS)))
+        self.assert_freed(conn, "shared")  # the aborted read notified the producer too
 
 
 if __name__ == "__main__":

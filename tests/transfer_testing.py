@@ -234,7 +234,7 @@ def producer_main(
     (or, with `tp_rank`, only that TP rank's shard on one device: one process per rank),
     filled from G for every published request; serves commands from `conn`:
     ("register", block_ids) -> address (cache filled with G's tokens in block_ids);
-    ("pin", request_id, block_ids, lease_s) -> TransferParams;
+    ("pin", request_id, block_ids, lease_s[, expected_reads]) -> TransferParams;
     ("slow", seconds) -> sleep that long between polls; ("pause", seconds) -> stop polling;
     ("abort", request_id); ("state",) -> (pinned, freed, stats summary); ("exit",).
     Layer-wise: ("register", block_ids, written) -> the request's layers >= `written` hold
@@ -296,8 +296,12 @@ def producer_main(
                 elif command[0] == "publications":
                     conn.send(list(engine.stats.publications))
                 elif command[0] == "pin":
-                    _, request_id, block_ids, lease = command
-                    conn.send(engine.publish_request(request_id, block_ids, lease))
+                    _, request_id, block_ids, lease, *reads = command
+                    conn.send(
+                        engine.publish_request(
+                            request_id, block_ids, lease, expected_reads=reads[0] if reads else 1
+                        )
+                    )
                 elif command[0] == "pause":  # stop polling (no acks, no lease upkeep)
                     time.sleep(command[1])
                     conn.send(True)

@@ -272,9 +272,11 @@ class _Peer:
 class _Pinned:
     block_ids: tuple[int, ...]
     deadline: float
-    notified: dict[int, set[tuple[str, int]]]  # producer rank -> {(consumer engine, rank)}
-    expected: dict[int, int]
+    # producer rank -> {(consumer engine, read id): {consumer ranks that notified}}
+    notified: dict[int, dict[tuple[str, str], set[int]]]
+    expected: dict[tuple[str, str], int]  # (consumer engine, read id) -> its world size
     lease_s: float
+    expected_reads: int = 1  # consumer reads to confirm before the blocks are freeable
     layer_stop: int = 0  # global layers [0, layer_stop) are written and readable
     subscribers: set[str] = dataclasses.field(default_factory=set)  # consumer NIXL agents
     published_at: list[tuple[int, float]] = dataclasses.field(default_factory=list)
@@ -312,6 +314,7 @@ class _Reading:
     # remote rank -> generation of its process when the READs were planned (sent in Done)
     generations: dict[int, int] = dataclasses.field(default_factory=dict)
     stale: bool = False  # a producer answered that the planned regions are no longer current
+    read_id: str = ""  # the consumer's key of this read (default: the producer's request id)
 
 
 class KVTransferEngine:
@@ -384,7 +387,8 @@ class KVTransferEngine:
         self._hello_sent: set[str] = set()
         self._consumers: dict[str, str] = {}  # consumer agent name (published) -> NIXL name
         self._pinned: dict[str, _Pinned] = {}
-        self._reading: dict[str, _Reading] = {}
+        self._reading: dict[str, _Reading] = {}  # by read id (the consumer's request id)
+        self._by_attempt: dict[int, _Reading] = {}
         self._closed = False
         self.host_staging = host_staging
         self._lock = threading.RLock()
@@ -663,6 +667,7 @@ class KVTransferEngine:
         lease_s: float | None = None,
         *,
         layerwise: bool = False,
+        expected_reads: int = 1,
     ) -> TransferParams:
         """Pins a request's blocks until every consumer rank notified or the lease expired.
 
@@ -673,6 +678,9 @@ class KVTransferEngine:
           layerwise: the blocks are not written yet: consumers read each layer once
             `publish_layers` announced it (the request's params say so). Otherwise the blocks
             are readable now (host staging copies them to the mirror before returning).
+          expected_reads: how many consumer reads (distinct read ids, `start_read`'s
+            ``read_id``) must finish before the blocks are freeable; the lease bounds the
+            wait for those that never come.
 
         Returns:
           The `TransferParams` to hand to the consumer.
@@ -682,9 +690,16 @@ class KVTransferEngine:
         """
         lease = self.lease_s if lease_s is None else lease_s
         ids = tuple(int(b) for b in block_ids)
+        if int(expected_reads) < 1:
+            raise ValueError(f"expected_reads must be >= 1, got {expected_reads}")
         with self._lock:
             pinned = _Pinned(
-                ids, time.monotonic() + lease, {r: set() for r in self._ranks}, {}, lease
+                ids,
+                time.monotonic() + lease,
+                {r: {} for r in self._ranks},
+                {},
+                lease,
+                int(expected_reads),
             )
             self._pinned[request_id] = pinned
             self._released.pop(request_id, None)
@@ -793,8 +808,8 @@ class KVTransferEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Producer: releases a request's blocks now (reported by the next `poll` as freeable);
-        consumers still reading get their confirmation refused. Consumer: stops reading and
-        reports the request failed."""
+        consumers still reading get their confirmation refused. Consumer: stops the read of
+        that read id (`start_read`'s ``read_id``) and reports it failed."""
         with self._lock:
             if request_id in self._pinned:
                 self._pinned[request_id].deadline = -1.0
@@ -813,25 +828,50 @@ class KVTransferEngine:
     # -- consumer -------------------------------------------------------------------------
 
     def start_read(
-        self, params: TransferParams, local_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        params: TransferParams,
+        local_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        *,
+        read_id: str | None = None,
     ) -> None:
         """Plans and posts the reads of a request for every local rank; returns at once.
 
         A layer-wise request (``params.layerwise``) subscribes to the producer's
         announcements; each layer's reads are posted when its producer rank announced it.
 
+        Args:
+          params: the producer's `TransferParams`.
+          local_block_ids: the local blocks to fill, in token order.
+          timeout_s: deadline of the reads plus confirmations (default `read_timeout_s`).
+          read_id: this read's key, e.g. the consumer's own request id (default: the
+            producer's request id): `poll` reports it, `abort_request` and `handle` take it.
+            Several consumer requests may read one producer request at once under distinct
+            read ids (every process of the consumer engine must use the same one); the
+            producer frees it after ``expected_reads`` of them (`publish_request`).
+
         Failures (handshake, planning, posting) are reported by `poll` as failed requests;
-        a request already in flight raises ValueError.
+        a read id already in flight raises ValueError.
+
+        Example:
+          >>> engine.start_read(params, [7, 8], read_id="decode-req-3")  # doctest: +SKIP
         """
         with self._lock:
-            self._start_read(params, local_block_ids, timeout_s)
+            self._start_read(params, local_block_ids, timeout_s, read_id)
 
     def _start_read(
-        self, params: TransferParams, local_block_ids: Sequence[int], timeout_s: float | None
+        self,
+        params: TransferParams,
+        local_block_ids: Sequence[int],
+        timeout_s: float | None,
+        read_id: str | None = None,
     ) -> None:
         request_id = params.request_id
-        if request_id in self._reading:
-            raise ValueError(f"request {request_id!r} is already being read")
+        key = request_id if read_id is None else read_id
+        if not isinstance(key, str) or not 0 < len(key) <= 512:
+            raise ValueError(f"read_id must be a str of 1 to 512 characters, got {read_id!r}")
+        if key in self._reading:
+            raise ValueError(f"read {key!r} is already in flight")
         now = time.monotonic()
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
         state = _Reading(
@@ -847,8 +887,10 @@ class KVTransferEngine:
         state.layerwise = bool(getattr(params, "layerwise", False))
         state.started_wall = time.time()
         state.attempt = next(_attempt_counter)
-        self._reading[request_id] = state
-        self._outcomes.pop(request_id, None)
+        state.read_id = key
+        self._reading[key] = state
+        self._by_attempt[state.attempt] = state
+        self._outcomes.pop(key, None)
         local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
         state.local_block_ids = tuple(int(b) for b in local_ids)
         try:
@@ -964,7 +1006,7 @@ class KVTransferEngine:
                 state.layer_arrival[layer] = time.time()
                 changed = True
         if changed:
-            result.layers[state.request_id] = len(state.layer_arrival)
+            result.layers[state.read_id] = len(state.layer_arrival)
         return len(state.layer_arrival) == len(state.layers_total)
 
     def _source_ranks_of(self, state: _Reading, layer: int) -> list[int]:
@@ -1037,7 +1079,12 @@ class KVTransferEngine:
                 del self._early_dones[request_id]
         for request_id, pinned in list(self._pinned.items()):
             complete = all(
-                len(pinned.notified[r]) >= pinned.expected.get(r, 1 << 30) for r in pinned.notified
+                sum(
+                    len(ranks) >= pinned.expected[read]
+                    for read, ranks in pinned.notified[r].items()
+                )
+                >= pinned.expected_reads
+                for r in pinned.notified
             )
             if complete or now > pinned.deadline:
                 if not complete and pinned.deadline >= 0:
@@ -1076,8 +1123,8 @@ class KVTransferEngine:
                     self._on_done(message)
                 elif isinstance(message, Ack):
                     # May come before this process saw its READs complete (Done attached).
-                    reading = self._reading.get(message.request_id)
-                    if reading is not None and message.attempt == reading.attempt:
+                    reading = self._by_attempt.get(message.attempt)
+                    if reading is not None and message.request_id == reading.request_id:
                         reading.acks[(message.producer_rank, message.consumer_rank)] = (
                             message.pinned
                         )
@@ -1087,8 +1134,9 @@ class KVTransferEngine:
                 elif isinstance(message, Want):
                     self._on_want(message, now)
                 elif isinstance(message, Ready):
-                    reading = self._reading.get(message.request_id)
-                    if reading is not None:
+                    for reading in self._reading.values():
+                        if reading.request_id != message.request_id:
+                            continue
                         for rank in message.ranks:
                             reading.ready[rank] = max(reading.ready.get(rank, 0),
                                                       message.layer_stop)
@@ -1126,8 +1174,11 @@ class KVTransferEngine:
             and message.producer_rank in pinned.notified
         )
         if live:
-            pinned.notified[message.producer_rank].add((message.engine_id, message.consumer_rank))
-            pinned.expected[message.producer_rank] = message.expected
+            read = (message.engine_id, message.read_id or message.request_id)
+            pinned.notified[message.producer_rank].setdefault(read, set()).add(
+                message.consumer_rank
+            )
+            pinned.expected[read] = message.expected
         target = self._consumers.get(message.agent_name)
         ack = encode_message(
             Ack(
@@ -1290,6 +1341,7 @@ class KVTransferEngine:
                 ok,
                 state.attempt,
                 state.generations.get(remote_rank, -1),
+                "" if state.read_id == state.request_id else state.read_id,
             )
         )
 
@@ -1324,11 +1376,12 @@ class KVTransferEngine:
 
     def _finish(self, state: _Reading, result: PollResult) -> None:
         self._release_handles(state)
-        del self._reading[state.request_id]
+        del self._reading[state.read_id]
+        self._by_attempt.pop(state.attempt, None)
         plans = state.plans
         self.stats.add(
             TransferRecord(
-                request_id=state.request_id,
+                request_id=state.read_id,
                 bytes=sum(p.num_bytes for p in plans),
                 descriptors=sum(p.num_descriptors for p in plans),
                 expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
@@ -1342,11 +1395,11 @@ class KVTransferEngine:
                 started_at=state.started_wall,
             )
         )
-        self._remember(state.request_id, True)
-        result.finished.append(state.request_id)
+        self._remember(state.read_id, True)
+        result.finished.append(state.read_id)
         posts = [step for p in plans for step in p.post]
         if posts:
-            result.post_applied[state.request_id] = posts
+            result.post_applied[state.read_id] = posts
 
     def _fail(self, state: _Reading, result: PollResult) -> None:
         # Release (cancel) the READs first: releasing a handle may cancel messages queued
@@ -1354,11 +1407,12 @@ class KVTransferEngine:
         self._release_handles(state)
         if state.done_at is None:
             self._send_done(state, ok=False)  # lets the producer free early
-        del self._reading[state.request_id]
+        del self._reading[state.read_id]
+        self._by_attempt.pop(state.attempt, None)
         self.stats.failed_transfers += 1
         invalid = sorted({int(b) for b in state.local_block_ids})
-        self._remember(state.request_id, False)
-        result.failed.append(FailedRead(state.request_id, state.error or "failed", tuple(invalid)))
+        self._remember(state.read_id, False)
+        result.failed.append(FailedRead(state.read_id, state.error or "failed", tuple(invalid)))
 
     def _remember(self, request_id: str, ok: bool) -> None:
         self._outcomes[request_id] = ok
@@ -1478,6 +1532,7 @@ class KVTransferEngine:
             for state in self._reading.values():
                 self._release_handles(state)
             self._reading.clear()
+            self._by_attempt.clear()
             self._pinned.clear()
             self._early_dones.clear()
             self.server.close()
