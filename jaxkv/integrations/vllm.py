@@ -226,14 +226,14 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._meta = JaxKVConnectorMetadata()
         # worker side
         self.engine = None
-        self._reading: dict[str, str] = {}  # producer request id -> consumer request id
-        self._releasing: set[str] = set()  # producer request ids read only to release them
+        self._reading: dict[str, str] = {}  # consumer request id -> producer request id
+        self._releasing: set[str] = set()  # consumer request ids read only to release them
         self._awaiting_send: set[str] = set()
         self._freeable: set[str] = set()
         self._aborted: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # reads refused before they started
-        self._cancelled: set[str] = set()  # producer ids of reads stopped by an abort
+        self._cancelled: set[str] = set()  # consumer ids of reads stopped by an abort
         self._stats_seen = (0, 0, 0)  # engine totals at the last stats call
 
     # -- scheduler side -------------------------------------------------------------------
@@ -425,11 +425,10 @@ class JaxKVConnector(KVConnectorBase_V1):
             engine.abort_request(request_id)
             self._aborted.add(request_id)
         self._awaiting_send |= meta.to_send
-        if meta.to_cancel:
-            for producer_id, consumer_id in self._reading.items():
-                if consumer_id in meta.to_cancel:
-                    self._cancelled.add(producer_id)
-                    engine.abort_request(producer_id)
+        for consumer_id in meta.to_cancel:
+            if consumer_id in self._reading:
+                self._cancelled.add(consumer_id)
+                engine.abort_request(consumer_id)
         for recv in meta.to_recv:
             self._start_read(recv)
 
@@ -452,22 +451,17 @@ class JaxKVConnector(KVConnectorBase_V1):
             log.error("request %s: %s", recv.request_id, error)
             self._fail_now(recv)
             return
-        producer_id = params.request_id
-        if producer_id in self._reading:
-            # jaxkv keys a read by the producer's request id: one read of it at a time.
-            log.error(
-                "request %s: producer request %s is already being read by %s",
-                recv.request_id,
-                producer_id,
-                self._reading[producer_id],
-            )
+        if recv.request_id in self._reading:
+            log.error("request %s: its read is already in flight", recv.request_id)
             self._fail_now(recv)
             return
+        # Keyed by the consumer's request id: several consumer requests may read one
+        # producer request at once (the producer frees it after `reads_per_request`).
         params = msgspec.structs.replace(params, block_ids=remote_ids)
-        self._reading[producer_id] = recv.request_id
+        self._reading[recv.request_id] = params.request_id
         if recv.release_only:
-            self._releasing.add(producer_id)
-        engine.start_read(params, local_ids)
+            self._releasing.add(recv.request_id)
+        engine.start_read(params, local_ids, read_id=recv.request_id)
 
     def _fail_now(self, recv: _Recv) -> None:
         if recv.release_only:
@@ -488,7 +482,9 @@ class JaxKVConnector(KVConnectorBase_V1):
             return
         meta: JaxKVConnectorMetadata = self._get_connector_metadata()
         for request_id, block_ids in meta.to_publish.items():
-            self._engine().publish_request(request_id, block_ids)
+            self._engine().publish_request(
+                request_id, block_ids, expected_reads=self.settings.reads_per_request
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Polls the transfer engine: (requests whose blocks may be freed, reads finished or
@@ -506,25 +502,27 @@ class JaxKVConnector(KVConnectorBase_V1):
         if self.engine is None:
             return results
         polled = self.engine.poll()
-        for producer_id in polled.finished:
-            self._cancelled.discard(producer_id)
-            consumer_id = self._reading.pop(producer_id, None)
-            if consumer_id is not None and producer_id not in self._releasing:
+        for consumer_id in polled.finished:  # read ids: the consumer's request ids
+            self._cancelled.discard(consumer_id)
+            if self._reading.pop(consumer_id, None) is not None and (
+                consumer_id not in self._releasing
+            ):
                 results.finished_recving.add(consumer_id)
-            self._releasing.discard(producer_id)
+            self._releasing.discard(consumer_id)
         for failure in polled.failed:
-            consumer_id = self._reading.pop(failure.request_id, None)
-            if failure.request_id in self._releasing:
-                self._releasing.discard(failure.request_id)
+            consumer_id = failure.request_id
+            known = self._reading.pop(consumer_id, None) is not None
+            if consumer_id in self._releasing:
+                self._releasing.discard(consumer_id)
                 continue
-            if failure.request_id in self._cancelled:  # aborted: vLLM frees the blocks
-                self._cancelled.discard(failure.request_id)
-                if consumer_id is not None:
+            if consumer_id in self._cancelled:  # aborted: vLLM frees the blocks
+                self._cancelled.discard(consumer_id)
+                if known:
                     results.finished_recving.add(consumer_id)
                 continue
-            log.warning("read of %s failed: %s", failure.request_id, failure.reason)
+            log.warning("read of %s failed: %s", consumer_id, failure.reason)
             self._load_errors.update(failure.invalid_block_ids)
-            if consumer_id is not None:
+            if known:
                 results.finished_recving.add(consumer_id)
                 results.failed_recving.add(consumer_id)
         self._freeable.update(polled.freeable)

@@ -94,3 +94,11 @@ def test_scheduler_params_round_trip_through_the_router_dict():
     )
     assert params.block_ids == [5, 3, 9]
     assert transfer_params_from_dict(transfer_params_to_dict(params, 20, 8)) == params
+
+
+def test_reads_per_request_setting():
+    assert ConnectorSettings.from_dict({"engine_id": "p"}).reads_per_request == 1
+    s = ConnectorSettings.from_dict({"engine_id": "p", "reads_per_request": 2})
+    assert s.reads_per_request == 2
+    with pytest.raises(ValueError, match="reads_per_request"):
+        ConnectorSettings.from_dict({"engine_id": "p", "reads_per_request": 0})
