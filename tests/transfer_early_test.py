@@ -121,6 +121,19 @@ class EarlyReadTest(e2e.TransferTestBase):
         self.assert_freed(conn, "never")
         self.assertEqual(self.call(conn, "state")[2]["expired_leases"], 1)
 
+    def test_host_staging_refuses_early_reads_at_once(self):
+        # The mirror holds the request's bytes only once published: an early read got stale
+        # bytes and must not be confirmed, however long the window.
+        _, _, address = self.producer(early_read_grace_s=20.0, host_staging=True)
+        params = make_transfer_params("prefill", address, "staged", e2e.REMOTE_IDS, 30.0)
+        engine, _, _ = self.consumer(SPEC, 1, read_timeout_s=30.0)
+        start = time.monotonic()
+        engine.start_read(params, e2e.LOCAL_IDS)
+        finished, failed = self.wait(engine, ["staged"])
+        self.assertEqual(finished, [])
+        self.assertIn("released the blocks", failed[0].reason)
+        self.assertLess(time.monotonic() - start, 15.0)
+
     def test_grace_zero_refuses_at_once(self):
         _, _, address = self.producer(early_read_grace_s=0.0)
         params = make_transfer_params("prefill", address, "now", e2e.REMOTE_IDS, 30.0)

@@ -6,10 +6,15 @@ one process) or one (a process per rank). Both roles live in the same object:
 * **Producer** (prefill): `register_cache`, then `publish_request(request_id, block_ids)`
   pins the blocks under a lease; `poll()` reports in `PollResult.freeable` the requests whose
   blocks may be freed: every consumer rank notified (`Done`, unique per request, producer
-  rank and consumer rank), the lease expired (consumers extend it with heartbeats), or
-  `abort_request`.
-* **Consumer** (decode): `start_read(request_id, params, local_block_ids)` plans and posts
-  the READs and returns at once; `poll()` reports `finished` and `failed` requests. A read is
+  rank and consumer rank; with ``expected_reads=N``, by N distinct consumer reads), the lease
+  expired (consumers extend it with heartbeats), or `abort_request`. A consumer's
+  confirmation that arrives before the request was published (a serving framework's
+  scheduler hands the params out before its worker pins the blocks) is held up to
+  ``early_read_grace_s``: confirmed if the request is published meanwhile, refused after.
+* **Consumer** (decode): `start_read(params, local_block_ids, read_id=...)` plans and posts
+  the READs and returns at once; `poll()` reports `finished` and `failed` reads by their read
+  id (default: the producer's request id; e.g. the consumer's own request id, so that several
+  consumer requests may read one producer request at once). A read is
   successful only after every producer rank acknowledged (`Ack`) that the blocks were still
   pinned when the consumer's `Done` (sent after the READs completed) arrived, so data read
   after a lease expired is never reported as good. A failed request lists its local block ids
@@ -220,6 +225,9 @@ def make_transfer_params(
 
 @dataclasses.dataclass(frozen=True)
 class FailedRead:
+    """A read that failed: its read id (`start_read`'s ``read_id``, by default the producer's
+    request id), why, and the local blocks it left invalid."""
+
     request_id: str
     reason: str
     invalid_block_ids: tuple[int, ...]
@@ -227,7 +235,8 @@ class FailedRead:
 
 @dataclasses.dataclass
 class PollResult:
-    """What `KVTransferEngine.poll` reports (each request once)."""
+    """What `KVTransferEngine.poll` reports (each request once): consumer reads by their read
+    id (`start_read`), producer requests (`freeable`) by their request id."""
 
     finished: list[str] = dataclasses.field(default_factory=list)
     failed: list[FailedRead] = dataclasses.field(default_factory=list)
