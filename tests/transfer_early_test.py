@@ -112,7 +112,7 @@ class EarlyReadTest(e2e.TransferTestBase):
         finished, failed = self.wait(engine, ["never"])
         elapsed = time.monotonic() - start
         self.assertEqual(finished, [])
-        self.assertIn("released the blocks", failed[0].reason)
+        self.assertIn("did not publish the request", failed[0].reason)
         self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(e2e.LOCAL_IDS)))
         self.assertGreaterEqual(elapsed, 0.4)  # held for the window, not refused at once
         self.assertLess(elapsed, 25.0)  # not left to the consumer's read timeout
@@ -131,7 +131,7 @@ class EarlyReadTest(e2e.TransferTestBase):
         engine.start_read(params, e2e.LOCAL_IDS)
         finished, failed = self.wait(engine, ["staged"])
         self.assertEqual(finished, [])
-        self.assertIn("released the blocks", failed[0].reason)
+        self.assertIn("did not publish the request", failed[0].reason)
         self.assertLess(time.monotonic() - start, 15.0)
 
     def test_grace_zero_refuses_at_once(self):
@@ -141,7 +141,7 @@ class EarlyReadTest(e2e.TransferTestBase):
         engine.start_read(params, e2e.LOCAL_IDS)
         finished, failed = self.wait(engine, ["now"])
         self.assertEqual(finished, [])
-        self.assertIn("released the blocks", failed[0].reason)
+        self.assertIn("did not publish the request", failed[0].reason)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")

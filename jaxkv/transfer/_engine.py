@@ -323,6 +323,7 @@ class _Reading:
     # remote rank -> generation of its process when the READs were planned (sent in Done)
     generations: dict[int, int] = dataclasses.field(default_factory=dict)
     stale: bool = False  # a producer answered that the planned regions are no longer current
+    unpublished: bool = False  # a producer answered that it never published the request
     read_id: str = ""  # the consumer's key of this read (default: the producer's request id)
 
 
@@ -1140,6 +1141,7 @@ class KVTransferEngine:
                         if message.stale:
                             reading.stale = True
                             self._suspect(reading.peer)
+                        reading.unpublished |= message.unpublished
                 elif isinstance(message, Want):
                     self._on_want(message, now)
                 elif isinstance(message, Ready):
@@ -1197,6 +1199,7 @@ class KVTransferEngine:
                 live,
                 message.attempt,
                 stale,
+                pinned is None and message.request_id not in self._released,
             )
         )
         if target is None or not self.agent.send(target, ack):
@@ -1257,6 +1260,8 @@ class KVTransferEngine:
                 "the producer re-registered its cache after this read was planned (stale "
                 "metadata: the next read fetches it again)"
                 if state.stale
+                else "the producer did not publish the request (within its early_read_grace_s)"
+                if state.unpublished
                 else "the producer released the blocks before the read was confirmed"
             )
         if state.error is not None:

@@ -76,6 +76,8 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     # The consumer read regions of an older generation (the producer re-registered since):
     # its cached metadata is stale and must be fetched again.
     stale: bool = False
+    # The producer never pinned the request (not published within its early-read grace window).
+    unpublished: bool = False
 
 
 class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
