@@ -588,7 +588,8 @@ def jit_producer_main(
 def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, block_ids: dict):
     """A producer with one cache per group (`GroupedTransferEngine`), group `i`'s cache
     filled from its own G (seed ``G_SEED + i``) in ``block_ids[group]``:
-    ("pin", request_id, lease_s) -> GroupedParams; ("state",) -> freed request ids."""
+    ("pin", request_id, lease_s[, expected_reads]) -> GroupedParams; ("state",) -> freed
+    request ids."""
     child_env(tp)
     import jax
 
@@ -611,7 +612,12 @@ def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, bloc
                 if command[0] == "exit":
                     break
                 if command[0] == "pin":
-                    conn.send(engine.publish_request(command[1], block_ids, command[2]))
+                    reads = command[3] if len(command) > 3 else 1
+                    conn.send(
+                        engine.publish_request(
+                            command[1], block_ids, command[2], expected_reads=reads
+                        )
+                    )
                 elif command[0] == "state":
                     conn.send(list(freed))
             freed.extend(engine.poll().freeable)
