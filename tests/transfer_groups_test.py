@@ -78,6 +78,54 @@ class TransferGroupsTest(tt.TransferTestBase):
                 break
         self.assertEqual(freed, ["req-g"])  # freed once, when every group was confirmed
 
+    def test_two_reads_of_one_grouped_request(self):
+        import jax
+
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=tt.groups_producer_main,
+                              args=(child, GROUPS, 1, NUM_BLOCKS, REMOTE), daemon=True)
+        process.start()
+        child.close()
+        self._children.append((process, parent))
+        self.ready(parent)
+        params = self.call(parent, "pin", "req-g", 30.0, 2)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+        specs = {g: KVCacheSpec(**kw) for g, kw in GROUPS.items()}
+        configs = {g: EngineConfig(s, 1) for g, s in specs.items()}
+        engine = GroupedTransferEngine("decode", configs)
+        self.addCleanup(engine.close)
+        for g, s in specs.items():
+            engine.register_cache(g, PagedKVCache.allocate(s, NUM_BLOCKS, mesh=mesh))
+        used = {b for ids in LOCAL.values() for b in ids}
+        spare = [b for b in range(NUM_BLOCKS) if b not in used]
+        other = {g: spare[: len(ids)] for g, ids in LOCAL.items()}
+        engine.start_read(params, LOCAL, read_id="a")
+        engine.start_read(params, other, read_id="b")
+        with self.assertRaisesRegex(ValueError, "already in flight"):
+            engine.start_read(params, other, read_id="b")
+        finished, failed = [], []
+        deadline = time.monotonic() + WAIT_S
+        while len(finished) + len(failed) < 2 and time.monotonic() < deadline:
+            result = engine.poll()
+            finished += result.finished
+            failed += result.failed
+        self.assertEqual((sorted(finished), failed), (["a", "b"], []))
+        for i, g in enumerate(GROUPS):
+            spec = KVCacheSpec(**GROUPS[g])
+            ref = tt.global_cache(spec, len(REMOTE[g]) * 4, seed=G_SEED + i)
+            for ids in (LOCAL[g], other[g]):
+                want = tt.expected_arrays(configs[g], 0, ref, ids)
+                for array, expected in zip(engine.engines[g].caches[0].arrays, want):
+                    got = tt.bits(np.asarray(array))
+                    np.testing.assert_array_equal(got[np.asarray(ids)], expected)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            freed = self.call(parent, "state")
+            if freed:
+                break
+        self.assertEqual(freed, ["req-g"])  # freed once, after both reads in every group
+
     def test_groups_must_match(self):
         spec = KVCacheSpec(**GROUPS["full"])
         engine = GroupedTransferEngine("decode", {"full": EngineConfig(spec, 1)})

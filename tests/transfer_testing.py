@@ -234,7 +234,7 @@ def producer_main(
     (or, with `tp_rank`, only that TP rank's shard on one device: one process per rank),
     filled from G for every published request; serves commands from `conn`:
     ("register", block_ids) -> address (cache filled with G's tokens in block_ids);
-    ("pin", request_id, block_ids, lease_s) -> TransferParams;
+    ("pin", request_id, block_ids, lease_s[, expected_reads]) -> TransferParams;
     ("slow", seconds) -> sleep that long between polls; ("pause", seconds) -> stop polling;
     ("abort", request_id); ("state",) -> (pinned, freed, stats summary); ("exit",).
     Layer-wise: ("register", block_ids, written) -> the request's layers >= `written` hold
@@ -296,8 +296,12 @@ def producer_main(
                 elif command[0] == "publications":
                     conn.send(list(engine.stats.publications))
                 elif command[0] == "pin":
-                    _, request_id, block_ids, lease = command
-                    conn.send(engine.publish_request(request_id, block_ids, lease))
+                    _, request_id, block_ids, lease, *reads = command
+                    conn.send(
+                        engine.publish_request(
+                            request_id, block_ids, lease, expected_reads=reads[0] if reads else 1
+                        )
+                    )
                 elif command[0] == "pause":  # stop polling (no acks, no lease upkeep)
                     time.sleep(command[1])
                     conn.send(True)
@@ -584,7 +588,8 @@ def jit_producer_main(
 def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, block_ids: dict):
     """A producer with one cache per group (`GroupedTransferEngine`), group `i`'s cache
     filled from its own G (seed ``G_SEED + i``) in ``block_ids[group]``:
-    ("pin", request_id, lease_s) -> GroupedParams; ("state",) -> freed request ids."""
+    ("pin", request_id, lease_s[, expected_reads]) -> GroupedParams; ("state",) -> freed
+    request ids."""
     child_env(tp)
     import jax
 
@@ -607,7 +612,12 @@ def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, bloc
                 if command[0] == "exit":
                     break
                 if command[0] == "pin":
-                    conn.send(engine.publish_request(command[1], block_ids, command[2]))
+                    reads = command[3] if len(command) > 3 else 1
+                    conn.send(
+                        engine.publish_request(
+                            command[1], block_ids, command[2], expected_reads=reads
+                        )
+                    )
                 elif command[0] == "state":
                     conn.send(list(freed))
             freed.extend(engine.poll().freeable)

@@ -46,6 +46,10 @@ class ConnectorSettings:
       lease_s: how long a producer pins a request's blocks without a consumer heartbeat.
       read_timeout_s: the consumer's deadline for a request's reads and confirmations.
       handshake_timeout_s: the bound of each metadata fetch from a producer.
+      reads_per_request: producer: how many consumer requests read each request (the
+        blocks are freed after that many reads finished, or the lease expired).
+      early_read_grace_s: producer: how long a consumer's read of a request the workers have
+        not pinned yet waits for them to (`KVTransferEngine`'s ``early_read_grace_s``).
       num_kv_heads: the model's KV heads, when a worker registers one TP rank's cache (its
         heads only); None: the cache's heads times `tp_size`.
 
@@ -64,6 +68,8 @@ class ConnectorSettings:
     lease_s: float = 30.0
     read_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
+    early_read_grace_s: float = 5.0
+    reads_per_request: int = 1
     num_kv_heads: int | None = None
 
     @classmethod
@@ -90,12 +96,14 @@ class ConnectorSettings:
                 f"side_channel must be a list of [host, port], got {extra.get('side_channel')!r}"
             ) from error
         settings = cls(**values)
-        for name in ("tp_size", "pp_size"):
+        for name in ("tp_size", "pp_size", "reads_per_request"):
             if int(getattr(settings, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("lease_s", "read_timeout_s", "handshake_timeout_s"):
             if not float(getattr(settings, name)) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if not float(settings.early_read_grace_s) >= 0:
+            raise ValueError("early_read_grace_s must be >= 0")
         return settings
 
 

@@ -12,8 +12,10 @@ Flow of one request:
   forward wrote the KV) pins those blocks (`publish_request`), so they are readable before
   the request's output, and so its `kv_transfer_params`, leaves the engine.
 * Producer scheduler: `request_finished` keeps the blocks (``delay_free``) and returns the
-  `kv_transfer_params` built from the configured side-channel addresses (the scheduler has no
-  transfer engine). Aborted requests are released by the workers at their next step.
+  `kv_transfer_params` built from the configured side-channel addresses with
+  `jaxkv.transfer.make_transfer_params` (the scheduler has no transfer engine); a read that
+  reaches a worker before it pinned the request waits up to ``early_read_grace_s``. Aborted
+  requests are released by the workers at their next step.
 * Consumer scheduler: `get_num_new_matched_tokens` / `update_state_after_alloc` take the
   remote tokens beyond the local prefix hit; consumer workers `start_load_kv` posts the reads
   and `get_finished` reports them (failed ones also through `get_block_ids_with_load_errors`,
@@ -70,7 +72,7 @@ from jaxkv.integrations._params import (
     transfer_params_from_dict,
     transfer_params_to_dict,
 )
-from jaxkv.transfer import TransferParams
+from jaxkv.transfer import make_transfer_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -224,14 +226,14 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._meta = JaxKVConnectorMetadata()
         # worker side
         self.engine = None
-        self._reading: dict[str, str] = {}  # producer request id -> consumer request id
-        self._releasing: set[str] = set()  # producer request ids read only to release them
+        self._reading: dict[str, str] = {}  # consumer request id -> producer request id
+        self._releasing: set[str] = set()  # consumer request ids read only to release them
         self._awaiting_send: set[str] = set()
         self._freeable: set[str] = set()
         self._aborted: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_now: set[str] = set()  # reads refused before they started
-        self._cancelled: set[str] = set()  # producer ids of reads stopped by an abort
+        self._cancelled: set[str] = set()  # consumer ids of reads stopped by an abort
         self._stats_seen = (0, 0, 0)  # engine totals at the last stats call
 
     # -- scheduler side -------------------------------------------------------------------
@@ -328,13 +330,14 @@ class JaxKVConnector(KVConnectorBase_V1):
         if not self.settings.side_channel:
             raise ValueError("a kv_producer needs side_channel addresses in its settings")
         num_tokens = request.num_prompt_tokens
-        ids = list(block_ids[: math.ceil(num_tokens / self.block_size)])
-        transfer = TransferParams(
+        transfer = make_transfer_params(
             self.settings.engine_id,
-            [tuple(a) for a in self.settings.side_channel],
+            list(self.settings.side_channel),
             request_id,
-            ids,
+            block_ids,
             self.settings.lease_s,
+            num_tokens=num_tokens,
+            block_size=self.block_size,
         )
         self._meta.to_send.add(request_id)
         return True, transfer_params_to_dict(transfer, num_tokens, self.block_size)
@@ -389,6 +392,7 @@ class JaxKVConnector(KVConnectorBase_V1):
             lease_s=s.lease_s,
             read_timeout_s=s.read_timeout_s,
             handshake_timeout_s=s.handshake_timeout_s,
+            early_read_grace_s=s.early_read_grace_s,
         )
         self.engine.register_cache(cache, tp_rank=s.tp_rank)
 
@@ -421,11 +425,10 @@ class JaxKVConnector(KVConnectorBase_V1):
             engine.abort_request(request_id)
             self._aborted.add(request_id)
         self._awaiting_send |= meta.to_send
-        if meta.to_cancel:
-            for producer_id, consumer_id in self._reading.items():
-                if consumer_id in meta.to_cancel:
-                    self._cancelled.add(producer_id)
-                    engine.abort_request(producer_id)
+        for consumer_id in meta.to_cancel:
+            if consumer_id in self._reading:
+                self._cancelled.add(consumer_id)
+                engine.abort_request(consumer_id)
         for recv in meta.to_recv:
             self._start_read(recv)
 
@@ -448,22 +451,17 @@ class JaxKVConnector(KVConnectorBase_V1):
             log.error("request %s: %s", recv.request_id, error)
             self._fail_now(recv)
             return
-        producer_id = params.request_id
-        if producer_id in self._reading:
-            # jaxkv keys a read by the producer's request id: one read of it at a time.
-            log.error(
-                "request %s: producer request %s is already being read by %s",
-                recv.request_id,
-                producer_id,
-                self._reading[producer_id],
-            )
+        if recv.request_id in self._reading:
+            log.error("request %s: its read is already in flight", recv.request_id)
             self._fail_now(recv)
             return
+        # Keyed by the consumer's request id: several consumer requests may read one
+        # producer request at once (the producer frees it after `reads_per_request`).
         params = msgspec.structs.replace(params, block_ids=remote_ids)
-        self._reading[producer_id] = recv.request_id
+        self._reading[recv.request_id] = params.request_id
         if recv.release_only:
-            self._releasing.add(producer_id)
-        engine.start_read(params, local_ids)
+            self._releasing.add(recv.request_id)
+        engine.start_read(params, local_ids, read_id=recv.request_id)
 
     def _fail_now(self, recv: _Recv) -> None:
         if recv.release_only:
@@ -484,7 +482,9 @@ class JaxKVConnector(KVConnectorBase_V1):
             return
         meta: JaxKVConnectorMetadata = self._get_connector_metadata()
         for request_id, block_ids in meta.to_publish.items():
-            self._engine().publish_request(request_id, block_ids)
+            self._engine().publish_request(
+                request_id, block_ids, expected_reads=self.settings.reads_per_request
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Polls the transfer engine: (requests whose blocks may be freed, reads finished or
@@ -502,25 +502,27 @@ class JaxKVConnector(KVConnectorBase_V1):
         if self.engine is None:
             return results
         polled = self.engine.poll()
-        for producer_id in polled.finished:
-            self._cancelled.discard(producer_id)
-            consumer_id = self._reading.pop(producer_id, None)
-            if consumer_id is not None and producer_id not in self._releasing:
+        for consumer_id in polled.finished:  # read ids: the consumer's request ids
+            self._cancelled.discard(consumer_id)
+            if self._reading.pop(consumer_id, None) is not None and (
+                consumer_id not in self._releasing
+            ):
                 results.finished_recving.add(consumer_id)
-            self._releasing.discard(producer_id)
+            self._releasing.discard(consumer_id)
         for failure in polled.failed:
-            consumer_id = self._reading.pop(failure.request_id, None)
-            if failure.request_id in self._releasing:
-                self._releasing.discard(failure.request_id)
+            consumer_id = failure.request_id
+            known = self._reading.pop(consumer_id, None) is not None
+            if consumer_id in self._releasing:
+                self._releasing.discard(consumer_id)
                 continue
-            if failure.request_id in self._cancelled:  # aborted: vLLM frees the blocks
-                self._cancelled.discard(failure.request_id)
-                if consumer_id is not None:
+            if consumer_id in self._cancelled:  # aborted: vLLM frees the blocks
+                self._cancelled.discard(consumer_id)
+                if known:
                     results.finished_recving.add(consumer_id)
                 continue
-            log.warning("read of %s failed: %s", failure.request_id, failure.reason)
+            log.warning("read of %s failed: %s", consumer_id, failure.reason)
             self._load_errors.update(failure.invalid_block_ids)
-            if consumer_id is not None:
+            if known:
                 results.finished_recving.add(consumer_id)
                 results.failed_recving.add(consumer_id)
         self._freeable.update(polled.freeable)

@@ -5,7 +5,13 @@ read planning are pure Python/numpy; only creating an agent imports NIXL.
 """
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
-from jaxkv.transfer._engine import FailedRead, KVTransferEngine, PollResult, TransferParams
+from jaxkv.transfer._engine import (
+    FailedRead,
+    KVTransferEngine,
+    PollResult,
+    TransferParams,
+    make_transfer_params,
+)
 from jaxkv.transfer._groups import (
     GroupedParams,
     GroupedPollResult,
@@ -70,6 +76,7 @@ __all__ = [
     "BUCKETS_S",
     "WorkerAggregator",
     "load_nixl",
+    "make_transfer_params",
     "nixl_available",
     "after_callback",
     "publish_in_jit",

@@ -6,10 +6,15 @@ one process) or one (a process per rank). Both roles live in the same object:
 * **Producer** (prefill): `register_cache`, then `publish_request(request_id, block_ids)`
   pins the blocks under a lease; `poll()` reports in `PollResult.freeable` the requests whose
   blocks may be freed: every consumer rank notified (`Done`, unique per request, producer
-  rank and consumer rank), the lease expired (consumers extend it with heartbeats), or
-  `abort_request`.
-* **Consumer** (decode): `start_read(request_id, params, local_block_ids)` plans and posts
-  the READs and returns at once; `poll()` reports `finished` and `failed` requests. A read is
+  rank and consumer rank; with ``expected_reads=N``, by N distinct consumer reads), the lease
+  expired (consumers extend it with heartbeats), or `abort_request`. A consumer's
+  confirmation that arrives before the request was published (a serving framework's
+  scheduler hands the params out before its worker pins the blocks) is held up to
+  ``early_read_grace_s``: confirmed if the request is published meanwhile, refused after.
+* **Consumer** (decode): `start_read(params, local_block_ids, read_id=...)` plans and posts
+  the READs and returns at once; `poll()` reports `finished` and `failed` reads by their read
+  id (default: the producer's request id; e.g. the consumer's own request id, so that several
+  consumer requests may read one producer request at once). A read is
   successful only after every producer rank acknowledged (`Ack`) that the blocks were still
   pinned when the consumer's `Done` (sent after the READs completed) arrived, so data read
   after a lease expired is never reported as good. A failed request lists its local block ids
@@ -82,7 +87,13 @@ from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_m
 from jaxkv.transfer._staging import HostMirror
 from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats
 
-__all__ = ["FailedRead", "KVTransferEngine", "PollResult", "TransferParams"]
+__all__ = [
+    "FailedRead",
+    "KVTransferEngine",
+    "PollResult",
+    "TransferParams",
+    "make_transfer_params",
+]
 
 _log = logging.getLogger(__name__)
 _generation_counter = itertools.count()
@@ -114,8 +125,109 @@ class TransferParams(msgspec.Struct, frozen=True):
     layerwise: bool = False
 
 
+def make_transfer_params(
+    engine_id: str,
+    addresses: tuple[str, int] | Sequence[tuple[str, int]],
+    request_id: str,
+    block_ids: Sequence[int],
+    lease_s: float = 30.0,
+    *,
+    num_tokens: int | None = None,
+    block_size: int | None = None,
+    generation: int = -1,
+    layerwise: bool = False,
+) -> TransferParams:
+    """Builds a request's `TransferParams` where no `KVTransferEngine` runs (a serving
+    framework's scheduler process): what the producer's workers pin with
+    `KVTransferEngine.publish_request` and the consumer reads with `start_read`.
+
+    The consumer fetches the producer's metadata from `addresses` (every producer process's
+    side channel, i.e. each worker's `KVTransferEngine.address`); ``generation=-1`` accepts
+    whatever the producer's processes publish when the read starts. When the workers may pin
+    the blocks after the consumer already read them, keep the producer's
+    ``early_read_grace_s`` above that delay.
+
+    Args:
+      engine_id: the producer engine's id (shared by all of its processes).
+      addresses: one ``(host, port)`` or a list of them, in process order; ports > 0.
+      request_id: the producer's request id (the one its workers publish).
+      block_ids: the request's blocks on the producer, in token order.
+      lease_s: the lease the producer's workers pin the blocks with (`publish_request`).
+      num_tokens, block_size: when both are given, `block_ids` is cut to the blocks that hold
+        `num_tokens` tokens of `block_size` (a scheduler's block list may be longer).
+      generation: the producer's generation, or -1 (any).
+      layerwise: the workers publish the request layer by layer.
+
+    Returns:
+      The params, as `publish_request` would return them (the addresses as given).
+
+    Raises:
+      ValueError: an empty id, no address or a malformed one, a negative block id, too few
+        blocks for `num_tokens`, a non-positive lease or block size.
+
+    Example:
+      >>> p = make_transfer_params("prefill", ("10.0.0.5", 5600), "req-7", [4, 9, 2, 8],
+      ...                          lease_s=20.0, num_tokens=40, block_size=16)
+      >>> p.addresses, p.block_ids, p.lease_s, p.generation
+      ([('10.0.0.5', 5600)], [4, 9, 2], 20.0, -1)
+      >>> make_transfer_params("prefill", [], "req-7", [4])
+      Traceback (most recent call last):
+      ...
+      ValueError: addresses: at least one (host, port) is needed
+    """
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ValueError(f"engine_id must be a non-empty str, got {engine_id!r}")
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+    if isinstance(addresses, tuple) and len(addresses) == 2 and isinstance(addresses[0], str):
+        addresses = [addresses]
+    try:
+        pairs = [(host, port) for host, port in addresses]
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"addresses must be (host, port) pairs, got {addresses!r}"
+        ) from error
+    if not pairs:
+        raise ValueError("addresses: at least one (host, port) is needed")
+    checked = []
+    for host, port in pairs:
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"addresses: bad host {host!r}")
+        if isinstance(port, bool) or not isinstance(port, (int, np.integer)):
+            raise ValueError(f"addresses: port {port!r} of {host!r} is not an int")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"addresses: port {port} of {host!r} is outside [1, 65535]")
+        checked.append((host, int(port)))
+    ids = []
+    for block in block_ids:
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 0:
+            raise ValueError(f"block_ids must be ints >= 0, got {block!r}")
+        ids.append(int(block))
+    if (num_tokens is None) != (block_size is None):
+        raise ValueError("num_tokens and block_size go together")
+    if num_tokens is not None and block_size is not None:
+        if int(block_size) < 1 or int(num_tokens) < 0:
+            raise ValueError(f"bad num_tokens {num_tokens} / block_size {block_size}")
+        needed = -(-int(num_tokens) // int(block_size))
+        if needed > len(ids):
+            raise ValueError(
+                f"{num_tokens} tokens need {needed} blocks of {block_size}, got {len(ids)}"
+            )
+        ids = ids[:needed]
+    if not float(lease_s) > 0:
+        raise ValueError(f"lease_s must be > 0, got {lease_s}")
+    if int(generation) < -1:
+        raise ValueError(f"generation must be >= -1, got {generation}")
+    return TransferParams(
+        engine_id, checked, request_id, ids, float(lease_s), int(generation), bool(layerwise)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class FailedRead:
+    """A read that failed: its read id (`start_read`'s ``read_id``, by default the producer's
+    request id), why, and the local blocks it left invalid."""
+
     request_id: str
     reason: str
     invalid_block_ids: tuple[int, ...]
@@ -123,7 +235,8 @@ class FailedRead:
 
 @dataclasses.dataclass
 class PollResult:
-    """What `KVTransferEngine.poll` reports (each request once)."""
+    """What `KVTransferEngine.poll` reports (each request once): consumer reads by their read
+    id (`start_read`), producer requests (`freeable`) by their request id."""
 
     finished: list[str] = dataclasses.field(default_factory=list)
     failed: list[FailedRead] = dataclasses.field(default_factory=list)
@@ -168,9 +281,11 @@ class _Peer:
 class _Pinned:
     block_ids: tuple[int, ...]
     deadline: float
-    notified: dict[int, set[tuple[str, int]]]  # producer rank -> {(consumer engine, rank)}
-    expected: dict[int, int]
+    # producer rank -> {(consumer engine, read id): {consumer ranks that notified}}
+    notified: dict[int, dict[tuple[str, str], set[int]]]
+    expected: dict[tuple[str, str], int]  # (consumer engine, read id) -> its world size
     lease_s: float
+    expected_reads: int = 1  # consumer reads to confirm before the blocks are freeable
     layer_stop: int = 0  # global layers [0, layer_stop) are written and readable
     subscribers: set[str] = dataclasses.field(default_factory=set)  # consumer NIXL agents
     published_at: list[tuple[int, float]] = dataclasses.field(default_factory=list)
@@ -208,6 +323,8 @@ class _Reading:
     # remote rank -> generation of its process when the READs were planned (sent in Done)
     generations: dict[int, int] = dataclasses.field(default_factory=dict)
     stale: bool = False  # a producer answered that the planned regions are no longer current
+    unpublished: bool = False  # a producer answered that it never published the request
+    read_id: str = ""  # the consumer's key of this read (default: the producer's request id)
 
 
 class KVTransferEngine:
@@ -230,6 +347,14 @@ class KVTransferEngine:
         this often whenever it is not in use (no JAX; what it finds is reported by the next
         `poll`): peers' READs, notifications, completions and acknowledgements move while the
         caller computes between polls. None: only `poll` and the in-jit callbacks do.
+      early_read_grace_s: producer: how long a consumer's confirmation (`Done`) of a request
+        this process has not published yet is held before it is refused. A serving
+        framework's scheduler may hand the params to the consumer before its worker pinned
+        the blocks (already written by the step that computed them); a read landing in
+        between is confirmed once `publish_request` pins the request within this window,
+        and refused after it (the consumer reports the request failed). 0: refuse at once.
+        Not for host staging (the mirror holds the bytes only once published: such early
+        reads are always refused) nor layer-wise requests (their reads wait for `Ready`).
     """
 
     def __init__(
@@ -246,7 +371,11 @@ class KVTransferEngine:
         host_staging: bool | None = None,
         block_hashing: str | None = None,
         progress_interval_s: float | None = 0.001,
+        early_read_grace_s: float = 5.0,
     ):
+        if not early_read_grace_s >= 0:
+            raise ValueError(f"early_read_grace_s must be >= 0, got {early_read_grace_s}")
+        self.early_read_grace_s = float(early_read_grace_s)
         self.engine_id = engine_id
         self.config = config
         self.block_hashing = block_hashing
@@ -268,12 +397,15 @@ class KVTransferEngine:
         self._hello_sent: set[str] = set()
         self._consumers: dict[str, str] = {}  # consumer agent name (published) -> NIXL name
         self._pinned: dict[str, _Pinned] = {}
-        self._reading: dict[str, _Reading] = {}
+        self._reading: dict[str, _Reading] = {}  # by read id (the consumer's request id)
+        self._by_attempt: dict[int, _Reading] = {}
         self._closed = False
         self.host_staging = host_staging
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._early_wants: dict[str, tuple[set[str], float]] = {}
+        # Done messages of requests not published yet: request -> [(message, expiry)]
+        self._early_dones: dict[str, list[tuple[Done, float]]] = {}
         self._stashed = PollResult()  # found by polls inside host callbacks
         # publications from host callbacks that need JAX (host staging): (request, stop,
         # the cache versions at the callback); staged from a later version (the step's output)
@@ -548,6 +680,7 @@ class KVTransferEngine:
         lease_s: float | None = None,
         *,
         layerwise: bool = False,
+        expected_reads: int = 1,
     ) -> TransferParams:
         """Pins a request's blocks until every consumer rank notified or the lease expired.
 
@@ -558,6 +691,9 @@ class KVTransferEngine:
           layerwise: the blocks are not written yet: consumers read each layer once
             `publish_layers` announced it (the request's params say so). Otherwise the blocks
             are readable now (host staging copies them to the mirror before returning).
+          expected_reads: how many consumer reads (distinct read ids, `start_read`'s
+            ``read_id``) must finish before the blocks are freeable; the lease bounds the
+            wait for those that never come.
 
         Returns:
           The `TransferParams` to hand to the consumer.
@@ -567,9 +703,16 @@ class KVTransferEngine:
         """
         lease = self.lease_s if lease_s is None else lease_s
         ids = tuple(int(b) for b in block_ids)
+        if int(expected_reads) < 1:
+            raise ValueError(f"expected_reads must be >= 1, got {expected_reads}")
         with self._lock:
             pinned = _Pinned(
-                ids, time.monotonic() + lease, {r: set() for r in self._ranks}, {}, lease
+                ids,
+                time.monotonic() + lease,
+                {r: {} for r in self._ranks},
+                {},
+                lease,
+                int(expected_reads),
             )
             self._pinned[request_id] = pinned
             self._released.pop(request_id, None)
@@ -578,6 +721,10 @@ class KVTransferEngine:
                 pinned.subscribers |= early[0]
             if not layerwise:
                 self._publish_layers(request_id, pinned, self.config.spec.num_layers)
+            for message, _ in self._early_dones.pop(request_id, []):
+                # Held reads: the blocks held the request's bytes already (direct mode);
+                # confirmed (or refused) now that the request is pinned.
+                self._on_done(message)
         return TransferParams(
             self.engine_id,
             [_address(self.address)],
@@ -674,8 +821,8 @@ class KVTransferEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Producer: releases a request's blocks now (reported by the next `poll` as freeable);
-        consumers still reading get their confirmation refused. Consumer: stops reading and
-        reports the request failed."""
+        consumers still reading get their confirmation refused. Consumer: stops the read of
+        that read id (`start_read`'s ``read_id``) and reports it failed."""
         with self._lock:
             if request_id in self._pinned:
                 self._pinned[request_id].deadline = -1.0
@@ -694,25 +841,50 @@ class KVTransferEngine:
     # -- consumer -------------------------------------------------------------------------
 
     def start_read(
-        self, params: TransferParams, local_block_ids: Sequence[int], timeout_s: float | None = None
+        self,
+        params: TransferParams,
+        local_block_ids: Sequence[int],
+        timeout_s: float | None = None,
+        *,
+        read_id: str | None = None,
     ) -> None:
         """Plans and posts the reads of a request for every local rank; returns at once.
 
         A layer-wise request (``params.layerwise``) subscribes to the producer's
         announcements; each layer's reads are posted when its producer rank announced it.
 
+        Args:
+          params: the producer's `TransferParams`.
+          local_block_ids: the local blocks to fill, in token order.
+          timeout_s: deadline of the reads plus confirmations (default `read_timeout_s`).
+          read_id: this read's key, e.g. the consumer's own request id (default: the
+            producer's request id): `poll` reports it, `abort_request` and `handle` take it.
+            Several consumer requests may read one producer request at once under distinct
+            read ids (every process of the consumer engine must use the same one); the
+            producer frees it after ``expected_reads`` of them (`publish_request`).
+
         Failures (handshake, planning, posting) are reported by `poll` as failed requests;
-        a request already in flight raises ValueError.
+        a read id already in flight raises ValueError.
+
+        Example:
+          >>> engine.start_read(params, [7, 8], read_id="decode-req-3")  # doctest: +SKIP
         """
         with self._lock:
-            self._start_read(params, local_block_ids, timeout_s)
+            self._start_read(params, local_block_ids, timeout_s, read_id)
 
     def _start_read(
-        self, params: TransferParams, local_block_ids: Sequence[int], timeout_s: float | None
+        self,
+        params: TransferParams,
+        local_block_ids: Sequence[int],
+        timeout_s: float | None,
+        read_id: str | None = None,
     ) -> None:
         request_id = params.request_id
-        if request_id in self._reading:
-            raise ValueError(f"request {request_id!r} is already being read")
+        key = request_id if read_id is None else read_id
+        if not isinstance(key, str) or not 0 < len(key) <= 512:
+            raise ValueError(f"read_id must be a str of 1 to 512 characters, got {read_id!r}")
+        if key in self._reading:
+            raise ValueError(f"read {key!r} is already in flight")
         now = time.monotonic()
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
         state = _Reading(
@@ -728,8 +900,10 @@ class KVTransferEngine:
         state.layerwise = bool(getattr(params, "layerwise", False))
         state.started_wall = time.time()
         state.attempt = next(_attempt_counter)
-        self._reading[request_id] = state
-        self._outcomes.pop(request_id, None)
+        state.read_id = key
+        self._reading[key] = state
+        self._by_attempt[state.attempt] = state
+        self._outcomes.pop(key, None)
         local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
         state.local_block_ids = tuple(int(b) for b in local_ids)
         try:
@@ -845,7 +1019,7 @@ class KVTransferEngine:
                 state.layer_arrival[layer] = time.time()
                 changed = True
         if changed:
-            result.layers[state.request_id] = len(state.layer_arrival)
+            result.layers[state.read_id] = len(state.layer_arrival)
         return len(state.layer_arrival) == len(state.layers_total)
 
     def _source_ranks_of(self, state: _Reading, layer: int) -> list[int]:
@@ -907,9 +1081,23 @@ class KVTransferEngine:
         for request_id, (_, expiry) in list(self._early_wants.items()):
             if now > expiry:
                 del self._early_wants[request_id]
+        for request_id, held in list(self._early_dones.items()):
+            keep = [(m, expiry) for m, expiry in held if now <= expiry]
+            for message, expiry in held:
+                if now > expiry:
+                    self._on_done(message, hold=False)  # refused: never published in time
+            if keep:
+                self._early_dones[request_id] = keep
+            else:
+                del self._early_dones[request_id]
         for request_id, pinned in list(self._pinned.items()):
             complete = all(
-                len(pinned.notified[r]) >= pinned.expected.get(r, 1 << 30) for r in pinned.notified
+                sum(
+                    len(ranks) >= pinned.expected[read]
+                    for read, ranks in pinned.notified[r].items()
+                )
+                >= pinned.expected_reads
+                for r in pinned.notified
             )
             if complete or now > pinned.deadline:
                 if not complete and pinned.deadline >= 0:
@@ -948,19 +1136,21 @@ class KVTransferEngine:
                     self._on_done(message)
                 elif isinstance(message, Ack):
                     # May come before this process saw its READs complete (Done attached).
-                    reading = self._reading.get(message.request_id)
-                    if reading is not None and message.attempt == reading.attempt:
+                    reading = self._by_attempt.get(message.attempt)
+                    if reading is not None and message.request_id == reading.request_id:
                         reading.acks[(message.producer_rank, message.consumer_rank)] = (
                             message.pinned
                         )
                         if message.stale:
                             reading.stale = True
                             self._suspect(reading.peer)
+                        reading.unpublished |= message.unpublished
                 elif isinstance(message, Want):
                     self._on_want(message, now)
                 elif isinstance(message, Ready):
-                    reading = self._reading.get(message.request_id)
-                    if reading is not None:
+                    for reading in self._reading.values():
+                        if reading.request_id != message.request_id:
+                            continue
                         for rank in message.ranks:
                             reading.ready[rank] = max(reading.ready.get(rank, 0),
                                                       message.layer_stop)
@@ -983,9 +1173,13 @@ class KVTransferEngine:
             if not self.agent.send(target, encode_message(ready)):
                 self.stats.failed_notifications += 1
 
-    def _on_done(self, message: Done) -> None:
+    def _on_done(self, message: Done, hold: bool = True) -> None:
         pinned = self._pinned.get(message.request_id)
         stale = message.generation != self.generation
+        if hold and self._holds_early(message, pinned, stale):
+            held = self._early_dones.setdefault(message.request_id, [])
+            held.append((message, time.monotonic() + self.early_read_grace_s))
+            return
         live = (
             not stale
             and pinned is not None
@@ -995,8 +1189,11 @@ class KVTransferEngine:
         )
         if live:
             assert pinned is not None  # implied by `live`
-            pinned.notified[message.producer_rank].add((message.engine_id, message.consumer_rank))
-            pinned.expected[message.producer_rank] = message.expected
+            read = (message.engine_id, message.read_id or message.request_id)
+            pinned.notified[message.producer_rank].setdefault(read, set()).add(
+                message.consumer_rank
+            )
+            pinned.expected[read] = message.expected
         target = self._consumers.get(message.agent_name)
         ack = encode_message(
             Ack(
@@ -1006,10 +1203,29 @@ class KVTransferEngine:
                 live,
                 message.attempt,
                 stale,
+                pinned is None and message.request_id not in self._released,
             )
         )
         if target is None or not self.agent.send(target, ack):
             self.stats.failed_notifications += 1
+
+    def _holds_early(self, message: Done, pinned: _Pinned | None, stale: bool) -> bool:
+        """Whether a Done is for a request this process has not published yet and may still
+        publish: a successful read of a rank of this process, in direct mode, within the
+        grace window's bounds (the number of held requests is bounded too)."""
+        return (
+            pinned is None
+            and message.ok
+            and not stale
+            and self.early_read_grace_s > 0
+            and message.request_id not in self._released
+            and message.producer_rank in self._ranks
+            and all(entry.mirror is None for entry in self._caches)
+            and (
+                message.request_id in self._early_dones
+                or len(self._early_dones) < _MAX_OUTCOMES
+            )
+        )
 
     def _progress_read(self, state: _Reading, now: float, result: PollResult) -> None:
         if state.error is None and now > state.deadline:
@@ -1048,6 +1264,8 @@ class KVTransferEngine:
                 "the producer re-registered its cache after this read was planned (stale "
                 "metadata: the next read fetches it again)"
                 if state.stale
+                else "the producer did not publish the request (within its early_read_grace_s)"
+                if state.unpublished
                 else "the producer released the blocks before the read was confirmed"
             )
         if state.error is not None:
@@ -1141,6 +1359,7 @@ class KVTransferEngine:
                 ok,
                 state.attempt,
                 state.generations.get(remote_rank, -1),
+                "" if state.read_id == state.request_id else state.read_id,
             )
         )
 
@@ -1175,11 +1394,12 @@ class KVTransferEngine:
 
     def _finish(self, state: _Reading, result: PollResult) -> None:
         self._release_handles(state)
-        del self._reading[state.request_id]
+        del self._reading[state.read_id]
+        self._by_attempt.pop(state.attempt, None)
         plans = state.plans
         self.stats.add(
             TransferRecord(
-                request_id=state.request_id,
+                request_id=state.read_id,
                 bytes=sum(p.num_bytes for p in plans),
                 descriptors=sum(p.num_descriptors for p in plans),
                 expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
@@ -1193,11 +1413,11 @@ class KVTransferEngine:
                 started_at=state.started_wall,
             )
         )
-        self._remember(state.request_id, True)
-        result.finished.append(state.request_id)
+        self._remember(state.read_id, True)
+        result.finished.append(state.read_id)
         posts = [step for p in plans for step in p.post]
         if posts:
-            result.post_applied[state.request_id] = posts
+            result.post_applied[state.read_id] = posts
 
     def _fail(self, state: _Reading, result: PollResult) -> None:
         # Release (cancel) the READs first: releasing a handle may cancel messages queued
@@ -1205,11 +1425,12 @@ class KVTransferEngine:
         self._release_handles(state)
         if state.done_at is None:
             self._send_done(state, ok=False)  # lets the producer free early
-        del self._reading[state.request_id]
+        del self._reading[state.read_id]
+        self._by_attempt.pop(state.attempt, None)
         self.stats.failed_transfers += 1
         invalid = sorted({int(b) for b in state.local_block_ids})
-        self._remember(state.request_id, False)
-        result.failed.append(FailedRead(state.request_id, state.error or "failed", tuple(invalid)))
+        self._remember(state.read_id, False)
+        result.failed.append(FailedRead(state.read_id, state.error or "failed", tuple(invalid)))
 
     def _remember(self, request_id: str, ok: bool) -> None:
         self._outcomes[request_id] = ok
@@ -1303,7 +1524,7 @@ class KVTransferEngine:
         acknowledgements so move while the caller computes between polls."""
         interval = float(self._progress_interval_s or 0.001)
         while not self._closed:
-            if not (self._pinned or self._reading):
+            if not (self._pinned or self._reading or self._early_dones):
                 time.sleep(max(interval, 0.01))
                 continue
             if self._lock.acquire(blocking=False):
@@ -1329,7 +1550,9 @@ class KVTransferEngine:
             for state in self._reading.values():
                 self._release_handles(state)
             self._reading.clear()
+            self._by_attempt.clear()
             self._pinned.clear()
+            self._early_dones.clear()
             self.server.close()
             self.agent.close()
             self._caches.clear()

@@ -192,8 +192,11 @@ class GroupedTransferEngine:
         self._engine(group).register_cache(cache, pp_rank=pp_rank, tp_rank=tp_rank)
 
     def publish_request(self, request_id: str, block_ids: Mapping[str, Sequence[int]],
-                        lease_s: float | None = None) -> GroupedParams:
-        """Pins the request's blocks in every group (ids per group).
+                        lease_s: float | None = None, *,
+                        expected_reads: int = 1) -> GroupedParams:
+        """Pins the request's blocks in every group (ids per group); freeable once
+        `expected_reads` consumer reads (read ids) finished in every group, or the lease
+        expired (`KVTransferEngine.publish_request`).
 
         Raises:
           ValueError: the groups given are not exactly the engine's groups.
@@ -201,29 +204,35 @@ class GroupedTransferEngine:
         if set(block_ids) != set(self.engines):
             raise ValueError(f"block ids for groups {sorted(block_ids)}, the engine has "
                              f"{sorted(self.engines)}")
-        params = {g: self.engines[g].publish_request(request_id, ids, lease_s)
+        params = {g: self.engines[g].publish_request(request_id, ids, lease_s,
+                                                     expected_reads=expected_reads)
                   for g, ids in block_ids.items()}
         self._pinned[request_id] = set(params)
         return GroupedParams(request_id, params)
 
     def start_read(self, params: GroupedParams, local_block_ids: Mapping[str, Sequence[int]],
-                   timeout_s: float | None = None) -> None:
+                   timeout_s: float | None = None, *, read_id: str | None = None) -> None:
         """Starts the reads of every group (local ids per group); returns at once.
 
+        `read_id` keys the read (default: the producer's request id), as in
+        `KVTransferEngine.start_read`; `poll` reports it.
+
         Raises:
-          ValueError: groups that do not match, or the request is already being read.
+          ValueError: groups that do not match, or the read id is already in flight.
         """
         if set(params.groups) != set(self.engines) or set(local_block_ids) != set(self.engines):
             raise ValueError(f"groups {sorted(params.groups)} / {sorted(local_block_ids)} do "
                              f"not match the engine's {sorted(self.engines)}")
-        if params.request_id in self._reading:
-            raise ValueError(f"request {params.request_id!r} is already being read")
-        self._reading[params.request_id] = {g: None for g in self.engines}
-        self._local[params.request_id] = {
+        key = params.request_id if read_id is None else read_id
+        if key in self._reading:
+            raise ValueError(f"read {key!r} is already in flight")
+        self._reading[key] = {g: None for g in self.engines}
+        self._local[key] = {
             g: tuple(sorted(int(b) for b in ids)) for g, ids in local_block_ids.items()
         }
         for group, engine in self.engines.items():
-            engine.start_read(params.groups[group], local_block_ids[group], timeout_s)
+            engine.start_read(params.groups[group], local_block_ids[group], timeout_s,
+                              read_id=key)
 
     def poll(self) -> GroupedPollResult:
         """Polls every group; a request is finished when all its groups are."""

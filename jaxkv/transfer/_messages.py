@@ -59,6 +59,9 @@ class Done(msgspec.Struct, tag="done", frozen=True, forbid_unknown_fields=True):
     # The producer process generation the consumer planned its READs against (-1: none); the
     # producer refuses to confirm a read planned against regions it no longer registers.
     generation: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    # The consumer's own key of the read (its request id; "" = the producer's request id): a
+    # producer request read by several consumer requests is freed once each of them finished.
+    read_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
@@ -73,6 +76,8 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     # The consumer read regions of an older generation (the producer re-registered since):
     # its cached metadata is stale and must be fetched again.
     stale: bool = False
+    # The producer never pinned the request (not published within its early-read grace window).
+    unpublished: bool = False
 
 
 class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):

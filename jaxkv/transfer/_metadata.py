@@ -36,7 +36,7 @@ __all__ = [
     "engine_metadata",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Done names the consumer's read (read_id)
 """Version of the wire format; a peer speaking another version is refused."""
 
 MAX_METADATA_BYTES = 8 << 20

@@ -75,3 +75,30 @@ def test_vllm_module_without_vllm_names_what_is_missing():
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "jaxkv.integrations.vllm needs vLLM 0.33" in out.stderr
+
+
+def test_early_read_grace_setting():
+    s = ConnectorSettings.from_dict({"engine_id": "p"})
+    assert s.early_read_grace_s == 5.0
+    s = ConnectorSettings.from_dict({"engine_id": "p", "early_read_grace_s": 0.5})
+    assert s.early_read_grace_s == 0.5
+    with pytest.raises(ValueError, match="early_read_grace_s"):
+        ConnectorSettings.from_dict({"engine_id": "p", "early_read_grace_s": -1})
+
+
+def test_scheduler_params_round_trip_through_the_router_dict():
+    from jaxkv.transfer import make_transfer_params
+
+    params = make_transfer_params(
+        "prefill", [("h", 1), ("h", 2)], "r-1", [5, 3, 9, 4], 12.5, num_tokens=20, block_size=8
+    )
+    assert params.block_ids == [5, 3, 9]
+    assert transfer_params_from_dict(transfer_params_to_dict(params, 20, 8)) == params
+
+
+def test_reads_per_request_setting():
+    assert ConnectorSettings.from_dict({"engine_id": "p"}).reads_per_request == 1
+    s = ConnectorSettings.from_dict({"engine_id": "p", "reads_per_request": 2})
+    assert s.reads_per_request == 2
+    with pytest.raises(ValueError, match="reads_per_request"):
+        ConnectorSettings.from_dict({"engine_id": "p", "reads_per_request": 0})
