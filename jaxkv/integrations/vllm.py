@@ -82,6 +82,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from jaxkv.transfer import KVTransferEngine
+
 __all__ = [
     "JaxKVConnector",
     "JaxKVConnectorMetadata",
@@ -225,7 +227,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._loading: set[str] = set()  # consumer requests whose read is in flight
         self._meta = JaxKVConnectorMetadata()
         # worker side
-        self.engine = None
+        self.engine: KVTransferEngine | None = None
         self._reading: dict[str, str] = {}  # consumer request id -> producer request id
         self._releasing: set[str] = set()  # consumer request ids read only to release them
         self._awaiting_send: set[str] = set()
@@ -384,7 +386,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         config = EngineConfig(spec, s.tp_size, s.pp_size)
         if self.engine is not None:
             self.engine.close()
-        self.engine = KVTransferEngine(
+        engine = self.engine = KVTransferEngine(
             s.engine_id,
             config,
             host=host,
@@ -394,7 +396,7 @@ class JaxKVConnector(KVConnectorBase_V1):
             handshake_timeout_s=s.handshake_timeout_s,
             early_read_grace_s=s.early_read_grace_s,
         )
-        self.engine.register_cache(cache, tp_rank=s.tp_rank)
+        engine.register_cache(cache, tp_rank=s.tp_rank)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -437,7 +439,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         try:
             params = transfer_params_from_dict(recv.params)
             if recv.release_only:  # an empty read: the producer is only notified
-                remote_ids, local_ids = params.block_ids, []
+                remote_ids, local_ids = params.block_ids, list[int]()
             else:
                 remote_ids, local_ids = read_plan_ids(
                     params.block_ids,
