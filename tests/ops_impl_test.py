@@ -235,7 +235,13 @@ class PallasRaceTest(absltest.TestCase):
         self.params = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
 
     def _races(self, fn, *args):
-        result = jax.block_until_ready(jax.jit(fn)(*args))
+        try:
+            result = jax.block_until_ready(jax.jit(fn)(*args))
+        except jax.errors.JaxRuntimeError as error:
+            # Newer jax raises from the detector at once instead of only recording the race.
+            if "RACE DETECTED" not in str(error):
+                raise
+            return None, True
         races = self.state.races
         found = bool(races is not None and races.races_found)
         if races is not None:
