@@ -539,9 +539,38 @@ def jit_producer_main(
     freed, stats summary, staging seconds per publication). `engine_kwargs` go to the
     `KVTransferEngine` (e.g. ``host_staging=True``: the callback defers the copy to the host
     mirror until the step's output was handed to `update_cache`)."""
-    child_env(tp)
     import time
 
+    def handle(engine, prefill, command, freed):
+        if command[0] not in ("prefill", "prefill_polling"):
+            return False
+        _, handle_id, ids, seed = command
+        cache, status = prefill(engine.caches[0], ids, np.int32(handle_id), seed)
+        if command[0] == "prefill_polling":
+            # serves transfers while the step computes (as the demo does), and once more
+            # after it, before its output is handed over
+            while not all(a.is_ready() for a in cache.arrays):
+                freed.extend(engine.poll().freeable)
+                time.sleep(0.001)
+            freed.extend(engine.poll().freeable)
+        engine.update_cache(cache)
+        conn.send(int(status))
+        return True
+
+    def state(engine, freed):
+        staged = [p.staged_s for p in engine.stats.publications]
+        return (engine.num_pinned, list(freed), engine.stats.summary(), staged)
+
+    _jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs,
+                          lambda engine: make_prefill_step(engine, iters), handle, state)
+
+
+def _jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs, make_step,
+                          handle, state) -> None:
+    """The process loop the jitted producers share: one engine and cache, then commands
+    ("pin", request_id, block_ids) -> (params, handle), ("state",) -> ``state(engine, freed)``,
+    ("exit",); anything else goes to ``handle(engine, step, command, freed)`` (True: done)."""
+    child_env(tp)
     import jax
 
     from jaxkv import PagedKVCache
@@ -554,7 +583,7 @@ def jit_producer_main(
     with KVTransferEngine("prefill", config, **(engine_kwargs or {})) as engine:
         cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
         engine.register_cache(cache)
-        prefill = make_prefill_step(engine, iters)
+        step = make_step(engine)
         conn.send(("ready", engine.address))
         while True:
             if conn.poll(0.0005):
@@ -564,21 +593,10 @@ def jit_producer_main(
                 if command[0] == "pin":
                     params = engine.publish_request(command[1], command[2], layerwise=True)
                     conn.send((params, engine.handle(command[1])))
-                elif command[0] in ("prefill", "prefill_polling"):
-                    _, handle, ids, seed = command
-                    cache, status = prefill(engine.caches[0], ids, np.int32(handle), seed)
-                    if command[0] == "prefill_polling":
-                        # serves transfers while the step computes (as the demo does), and
-                        # once more after it, before its output is handed over
-                        while not all(a.is_ready() for a in cache.arrays):
-                            freed.extend(engine.poll().freeable)
-                            time.sleep(0.001)
-                        freed.extend(engine.poll().freeable)
-                    engine.update_cache(cache)
-                    conn.send(int(status))
                 elif command[0] == "state":
-                    staged = [p.staged_s for p in engine.stats.publications]
-                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(), staged))
+                    conn.send(state(engine, freed))
+                elif not handle(engine, step, command, freed):
+                    raise ValueError(f"unknown command {command[0]!r}")
             freed.extend(engine.poll().freeable)
 
 
@@ -708,53 +726,35 @@ def layered_producer_main(
     (statuses, wall time at dispatch, wall time once the step finished); ("publications",)
     -> the PublishRecords; ("state",) -> (pinned, freed); ("late", handle, ids, stop) -> the
     publishing callback run now: (its status, the ERROR messages it logged)."""
-    child_env(tp)
     import time
 
-    import jax
+    def handle(engine, prefill, command, freed):
+        if command[0] == "prefill":
+            _, handle_id, ids, seed = command
+            args = (engine.caches[0], ids, np.int32(handle_id), np.uint32(seed))
+            step = prefill.lower(*args).compile()  # not timed
+            start = time.time()
+            cache, statuses = step(*args)
+            engine.update_cache(cache)
+            conn.send((np.asarray(statuses).tolist(), start, time.time()))
+        elif command[0] == "publications":
+            conn.send(list(engine.stats.publications))
+        elif command[0] == "late":  # a callback that runs after the request was freed
+            _, handle_id, ids, stop = command
+            errors = _ErrorRecords()
+            logging.getLogger("jaxkv.transfer").addHandler(errors)
+            try:
+                status = engine._callback_publish(handle_id, np.asarray(ids), stop)
+            finally:
+                logging.getLogger("jaxkv.transfer").removeHandler(errors)
+            conn.send((status, errors.messages))
+        else:
+            return False
+        return True
 
-    from jaxkv import PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
-
-    spec = KVCacheSpec(**spec_kwargs)
-    config = EngineConfig(spec, tp)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
-    freed: list[str] = []
-    with KVTransferEngine("prefill", config, **(engine_kwargs or {})) as engine:
-        cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
-        engine.register_cache(cache)
-        prefill = make_layered_prefill_step(engine, iters)
-        conn.send(("ready", engine.address))
-        while True:
-            if conn.poll(0.0005):
-                command = conn.recv()
-                if command[0] == "exit":
-                    break
-                if command[0] == "pin":
-                    params = engine.publish_request(command[1], command[2], layerwise=True)
-                    conn.send((params, engine.handle(command[1])))
-                elif command[0] == "prefill":
-                    _, handle, ids, seed = command
-                    args = (engine.caches[0], ids, np.int32(handle), np.uint32(seed))
-                    step = prefill.lower(*args).compile()  # not timed
-                    start = time.time()
-                    cache, statuses = step(*args)
-                    engine.update_cache(cache)
-                    conn.send((np.asarray(statuses).tolist(), start, time.time()))
-                elif command[0] == "publications":
-                    conn.send(list(engine.stats.publications))
-                elif command[0] == "state":
-                    conn.send((engine.num_pinned, list(freed)))
-                elif command[0] == "late":  # a callback that runs after the request was freed
-                    _, handle, ids, stop = command
-                    errors = _ErrorRecords()
-                    logging.getLogger("jaxkv.transfer").addHandler(errors)
-                    try:
-                        status = engine._callback_publish(handle, np.asarray(ids), stop)
-                    finally:
-                        logging.getLogger("jaxkv.transfer").removeHandler(errors)
-                    conn.send((status, errors.messages))
-            freed.extend(engine.poll().freeable)
+    _jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs,
+                          lambda engine: make_layered_prefill_step(engine, iters), handle,
+                          lambda engine, freed: (engine.num_pinned, list(freed)))
 
 
 class _ErrorRecords(logging.Handler):
