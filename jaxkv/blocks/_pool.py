@@ -216,13 +216,9 @@ class BlockPool:
         return block_id
 
     def _id_array(self, block_ids: Any) -> np.ndarray:
-        array = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
-        if array.ndim != 1:
-            raise InvalidBlockIdError(f"block ids must be one-dimensional, got shape {array.shape}")
+        array = FreeBlockQueue._as_ids(block_ids)
         if array.size == 0:
-            return array.astype(np.int64)
-        if array.dtype.kind not in "iu":
-            raise InvalidBlockIdError(f"block ids must be integers, got dtype {array.dtype}")
+            return array
         low, high = array.min(), array.max()
         if low < 0 or high >= self._num_blocks:
             bad = int(low) if low < 0 else int(high)
