@@ -266,12 +266,17 @@ def small_requests(args) -> dict:
         )
         engine.close()
     finally:
-        parent.send(("exit",))
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
+        _stop(parent, process)
     return out
+
+
+def _stop(parent, process) -> None:
+    """Asks the producer process to exit; kills it if it has not within 10 s."""
+    parent.send(("exit",))
+    process.join(timeout=10)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5)
 
 
 def _versions() -> dict:
@@ -529,11 +534,7 @@ def main(argv=None) -> dict:
         for reader in engines.values():
             reader.close()
     finally:
-        parent.send(("exit",))
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
+        _stop(parent, process)
     text = json.dumps(out, indent=2)
     print(text)
     if args.json_out:
