@@ -128,14 +128,12 @@ def _reference_split(cache, ids, *into, box_starts, shapes):
 
 
 def _reference_gather(cache, ids):
-    import jax.numpy as jnp
-
     # Out-of-range ids come out as zeros, like padding (the kernels skip them as well).
-    ids = jnp.where(ids >= cache.shape[0], -1, ids)
-    return reference.gather_blocks(cache, ids)
+    return reference.gather_blocks(cache, _in_range(ids, cache.shape[0]))
 
 
 def _in_range(ids, num_blocks):
+    """Ids at or past `num_blocks` as padding (-1): the reference skips them like the kernels."""
     import jax.numpy as jnp
 
     return jnp.where(ids >= num_blocks, -1, ids)
