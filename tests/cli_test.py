@@ -6,6 +6,7 @@ probing noise, and `python -m jaxkv` works from the repository root of a develop
 import doctest
 import importlib
 import importlib.metadata
+import importlib.util
 import io
 import json
 import os
@@ -122,6 +123,14 @@ class StartupTest(absltest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertIn("bytes match numpy reference: True", proc.stdout)
         self.assertNotIn("Unable to initialize backend", proc.stderr)
+
+    def test_demo_with_vllm_scheduler_names_the_missing_dependency(self):
+        if importlib.util.find_spec("vllm") is not None:
+            self.skipTest("vLLM is installed here (tests/integrations run this mode)")
+        proc = _run([sys.executable, "-P", "-m", "jaxkv.demo", "--serve_with=vllm-scheduler"],
+                    cwd="/")
+        self.assertEqual(proc.returncode, 2, proc.stdout + proc.stderr)
+        self.assertIn("--serve_with=vllm-scheduler needs vLLM installed", proc.stderr)
 
     def test_runs_from_the_repository_root(self):
         if not _editable_install():

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -70,6 +71,11 @@ flags.DEFINE_bool(
     "CPU machines).",
 )
 flags.DEFINE_float("timeout_s", 300.0, "Deadline of the whole serving phase.")
+flags.DEFINE_enum(
+    "serve_with", "jaxkv", ["jaxkv", "vllm-scheduler"],
+    "jaxkv: the demo's own loop over jaxkv's block manager; vllm-scheduler: vLLM's Scheduler "
+    "on both sides with jaxkv's vLLM KV connector (needs vLLM installed).",
+)
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
 flags.DEFINE_string(
     "plot_out", None,
@@ -119,6 +125,10 @@ def main(argv) -> int:
     check_compiled_modules()
     if FLAGS.prefill_tp < 1 or FLAGS.decode_tp < 1:
         raise app.UsageError("TP sizes must be >= 1")
+    if FLAGS.serve_with == "vllm-scheduler" and importlib.util.find_spec("vllm") is None:
+        print("jaxkv demo: --serve_with=vllm-scheduler needs vLLM installed (the environment "
+              "scripts/setup_integrations.sh builds has it)", file=sys.stderr)
+        return 2
     _set_devices(FLAGS.decode_tp, FLAGS.backend)
     from jaxkv.demo._engines import DemoSettings, run_disaggregated
     from jaxkv.demo._report import format_report, write_plot
@@ -148,10 +158,12 @@ def main(argv) -> int:
 
     import jax
 
+    scheduled_by = "vLLM's schedulers" if FLAGS.serve_with == "vllm-scheduler" else "jaxkv"
     print(
-        f"jaxkv demo: prefill process (TP={settings.prefill_tp}) -> decode process "
-        f"(TP={settings.decode_tp}) on {jax.devices()[0].platform}; {settings.num_requests} "
-        f"requests of {settings.prompt_len} tokens ({settings.shared_prefix_len} shared), "
+        f"jaxkv demo ({scheduled_by}): prefill process (TP={settings.prefill_tp}) -> decode "
+        f"process (TP={settings.decode_tp}) on {jax.devices()[0].platform}; "
+        f"{settings.num_requests} requests of {settings.prompt_len} tokens "
+        f"({settings.shared_prefix_len} shared), "
         f"{settings.max_new_tokens} new tokens each",
         flush=True,
     )
@@ -159,7 +171,12 @@ def main(argv) -> int:
         print(f"fault injection: the prefill process is killed after "
               f"{settings.kill_prefill_after} transfer(s)", flush=True)
     progress = _progress(settings.num_requests, FLAGS.progress)
-    report = run_disaggregated(settings, progress=progress)
+    if FLAGS.serve_with == "vllm-scheduler":
+        from jaxkv.demo._vllm_serve import run_with_vllm_scheduler
+
+        report = run_with_vllm_scheduler(settings, progress=progress)
+    else:
+        report = run_disaggregated(settings, progress=progress)
     print(format_report(report))
     t = report["timings_ms"]
     print(
