@@ -26,7 +26,8 @@ acknowledged). The bare READs are timed under the same producer load, alternatin
 pulls: after another bare READ (``bare_read``), carrying a 160-byte notification (what a Done
 riding on the READ costs), and right after such a notification went over the same endpoint
 (``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
-jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
+jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` / ``--control=tcp|nixl`` measure the
+alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
@@ -105,7 +106,7 @@ SMALL_BLOCKS = 16
 SMALL_NUM_BLOCKS = 256
 
 
-def _small_producer(conn, progress: float | None) -> None:
+def _small_producer(conn, progress: float | None, control: str = "auto") -> None:
     """("pin", request_id, block_ids) -> params; ("busy", seconds): compute that long (a
     jitted loop, GIL released) between polls; ("exit",)."""
     import jax
@@ -132,7 +133,7 @@ def _small_producer(conn, progress: float | None) -> None:
     x = jnp.arange(64, dtype=jnp.uint32)
     iters, busy = 1000, 0.0
     with KVTransferEngine("prefill", EngineConfig(spec, 1), lease_s=60.0,
-                          progress_interval_s=progress) as engine:
+                          progress_interval_s=progress, control=control) as engine:
         engine.register_cache(cache)
         conn.send(engine.address)
         while True:
@@ -167,7 +168,8 @@ def small_requests(args) -> dict:
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     progress = None if args.no_progress_thread else 0.001
-    process = ctx.Process(target=_small_producer, args=(child, progress), daemon=True)
+    process = ctx.Process(target=_small_producer, args=(child, progress, args.control),
+                          daemon=True)
     process.start()
     out: dict = {"bench": "bench_transfer --small"}
     try:
@@ -177,7 +179,7 @@ def small_requests(args) -> dict:
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         cache = PagedKVCache.allocate(spec, SMALL_NUM_BLOCKS, mesh=mesh)
         engine = KVTransferEngine("decode", EngineConfig(spec, 1), read_timeout_s=60.0,
-                                  progress_interval_s=progress)
+                                  progress_interval_s=progress, control=args.control)
         engine.register_cache(cache)
         engine._attach_done = not args.done_apart  # noqa: SLF001 - the alternative, measured
         peer = engine.add_peer("prefill", [address])
@@ -252,7 +254,8 @@ def small_requests(args) -> dict:
                      **_versions()},
             request={"bytes": 192 << 10, "descriptors": len(loc), "blocks": SMALL_BLOCKS},
             repeats=args.repeats,
-            options={"progress_thread": progress is not None, "attach_done": not args.done_apart},
+            options={"progress_thread": progress is not None, "attach_done": not args.done_apart,
+                     "control": engine.control.name},
             results=results,
             checks={
                 "idle_landed_le_1.3x_bare": {"ratio": idle["landed_vs_bare"],
@@ -319,6 +322,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--done_apart", action="store_true",
                         help="the consumer's Done sent on its own after the READs completed "
                              "(instead of riding on the READ)")
+    parser.add_argument("--control", default="auto", choices=("auto", "nixl", "tcp"),
+                        help="the consumer's control channel (KVTransferEngine control=)")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
     if args.small:
