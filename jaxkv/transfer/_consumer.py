@@ -136,9 +136,8 @@ class Consumer:
         self.by_attempt: dict[int, Reading] = {}
         self.outcomes: dict[str, bool] = {}  # recent read outcomes (for in-jit waits)
         # The consumer's Done rides on its fetch as the notification (True, where the
-        # transport can), or is sent on its own once the fetches completed (False).
-        # Measured (benchmarks/RESULTS.md, small requests): landed equal, confirmed ~1.5x
-        # faster riding on the READ.
+        # transport can), or is sent on its own once the fetches completed (False); the
+        # engine picks per control channel (benchmarks/RESULTS.md, small requests).
         self.attach_done = True
 
     def send(self, target: str, payload: bytes) -> bool:

@@ -36,14 +36,15 @@ _MAX_QUEUED = 64 << 20  # bytes queued for one slow connection before it is drop
 
 
 class _Conn:
-    __slots__ = ("alive", "inbuf", "key", "lock", "outbuf", "sock")
+    __slots__ = ("alive", "inbuf", "key", "lock", "outbuf", "rlock", "sock")
 
     def __init__(self, key: str, sock: socket.socket):
         self.key = key
         self.sock = sock
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # sends
+        self.rlock = threading.Lock()  # reads (the channel's thread and pollers)
         self.alive = True
 
 
@@ -153,6 +154,13 @@ class TcpControlChannel:
         return True
 
     def receive(self) -> list[tuple[str, bytes]]:
+        """Messages that arrived, reading the sockets from the calling thread too: a poller
+        that holds the GIL then never waits for the channel's thread to be scheduled."""
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            if conn.alive:
+                self._read(conn)
         out = []
         while True:
             try:
@@ -253,28 +261,33 @@ class TcpControlChannel:
             self._drop(conn)
 
     def _read(self, conn: _Conn) -> bool:
-        try:
-            chunk = conn.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._drop(conn)
-            return False
-        conn.inbuf += chunk
-        arrived = False
-        while len(conn.inbuf) >= _FRAME.size:
-            (length,) = _FRAME.unpack_from(conn.inbuf)
-            if length > MAX_MESSAGE_BYTES:
-                self._drop(conn)  # garbage or hostile: nothing more from it
-                return arrived
-            if len(conn.inbuf) < _FRAME.size + length:
-                break
-            payload = bytes(conn.inbuf[_FRAME.size:_FRAME.size + length])
-            del conn.inbuf[:_FRAME.size + length]
-            self._inbox.append((conn.key, payload))
-            arrived = True
+        """Reads what arrived on `conn` into the inbox (any thread); True if messages did.
+        A connection that closed or sent a frame above the limit is dropped."""
+        with conn.rlock:
+            try:
+                chunk = conn.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                chunk = b""
+            bad = not chunk
+            arrived = False
+            if chunk:
+                conn.inbuf += chunk
+            while not bad and len(conn.inbuf) >= _FRAME.size:
+                (length,) = _FRAME.unpack_from(conn.inbuf)
+                if length > MAX_MESSAGE_BYTES:
+                    bad = True  # garbage or hostile: nothing more from it
+                    break
+                if len(conn.inbuf) < _FRAME.size + length:
+                    break
+                payload = bytes(conn.inbuf[_FRAME.size:_FRAME.size + length])
+                del conn.inbuf[:_FRAME.size + length]
+                self._inbox.append((conn.key, payload))
+                arrived = True
+        if bad:
+            conn.alive = False
+            self._request("drop", conn)
         return arrived
 
     def _flush(self, conn: _Conn) -> None:

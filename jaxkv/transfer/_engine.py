@@ -101,7 +101,11 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _MAX_HANDLES = 1 << 16
 
-DEFAULT_CONTROL = "nixl"  # see benchmarks/RESULTS.md (bench_transfer.py --small --control)
+# Measured with benchmarks/bench_transfer.py --small --control (benchmarks/RESULTS.md): the
+# NIXL notification hop that carries a Done riding on the READ is slow and bimodal (~12 ms
+# median confirmed under load), a Done sent apart over TCP once the READ completed confirms
+# several times faster, idle and with the producer computing.
+DEFAULT_CONTROL = "tcp"
 TRANSPORTS = ("nixl", "jax", "auto")
 """The `KVTransferEngine` ``transport`` choices."""
 
@@ -224,6 +228,7 @@ class KVTransferEngine:
         self.lease_s = lease_s
         self.read_timeout_s = read_timeout_s
         self._closed = False
+        self._progress_thread: threading.Thread | None = None
         self._lock = threading.RLock()
         self._stashed = PollResult()  # found by polls inside host callbacks
         generation = new_generation()
@@ -248,11 +253,13 @@ class KVTransferEngine:
             engine_id, self._registry, self.transport, self.control, self.stats,
             read_timeout_s, handshake_timeout_s, handshake_retries,
         )
+        # The Done rides on the READ only where control messages travel as NIXL
+        # notifications anyway; over TCP it is sent apart as soon as the READ completed.
+        self.consumer.attach_done = self.control.name == "nixl"
         self._handles: dict[int, str] = {}
         self._handle_of: dict[str, int] = {}
         self._next_handle = 1
         self._progress_interval_s = progress_interval_s
-        self._progress_thread: threading.Thread | None = None
         if progress_interval_s is not None:
             self._progress_thread = threading.Thread(
                 target=self._progress_loop, name=f"jaxkv-progress-{engine_id}", daemon=True
@@ -542,8 +549,11 @@ class KVTransferEngine:
 
     def _on_control(self) -> None:
         """Control messages arrived (the TCP channel's thread): handled now when the engine
-        is idle (no JAX), else by the poll that holds it."""
-        if self._closed or not self._lock.acquire(blocking=False):
+        is idle (no JAX), else by the poll that holds it. Not without background progress
+        (``progress_interval_s=None``: only `poll` and the in-jit callbacks progress)."""
+        if self._closed or self._progress_thread is None:
+            return
+        if not self._lock.acquire(blocking=False):
             return
         try:
             if not self._closed:
