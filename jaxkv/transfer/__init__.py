@@ -42,6 +42,14 @@ from jaxkv.transfer._metadata import (
     encode_metadata,
     engine_metadata,
 )
+from jaxkv.transfer._multicontroller import (
+    KeyValueClient,
+    MultiControllerEngine,
+    MultiControllerPollResult,
+    StepChannel,
+    broadcast_block_ids,
+    distributed_client,
+)
 from jaxkv.transfer._plan import (
     COPY_COLUMNS,
     PlanError,
@@ -66,6 +74,12 @@ __all__ = [
     "LayoutAdvice",
     "HostMirror",
     "KVTransferEngine",
+    "KeyValueClient",
+    "MultiControllerEngine",
+    "MultiControllerPollResult",
+    "StepChannel",
+    "broadcast_block_ids",
+    "distributed_client",
     "NixlAgent",
     "PollResult",
     "PublishRecord",

@@ -601,6 +601,29 @@ class KVTransferEngine:
         """The registered caches, current versions (post-processing updates them)."""
         return tuple(entry.cache for entry in self._caches)
 
+    def adopt_generation(self, generation: int) -> None:
+        """Sets this process's generation (and republishes its metadata): every process of a
+        multi-controller engine serves one merged metadata under one generation
+        (`jaxkv.transfer.MultiControllerEngine` calls this; peers check it in every `Done`).
+
+        Raises:
+          ValueError: a generation outside ``[0, 2**62)``.
+        """
+        if not 0 <= int(generation) < (1 << 62):
+            raise ValueError(f"generation must be in [0, 2**62), got {generation}")
+        with self._lock:
+            self.generation = int(generation)
+            if self._meta is not None:
+                self._publish()
+
+    def published_layers(self, request_id: str) -> int | None:
+        """Producer: how many global layers of a pinned request are published (readable:
+        ``[0, n)``), or None when the request is not pinned (never published, freed, expired
+        or aborted). With ``n == num_layers`` the whole request is readable."""
+        with self._lock:
+            pinned = self._pinned.get(request_id)
+            return None if pinned is None or pinned.deadline < 0 else pinned.layer_stop
+
     def _publish(self) -> None:
         agents = [AgentInfo(name=self.agent.name, metadata=self.agent.metadata())]
         self._meta = engine_metadata(
