@@ -49,6 +49,7 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
         f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
     )
     from jaxkv import PagedKVCache
+    from jaxkv._placement import place_exactly
     from jaxkv.transfer import (
         KVTransferEngine,
         MultiControllerEngine,
@@ -57,6 +58,8 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     )
 
     engines: dict[str, Any] = {}
+    good: dict[str, list] = {}
+    statuses: dict[str, list] = {}
     caches: dict[str, Any] = {}
     local: dict[str, dict[str, list]] = {}
     level: dict[str, dict[str, list]] = {}
@@ -85,6 +88,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     if kind == "producer":
                         g = tt.global_cache(spec, len(command[5]) * spec.block_size, tt.G_SEED)
                         arrays = tt.global_arrays(config, pp_rank, g, command[5], tt.NUM_BLOCKS)
+                        good[name] = arrays
+                        if len(command) > 6 and command[6]:  # not written yet: scrambled
+                            arrays = tt.layer_mix(local_spec, arrays, command[5], 0, 0)
                         cache = PagedKVCache.from_arrays(local_spec, arrays, mesh=mesh)
                     else:
                         cache = PagedKVCache.allocate(local_spec, tt.NUM_BLOCKS, mesh=mesh)
@@ -107,6 +113,30 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                         channel, {request_id: block_ids} if process_id == 0 else None
                     )
                     answer = engines[name].publish_request(request_id, ids[request_id], lease)
+                elif kind == "jit_publish":
+                    # The scheduler broadcasts the ids; every process pins the request
+                    # (layer-wise), then a jitted step over the global mesh writes its blocks
+                    # and publishes them from inside (a callback in every process).
+                    name, request_id, block_ids, lease = command[1:5]
+                    mc = engines[name]
+                    ids = broadcast_block_ids(
+                        channel, {request_id: block_ids} if process_id == 0 else None
+                    )[request_id]
+                    answer = mc.publish_request(request_id, ids, lease, layerwise=True)
+                    handle = mc.handle(request_id)
+                    cache = mc.engine.caches[0]
+                    named = cache.sharding.named_sharding(cache.spec)
+                    whole = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
+                    dense = tuple(place_exactly(a[ids], named) for a in good[name])
+                    step = jax.jit(_write_and_publish, static_argnums=0, donate_argnums=1)
+                    cache, status = step(
+                        mc, cache, dense, place_exactly(ids, whole),
+                        place_exactly(np.int32(handle), whole),
+                    )
+                    mc.engine.update_cache(cache)
+                    statuses[name] = [int(np.asarray(s.data)[0]) for s in status.addressable_shards]
+                elif kind == "statuses":
+                    answer = statuses.get(command[1])
                 elif kind == "read":
                     name, params, local_ids, timeout = command[1:5]
                     engines[name].start_read(params, local_ids, timeout)
@@ -136,6 +166,11 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     conn.close()
     # No jax.distributed shutdown barrier: a group whose other process was killed must exit.
     os._exit(0)
+
+
+def _write_and_publish(mc, cache, dense, ids, handle):
+    cache = cache.scatter_blocks(dense, ids)
+    return cache, mc.publish_in_jit(handle, ids, cache)
 
 
 class Group:
@@ -174,11 +209,14 @@ class Group:
             answers.append(answer)
         return answers
 
-    def publish(self, name: str, request_id: str, block_ids, lease_s: float) -> Any:
+    def publish(
+        self, name: str, request_id: str, block_ids, lease_s: float, command: str = "publish"
+    ) -> Any:
         """Publishes a request in every process: only process 0 (the scheduler) is given the
-        block ids, the others receive them through the step broadcast. Returns the params."""
+        block ids, the others receive them through the step broadcast. Returns the params.
+        `command`: "publish", or "jit_publish" (from inside a jitted step)."""
         for pid, conn in enumerate(self.conns):
-            conn.send(("publish", name, request_id, block_ids if pid == 0 else None, lease_s))
+            conn.send((command, name, request_id, block_ids if pid == 0 else None, lease_s))
         answers = [self.receive(pid) for pid in range(len(self.conns))]
         if any(a != answers[0] for a in answers):
             raise AssertionError(f"the processes returned different params: {answers}")

@@ -95,6 +95,25 @@ class MultiControllerTest(tt.TransferTestBase):
         freed, _ = group.wait_level("p-pp2", "freeable", "pp2")
         self.assertEqual(freed, ["pp2"])
 
+    def test_publish_from_a_jitted_step_in_every_process(self):
+        group = self.group_a
+        # The request's blocks hold scrambled bytes until the jitted step writes them.
+        group.call("producer", "p-jit", SPEC, 4, 1, REMOTE_IDS, True)
+        params = group.publish("p-jit", "jit-1", REMOTE_IDS, 30.0, command="jit_publish")
+        self.assertTrue(params.layerwise)
+        # Every device's callback ran; each process announced its own ranks.
+        self.assertEqual(group.call("statuses", "p-jit"), [[1, 1], [1, 1]])
+        published, _ = group.wait_level("p-jit", "published", "jit-1")
+        self.assertEqual(published, ["jit-1"])
+        spec = KVCacheSpec(**SPEC)
+        engine, cache, config = self.consumer(spec, 2)
+        engine.start_read(params, LOCAL_IDS)
+        finished, failed = self.wait(engine, ["jit-1"])
+        self.assertEqual((finished, failed), (["jit-1"], []))
+        self.check_cache(engine.caches[0], config, self._g(), LOCAL_IDS)
+        freed, _ = group.wait_level("p-jit", "freeable", "jit-1")
+        self.assertEqual(freed, ["jit-1"])
+
     def test_one_process_to_two_processes(self):
         # The reverse direction: a TP 2 producer in this process, a TP 2 consumer engine of
         # two processes x one device; process 0 reports the read once both finished.

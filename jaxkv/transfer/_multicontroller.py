@@ -31,6 +31,8 @@ processes of the job. The parts are small (a few KiB per process) and exchanged 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -285,6 +287,8 @@ class MultiControllerEngine:
         self._aborted: set[str] = set()  # aborts already applied in this process
         self._reads: set[str] = set()  # reads in flight in this process
         self._closed = False
+        self._jit_lock = threading.Lock()
+        self._jit_seen: dict[tuple[int, int], set[int]] = {}  # in-jit: devices called back
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -425,6 +429,82 @@ class MultiControllerEngine:
         """Every process: `KVTransferEngine.publish_layers` of its part."""
         self.engine.publish_layers(request_id, layer_stop)
 
+    def handle(self, request_id: str) -> int:
+        """`KVTransferEngine.handle` of this process's engine. A jitted step's operands are
+        the same in every process: take handles in the same order everywhere (e.g. right
+        after `publish_request`), so that every process maps a handle to the same request.
+
+        Example:
+          >>> h = mc.handle("req-1")  # doctest: +SKIP
+        """
+        return self.engine.handle(request_id)
+
+    def publish_in_jit(
+        self, handle: Any, block_ids: Any, written: Any, layer_stop: Any = -1
+    ) -> Any:
+        """`jaxkv.transfer.publish_in_jit` for a step over the global mesh (call inside
+        ``jax.jit``, in every process): the callback runs in every process, once that
+        process's shards of `written` are computed.
+
+        A plain ``io_callback`` in a multi-process program runs in one process only (the
+        first device's), so this one is issued per device (inside ``shard_map``, each
+        depending on its own shard's writes through `written_token`) and each process
+        publishes its part when the callbacks of all of its devices ran. No collective is
+        added.
+
+        Args:
+          handle: int32 scalar, `handle` of the request (published with ``layerwise=True``).
+          block_ids: int32 ``[n]`` ids written (as `publish_in_jit`).
+          written: the updated `PagedKVCache` (sharded over its mesh).
+          layer_stop: int32 scalar: one past the last written global layer, -1 for all.
+
+        Returns:
+          int32 ``[devices]``, sharded over the cache's mesh: per device 1 (published or
+          counted), 0 refused. Return it from the step so the callbacks are not dropped.
+        """
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import io_callback
+        from jax.sharding import PartitionSpec
+
+        from jaxkv.transfer._jit import written_token
+
+        mesh = written.sharding.mesh
+        names = tuple(mesh.axis_names)
+        here = jax.process_index()
+        local = sum(1 for d in mesh.devices.flat if d.process_index == here)
+        array_spec = written.partition_spec()
+        callback = functools.partial(_device_publish, self, local)
+
+        def body(arrays, handle, ids, stop):
+            position = jnp.int32(0)
+            for name in names:
+                position = position * mesh.shape[name] + jax.lax.axis_index(name)
+            return io_callback(
+                callback,
+                jax.ShapeDtypeStruct((1,), jnp.int32),
+                position,
+                handle,
+                ids,
+                stop,
+                written_token(list(arrays)),
+            )
+
+        replicated = PartitionSpec()
+        program = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=((array_spec,) * len(written.arrays), replicated, replicated, replicated),
+            out_specs=PartitionSpec(names),
+            check_vma=False,
+        )
+        return program(
+            tuple(written.arrays),
+            jnp.asarray(handle, jnp.int32).reshape(()),
+            jnp.asarray(block_ids, jnp.int32).reshape(-1),
+            jnp.asarray(layer_stop, jnp.int32).reshape(()),
+        )
+
     def abort_request(self, request_id: str) -> None:
         """Any process: aborts a producer request or a consumer read in every process (each
         applies it at its next `poll`; this process at once)."""
@@ -564,6 +644,28 @@ class MultiControllerEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_MAX_JIT_KEYS = 4096
+
+
+def _device_publish(
+    mc: MultiControllerEngine, local_devices: int, position, handle, block_ids, stop, token
+) -> np.ndarray:
+    """One device's publication callback: the process publishes once every one of its
+    devices' callbacks (for this handle and layer stop) ran."""
+    del token  # only orders the callback after this device's writes
+    key = (int(handle), int(stop))
+    with mc._jit_lock:
+        seen = mc._jit_seen.setdefault(key, set())
+        seen.add(int(np.asarray(position)))
+        if len(seen) < local_devices:
+            while len(mc._jit_seen) > _MAX_JIT_KEYS:
+                del mc._jit_seen[next(iter(mc._jit_seen))]
+            return np.ones((1,), np.int32)
+        del mc._jit_seen[key]
+    status = mc.engine._callback_publish(int(handle), np.asarray(block_ids), int(stop))
+    return np.full((1,), status, np.int32)
 
 
 def broadcast_block_ids(
