@@ -35,7 +35,10 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     ("consumer", name, spec_kwargs, tp): a zeroed cache over the global mesh.
     ("publish", name, request_id, block_ids or None, lease_s): process 0 gets the block ids and
       broadcasts them (`broadcast_block_ids`), every process publishes; answers the params.
+    ("jit_publish", name, request_id, block_ids or None, lease_s): as "publish", layer-wise,
+      then a jitted step writes the blocks and publishes them from inside (`statuses`).
     ("read", name, params, local_ids, timeout_s): `start_read` in every process.
+    ("abort", name, request_id): `abort_request` (in this process: spreads to the others).
     ("outcomes", name): (local outcomes, engine-level outcomes, num_pinned) seen so far.
     ("shards", name): this process's cache shards: [(array index, index, bytes)].
     ("exit",)
@@ -135,6 +138,8 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     )
                     mc.engine.update_cache(cache)
                     statuses[name] = [int(np.asarray(s.data)[0]) for s in status.addressable_shards]
+                elif kind == "abort":
+                    engines[command[1]].abort_request(command[2])
                 elif kind == "statuses":
                     answer = statuses.get(command[1])
                 elif kind == "read":

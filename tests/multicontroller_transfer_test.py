@@ -114,6 +114,44 @@ class MultiControllerTest(tt.TransferTestBase):
         freed, _ = group.wait_level("p-jit", "freeable", "jit-1")
         self.assertEqual(freed, ["jit-1"])
 
+    def test_abort_in_one_producer_process_aborts_everywhere(self):
+        group = self.group_a
+        group.call("producer", "p-abort", SPEC, 4, 1, REMOTE_IDS)
+        params = group.publish("p-abort", "ab-1", REMOTE_IDS, 30.0)
+        group.call("abort", "p-abort", "ab-1", only=1)
+        freed, _ = group.wait_level("p-abort", "freeable", "ab-1")
+        self.assertEqual(freed, ["ab-1"])
+        for local, _, pinned in group.call("outcomes", "p-abort"):
+            self.assertEqual((local["freeable"], pinned), (["ab-1"], 0))
+        engine, cache, config = self.consumer(KVCacheSpec(**SPEC), 1)
+        engine.start_read(params, LOCAL_IDS)
+        finished, failed = self.wait(engine, ["ab-1"])
+        self.assertEqual((finished, [f.invalid_block_ids for f in failed]),
+                         ([], [tuple(sorted(LOCAL_IDS))]))
+
+    def test_a_read_failing_in_one_consumer_process_fails_everywhere(self):
+        # The producer (this test's child process) does not poll for a while: the reads stay
+        # unconfirmed. Consumer process 1 aborts its part: process 0 is aborted as well and
+        # reports the read failed once both ended, with the invalid blocks.
+        _, conn = self.start_producer(SPEC, 2, engine_kwargs=dict(progress_interval_s=None))
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "r-fail", REMOTE_IDS, 30.0)
+        conn.send(("pause", 6.0))
+        group = self.group_b
+        group.call("consumer", "c-fail", dict(SPEC, layout="THD"), 2)
+        group.call("read", "c-fail", params, LOCAL_IDS, 30.0)
+        group.call("abort", "c-fail", "r-fail", only=1)
+        failed, level = group.wait_level("c-fail", "failed", "r-fail", timeout=20.0)
+        self.assertEqual([f.invalid_block_ids for f in failed], [tuple(sorted(LOCAL_IDS))])
+        self.assertIn("process 1: aborted", failed[0].reason)  # and process 0's reason
+        self.assertEqual(level["finished"], [])
+        for local, _, _ in group.call("outcomes", "c-fail"):
+            self.assertEqual([f.request_id for f in local["failed"]], ["r-fail"])
+        self.assertTrue(conn.poll(tt.WAIT_S))
+        self.assertTrue(conn.recv())  # the producer polls again
+        self.assert_freed(conn, "r-fail")
+
     def test_one_process_to_two_processes(self):
         # The reverse direction: a TP 2 producer in this process, a TP 2 consumer engine of
         # two processes x one device; process 0 reports the read once both finished.

@@ -328,7 +328,9 @@ class MultiControllerEngine:
                 generation = max(generation, self._merged.generation + 1) & ((1 << 62) - 1)
             client.key_value_set_bytes(f"{base}/generation", str(generation).encode())
             host, port = self.address
-            client.key_value_set_bytes(f"{self._ns}/address", f"{host}:{port}".encode())
+            client.key_value_set_bytes(
+                f"{self._ns}/address", f"{host}:{port}".encode(), allow_overwrite=True
+            )
         else:
             generation = int(_get(client, f"{base}/generation", self.timeout_s, "generation"))
         self.engine.adopt_generation(generation)
@@ -394,11 +396,13 @@ class MultiControllerEngine:
             )
         except Exception as error:
             self._client.key_value_set_bytes(
-                f"{key}/{self.process_id}", f"fail:{type(error).__name__}: {error}".encode()
+                f"{key}/{self.process_id}",
+                f"fail:{type(error).__name__}: {error}".encode(),
+                allow_overwrite=True,
             )
             raise
         state = b"pinned" if layerwise else b"ok"
-        self._client.key_value_set_bytes(f"{key}/{self.process_id}", state)
+        self._client.key_value_set_bytes(f"{key}/{self.process_id}", state, allow_overwrite=True)
         if layerwise:
             self._pending_publish.add(request_id)
         else:
@@ -508,7 +512,9 @@ class MultiControllerEngine:
     def abort_request(self, request_id: str) -> None:
         """Any process: aborts a producer request or a consumer read in every process (each
         applies it at its next `poll`; this process at once)."""
-        self._client.key_value_set_bytes(f"{self._ns}/abort/{_key(request_id)}", b"1")
+        self._client.key_value_set_bytes(
+            f"{self._ns}/abort/{_key(request_id)}", b"1", allow_overwrite=True
+        )
         self._aborted.add(request_id)
         self.engine.abort_request(request_id)
 
@@ -608,11 +614,15 @@ class MultiControllerEngine:
                     if failure is None:
                         # The other processes stop reading: the blocks are invalid anyway.
                         self._client.key_value_set_bytes(
-                            f"{self._ns}/abort/{_key(request_id)}", b"1"
+                            f"{self._ns}/abort/{_key(request_id)}", b"1", allow_overwrite=True
                         )
-                        failure = FailedRead(request_id, f"process {pid}: {reason}", ())
+                        failure = FailedRead(request_id, "", ())
                     blocks = sorted(set(failure.invalid_block_ids) | {int(b) for b in invalid})
-                    failure = dataclasses.replace(failure, invalid_block_ids=tuple(blocks))
+                    failure = FailedRead(
+                        request_id,
+                        "; ".join(x for x in (failure.reason, f"process {pid}: {reason}") if x),
+                        tuple(blocks),
+                    )
                     self._failed[request_id] = failure
                 # Reported once every process ended it: no READ of any process still writes
                 # the blocks when the scheduler learns the outcome.
