@@ -38,6 +38,8 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     ("jit_publish", name, request_id, block_ids or None, lease_s): as "publish", layer-wise,
       then a jitted step writes the blocks and publishes them from inside (`statuses`).
     ("read", name, params, local_ids, timeout_s): `start_read` in every process.
+    ("reregister", name): re-registers the cache and re-publishes the metadata: answers
+      (merged generation, this process's generation).
     ("abort", name, request_id): `abort_request` (in this process: spreads to the others).
     ("outcomes", name): (local outcomes, engine-level outcomes, num_pinned) seen so far.
     ("shards", name): this process's cache shards: [(array index, index, bytes)].
@@ -138,6 +140,10 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     )
                     mc.engine.update_cache(cache)
                     statuses[name] = [int(np.asarray(s.data)[0]) for s in status.addressable_shards]
+                elif kind == "reregister":  # every process: re-register, re-publish
+                    mc = engines[command[1]]
+                    mc.engine.register_cache(mc.engine.caches[0])
+                    answer = (mc.publish_metadata().generation, mc.engine.generation)
                 elif kind == "abort":
                     engines[command[1]].abort_request(command[2])
                 elif kind == "statuses":

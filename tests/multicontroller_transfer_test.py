@@ -61,25 +61,34 @@ class MultiControllerTest(tt.TransferTestBase):
         self.assertEqual({s[3] for s in shards0} | {s[3] + 10 for s in shards1}, {0, 11})
         spec = KVCacheSpec(**SPEC)
         g = self._g()
-        for tp in (1, 2):
-            request_id = f"tp4-to-tp{tp}"
+        generations: set[int] = set()
+        for again, tp in ((False, 1), (False, 2), (True, 1)):
+            request_id = f"tp4-to-tp{tp}" + ("-again" if again else "")
             # Process 0 (the scheduler) gets the block ids and broadcasts them.
             params = group.publish("p-tp4", request_id, REMOTE_IDS, 30.0)
             self.assertEqual([tuple(a) for a in params.addresses], [tuple(address0)])
+            if again:  # the engine re-registered: a new generation, one in every process
+                self.assertNotIn(params.generation, generations)
+            generations.add(params.generation)
             engine, cache, config = self.consumer(spec.replace(layout="THD"), tp)
             meta = engine.add_peer(params.engine_id, params.addresses)
             self.assertEqual(([r.rank for r in meta.ranks], len(meta.agents)), ([0, 1, 2, 3], 2))
+            self.assertEqual(meta.generation, params.generation)
             engine.start_read(params, LOCAL_IDS)
             finished, failed = self.wait(engine, [request_id])
             self.assertEqual((finished, failed), ([request_id], []))
             self.check_cache(engine.caches[0], config, g, LOCAL_IDS)
             freed, _ = group.wait_level("p-tp4", "freeable", request_id)
             self.assertEqual(freed, [request_id])
+            if tp == 2:  # re-register (every process) before the third read
+                (merged0, own0), (merged1, own1) = group.call("reregister", "p-tp4")
+                self.assertEqual((merged0, own0, own1), (merged1, merged1, merged1))
+        expected = ["tp4-to-tp1", "tp4-to-tp1-again", "tp4-to-tp2"]
         outcomes = group.call("outcomes", "p-tp4")
         for local, _, pinned in outcomes:
-            self.assertEqual(sorted(local["freeable"]), ["tp4-to-tp1", "tp4-to-tp2"])
+            self.assertEqual(sorted(local["freeable"]), expected)
             self.assertEqual(pinned, 0)
-        self.assertEqual(sorted(outcomes[0][1]["published"]), ["tp4-to-tp1", "tp4-to-tp2"])
+        self.assertEqual(sorted(outcomes[0][1]["published"]), expected)
 
     def test_pipeline_stages_in_different_processes(self):
         group = self.group_a
