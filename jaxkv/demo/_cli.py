@@ -25,6 +25,11 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_integer("prefill_tp", 2, "Tensor-parallel size of the prefill engine.")
 flags.DEFINE_integer("decode_tp", 1, "Tensor-parallel size of the decode engine.")
+flags.DEFINE_integer(
+    "prefill_processes", 1,
+    "Processes of the prefill engine: one JAX program over them (jax.distributed, gloo on "
+    "CPU), prefill_tp / prefill_processes devices each, its scheduler in process 0.",
+)
 flags.DEFINE_string("prefill_layout", "KHTD", "Cache layout of the prefill engine.")
 flags.DEFINE_string("decode_layout", "THD", "Cache layout of the decode engine.")
 flags.DEFINE_integer("prefill_block_size", 8, "Tokens per block, prefill engine.")
@@ -98,6 +103,10 @@ def _set_devices(count: int, backend: str) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def _processes(count: int) -> str:
+    return "process" if count == 1 else f"engine of {count} processes"
+
+
 def _progress(total: int, enabled: bool):
     """The `run_disaggregated` progress callback: a bar on a terminal, plain lines when
     stderr is piped."""
@@ -138,6 +147,7 @@ def main(argv) -> int:
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
+            prefill_processes=FLAGS.prefill_processes,
         )
         settings.model().kv_spec(settings.prefill_block_size, settings.prefill_layout,
                                  settings.dtype)
@@ -149,7 +159,8 @@ def main(argv) -> int:
     import jax
 
     print(
-        f"jaxkv demo: prefill process (TP={settings.prefill_tp}) -> decode process "
+        f"jaxkv demo: prefill {_processes(settings.prefill_processes)} "
+        f"(TP={settings.prefill_tp}) -> decode process "
         f"(TP={settings.decode_tp}) on {jax.devices()[0].platform}; {settings.num_requests} "
         f"requests of {settings.prompt_len} tokens ({settings.shared_prefix_len} shared), "
         f"{settings.max_new_tokens} new tokens each",

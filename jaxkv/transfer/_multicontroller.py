@@ -167,28 +167,45 @@ class StepChannel:
         self.window = int(window)
         self.step = 0
 
-    def broadcast(self, value: Any = None) -> Any:
-        """Process 0: publishes `value` as this step's data and returns it. Others: waits
-        (up to `timeout_s`) for process 0's data of this step and returns it.
+    def broadcast(self, value: Any = None, timeout_s: float | None = None) -> Any:
+        """Process 0: publishes `value` as this step's data and returns it (as the others
+        get it). Others: waits for process 0's data of this step and returns it.
+
+        Args:
+          value: process 0's data (ignored elsewhere).
+          timeout_s: the wait (default `timeout_s`; 0: do not wait); after a timeout the
+            same step is waited for by the next call (a process may poll for steps).
 
         Raises:
           TimeoutError: process 0 did not publish this step in time.
           TypeError: `value` is not msgpack-able.
         """
-        step, self.step = self.step, self.step + 1
-        key = f"{self._prefix}/{step}"
+        key = f"{self._prefix}/{self.step}"
         if self.process_id == 0:
-            self._client.key_value_set_bytes(key, _encode(value))
-            if step >= self.window:
-                self._client.key_value_delete(f"{self._prefix}/{step - self.window}")
-            return _decode(_encode(value))
-        payload = _get(self._client, key, self.timeout_s, f"step {step} of {self._prefix}")
+            payload = _encode(value)
+            self._client.key_value_set_bytes(key, payload)
+            if self.step >= self.window:
+                self._client.key_value_delete(f"{self._prefix}/{self.step - self.window}")
+        else:
+            wait = self.timeout_s if timeout_s is None else timeout_s
+            if wait <= 0:  # a non-blocking look
+                found = _try_get(self._client, key)
+                if found is None:
+                    raise TimeoutError(f"step {self.step} of {self._prefix} is not there yet")
+                payload = found
+            else:
+                payload = _get(self._client, key, wait, f"step {self.step} of {self._prefix}")
+        self.step += 1
         return _decode(payload)
 
 
 def _enc_hook(obj: Any) -> Any:
     if isinstance(obj, np.ndarray) and np.issubdtype(obj.dtype, np.integer):
-        return msgspec.msgpack.Ext(1, np.ascontiguousarray(obj, dtype="<i4").tobytes())
+        values = np.asarray(obj, dtype=np.int64)
+        if values.size and (values.min() < -(1 << 31) or values.max() >= 1 << 31):
+            raise TypeError("integer arrays are broadcast as int32: a value is out of range")
+        header = np.asarray([values.ndim, *values.shape], dtype="<u4").tobytes()
+        return msgspec.msgpack.Ext(1, header + values.astype("<i4").tobytes())
     if isinstance(obj, np.integer):
         return int(obj)
     raise TypeError(f"cannot broadcast a {type(obj).__name__}")
@@ -197,7 +214,10 @@ def _enc_hook(obj: Any) -> Any:
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code != 1:
         raise ValueError(f"unknown extension {code}")
-    return np.frombuffer(bytes(data), dtype="<i4").astype(np.int32)
+    raw = bytes(data)
+    ndim = int(np.frombuffer(raw[:4], dtype="<u4")[0])
+    shape = tuple(int(d) for d in np.frombuffer(raw[4 : 4 + 4 * ndim], dtype="<u4"))
+    return np.frombuffer(raw[4 + 4 * ndim :], dtype="<i4").astype(np.int32).reshape(shape)
 
 
 def _encode(value: Any) -> bytes:
@@ -242,6 +262,9 @@ class MultiControllerEngine:
       engine: this process's engine.
       timeout_s: bound of every wait on other processes (metadata, publication).
       host, port: where process 0 serves the merged metadata (port 0: a free one).
+      store_interval_s: `poll` reads the key-value store (aborts from other processes; on
+        process 0 their outcomes) at most this often: each read is a round trip to the
+        coordination service. Writes are never delayed.
       client, process_id, num_processes: for tests; default ``jax.distributed``'s.
 
     Example:
@@ -261,12 +284,15 @@ class MultiControllerEngine:
         timeout_s: float = 60.0,
         host: str = "127.0.0.1",
         port: int = 0,
+        store_interval_s: float = 0.002,
         client: KeyValueClient | None = None,
         process_id: int | None = None,
         num_processes: int | None = None,
     ):
         self.engine = engine
         self.timeout_s = float(timeout_s)
+        self.store_interval_s = float(store_interval_s)
+        self._next_read = 0.0
         self._client = client if client is not None else distributed_client()
         self.process_id, self.num_processes = _process_info(process_id, num_processes)
         self._ns = f"jaxkv/mc/{_key(engine.engine_id)}"
@@ -545,7 +571,11 @@ class MultiControllerEngine:
         """Every process, regularly: `KVTransferEngine.poll` plus the coordination (aborts
         from other processes applied, this process's outcomes reported to process 0).
         Process 0's result also holds the engine-level outcomes."""
-        self._apply_aborts()
+        now = time.monotonic()
+        read_store = now >= self._next_read
+        if read_store:
+            self._next_read = now + self.store_interval_s
+            self._apply_aborts()
         local = self.engine.poll()
         out = MultiControllerPollResult(local=local)
         notes: list[tuple[str, str, str, list[int]]] = []
@@ -568,9 +598,8 @@ class MultiControllerEngine:
             notes.append(("freeable", request_id, "", []))
         if self.process_id == 0:
             self._aggregate(notes, 0)
-            for key, payload in sorted(
-                self._client.key_value_dir_get_bytes(f"{self._ns}/out/")
-            ):
+            found = self._client.key_value_dir_get_bytes(f"{self._ns}/out/") if read_store else []
+            for key, payload in sorted(found):
                 pid = int(key.rsplit("/", 2)[-2])
                 self._aggregate(msgspec.msgpack.decode(payload), pid)
                 self._client.key_value_delete(key)
