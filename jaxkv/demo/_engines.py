@@ -262,7 +262,7 @@ class _Engine:
         positions = np.full((1, width), -1, np.int32)
         tokens[0, :n] = prompt[start:]
         positions[0, :n] = np.arange(start, len(prompt))
-        table = list(m.get_block_ids(request_id)[0])
+        table = [int(b) for b in m.get_block_ids(request_id)[0]]
         return tokens, positions, table, n, start
 
     def run_prefill(

@@ -382,9 +382,9 @@ class MultiControllerEngine:
         else:
             payload = _get(client, f"{base}/merged", self.timeout_s, "merged metadata")
             merged = decode_metadata(payload, self.engine.engine_id)
-            host, port = _get(client, f"{self._ns}/address", self.timeout_s,
-                              "address").decode().rsplit(":", 1)
-            self._address = (host, int(port))
+            served = _get(client, f"{self._ns}/address", self.timeout_s, "address").decode()
+            served_host, served_port = served.rsplit(":", 1)
+            self._address = (served_host, int(served_port))
         self._merged = merged
         return merged
 
