@@ -38,6 +38,7 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     ("jit_publish", name, request_id, block_ids or None, lease_s): as "publish", layer-wise,
       then a jitted step writes the blocks and publishes them from inside (`statuses`).
     ("read", name, params, local_ids, timeout_s): `start_read` in every process.
+    ("cache_ops", spec_kwargs): `PagedKVCache` ops over the global mesh, checked per shard.
     ("reregister", name): re-registers the cache and re-publishes the metadata: answers
       (merged generation, this process's generation).
     ("abort", name, request_id): `abort_request` (in this process: spreads to the others).
@@ -140,6 +141,8 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     )
                     mc.engine.update_cache(cache)
                     statuses[name] = [int(np.asarray(s.data)[0]) for s in status.addressable_shards]
+                elif kind == "cache_ops":
+                    answer = _cache_ops(jax, PagedKVCache, command[1])
                 elif kind == "reregister":  # every process: re-register, re-publish
                     mc = engines[command[1]]
                     mc.engine.register_cache(mc.engine.caches[0])
@@ -177,6 +180,52 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     conn.close()
     # No jax.distributed shutdown barrier: a group whose other process was killed must exit.
     os._exit(0)
+
+
+def _cache_ops(jax, cache_class, spec_kwargs: dict) -> dict:
+    """A cache over the global mesh in every process: wrap, copy, gather and scatter run on
+    this process's shards only; each addressable shard is compared with numpy. Returns what
+    this process saw (its shards' TP ranks and the mismatches found)."""
+    spec = KVCacheSpec(**spec_kwargs)
+    mesh = jax.make_mesh((jax.device_count(),), ("tp",))
+    rng = np.random.default_rng(5)
+    shape = (tt.NUM_BLOCKS, *spec.global_block_shape(jax.device_count()))
+    host = [kv_bits(rng, shape, spec.dtype) for _ in range(spec.num_arrays)]
+    cache = cache_class.from_arrays(spec, host, mesh=mesh)
+    wrapped = cache_class.wrap(cache.arrays, spec, mesh)
+    problems = []
+    if any(a is not b for a, b in zip(wrapped.arrays, cache.arrays)):
+        problems.append("wrap copied")
+    src, dst = [1, 2, 3], [9, 10, 11]
+    cache = wrapped.copy_blocks(src, dst)
+    gathered = cache.gather_blocks([9, 0, 11])
+    expected = [h.copy() for h in host]
+    for e in expected:
+        e[dst] = e[src]
+    dense = [e[[9, 0, 11]] for e in expected]
+    cache = cache.scatter_blocks([d[::-1].copy() for d in dense], [4, 5, 6])
+    for e, d in zip(expected, dense):
+        e[[4, 5, 6]] = d[::-1]
+
+    def compare(name, arrays, wants):
+        for index, (array, want) in enumerate(zip(arrays, wants)):
+            for shard in array.addressable_shards:
+                got = np.asarray(shard.data)
+                if not np.array_equal(got.view(np.uint8), want[shard.index].view(np.uint8)):
+                    problems.append(f"{name} array {index} shard {shard.index}")
+
+    compare("cache", cache.arrays, expected)
+    compare("gather", gathered, dense)
+    return {
+        "problems": problems,
+        "tp_ranks": sorted({b.tp_rank for b in cache.shard_buffers()}),
+        "processes": sorted({b.process_index for b in cache.shard_buffers()}),
+    }
+
+
+def kv_bits(rng, shape, dtype) -> np.ndarray:
+    raw = rng.integers(0, 256, size=(*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
 
 
 def _write_and_publish(mc, cache, dense, ids, handle):

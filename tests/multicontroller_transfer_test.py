@@ -49,6 +49,15 @@ class MultiControllerTest(tt.TransferTestBase):
         spec = KVCacheSpec(**spec_kwargs)
         return tt.global_cache(spec, len(REMOTE_IDS) * spec.block_size, tt.G_SEED)
 
+    def test_cache_over_a_global_mesh(self):
+        # from_arrays, wrap, copy, gather and scatter over a 4-device mesh of 2 processes:
+        # each process checks its own shards bit for bit (random bits, NaN payloads included).
+        for layout in ("KHTD", "LKTHD"):
+            answers = self.group_a.call("cache_ops", dict(SPEC, layout=layout, dtype="float32"))
+            self.assertEqual([a["problems"] for a in answers], [[], []])
+            self.assertEqual([a["tp_ranks"] for a in answers], [[0, 1], [2, 3]])
+            self.assertEqual([a["processes"] for a in answers], [[0], [1]])
+
     def test_tp4_over_two_processes_to_tp1_and_tp2(self):
         group = self.group_a
         answers = group.call("producer", "p-tp4", SPEC, 4, 1, REMOTE_IDS)

@@ -641,10 +641,8 @@ class MultiControllerEngine:
                 failure = self._failed.get(request_id)
                 if kind == "failed":
                     if failure is None:
-                        # The other processes stop reading: the blocks are invalid anyway.
-                        self._client.key_value_set_bytes(
-                            f"{self._ns}/abort/{_key(request_id)}", b"1", allow_overwrite=True
-                        )
+                        # Every process stops reading: the blocks are invalid anyway.
+                        self.abort_request(request_id)
                         failure = FailedRead(request_id, "", ())
                     blocks = sorted(set(failure.invalid_block_ids) | {int(b) for b in invalid})
                     failure = FailedRead(
@@ -664,11 +662,14 @@ class MultiControllerEngine:
                         out.failed.append(failure)
 
     def _apply_aborts(self) -> None:
+        present = set()
         for key, _ in self._client.key_value_dir_get_bytes(f"{self._ns}/abort/"):
             request_id = bytes.fromhex(key.rsplit("/", 1)[-1]).decode()
+            present.add(request_id)
             if request_id not in self._aborted:
-                self._aborted.add(request_id)
                 self.engine.abort_request(request_id)
+        # Process 0 deletes an abort once every process ended the request: forget it too.
+        self._aborted = present
 
     def close(self) -> None:
         """Closes process 0's metadata server (not the wrapped engine)."""
