@@ -311,7 +311,6 @@ class MultiControllerEngine:
         self._engine_level = MultiControllerPollResult()  # process 0: for the next poll
         self._pending_publish: set[str] = set()  # pinned here, not completely published yet
         self._aborted: set[str] = set()  # aborts already applied in this process
-        self._reads: set[str] = set()  # reads in flight in this process
         self._closed = False
         self._jit_lock = threading.Lock()
         self._jit_seen: dict[tuple[int, int], set[int]] = {}  # in-jit: devices called back
@@ -426,6 +425,8 @@ class MultiControllerEngine:
                 f"fail:{type(error).__name__}: {error}".encode(),
                 allow_overwrite=True,
             )
+            if self.process_id == 0:  # the others may have pinned it: abort it everywhere
+                self.abort_request(request_id)
             raise
         state = b"pinned" if layerwise else b"ok"
         self._client.key_value_set_bytes(f"{key}/{self.process_id}", state, allow_overwrite=True)
@@ -558,7 +559,6 @@ class MultiControllerEngine:
         (`KVTransferEngine.start_read`, the same read id everywhere)."""
         key = params.request_id if read_id is None else read_id
         self.engine.start_read(params, local_block_ids, timeout_s, read_id=read_id)
-        self._reads.add(key)
         if key in self._aborted or _try_get(
             self._client, f"{self._ns}/abort/{_key(key)}"
         ) is not None:
@@ -586,10 +586,8 @@ class MultiControllerEngine:
                 if stop is not None:
                     notes.append(("published", request_id, "", []))
         for read_id in local.finished:
-            self._reads.discard(read_id)
             notes.append(("finished", read_id, "", []))
         for failed in local.failed:
-            self._reads.discard(failed.request_id)
             notes.append(
                 ("failed", failed.request_id, failed.reason, list(failed.invalid_block_ids))
             )
