@@ -43,6 +43,12 @@ class ShardBuffer:
       block_start: first global block id in the buffer (0 unless the blocks are split over a
         data-parallel axis).
       block_stop: one past the last global block id in the buffer (-1: all blocks).
+      tp_rank: the global tensor-parallel rank of the buffer's device: its position along the
+        TP axes of the cache's mesh (first axis major), whichever process owns the device.
+
+    In a multi-controller program (``jax.distributed``), `PagedKVCache.shard_buffers` lists
+    only the calling process's buffers (its addressable shards), each with its global
+    `tp_rank` and head range.
     """
 
     array_index: int
@@ -55,6 +61,12 @@ class ShardBuffer:
     head_stop: int
     block_start: int = 0
     block_stop: int = -1
+    tp_rank: int = 0
+
+    @property
+    def process_index(self) -> int:
+        """The JAX process owning the buffer's device (``jax.process_index()`` there)."""
+        return int(self.device.process_index)
 
     @property
     def memory_kind(self) -> str:
@@ -464,12 +476,16 @@ class PagedKVCache:
     # -- raw buffers ------------------------------------------------------------------------
 
     def shard_buffers(self) -> tuple[ShardBuffer, ...]:
-        """Every device buffer of the cache with its address, length and device.
+        """Every device buffer of the cache this process holds, with its address, length,
+        device and global TP rank.
 
         Waits for pending updates first. The addresses stay valid while this cache's arrays
-        are alive; re-check them with `verify_unmoved` after each update.
+        are alive; re-check them with `verify_unmoved` after each update. Over a global mesh
+        (multi-controller JAX) only the addressable shards are listed: nothing here reads or
+        waits for another process's data.
         """
         self.block_until_ready()
+        tp_rank_of = self._tp_ranks()
         axes = self.spec.block_axes()
         head_axis = 1 + axes.index("H") if "H" in axes and not self.spec.mla else None
         per_rank = self.spec.heads_per_rank(self.tp_size)
@@ -495,9 +511,21 @@ class PagedKVCache:
                         head_stop=heads[1],
                         block_start=blocks[0],
                         block_stop=blocks[1],
+                        tp_rank=tp_rank_of[shard.device.id],
                     )
                 )
         return tuple(buffers)
+
+    def _tp_ranks(self) -> dict[int, int]:
+        """Device id -> global TP rank (position along the TP axes, first axis major)."""
+        mesh = self.sharding.source_mesh
+        names = list(mesh.axis_names)
+        tp_axes = self.sharding.tp_axis
+        tp_axes = (tp_axes,) if isinstance(tp_axes, str) else tuple(tp_axes)
+        positions = [names.index(a) for a in tp_axes]
+        grid = np.moveaxis(mesh.devices, positions, list(range(len(positions))))
+        grid = grid.reshape(self.tp_size, -1)
+        return {d.id: rank for rank, row in enumerate(grid) for d in row}
 
     def verify_unmoved(self, previous: Sequence[ShardBuffer]) -> None:
         """Checks that every buffer is still where `previous` (from `shard_buffers`) saw it.

@@ -24,7 +24,13 @@ def place_exactly(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
       >>> y = place_exactly(np.zeros((2, 2), np.float32), jax.devices()[0])
     """
     if not isinstance(x, jax.Array):
-        return jax.device_put(np.asarray(x), sharding)
+        host = np.asarray(x)
+        if isinstance(sharding, jax.sharding.Sharding) and not sharding.is_fully_addressable:
+            # Over a global mesh (multi-controller JAX) each process places only its own
+            # shards: no cross-process check that the value agrees (device_put's, a
+            # collective that also refuses NaN payloads as unequal).
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.device_put(host, sharding)
     if isinstance(sharding, jax.sharding.Sharding) and x.sharding.is_equivalent_to(
         sharding, x.ndim
     ):

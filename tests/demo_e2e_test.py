@@ -134,6 +134,20 @@ class DisaggregatedTest(parameterized.TestCase):
                 self.assertTrue(r["error"])
         self.assertIn("failed", output)
 
+    def test_cli_multi_process_prefill_engine(self):
+        # The prefill engine is one JAX program over 2 processes (jax.distributed, one device
+        # each): its scheduler in process 0, every process publishing its shards.
+        rc, report, output = run_cli(
+            self.create_tempdir().full_path, "--prefill_tp=2", "--prefill_processes=2",
+            "--decode_tp=1",
+        )
+        self.assertEqual(rc, 0, output)
+        self.check(report)
+        self.assertIn("prefill engine of 2 processes (TP=2)", output)
+        self.assertEqual(report["settings"]["prefill_processes"], 2)
+        with self.assertRaisesRegex(ValueError, "prefill_processes=3 must divide"):
+            DemoSettings(prefill_tp=2, prefill_processes=3)
+
     def test_bad_flags_are_refused(self):
         proc = subprocess.run(
             [sys.executable, "-P", "-m", "jaxkv.demo", "--prefill_block_size=16",

@@ -26,6 +26,11 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_integer("prefill_tp", 2, "Tensor-parallel size of the prefill engine.")
 flags.DEFINE_integer("decode_tp", 1, "Tensor-parallel size of the decode engine.")
+flags.DEFINE_integer(
+    "prefill_processes", 1,
+    "Processes of the prefill engine: one JAX program over them (jax.distributed, gloo on "
+    "CPU), prefill_tp / prefill_processes devices each, its scheduler in process 0.",
+)
 flags.DEFINE_string("prefill_layout", "KHTD", "Cache layout of the prefill engine.")
 flags.DEFINE_string("decode_layout", "THD", "Cache layout of the decode engine.")
 flags.DEFINE_integer("prefill_block_size", 8, "Tokens per block, prefill engine.")
@@ -104,6 +109,10 @@ def _set_devices(count: int, backend: str) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def _processes(count: int) -> str:
+    return "process" if count == 1 else f"engine of {count} processes"
+
+
 def _progress(total: int, enabled: bool):
     """The `run_disaggregated` progress callback: a bar on a terminal, plain lines when
     stderr is piped."""
@@ -148,6 +157,7 @@ def main(argv) -> int:
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
+            prefill_processes=FLAGS.prefill_processes,
         )
         settings.model().kv_spec(settings.prefill_block_size, settings.prefill_layout,
                                  settings.dtype)
@@ -160,10 +170,10 @@ def main(argv) -> int:
 
     scheduled_by = "vLLM's schedulers" if FLAGS.serve_with == "vllm-scheduler" else "jaxkv"
     print(
-        f"jaxkv demo ({scheduled_by}): prefill process (TP={settings.prefill_tp}) -> decode "
-        f"process (TP={settings.decode_tp}) on {jax.devices()[0].platform}; "
-        f"{settings.num_requests} requests of {settings.prompt_len} tokens "
-        f"({settings.shared_prefix_len} shared), "
+        f"jaxkv demo ({scheduled_by}): prefill {_processes(settings.prefill_processes)} "
+        f"(TP={settings.prefill_tp}) -> decode process (TP={settings.decode_tp}) on "
+        f"{jax.devices()[0].platform}; {settings.num_requests} requests of "
+        f"{settings.prompt_len} tokens ({settings.shared_prefix_len} shared), "
         f"{settings.max_new_tokens} new tokens each",
         flush=True,
     )

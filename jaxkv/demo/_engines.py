@@ -76,6 +76,7 @@ class DemoSettings:
     nixl_progress_thread: bool = False
     lease_s: float = 30.0
     timeout_s: float = 300.0
+    prefill_processes: int = 1
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
@@ -96,6 +97,14 @@ class DemoSettings:
             raise ValueError(f"backend must be 'cpu' or 'auto', got {self.backend!r}")
         if self.decode_batch < 1:
             raise ValueError("decode_batch must be >= 1")
+        if self.prefill_processes < 1 or self.prefill_tp % self.prefill_processes:
+            raise ValueError(
+                f"prefill_processes={self.prefill_processes} must divide "
+                f"prefill_tp={self.prefill_tp} (each process holds prefill_tp / "
+                "prefill_processes devices of the prefill engine's mesh)"
+            )
+        if self.prefill_processes > 1 and self.backend != "cpu":
+            raise ValueError("prefill_processes > 1 runs on CPU devices only (backend='cpu')")
 
     def model(self):
         from jaxkv.demo._model import ModelConfig
@@ -233,6 +242,14 @@ class _Engine:
     ) -> tuple[int, int]:
         """Computes the prompt past its cached prefix; returns (first token, hit tokens).
         `idle` is called repeatedly while the step computes (see `wait_ready`)."""
+        tokens, positions, table, n, start = self.plan_prefill(request_id, prompt)
+        return self.run_prefill(tokens, positions, table, n, idle), start
+
+    def plan_prefill(
+        self, request_id: str, prompt: list[int]
+    ) -> tuple[np.ndarray, np.ndarray, list[int], int, int]:
+        """The scheduler's half of `prefill` (block manager only, no device work): the step's
+        ``(tokens, positions, block table, new tokens, hit tokens)``."""
         m = self.manager
         m.add_request(request_id, prompt)
         hit = m.get_computed_blocks(request_id)
@@ -245,10 +262,16 @@ class _Engine:
         positions = np.full((1, width), -1, np.int32)
         tokens[0, :n] = prompt[start:]
         positions[0, :n] = np.arange(start, len(prompt))
-        table = m.get_block_ids(request_id)[0]
+        table = [int(b) for b in m.get_block_ids(request_id)[0]]
+        return tokens, positions, table, n, start
+
+    def run_prefill(
+        self, tokens, positions, table, n: int, idle: Callable[[], Any] | None = None
+    ) -> int:
+        """The device half of `prefill`: runs the step; returns the first sampled token."""
         next_tokens, _ = self.runner.dispatch(tokens, positions, [table])
         wait_ready([next_tokens, *self.runner.cache.arrays], idle)
-        return int(np.asarray(next_tokens)[0, n - 1]), start
+        return int(np.asarray(next_tokens)[0, n - 1])
 
     def warm_up(self) -> None:
         """Compiles the prefill chunk sizes the run will use (padding only: writes nothing)."""
@@ -437,6 +460,166 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
             serve_transfers()
 
 
+def prefill_mc_main(conn, settings_kwargs: dict, process_id: int, port: int) -> None:
+    """One process of a multi-process prefill engine (spawned when ``prefill_processes > 1``):
+    one JAX program over the processes (``jax.distributed``, gloo collectives on CPU), each
+    holding ``prefill_tp / prefill_processes`` devices of the engine's mesh. Process 0 runs
+    the scheduler (block manager) and talks to the router over `conn` as `prefill_main` does;
+    it broadcasts each step's inputs to the others (`StepChannel`); every process runs the
+    step, and every process publishes its shards (`MultiControllerEngine`). The other
+    processes get ``conn=None``."""
+    settings = DemoSettings(**settings_kwargs)
+    count = settings.prefill_processes
+    _child_env(settings, settings.prefill_tp // count)
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=process_id)
+    from jaxkv._parallel import EngineConfig
+    from jaxkv.transfer import KVTransferEngine, MultiControllerEngine, StepChannel
+
+    engine = _Engine(
+        settings,
+        settings.prefill_layout,
+        settings.prefill_block_size,
+        _devices(settings, settings.prefill_tp),  # the global mesh: every process's devices
+        settings.prompt_len,
+    )
+    engine.warm_up()
+    config = EngineConfig(engine.runner.spec, settings.prefill_tp)
+    channel = StepChannel("jaxkv-demo-prefill", timeout_s=settings.timeout_s)
+    with KVTransferEngine(
+        "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
+        block_hashing=engine.manager.hash_identity,
+    ) as transfer:
+        transfer.register_cache(engine.runner.cache)  # this process's shards
+        with MultiControllerEngine(transfer, timeout_s=settings.timeout_s) as mc:
+            mc.publish_metadata()
+            if process_id == 0:
+                _prefill_scheduler(conn, settings, engine, transfer, mc, channel)
+            else:
+                _prefill_follower(settings, engine, transfer, mc, channel)
+
+
+def _prefill_scheduler(conn, settings, engine, transfer, mc, channel) -> None:
+    """Process 0 of a multi-process prefill engine: `prefill_main`'s loop, with each step's
+    inputs broadcast and each request published by every process."""
+    queue: list[tuple[str, list[int]]] = []
+
+    def serve_transfers() -> None:
+        for rid in mc.poll().freeable:  # freed by every process
+            engine.manager.free(rid)
+
+    conn.send(("ready", mc.address))
+    while True:
+        if conn.poll(0 if queue else POLL_INTERVAL_S):
+            command = conn.recv()
+            if command[0] == "exit":
+                channel.broadcast(("exit",))
+                break
+            queue.append((command[1], command[2]))
+        if queue:
+            rid, prompt = queue.pop(0)
+            start = time.monotonic()
+            try:
+                tokens, positions, table, n, hit = engine.plan_prefill(rid, prompt)
+            except Exception as error:  # noqa: BLE001 - reported to the router
+                conn.send(("error", rid, f"{type(error).__name__}: {error}"))
+                continue
+            block_ids = list(engine.manager.get_block_ids(rid)[0])
+            channel.broadcast(("prefill", rid, tokens, positions, table, n, block_ids))
+            try:
+                first = engine.run_prefill(
+                    tokens, positions, table, n,
+                    serve_transfers if settings.poll_during_steps else None,
+                )
+                transfer.update_cache(engine.runner.cache)  # raises if a buffer moved
+                params = mc.publish_request(rid, block_ids)  # once every process pinned it
+            except Exception as error:  # noqa: BLE001 - reported to the router
+                conn.send(("error", rid, f"{type(error).__name__}: {error}"))
+                continue
+            conn.send(("published", rid, params, first, hit, start, time.monotonic()))
+        serve_transfers()
+
+
+def _prefill_follower(settings, engine, transfer, mc, channel) -> None:
+    """Another process of a multi-process prefill engine: runs the steps process 0
+    broadcasts and publishes its shards of each request."""
+    while True:
+        try:
+            step = channel.broadcast(None, timeout_s=0)
+        except TimeoutError:
+            mc.poll()  # applies aborts, reports this process's freed parts to process 0
+            time.sleep(POLL_INTERVAL_S)
+            continue
+        if step[0] == "exit":
+            break
+        _, rid, tokens, positions, table, n, block_ids = step
+        engine.run_prefill(
+            tokens, positions, list(table), n, mc.poll if settings.poll_during_steps else None
+        )
+        transfer.update_cache(engine.runner.cache)
+        with contextlib.suppress(Exception):  # a failure is reported to process 0 (aborted)
+            mc.publish_request(rid, block_ids)
+        mc.poll()
+
+
+class _ProcessGroup:
+    """The prefill engine's processes, seen by the router as one (alive while all are)."""
+
+    def __init__(self, processes: list):
+        self.processes = processes
+
+    def is_alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+    @property
+    def exitcode(self) -> int | None:
+        codes = [p.exitcode for p in self.processes if p.exitcode is not None]
+        return codes[0] if codes else None
+
+    def kill(self) -> None:
+        for p in self.processes:
+            p.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.processes:
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_prefill(ctx, settings: DemoSettings):
+    """Spawns the prefill engine's process(es); returns (router pipe end, process group)."""
+    parent, child = ctx.Pipe()
+    if settings.prefill_processes == 1:
+        process = ctx.Process(
+            target=prefill_main, args=(child, dataclasses.asdict(settings)), daemon=True
+        )
+        process.start()
+        child.close()
+        return parent, process
+    port = _free_port()
+    processes = []
+    for pid in range(settings.prefill_processes):
+        process = ctx.Process(
+            target=prefill_mc_main,
+            args=(child if pid == 0 else None, dataclasses.asdict(settings), pid, port),
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    child.close()
+    return parent, _ProcessGroup(processes)
+
+
 # -- the decode process ------------------------------------------------------------------------
 
 
@@ -585,12 +768,7 @@ def run_disaggregated(
 
     t_begin = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=prefill_main, args=(child, dataclasses.asdict(settings)), daemon=True
-    )
-    process.start()
-    child.close()
+    parent, process = _start_prefill(ctx, settings)
     results = {f"req-{i}": RequestResult(f"req-{i}") for i in range(settings.num_requests)}
     timings: dict[str, float] = {}
     transfer = None

@@ -36,6 +36,14 @@ from jaxkv.transfer._metadata import (
     encode_metadata,
     engine_metadata,
 )
+from jaxkv.transfer._multicontroller import (
+    KeyValueClient,
+    MultiControllerEngine,
+    MultiControllerPollResult,
+    StepChannel,
+    broadcast_block_ids,
+    distributed_client,
+)
 from jaxkv.transfer._params import FailedRead, PollResult, TransferParams, make_transfer_params
 from jaxkv.transfer._plan import (
     COPY_COLUMNS,
@@ -63,6 +71,12 @@ __all__ = [
     "LayoutAdvice",
     "HostMirror",
     "KVTransferEngine",
+    "KeyValueClient",
+    "MultiControllerEngine",
+    "MultiControllerPollResult",
+    "StepChannel",
+    "broadcast_block_ids",
+    "distributed_client",
     "NixlAgent",
     "PollResult",
     "ProtocolError",

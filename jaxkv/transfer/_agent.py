@@ -174,8 +174,19 @@ class NixlAgent:
         remote_descs = self._agent.get_xfer_descs(
             np.ascontiguousarray(remote, np.uint64), remote_kind or kind
         )
-        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote_name, notif)
-        status = self._agent.transfer(handle)
+        handle = None
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ", local_descs, remote_descs, remote_name, notif
+            )
+            status = self._agent.transfer(handle)
+        except Exception as error:  # noqa: BLE001 - NIXL's errors (a dead peer) are untyped
+            if handle is not None:
+                self.release(handle)
+            raise ConnectionError(
+                f"NIXL could not post a READ from {remote_name!r}: {type(error).__name__}: "
+                f"{error}"
+            ) from error
         if status == "ERR":
             self.release(handle)
             raise ConnectionError(f"NIXL refused to post a READ from {remote_name!r}")

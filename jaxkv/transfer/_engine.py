@@ -346,6 +346,29 @@ class KVTransferEngine:
         """The registered caches, current versions (post-processing updates them)."""
         return tuple(entry.cache for entry in self._registry.caches)
 
+    def adopt_generation(self, generation: int) -> None:
+        """Sets this process's generation (and republishes its metadata): every process of a
+        multi-controller engine serves one merged metadata under one generation
+        (`jaxkv.transfer.MultiControllerEngine` calls this; peers check it in every `Done`).
+
+        Raises:
+          ValueError: a generation outside ``[0, 2**62)``.
+        """
+        if not 0 <= int(generation) < (1 << 62):
+            raise ValueError(f"generation must be in [0, 2**62), got {generation}")
+        with self._lock:
+            self._registry.generation = int(generation)
+            if self._registry.meta is not None:
+                self._registry.publish()
+
+    def published_layers(self, request_id: str) -> int | None:
+        """Producer: how many global layers of a pinned request are published (readable:
+        ``[0, n)``), or None when the request is not pinned (never published, freed, expired
+        or aborted). With ``n == num_layers`` the whole request is readable."""
+        with self._lock:
+            pinned = self.producer.pinned.get(request_id)
+            return None if pinned is None or pinned.deadline < 0 else pinned.layer_stop
+
     # -- handshake ------------------------------------------------------------------------
 
     def add_peer(self, engine_id: str, addresses: Sequence[tuple[str, int]]) -> EngineMetadata:
