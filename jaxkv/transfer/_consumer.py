@@ -178,8 +178,11 @@ class Consumer:
         targets = {}
         for address, meta in zip(addresses, metas):
             for agent in meta.agents:
+                # A multi-controller engine serves every process's agent from one address;
+                # each agent names the side channel of its own process.
+                control = address_tuple(agent.control) if agent.control else address
                 targets[agent.name] = self.control.connect(
-                    address_tuple(address), agent.name, names[agent.name]
+                    address_tuple(control), agent.name, names[agent.name]
                 )
         generations = {a.name: m.generation for m in metas for a in m.agents}
         self.peers[engine_id] = Peer(

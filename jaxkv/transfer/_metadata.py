@@ -78,10 +78,15 @@ class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A NIXL agent: its name and its serialized metadata (`get_agent_metadata`)."""
+    """One process's transport endpoint: its name, its serialized transport metadata (NIXL:
+    `get_agent_metadata`) and the side-channel address of its process, where control messages
+    for the ranks it serves go (None: the address the metadata was fetched from; a
+    multi-controller engine serves every process's entry from one address)."""
 
     name: _Name
     metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA_BYTES)]
+    control: tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=255)],
+                   Annotated[int, msgspec.Meta(ge=1, le=65535)]] | None = None
 
 
 class RankInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

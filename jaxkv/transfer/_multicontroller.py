@@ -40,14 +40,10 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from jaxkv.transfer._engine import (
-    FailedRead,
-    KVTransferEngine,
-    PollResult,
-    TransferParams,
-    _merge,
-)
+from jaxkv.transfer._consumer import merge_metadata
+from jaxkv.transfer._engine import KVTransferEngine
 from jaxkv.transfer._metadata import EngineMetadata, MetadataError, decode_metadata
+from jaxkv.transfer._params import FailedRead, PollResult, TransferParams
 from jaxkv.transfer._side_channel import MetadataServer
 from jaxkv.transfer._stats import WorkerAggregator
 
@@ -368,7 +364,7 @@ class MultiControllerEngine:
                 payload = _get(client, f"{base}/part/{pid}", self.timeout_s,
                                f"metadata of process {pid}")
                 parts.append(decode_metadata(payload, self.engine.engine_id))
-            merged = _merge(parts)
+            merged = merge_metadata(parts)
             agents = [a.name for a in merged.agents]
             if len(set(agents)) != len(agents):
                 raise MetadataError("two processes publish the same NIXL agent name")

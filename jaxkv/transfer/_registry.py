@@ -8,6 +8,7 @@ import itertools
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from jaxkv._parallel import EngineConfig
@@ -186,13 +187,20 @@ class CacheRegistry:
                 return entry
         return None
 
+    def _control_address(self) -> tuple[str, int] | None:
+        """Where peers send this process's control messages; None (the address they fetched
+        the metadata from) when the side channel listens on a wildcard address."""
+        host, port = self.server.address
+        return None if host in ("", "0.0.0.0", "::") else (host, port)
+
     def publish(self) -> None:
         """Publishes the current metadata on the side channel."""
         self.meta = engine_metadata(
             self.engine_id,
             self.config,
             list(self.ranks.values()),
-            self.transport.describe(),
+            [msgspec.structs.replace(agent, control=self._control_address())
+             for agent in self.transport.describe()],
             self.generation,
             self.block_hashing,
             self.transport.name,
