@@ -929,7 +929,6 @@ class KVTransferEngine:
                 return
             for plan in state.plans:
                 for remote_rank in plan.read_ranks:
-                    loc, rem = plan.expanded_descriptors(self.metadata, peer.meta, remote_rank)
                     info = peer.meta.rank_info(remote_rank)
                     name = peer.agents[info.agent_name]
                     kind = self._ranks[plan.local_rank].regions[0].memory_kind
@@ -941,7 +940,9 @@ class KVTransferEngine:
                     done = b""
                     if self._attach_done:
                         done = self._done_message(state, plan.local_rank, remote_rank, ok=True)
-                    handle = self.agent.read(loc, rem, name, kind, remote_kind, notif=done)
+                    handle = self.agent.read_plan(
+                        plan, self.metadata, peer.meta, remote_rank, name, kind, remote_kind, done
+                    )
                     state.handles.append((name, handle))
                     if done:
                         state.attached.add((plan.local_rank, remote_rank))
