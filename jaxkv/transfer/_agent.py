@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ import numpy as np
 from jaxkv.transfer._plan import ReadPlan, ReadPlanner
 
 __all__ = ["AgentOptions", "NixlAgent", "load_nixl", "nixl_available"]
+
+_log = logging.getLogger(__name__)
 
 _NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 
@@ -193,7 +196,12 @@ class NixlAgent:
         remote_descs = self._agent.get_xfer_descs(
             np.ascontiguousarray(remote, np.uint64), remote_kind or kind
         )
-        handle = self._agent.initialize_xfer("READ", local_descs, remote_descs, remote_name, notif)
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ", local_descs, remote_descs, remote_name, notif
+            )
+        except Exception as error:  # noqa: BLE001 - NIXL's own error types
+            raise ConnectionError(f"NIXL refused a READ from {remote_name!r}: {error!r}") from error
         return self._post(handle, remote_name)
 
     def read_plan(
@@ -226,9 +234,14 @@ class NixlAgent:
             pair = self._prepared(planner, remote_rank, remote_name, kind, remote_kind or kind)
             indices = None if pair is None else planner.prepped_indices(plan, remote_rank)
             if pair is not None and indices is not None:
-                handle = self._agent.make_prepped_xfer(
-                    "READ", pair.local, indices[0], pair.remote, indices[1], notif
-                )
+                try:
+                    handle = self._agent.make_prepped_xfer(
+                        "READ", pair.local, indices[0], pair.remote, indices[1], notif
+                    )
+                except Exception as error:  # noqa: BLE001 - NIXL's own error types
+                    raise ConnectionError(
+                        f"NIXL refused a READ from {remote_name!r}: {error!r}"
+                    ) from error
                 self.prepped_reads += 1
                 return self._post(handle, remote_name)
         loc, rem = plan.expanded_descriptors(local_meta, remote_meta, remote_rank)
@@ -246,13 +259,17 @@ class NixlAgent:
             tables = planner.block_table(remote_rank)
             pair = None
             if tables is not None:
-                local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", tables[0], kind)
+                local = remote = None
                 try:
+                    local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", tables[0], kind)
                     remote = self._agent.prep_xfer_dlist(remote_name, tables[1], remote_kind)
-                except Exception:
-                    self._agent.release_dlist_handle(local)
-                    raise
-                pair = _Prepped(local, remote)
+                    pair = _Prepped(local, remote)
+                except Exception as error:  # noqa: BLE001 - reads fall back to descriptors
+                    _log.warning("preparing descriptor lists for %s failed: %r", remote_name,
+                                 error)
+                    if local is not None:
+                        with contextlib.suppress(Exception):
+                            self._agent.release_dlist_handle(local)
             while len(self._prepped) >= _MAX_PREPPED:
                 self._release(self._prepped.pop(next(iter(self._prepped)))[1])
             self._prepped[key] = (planner, pair)
