@@ -26,7 +26,8 @@ acknowledged). The bare READs are timed under the same producer load, alternatin
 pulls: after another bare READ (``bare_read``), carrying a 160-byte notification (what a Done
 riding on the READ costs), and right after such a notification went over the same endpoint
 (``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
-jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
+jaxkv's do). ``start_read_call`` is the time spent in the `start_read` call itself (planning and posting).
+``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
@@ -203,6 +204,7 @@ def small_requests(args) -> dict:
             params = parent.recv()
             start = time.perf_counter()
             engine.start_read(params, local_ids)
+            posted = time.perf_counter() - start
             finished = []
 
             def done():
@@ -216,21 +218,23 @@ def small_requests(args) -> dict:
             confirmed = time.perf_counter() - start
             record = engine.stats.records[-1]
             assert record.request_id == request_id
-            return record.duration_s, confirmed
+            return record.duration_s, confirmed, posted
 
         results = {}
         for load, busy_s in (("idle", 0.0), ("busy_10ms", 0.010)):
             parent.send(("busy", busy_s))
             iters = parent.recv()
             times = {"bare_read": [], "bare_read_notif_160B": [],
-                     "bare_read_after_notif": [], "landed": [], "confirmed": []}
+                     "bare_read_after_notif": [], "start_read_call": [], "landed": [],
+                     "confirmed": []}
             for rep in range(args.repeats + 3):
                 bare()
                 b = bare()  # after a bare READ: nothing else on the endpoint
                 bn = bare(notif)
                 ba = bare()  # right after a notification went over the same endpoint
-                landed, confirmed = pull(f"{load}-{rep}")
+                landed, confirmed, posted = pull(f"{load}-{rep}")
                 if rep >= 3:  # warm-up
+                    times["start_read_call"].append(posted)
                     times["bare_read"].append(b)
                     times["bare_read_notif_160B"].append(bn)
                     times["bare_read_after_notif"].append(ba)
@@ -244,6 +248,11 @@ def small_requests(args) -> dict:
                 "landed_vs_bare": med["landed"] / med["bare_read"],
                 "confirmed_vs_bare": med["confirmed"] / med["bare_read"],
                 "landed_vs_bare_after_notif": med["landed"] / med["bare_read_after_notif"],
+                # each pull against the bare READ of its own repetition: less sensitive to
+                # the load changing during the run
+                "landed_vs_bare_paired": statistics.median(
+                    [t / b for t, b in zip(times["landed"], times["bare_read"])]
+                ),
             }
         idle, busy = results["idle"], results["busy_10ms"]
         out.update(
@@ -263,6 +272,7 @@ def small_requests(args) -> dict:
                                            "pass": busy["landed_vs_bare"] <= 2.0},
             },
             stats=engine.stats.summary(),
+            prepped_reads=getattr(engine.agent, "prepped_reads", None),
         )
         engine.close()
     finally:

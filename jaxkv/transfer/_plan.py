@@ -673,6 +673,8 @@ def _expand(
 
 # -- planners: everything but the ids resolved once per (local, rank, remote) ---------------
 
+_SMALL = 64  # ids checked as Python ints up to this many
+
 PREP_MAX_ENTRIES = 1 << 20
 """Most descriptors one side of a prepared table may hold (`ReadPlanner.block_table`): one
 per (block, per-block chunk) of the whole registered cache. Larger caches are read with
@@ -725,6 +727,7 @@ class ReadPlanner:
         self._notify = tuple(range(remote.world_size))
         self._tpl_cache: _Templates | None = None  # built by the first request reading data
         self._remote_blocks_cache: dict[int, int] = {}
+        self._remote_blocks_min = 0
         self._post: tuple[tuple[dict, int], ...] = ()
         self._tables: dict[int, _PrepTable | None] = {}
 
@@ -751,17 +754,23 @@ class ReadPlanner:
                 f"of {self.local.block_size}"
             )
         remote_ids = remote_all[hit * ratio :]
-        _check_ids(local_ids, self._local_blocks, f"local rank {self.local_rank}")
-        if len(local_ids) != len(set(local_ids.tolist())):
+        listed = local_ids.tolist()
+        if listed and (min(listed) < 0 or max(listed) >= self._local_blocks):
+            _check_ids(local_ids, self._local_blocks, f"local rank {self.local_rank}")
+        if len(listed) != len(set(listed)):
             raise PlanError("local block ids repeat")
         engine = self.remote.engine_id
-        if len(local_ids) == 0:
+        if not listed:
             return ReadPlan(
                 self.local_rank, engine, (), (), self._notify, local_ids, remote_ids, self
             )
         tpl = self._tpl
-        for rr, num_blocks in self._remote_blocks_cache.items():
-            _check_ids(remote_ids, num_blocks, f"remote rank {rr}")
+        # Small requests are checked on Python ints: fewer numpy calls, each of which costs
+        # ~10x more right after the process waited (cold caches) than in a hot loop.
+        bounds = remote_ids.tolist() if len(remote_ids) <= _SMALL else remote_ids
+        if len(remote_ids) and (min(bounds) < 0 or max(bounds) >= self._remote_blocks_min):
+            for rr, num_blocks in self._remote_blocks_cache.items():
+                _check_ids(remote_ids, num_blocks, f"remote rank {rr}")
         post = tuple(
             PostProcess(**fields, array_index=array_index, block_ids=local_ids)
             for fields, array_index in self._post
@@ -782,6 +791,7 @@ class ReadPlanner:
             self._remote_blocks_cache = {
                 rr: self.remote.rank_info(rr).regions[0].num_blocks for rr in tpl.read_ranks
             }
+            self._remote_blocks_min = min(self._remote_blocks_cache.values(), default=0)
             regions = self._local_regions
             self._post = tuple((f, regions[f["region"]].array_index) for f in tpl.post)
             self._tpl_cache = tpl
@@ -818,8 +828,8 @@ class ReadPlanner:
             and len(plan.copies) < len(lids) * len(table.entries)
         ):
             return None  # runs merge into fewer descriptors: post the plan's own
-        li = (table.local_base + lids[None, :]).reshape(-1).astype(np.int32)
-        ri = (table.remote_base + rids[None, :]).reshape(-1).astype(np.int32)
+        li = np.add(table.local_base, lids.astype(np.int32)).reshape(-1)
+        ri = np.add(table.remote_base, rids.astype(np.int32)).reshape(-1)
         return li, ri
 
     def _table(self, remote_rank: int) -> _PrepTable | None:
@@ -867,7 +877,7 @@ class ReadPlanner:
             out[:, :, 2] = dev[entries[:, region_col]][:, None]
             return out.reshape(-1, 3)
 
-        ent = np.arange(len(entries), dtype=np.int64)[:, None]
+        ent = np.arange(len(entries), dtype=np.int32)[:, None]  # rows fit: PREP_MAX_ENTRIES
         return _PrepTable(
             local_rows=side(self._local_regions, 2, 3, nbl, lbl),
             remote_rows=side(remote_regions, 0, 1, nbr, rbl),
@@ -883,7 +893,7 @@ class _PrepTable:
     local_rows: np.ndarray  # uint64 [entries * local blocks, 3]
     remote_rows: np.ndarray  # uint64 [entries * remote blocks, 3]
     entries: np.ndarray  # int64 [entries, 5]: remote region, offset, local region, offset, len
-    local_base: np.ndarray  # int64 [entries, 1]: first row of each entry in local_rows
+    local_base: np.ndarray  # int32 [entries, 1]: first row of each entry in local_rows
     remote_base: np.ndarray
     block_bytes: int  # bytes read per block
 
