@@ -26,8 +26,8 @@ acknowledged). The bare READs are timed under the same producer load, alternatin
 pulls: after another bare READ (``bare_read``), carrying a 160-byte notification (what a Done
 riding on the READ costs), and right after such a notification went over the same endpoint
 (``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
-jaxkv's do). ``start_read_call`` is the time spent in the `start_read` call itself (planning and posting).
-``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
+jaxkv's do). ``start_read_call``: the time spent in the `start_read` call itself (planning
+and posting). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
