@@ -27,7 +27,9 @@ pulls: after another bare READ (``bare_read``), carrying a 160-byte notification
 riding on the READ costs), and right after such a notification went over the same endpoint
 (``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
 jaxkv's do). ``start_read_call``: the time spent in the `start_read` call itself (planning
-and posting). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
+and posting). ``bare_read_after_pipe``: a bare READ right after a round trip to the producer
+process, as each pull starts right after receiving its params (the process waited, its
+caches are cold). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
@@ -152,6 +154,8 @@ def _small_producer(conn, progress: float | None) -> None:
                     conn.send(iters)
                 elif command[0] == "pin":
                     conn.send(engine.publish_request(command[1], command[2]))
+                elif command[0] == "ping":
+                    conn.send(None)
             engine.poll()
             if busy:
                 step(x, iters).block_until_ready()
@@ -191,7 +195,10 @@ def small_requests(args) -> dict:
         assert len(loc) == 192 and int(loc[:, 1].sum()) == 192 << 10, (len(loc), loc[:, 1].sum())
         notif = b"x" * 160
 
-        def bare(notif=b""):
+        def bare(notif=b"", ping=False):
+            if ping:  # as a pull does: wait for the producer's answer first
+                parent.send(("ping",))
+                parent.recv()
             start = time.perf_counter()
             handle = engine.agent.read(loc, rem, remote_name, notif=notif)
             _wait(lambda: engine.agent.state(handle) == "DONE")
@@ -225,16 +232,18 @@ def small_requests(args) -> dict:
             parent.send(("busy", busy_s))
             iters = parent.recv()
             times = {"bare_read": [], "bare_read_notif_160B": [],
-                     "bare_read_after_notif": [], "start_read_call": [], "landed": [],
-                     "confirmed": []}
+                     "bare_read_after_notif": [], "bare_read_after_pipe": [],
+                     "start_read_call": [], "landed": [], "confirmed": []}
             for rep in range(args.repeats + 3):
                 bare()
                 b = bare()  # after a bare READ: nothing else on the endpoint
                 bn = bare(notif)
                 ba = bare()  # right after a notification went over the same endpoint
+                bp = bare(ping=True)  # right after a round trip to the producer, as pulls
                 landed, confirmed, posted = pull(f"{load}-{rep}")
                 if rep >= 3:  # warm-up
                     times["start_read_call"].append(posted)
+                    times["bare_read_after_pipe"].append(bp)
                     times["bare_read"].append(b)
                     times["bare_read_notif_160B"].append(bn)
                     times["bare_read_after_notif"].append(ba)
@@ -253,6 +262,7 @@ def small_requests(args) -> dict:
                 "landed_vs_bare_paired": statistics.median(
                     [t / b for t, b in zip(times["landed"], times["bare_read"])]
                 ),
+                "landed_vs_bare_after_pipe": med["landed"] / med["bare_read_after_pipe"],
             }
         idle, busy = results["idle"], results["busy_10ms"]
         out.update(
