@@ -675,10 +675,11 @@ def _expand(
 
 _SMALL = 64  # ids checked as Python ints up to this many
 
-PREP_MAX_ENTRIES = 1 << 20
+PREP_MAX_ENTRIES = 1 << 18
 """Most descriptors one side of a prepared table may hold (`ReadPlanner.block_table`): one
-per (block, per-block chunk) of the whole registered cache. Larger caches are read with
-descriptors built per request."""
+per (block, per-block chunk) of the whole registered cache. Preparing is paid by the first
+read of a (planner, remote rank): ~50 ms per side for 2**18 rows on the 2-core CPU VM. Larger
+caches are read with descriptors built per request."""
 
 PREPPED_MAX_BYTES = 8 << 20
 """Requests up to this size are posted from the prepared tables (one descriptor per block
@@ -801,9 +802,32 @@ class ReadPlanner:
         """Every descriptor any request may read from `remote_rank`, as two ``Nx3``
         ``(address, length, device)`` tables (local, remote) to prepare once; a request's
         descriptors are rows of them (`prepped_indices`). None: no such tables (a block-size
-        ratio, more than `PREP_MAX_ENTRIES` rows, or nothing read from that rank)."""
+        ratio, more than `PREP_MAX_ENTRIES` rows, or nothing read from that rank).
+
+        Built on each call and not kept (the poster prepares them once and keeps its own
+        lists): a planner holds only the per-block entries."""
         table = self._table(remote_rank)
-        return None if table is None else (table.local_rows, table.remote_rows)
+        if table is None:
+            return None
+        tpl, entries = self._tpl, table.entries
+        remote_regions = self.remote.rank_info(remote_rank).regions
+        rbl = int(tpl.remote_block_len[tpl.rows[:, _RR] == remote_rank][0])
+
+        def side(regions, region_col, offset_col, num_blocks, block_len):
+            base = np.array([r.base_address for r in regions], dtype=np.uint64)
+            dev = np.array([r.device_id for r in regions], dtype=np.uint64)
+            blocks = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
+            out = np.empty((len(entries), num_blocks, 3), dtype=np.uint64)
+            start = base[entries[:, region_col]] + entries[:, offset_col].astype(np.uint64)
+            out[:, :, 0] = start[:, None] + blocks[None, :]
+            out[:, :, 1] = entries[:, 4].astype(np.uint64)[:, None]
+            out[:, :, 2] = dev[entries[:, region_col]][:, None]
+            return out.reshape(-1, 3)
+
+        return (
+            side(self._local_regions, 2, 3, table.local_blocks, tpl.local_block_len),
+            side(remote_regions, 0, 1, table.remote_blocks, rbl),
+        )
 
     def prepped_indices(
         self, plan: ReadPlan, remote_rank: int
@@ -862,25 +886,10 @@ class ReadPlanner:
         nbl, nbr = self._local_blocks, self._remote_blocks_cache[remote_rank]
         if len(entries) * max(nbl, nbr) > PREP_MAX_ENTRIES:
             return None
-        remote_regions = self.remote.rank_info(remote_rank).regions
-        rbl = int(tpl.remote_block_len[tpl.rows[:, _RR] == remote_rank][0])
-        lbl = tpl.local_block_len
-
-        def side(regions, region_col, offset_col, num_blocks, block_len):
-            base = np.array([r.base_address for r in regions], dtype=np.uint64)
-            dev = np.array([r.device_id for r in regions], dtype=np.uint64)
-            blocks = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
-            out = np.empty((len(entries), num_blocks, 3), dtype=np.uint64)
-            start = base[entries[:, region_col]] + entries[:, offset_col].astype(np.uint64)
-            out[:, :, 0] = start[:, None] + blocks[None, :]
-            out[:, :, 1] = entries[:, 4].astype(np.uint64)[:, None]
-            out[:, :, 2] = dev[entries[:, region_col]][:, None]
-            return out.reshape(-1, 3)
-
         ent = np.arange(len(entries), dtype=np.int32)[:, None]  # rows fit: PREP_MAX_ENTRIES
         return _PrepTable(
-            local_rows=side(self._local_regions, 2, 3, nbl, lbl),
-            remote_rows=side(remote_regions, 0, 1, nbr, rbl),
+            local_blocks=nbl,
+            remote_blocks=nbr,
             entries=entries,
             local_base=ent * nbl,
             remote_base=ent * nbr,
@@ -890,10 +899,10 @@ class ReadPlanner:
 
 @dataclasses.dataclass(frozen=True)
 class _PrepTable:
-    local_rows: np.ndarray  # uint64 [entries * local blocks, 3]
-    remote_rows: np.ndarray  # uint64 [entries * remote blocks, 3]
+    local_blocks: int
+    remote_blocks: int
     entries: np.ndarray  # int64 [entries, 5]: remote region, offset, local region, offset, len
-    local_base: np.ndarray  # int32 [entries, 1]: first row of each entry in local_rows
+    local_base: np.ndarray  # int32 [entries, 1]: first row of each entry in the local table
     remote_base: np.ndarray
     block_bytes: int  # bytes read per block
 
