@@ -26,8 +26,11 @@ acknowledged). The bare READs are timed under the same producer load, alternatin
 pulls: after another bare READ (``bare_read``), carrying a 160-byte notification (what a Done
 riding on the READ costs), and right after such a notification went over the same endpoint
 (``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
-jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` / ``--control=tcp|nixl`` measure the
-alternatives:
+jaxkv's do). ``start_read_call``: the time spent in the `start_read` call itself (planning
+and posting). ``bare_read_after_pipe``: a bare READ right after a round trip to the producer
+process, as each pull starts right after receiving its params (the process waited, its
+caches are cold). ``--done_apart`` / ``--no_progress_thread`` / ``--control=tcp|nixl``
+measure the alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
@@ -152,6 +155,8 @@ def _small_producer(conn, progress: float | None, control: str = "auto") -> None
                     conn.send(iters)
                 elif command[0] == "pin":
                     conn.send(engine.publish_request(command[1], command[2]))
+                elif command[0] == "ping":
+                    conn.send(None)
             engine.poll()
             if busy:
                 step(x, iters).block_until_ready()
@@ -203,7 +208,10 @@ def small_requests(args) -> dict:
         assert len(loc) == 192 and int(loc[:, 1].sum()) == 192 << 10, (len(loc), loc[:, 1].sum())
         notif = b"x" * 160
 
-        def bare(notif=b""):
+        def bare(notif=b"", ping=False):
+            if ping:  # as a pull does: wait for the producer's answer first
+                parent.send(("ping",))
+                parent.recv()
             start = time.perf_counter()
             handle = engine.agent.read(loc, rem, remote_name, notif=notif)
             _wait(lambda: engine.agent.state(handle) == "DONE")
@@ -216,6 +224,7 @@ def small_requests(args) -> dict:
             params = parent.recv()
             start = time.perf_counter()
             engine.start_read(params, local_ids)
+            posted = time.perf_counter() - start
             finished = []
 
             def done():
@@ -229,7 +238,7 @@ def small_requests(args) -> dict:
             confirmed = time.perf_counter() - start
             record = engine.stats.records[-1]
             assert record.request_id == request_id
-            return record.duration_s, confirmed
+            return record.duration_s, confirmed, posted
 
         def key(name, variant):
             return name if variant == variants[0] else f"{name}[{variant}]"
@@ -239,7 +248,8 @@ def small_requests(args) -> dict:
             parent.send(("busy", busy_s))
             iters = parent.recv()
             times = {"bare_read": [], "bare_read_notif_160B": [],
-                     "bare_read_after_notif": [], "landed": [], "confirmed": []}
+                     "bare_read_after_notif": [], "bare_read_after_pipe": [],
+                     "start_read_call": [], "landed": [], "confirmed": []}
             for variant in variants[1:]:
                 times[f"landed[{variant}]"], times[f"confirmed[{variant}]"] = [], []
             for rep in range(args.repeats + 3):
@@ -247,13 +257,16 @@ def small_requests(args) -> dict:
                 b = bare()  # after a bare READ: nothing else on the endpoint
                 bn = bare(notif)
                 ba = bare()  # right after a notification went over the same endpoint
-                landed, confirmed = pull(f"{load}-{rep}")
+                bp = bare(ping=True)  # right after a round trip to the producer, as pulls
+                landed, confirmed, posted = pull(f"{load}-{rep}")
                 for variant in variants[1:]:
                     other = pull(f"{load}-{rep}-{variant}", engines[variant])
                     if rep >= 3:
                         times[f"landed[{variant}]"].append(other[0])
                         times[f"confirmed[{variant}]"].append(other[1])
                 if rep >= 3:  # warm-up
+                    times["start_read_call"].append(posted)
+                    times["bare_read_after_pipe"].append(bp)
                     times["bare_read"].append(b)
                     times["bare_read_notif_160B"].append(bn)
                     times["bare_read_after_notif"].append(ba)
@@ -274,6 +287,12 @@ def small_requests(args) -> dict:
                     }
                     for variant in variants
                 },
+                # each pull against the bare READ of its own repetition: less sensitive to
+                # the load changing during the run
+                "landed_vs_bare_paired": statistics.median(
+                    [t / b for t, b in zip(times["landed"], times["bare_read"])]
+                ),
+                "landed_vs_bare_after_pipe": med["landed"] / med["bare_read_after_pipe"],
             }
         idle, busy = results["idle"], results["busy_10ms"]
         out.update(
@@ -296,6 +315,7 @@ def small_requests(args) -> dict:
                                            "pass": busy["landed_vs_bare"] <= 2.0},
             },
             stats=engine.stats.summary(),
+            prepped_reads=getattr(engine.agent, "prepped_reads", None),
         )
         for each in engines.values():
             each.close()

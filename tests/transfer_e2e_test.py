@@ -132,6 +132,12 @@ class TransferE2ETest(tt.TransferTestBase):
         record = engine.stats.records[-1]
         replicas = max(1, d_tp // spec_d.num_kv_heads)  # each decode replica reads its copy
         self.assertEqual(record.bytes, spec_d.cache_nbytes(len(local_ids)) * replicas)
+        # equal block sizes: every READ picks its rows from prepared descriptor lists
+        if ratio == 1:
+            self.assertGreater(engine.agent.prepped_reads, 0)
+            self.assertEqual(engine.agent.prepped_reads, engine.agent.num_prepped)
+        else:
+            self.assertEqual(engine.agent.prepped_reads, 0)
         return engine, cache
 
     def test_pipeline_parallel_producer(self):

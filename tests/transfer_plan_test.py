@@ -5,13 +5,22 @@ from __future__ import annotations
 import itertools
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import transfer_testing as tt
 from absl.testing import absltest, parameterized
 
 from jaxkv import EngineConfig, KVCacheSpec
-from jaxkv.transfer import IncompatibleEngineError, PlanError, plan_read
+from jaxkv.transfer import (
+    IncompatibleEngineError,
+    PlanError,
+    RankInfo,
+    engine_metadata,
+    plan_read,
+)
+from jaxkv.transfer import _plan as plan_module
+from jaxkv.transfer._plan import read_planner
 
 NUM_BLOCKS = 16
 REMOTE_IDS = [3, 4, 5, 9, 10, 2]  # runs of consecutive ids and a break
@@ -48,10 +57,12 @@ def run_case(
     decode = tt.NumpyEngine(cfg_d, NUM_BLOCKS, seed=2)
     before = {r: [b.copy() for b in bufs] for r, bufs in decode.buffers.items()}
     local_ids = LOCAL_IDS[: n_local - hit]
+    prepped = tt.NumpyEngine(cfg_d, NUM_BLOCKS, seed=2)  # the same reads from prepared tables
     for rank in range(cfg_d.world_size):
         plan = plan_read(meta_d, rank, meta_p, local_ids, REMOTE_IDS)
         test.assertEqual(plan.notify_only, not local_ids)
         tt.apply_plan(plan, decode, prefill)
+        check_prepped(test, plan, meta_d, meta_p, prepped, prefill)
         expected = decode.slice_of(rank, g, hit * spec_d.block_size, len(local_ids))
         for region, want in enumerate(expected):
             if not local_ids:
@@ -67,7 +78,39 @@ def run_case(
                 decode.region_blocks(rank, region, untouched),
                 before[rank][region].reshape(NUM_BLOCKS, -1)[untouched],
             )
+    if ratio == 1:  # prepared tables exist: the same bytes everywhere, untouched ones included
+        for rank, buffers in decode.buffers.items():
+            for region, buffer in enumerate(buffers):
+                np.testing.assert_array_equal(
+                    prepped.buffers[rank][region], buffer, err_msg=f"prepped rank {rank} {region}"
+                )
     return plan
+
+
+def check_prepped(test, plan, meta_d, meta_p, prepped, prefill):
+    """Posts `plan` as a poster with prepared tables does (rows picked by index) into
+    `prepped`; with a block-size ratio there are no tables."""
+    planner = plan.planner
+    test.assertIsNotNone(planner)
+    for rr in plan.read_ranks:
+        tables = planner.block_table(rr)
+        indices = planner.prepped_indices(plan, rr)
+        if planner.ratio != 1:
+            test.assertIsNone(tables)
+            test.assertIsNone(indices)
+            continue
+        test.assertIsNotNone(tables)
+        test.assertIsNotNone(indices)
+        local_rows, remote_rows = tables
+        li, ri = indices
+        test.assertEqual(li.dtype, np.int32)
+        # as many bytes as the plan's own descriptors
+        loc, _ = plan.expanded_descriptors(meta_d, meta_p, rr)
+        test.assertEqual(int(local_rows[li, 1].sum()), int(loc[:, 1].sum()))
+        tt.apply_rows(local_rows[li], remote_rows[ri], prepped, prefill)
+    for step in plan.post:
+        view = prepped.buffers[plan.local_rank][step.region].reshape(prepped.num_blocks, -1)
+        view[step.block_ids] = step.rearrange(view[step.block_ids])
 
 
 TP_PAIRS = [(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2)]
@@ -216,6 +259,91 @@ class PlanPropertiesTest(absltest.TestCase):
             IncompatibleEngineError, "block_size: local 8 is not a multiple"
         ):
             plan_read(meta_d, 0, meta_p, [1], [1])
+
+
+class PlannerCacheTest(absltest.TestCase):
+    """Planners (and the prepared tables they hand out) are cached per metadata object and
+    generation; a re-registration must never be read with the old addresses."""
+
+    def setUp(self):
+        super().setUp()
+        self.spec = KVCacheSpec(2, 2, 4, 4, "bfloat16", layout="HTD")
+        self.config = EngineConfig(self.spec, 1)
+        self.meta_d = tt.fake_metadata("d", self.config, NUM_BLOCKS, generation=5)
+
+    def reregistered(self, meta, generation, shift):
+        """`meta` after a re-registration: a new generation, every region moved."""
+        ranks = [
+            RankInfo(
+                rank=info.rank,
+                agent_name=info.agent_name,
+                regions=[
+                    msgspec.structs.replace(r, base_address=r.base_address + shift)
+                    for r in info.regions
+                ],
+            )
+            for info in meta.ranks
+        ]
+        return engine_metadata(meta.engine_id, self.config, ranks, meta.agents, generation)
+
+    def test_cached_plan_not_reused_across_a_generation_bump(self):
+        meta_p = tt.fake_metadata("p", self.config, NUM_BLOCKS, generation=1)
+        first = plan_read(self.meta_d, 0, meta_p, LOCAL_IDS, REMOTE_IDS)
+        self.assertIs(read_planner(self.meta_d, 0, meta_p), first.planner)  # cached
+        old_rows = first.planner.block_table(0)[1]
+        moved = self.reregistered(meta_p, generation=2, shift=1 << 30)
+        second = plan_read(self.meta_d, 0, moved, LOCAL_IDS, REMOTE_IDS)
+        self.assertIsNot(second.planner, first.planner)
+        self.assertEqual(second.planner.generations, (5, 2))
+        # every remote address of the new plan, by descriptors or by prepared rows, is the
+        # old one moved: none points into the released regions
+        _, old_rem = first.expanded_descriptors(self.meta_d, meta_p, 0)
+        _, new_rem = second.expanded_descriptors(self.meta_d, moved, 0)
+        np.testing.assert_array_equal(new_rem[:, 0], old_rem[:, 0] + (1 << 30))
+        new_rows = second.planner.block_table(0)[1]
+        np.testing.assert_array_equal(new_rows[:, 0], old_rows[:, 0] + (1 << 30))
+        ri = second.planner.prepped_indices(second, 0)[1]
+        self.assertFalse(np.isin(new_rows[ri, 0], old_rows[:, 0]).any())
+        # a plan is only posted from the tables of the planner that made it
+        with self.assertRaisesRegex(ValueError, "another planner"):
+            second.planner.prepped_indices(first, 0)
+
+    def test_same_generation_other_metadata_object_gets_its_own_planner(self):
+        # Identity, not only the generation number, keys the cache: metadata fetched again
+        # (another object) is planned afresh even if a peer failed to bump its generation.
+        meta_p = tt.fake_metadata("p", self.config, NUM_BLOCKS, generation=1)
+        again = self.reregistered(meta_p, generation=1, shift=1 << 30)
+        self.assertIsNot(read_planner(self.meta_d, 0, meta_p), read_planner(self.meta_d, 0, again))
+        plan = plan_read(self.meta_d, 0, again, LOCAL_IDS, REMOTE_IDS)
+        rows = plan.planner.block_table(0)[1]
+        self.assertTrue((rows[:, 0] >= (1 << 30)).all())
+
+    def test_large_merging_request_posted_from_its_own_descriptors(self):
+        spec = KVCacheSpec(4, 8, 128, 16, "bfloat16", layout="HTD")  # 32 KiB per block/array
+        meta_p = tt.fake_metadata("p", EngineConfig(spec, 1), 1024)
+        meta_d = tt.fake_metadata("d", EngineConfig(spec, 1), 1024)
+        ids = np.arange(100, 200)  # one run of 100 blocks: 25 MiB in 8 descriptors
+        plan = plan_read(meta_d, 0, meta_p, ids, ids)
+        self.assertIsNone(plan.planner.prepped_indices(plan, 0))
+        scattered = np.arange(0, 200, 2)  # no runs: prepared rows are the plan's descriptors
+        plan = plan_read(meta_d, 0, meta_p, scattered, ids)
+        li, _ = plan.planner.prepped_indices(plan, 0)
+        self.assertLen(li, plan.num_descriptors)
+        small = plan_read(meta_d, 0, meta_p, ids[:8], ids[:8])  # 2 MiB: from the tables
+        self.assertIsNotNone(small.planner.prepped_indices(small, 0))
+
+    def test_no_tables_beyond_the_entry_cap(self):
+        meta_p = tt.fake_metadata("p", self.config, NUM_BLOCKS, generation=1)
+        planner = read_planner(self.meta_d, 0, meta_p, layers=(0, 1))
+        old = plan_module.PREP_MAX_ENTRIES
+        plan_module.PREP_MAX_ENTRIES = NUM_BLOCKS  # fewer than 2 arrays x 16 blocks
+        try:
+            self.assertIsNone(planner.block_table(0))
+            plan = planner.plan(LOCAL_IDS, REMOTE_IDS)
+            self.assertIsNone(planner.prepped_indices(plan, 0))
+            self.assertGreater(plan.num_descriptors, 0)  # still planned: posted per request
+        finally:
+            plan_module.PREP_MAX_ENTRIES = old
 
 
 def _cpu_seconds(fn) -> float:

@@ -42,6 +42,8 @@ class ReregisterTest(tt.TransferTestBase):
         params = self.call(self.conn, "pin", "req-1", REMOTE_IDS, 30.0)
         self.assertEqual(self.read(engine, params, "req-1"), (["req-1"], []))
         self.check_cache(cache, config, self.g, LOCAL_IDS)
+        # posted from descriptor lists prepared for this generation of the producer
+        self.assertEqual((engine.agent.prepped_reads, engine.agent.num_prepped), (1, 1))
         registrations = self.assert_freed(self.conn, "req-1")[3]
         # New buffers; the request's tokens now live in other blocks (the old buffers'
         # OTHER_IDS blocks hold random bytes: a stale read cannot pass the check).
@@ -50,6 +52,9 @@ class ReregisterTest(tt.TransferTestBase):
         self.assertNotEqual(params2.generation, params.generation)
         self.assertEqual(self.read(engine, params2, "req-2"), (["req-2"], []))
         self.check_cache(cache, config, self.g, LOCAL_IDS)
+        # new lists for the new generation; the old generation's were released with the
+        # re-handshake (not reused: the bytes above come from the new buffers)
+        self.assertEqual((engine.agent.prepped_reads, engine.agent.num_prepped), (2, 1))
         state = self.call(self.conn, "state")
         self.assertEqual(state[3], registrations)  # the old buffers were deregistered
 

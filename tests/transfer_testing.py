@@ -147,6 +147,25 @@ def apply_plan(plan, local: NumpyEngine, remote: NumpyEngine) -> None:
         view[step.block_ids] = step.rearrange(view[step.block_ids])
 
 
+def apply_rows(
+    local_rows: np.ndarray, remote_rows: np.ndarray, local: NumpyEngine, remote: NumpyEngine
+) -> None:
+    """Simulates ``Nx3`` ``(address, length, device)`` descriptor pairs between `fake_regions`
+    (an address names its rank, region and offset: `REGION_STRIDE`)."""
+
+    def where(address: int) -> tuple[int, int, int]:
+        return address >> 44, (address >> 36) & 0xFF, address & (REGION_STRIDE - 1)
+
+    assert local_rows.shape == remote_rows.shape, (local_rows.shape, remote_rows.shape)
+    for (la, length, _), (ra, r_length, _) in zip(local_rows.tolist(), remote_rows.tolist()):
+        assert length == r_length, "a descriptor pair of unequal lengths"
+        lr, lg, lo = where(la)
+        rr, rg, ro = where(ra)
+        src, dst = remote.buffers[rr][rg], local.buffers[lr][lg]
+        assert ro + length <= src.size and lo + length <= dst.size, "descriptor out of bounds"
+        dst[lo : lo + length] = src[ro : ro + length]
+
+
 # -- real transfers: a producer engine in a child process ------------------------------------
 
 

@@ -8,13 +8,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxkv.transfer._plan import ReadPlan, ReadPlanner
+
 __all__ = ["AgentOptions", "NixlAgent", "load_nixl", "nixl_available"]
+
+_log = logging.getLogger(__name__)
 
 _NIXL_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 
@@ -63,6 +68,15 @@ class AgentOptions:
     num_threads: int = 0
 
 
+_MAX_PREPPED = 64  # (planner, remote rank, agent) list pairs held; the oldest are released
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepped:
+    local: Any  # NIXL prepped descriptor list handles
+    remote: Any
+
+
 class NixlAgent:
     """One NIXL agent with registration bookkeeping.
 
@@ -92,6 +106,11 @@ class NixlAgent:
         self._remote: set[str] = set()
         self._inbox: dict[str, list[bytes]] = {}
         self._lock = threading.RLock()
+        # Prepared descriptor lists per (planner, remote rank, remote agent): a planner is
+        # made for one pair of metadata objects (one generation of each side), so a list is
+        # never used with addresses of another generation. None: the planner has no tables.
+        self._prepped: dict[tuple[int, int, str], tuple[ReadPlanner, _Prepped | None]] = {}
+        self.prepped_reads = 0  # READs posted from prepared lists (the rest: per request)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -113,6 +132,8 @@ class NixlAgent:
 
     def deregister(self, regions: Sequence[tuple[int, int, int, str]]) -> None:
         with self._lock:
+            # Prepared lists point into the registrations: released before any goes away.
+            self.release_prepped()
             for key in regions:
                 key = (int(key[0]), int(key[1]), int(key[2]), str(key[3]))
                 if key not in self._registered:
@@ -148,6 +169,7 @@ class NixlAgent:
 
     def remove_remote(self, name: str) -> None:
         with self._lock:
+            self.release_prepped(name)
             if name in self._remote:
                 self._remote.discard(name)
                 with contextlib.suppress(Exception):  # best effort on a dead peer
@@ -174,15 +196,108 @@ class NixlAgent:
         remote_descs = self._agent.get_xfer_descs(
             np.ascontiguousarray(remote, np.uint64), remote_kind or kind
         )
-        handle = None
         try:
             handle = self._agent.initialize_xfer(
                 "READ", local_descs, remote_descs, remote_name, notif
             )
+        except Exception as error:  # noqa: BLE001 - NIXL's own error types
+            raise ConnectionError(f"NIXL refused a READ from {remote_name!r}: {error!r}") from error
+        return self._post(handle, remote_name)
+
+    def read_plan(
+        self,
+        plan: ReadPlan,
+        local_meta: Any,
+        remote_meta: Any,
+        remote_rank: int,
+        remote_name: str,
+        kind: str = "DRAM",
+        remote_kind: str | None = None,
+        notif: bytes = b"",
+    ) -> Any:
+        """Posts the READs of `plan` from `remote_rank` (agent `remote_name`); returns the
+        handle as `read` does.
+
+        The first read of a (planner, remote rank) prepares NIXL descriptor lists of every
+        block of both caches (`ReadPlanner.block_table`); this and later reads then only pick
+        their rows by index (`make_prepped_xfer`) instead of building, validating and
+        preparing two descriptor lists per request. Plans without tables (block-size ratios,
+        caches too large to prepare, large requests whose runs merge) are posted from their
+        own descriptors. Lists are released with the remote agent (`remove_remote`), before
+        any deregistration, and at `close`.
+
+        Raises:
+          ConnectionError: NIXL refused the READ.
+        """
+        planner = plan.planner
+        if planner is not None:
+            pair = self._prepared(planner, remote_rank, remote_name, kind, remote_kind or kind)
+            indices = None if pair is None else planner.prepped_indices(plan, remote_rank)
+            if pair is not None and indices is not None:
+                try:
+                    handle = self._agent.make_prepped_xfer(
+                        "READ", pair.local, indices[0], pair.remote, indices[1], notif
+                    )
+                except Exception as error:  # noqa: BLE001 - NIXL's own error types
+                    raise ConnectionError(
+                        f"NIXL refused a READ from {remote_name!r}: {error!r}"
+                    ) from error
+                self.prepped_reads += 1
+                return self._post(handle, remote_name)
+        loc, rem = plan.expanded_descriptors(local_meta, remote_meta, remote_rank)
+        return self.read(loc, rem, remote_name, kind, remote_kind, notif)
+
+    def _prepared(
+        self, planner: ReadPlanner, remote_rank: int, remote_name: str, kind: str,
+        remote_kind: str,
+    ) -> _Prepped | None:
+        key = (id(planner), remote_rank, remote_name)
+        with self._lock:
+            held = self._prepped.get(key)
+            if held is not None:  # the entry keeps the planner alive: its id is not reused
+                return held[1]
+            tables = planner.block_table(remote_rank)
+            pair = None
+            if tables is not None:
+                local = remote = None
+                try:
+                    local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", tables[0], kind)
+                    remote = self._agent.prep_xfer_dlist(remote_name, tables[1], remote_kind)
+                    pair = _Prepped(local, remote)
+                except Exception as error:  # noqa: BLE001 - reads fall back to descriptors
+                    _log.warning("preparing descriptor lists for %s failed: %r", remote_name,
+                                 error)
+                    if local is not None:
+                        with contextlib.suppress(Exception):
+                            self._agent.release_dlist_handle(local)
+            while len(self._prepped) >= _MAX_PREPPED:
+                self._release(self._prepped.pop(next(iter(self._prepped)))[1])
+            self._prepped[key] = (planner, pair)
+            return pair
+
+    def release_prepped(self, remote_name: str | None = None) -> None:
+        """Releases the prepared descriptor lists (of one remote agent, or all)."""
+        with self._lock:
+            for key in [k for k in self._prepped if remote_name in (None, k[2])]:
+                self._release(self._prepped.pop(key)[1])
+
+    def _release(self, pair: _Prepped | None) -> None:
+        if pair is None:
+            return
+        for handle in (pair.local, pair.remote):
+            with contextlib.suppress(Exception):  # best effort on a dead peer
+                self._agent.release_dlist_handle(handle)
+
+    @property
+    def num_prepped(self) -> int:
+        """Prepared (local, remote) list pairs held."""
+        return sum(pair is not None for _, pair in self._prepped.values())
+
+    def _post(self, handle: Any, remote_name: str) -> Any:
+        try:
             status = self._agent.transfer(handle)
         except Exception as error:  # noqa: BLE001 - NIXL's errors (a dead peer) are untyped
-            if handle is not None:
-                self.release(handle)
+            self.release(handle)
             raise ConnectionError(
                 f"NIXL could not post a READ from {remote_name!r}: {type(error).__name__}: "
                 f"{error}"
@@ -233,6 +348,7 @@ class NixlAgent:
     def close(self) -> None:
         """Deregisters everything and forgets the peers."""
         with self._lock:
+            self.release_prepped()
             for name in list(self._remote):
                 self.remove_remote(name)
             for descs, _ in list(self._registered.values()):

@@ -86,15 +86,27 @@ class NixlTransport:
     # -- consumer ---------------------------------------------------------------------------
 
     def prepare_fetch(self, fetch: Fetch) -> tuple:
-        """The READ's descriptors and target: (local, remote, NIXL name, kinds)."""
-        loc, rem = fetch.plan.expanded_descriptors(fetch.local, fetch.peer, fetch.remote_rank)
+        """The READ's target: (fetch, NIXL name, kinds, descriptors). Plans from a cached
+        planner post by index from prepared descriptor lists (`NixlAgent.read_plan`), so
+        their descriptors are expanded only if that is not possible; others expand here."""
         info = fetch.peer.rank_info(fetch.remote_rank)
         name = self._names[info.agent_name]
         kind = fetch.local.rank_info(fetch.plan.local_rank).regions[0].memory_kind
-        return loc, rem, name, kind, info.regions[0].memory_kind
+        descriptors = None
+        if fetch.plan.planner is None:
+            descriptors = fetch.plan.expanded_descriptors(
+                fetch.local, fetch.peer, fetch.remote_rank
+            )
+        return fetch, name, kind, info.regions[0].memory_kind, descriptors
 
     def start_fetch(self, prepared: tuple, notification: bytes = b"") -> Any:
-        loc, rem, name, kind, remote_kind = prepared
+        fetch, name, kind, remote_kind, descriptors = prepared
+        if descriptors is None:
+            return self.agent.read_plan(
+                fetch.plan, fetch.local, fetch.peer, fetch.remote_rank, name, kind, remote_kind,
+                notification,
+            )
+        loc, rem = descriptors
         return self.agent.read(loc, rem, name, kind, remote_kind, notif=notification)
 
     def check(self, handle: Any) -> str:

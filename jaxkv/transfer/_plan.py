@@ -24,6 +24,7 @@ plain one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,8 +36,10 @@ __all__ = [
     "PlanError",
     "PostProcess",
     "ReadPlan",
+    "ReadPlanner",
     "block_runs",
     "plan_read",
+    "read_planner",
 ]
 
 COPY_COLUMNS = (
@@ -116,23 +119,37 @@ class ReadPlan:
     Attributes:
       local_rank, remote_engine: who reads from whom.
       copies: int64 ``[N, 9]`` array, columns `COPY_COLUMNS`, sorted by remote rank; one row is
-        one descriptor pair.
+        one descriptor pair (a property, computed on first use).
       post: `PostProcess` steps to apply after every read finished.
       read_ranks: remote ranks read from.
       notify_ranks: remote ranks to notify once done (every rank of the remote engine, so each
         producer rank knows every consumer rank is finished with the request).
       local_block_ids: local blocks written (to mark invalid on failure).
       remote_block_ids: remote blocks read (after the partial-hit tail cut).
+      planner: the `ReadPlanner` that made the plan (its prepared descriptor tables let a
+        poster pick this plan's descriptors by index: `ReadPlanner.prepped_indices`).
+      expanded: `copies` given up front (a plan made without a planner).
     """
 
     local_rank: int
     remote_engine: str
-    copies: np.ndarray
     post: tuple[PostProcess, ...]
     read_ranks: tuple[int, ...]
     notify_ranks: tuple[int, ...]
     local_block_ids: np.ndarray
     remote_block_ids: np.ndarray
+    planner: ReadPlanner | None = dataclasses.field(default=None, compare=False, repr=False)
+    expanded: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @functools.cached_property
+    def copies(self) -> np.ndarray:
+        """int64 ``[N, 9]`` descriptor pairs, columns `COPY_COLUMNS` (computed on first use:
+        a read posted from prepared tables never needs them)."""
+        if self.expanded is not None:
+            return self.expanded
+        if self.planner is None or not len(self.local_block_ids):
+            return np.zeros((0, 9), np.int64)
+        return self.planner.copies(self.local_block_ids, self.remote_block_ids)
 
     @property
     def num_descriptors(self) -> int:
@@ -146,7 +163,7 @@ class ReadPlan:
 
     @property
     def notify_only(self) -> bool:
-        return self.copies.shape[0] == 0
+        return not len(self.local_block_ids) or self.copies.shape[0] == 0
 
     def copies_for(self, remote_rank: int) -> np.ndarray:
         return self.copies[self.copies[:, _RR] == remote_rank]
@@ -387,48 +404,7 @@ def plan_read(
     """
     if check:
         check_compatible(local, remote)
-    local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-    remote_all = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
-    ratio = local.block_size // remote.block_size
-    n_local_total = -(-len(remote_all) // ratio)
-    hit = n_local_total - len(local_ids)
-    if hit < 0:
-        raise PlanError(
-            f"{len(local_ids)} local blocks but the {len(remote_all)} remote blocks of block "
-            f"size {remote.block_size} fill only {n_local_total} local blocks of {local.block_size}"
-        )
-    remote_ids = remote_all[hit * ratio :]
-    _side(local, local_rank)
-    local_regions = local.rank_info(local_rank).regions
-    _check_ids(local_ids, local_regions[0].num_blocks, f"local rank {local_rank}")
-    if len(local_ids) != len(set(local_ids.tolist())):
-        raise PlanError("local block ids repeat")
-    notify = tuple(range(remote.world_size))
-    if len(local_ids) == 0:
-        return ReadPlan(
-            local_rank,
-            remote.engine_id,
-            np.zeros((0, 9), np.int64),
-            (),
-            (),
-            notify,
-            local_ids,
-            remote_ids,
-        )
-
-    tpl = _templates(local, local_rank, remote, layers)
-    for rr in tpl.read_ranks:
-        _check_ids(remote_ids, remote.rank_info(rr).regions[0].num_blocks, f"remote rank {rr}")
-    copies = _expand(tpl, local_ids, remote_ids, ratio)
-    post = tuple(
-        PostProcess(
-            **fields, array_index=local_regions[fields["region"]].array_index, block_ids=local_ids
-        )
-        for fields in tpl.post
-    )
-    return ReadPlan(
-        local_rank, remote.engine_id, copies, post, tpl.read_ranks, notify, local_ids, remote_ids
-    )
+    return read_planner(local, local_rank, remote, layers).plan(local_block_ids, remote_block_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -693,3 +669,266 @@ def _expand(
         return np.zeros((0, 9), np.int64)
     rows = np.concatenate(out)
     return rows[np.argsort(rows[:, _RR], kind="stable")]
+
+
+# -- planners: everything but the ids resolved once per (local, rank, remote) ---------------
+
+_SMALL = 64  # ids checked as Python ints up to this many
+
+PREP_MAX_ENTRIES = 1 << 18
+"""Most descriptors one side of a prepared table may hold (`ReadPlanner.block_table`): one
+per (block, per-block chunk) of the whole registered cache. Preparing is paid by the first
+read of a (planner, remote rank): ~50 ms per side for 2**18 rows on the 2-core CPU VM. Larger
+caches are read with descriptors built per request."""
+
+PREPPED_MAX_BYTES = 8 << 20
+"""Requests up to this size are posted from the prepared tables (one descriptor per block
+and chunk) even when runs of consecutive blocks could merge their descriptors: below it the
+per-request cost dominates, above it fewer, larger descriptors do."""
+
+
+class ReadPlanner:
+    """Plans one local rank's reads from one remote engine, with everything that does not
+    depend on the request (geometry, templates, region addresses, id bounds, post-processing
+    steps) resolved once.
+
+    A planner belongs to two metadata objects: a re-registration on either side publishes
+    new metadata (a new generation) and so gets a new planner (`read_planner` never hands out
+    one made for other metadata objects); nothing cached outlives the addresses it was made
+    from.
+
+    Args:
+      local, remote: the two engines' metadata.
+      local_rank: the reading rank.
+      layers: only the global layers ``[start, stop)`` (layer-wise reads).
+
+    Raises:
+      PlanError: an unsupported layout.
+
+    Example:
+      >>> planner = read_planner(local_meta, 0, remote_meta)  # doctest: +SKIP
+      >>> plan = planner.plan([7, 8], [3, 4])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        local: EngineMetadata,
+        local_rank: int,
+        remote: EngineMetadata,
+        layers: tuple[int, int] | None = None,
+    ):
+        self.local, self.remote = local, remote
+        self.local_rank, self.layers = local_rank, layers
+        self.generations = (local.generation, remote.generation)
+        self.ratio = local.block_size // remote.block_size
+        _side(local, local_rank)  # checks the local layout
+        regions = local.rank_info(local_rank).regions
+        self._local_regions = regions
+        self._local_blocks = regions[0].num_blocks
+        self._notify = tuple(range(remote.world_size))
+        self._tpl_cache: _Templates | None = None  # built by the first request reading data
+        self._remote_blocks_cache: dict[int, int] = {}
+        self._remote_blocks_min = 0
+        self._post: tuple[tuple[dict, int], ...] = ()
+        self._tables: dict[int, _PrepTable | None] = {}
+
+    def plan(
+        self,
+        local_block_ids: Sequence[int] | np.ndarray,
+        remote_block_ids: Sequence[int] | np.ndarray,
+    ) -> ReadPlan:
+        """The `ReadPlan` of one request (what `plan_read` returns; arguments as there).
+
+        Raises:
+          PlanError: ids out of range, repeated local ids, or more local blocks than the
+            remote ones cover.
+        """
+        local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        remote_all = np.asarray(remote_block_ids, dtype=np.int64).reshape(-1)
+        ratio = self.ratio
+        n_local_total = -(-len(remote_all) // ratio)
+        hit = n_local_total - len(local_ids)
+        if hit < 0:
+            raise PlanError(
+                f"{len(local_ids)} local blocks but the {len(remote_all)} remote blocks of "
+                f"block size {self.remote.block_size} fill only {n_local_total} local blocks "
+                f"of {self.local.block_size}"
+            )
+        remote_ids = remote_all[hit * ratio :]
+        listed = local_ids.tolist()
+        if listed and (min(listed) < 0 or max(listed) >= self._local_blocks):
+            _check_ids(local_ids, self._local_blocks, f"local rank {self.local_rank}")
+        if len(listed) != len(set(listed)):
+            raise PlanError("local block ids repeat")
+        engine = self.remote.engine_id
+        if not listed:
+            return ReadPlan(
+                self.local_rank, engine, (), (), self._notify, local_ids, remote_ids, self
+            )
+        tpl = self._tpl
+        # Small requests are checked on Python ints: fewer numpy calls, each of which costs
+        # ~10x more right after the process waited (cold caches) than in a hot loop.
+        bounds = remote_ids.tolist() if len(remote_ids) <= _SMALL else remote_ids
+        if len(remote_ids) and (min(bounds) < 0 or max(bounds) >= self._remote_blocks_min):
+            for rr, num_blocks in self._remote_blocks_cache.items():
+                _check_ids(remote_ids, num_blocks, f"remote rank {rr}")
+        post = tuple(
+            PostProcess(**fields, array_index=array_index, block_ids=local_ids)
+            for fields, array_index in self._post
+        )
+        return ReadPlan(
+            self.local_rank, engine, post, tpl.read_ranks, self._notify, local_ids, remote_ids,
+            self,
+        )
+
+    def copies(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> np.ndarray:
+        """`ReadPlan.copies` of a request's (validated) ids."""
+        return _expand(self._tpl, local_ids, remote_ids, self.ratio)
+
+    @property
+    def _tpl(self) -> _Templates:
+        if self._tpl_cache is None:
+            tpl = _templates(self.local, self.local_rank, self.remote, self.layers)
+            self._remote_blocks_cache = {
+                rr: self.remote.rank_info(rr).regions[0].num_blocks for rr in tpl.read_ranks
+            }
+            self._remote_blocks_min = min(self._remote_blocks_cache.values(), default=0)
+            regions = self._local_regions
+            self._post = tuple((f, regions[f["region"]].array_index) for f in tpl.post)
+            self._tpl_cache = tpl
+        return self._tpl_cache
+
+    def block_table(self, remote_rank: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every descriptor any request may read from `remote_rank`, as two ``Nx3``
+        ``(address, length, device)`` tables (local, remote) to prepare once; a request's
+        descriptors are rows of them (`prepped_indices`). None: no such tables (a block-size
+        ratio, more than `PREP_MAX_ENTRIES` rows, or nothing read from that rank).
+
+        Built on each call and not kept (the poster prepares them once and keeps its own
+        lists): a planner holds only the per-block entries."""
+        table = self._table(remote_rank)
+        if table is None:
+            return None
+        tpl, entries = self._tpl, table.entries
+        remote_regions = self.remote.rank_info(remote_rank).regions
+        rbl = int(tpl.remote_block_len[tpl.rows[:, _RR] == remote_rank][0])
+
+        def side(regions, region_col, offset_col, num_blocks, block_len):
+            base = np.array([r.base_address for r in regions], dtype=np.uint64)
+            dev = np.array([r.device_id for r in regions], dtype=np.uint64)
+            blocks = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
+            out = np.empty((len(entries), num_blocks, 3), dtype=np.uint64)
+            start = base[entries[:, region_col]] + entries[:, offset_col].astype(np.uint64)
+            out[:, :, 0] = start[:, None] + blocks[None, :]
+            out[:, :, 1] = entries[:, 4].astype(np.uint64)[:, None]
+            out[:, :, 2] = dev[entries[:, region_col]][:, None]
+            return out.reshape(-1, 3)
+
+        return (
+            side(self._local_regions, 2, 3, table.local_blocks, tpl.local_block_len),
+            side(remote_regions, 0, 1, table.remote_blocks, rbl),
+        )
+
+    def prepped_indices(
+        self, plan: ReadPlan, remote_rank: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows of `block_table` (int32 local, remote) that read the same bytes as
+        ``plan.expanded_descriptors(..., remote_rank)`` (one row per block and chunk instead
+        of merged runs); None when the plan is better posted from its own descriptors (a
+        large request whose runs merge) or there are no tables.
+
+        Raises:
+          ValueError: a plan made by another planner.
+        """
+        if plan.planner is not self:
+            raise ValueError("the plan was made by another planner (other metadata)")
+        table = self._table(remote_rank)
+        lids, rids = plan.local_block_ids, plan.remote_block_ids
+        if table is None or not len(lids):
+            return None
+        if (
+            len(lids) * table.block_bytes > PREPPED_MAX_BYTES
+            and len(block_runs(rids, lids)[0]) < len(lids)
+            and len(plan.copies) < len(lids) * len(table.entries)
+        ):
+            return None  # runs merge into fewer descriptors: post the plan's own
+        li = np.add(table.local_base, lids.astype(np.int32)).reshape(-1)
+        ri = np.add(table.remote_base, rids.astype(np.int32)).reshape(-1)
+        return li, ri
+
+    def _table(self, remote_rank: int) -> _PrepTable | None:
+        if remote_rank not in self._tables:
+            self._tables[remote_rank] = self._build_table(remote_rank)
+        return self._tables[remote_rank]
+
+    def _build_table(self, remote_rank: int) -> _PrepTable | None:
+        tpl = self._tpl
+        if self.ratio != 1 or remote_rank not in self._remote_blocks_cache:
+            return None
+        rows = tpl.rows[tpl.rows[:, _RR] == remote_rank]
+        if not len(rows):
+            return None
+        # One entry per chunk of a (possibly strided) per-block template.
+        counts = rows[:, _CNT]
+        index = np.repeat(np.arange(len(rows)), counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        t = rows[index]
+        entries = np.stack(
+            [
+                t[:, _RG],
+                t[:, _RO] + within * t[:, _RS],
+                t[:, _LG],
+                t[:, _LO] + within * t[:, _LS],
+                t[:, _LEN],
+            ],
+            axis=1,
+        )
+        nbl, nbr = self._local_blocks, self._remote_blocks_cache[remote_rank]
+        if len(entries) * max(nbl, nbr) > PREP_MAX_ENTRIES:
+            return None
+        ent = np.arange(len(entries), dtype=np.int32)[:, None]  # rows fit: PREP_MAX_ENTRIES
+        return _PrepTable(
+            local_blocks=nbl,
+            remote_blocks=nbr,
+            entries=entries,
+            local_base=ent * nbl,
+            remote_base=ent * nbr,
+            block_bytes=int(entries[:, 4].sum()),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrepTable:
+    local_blocks: int
+    remote_blocks: int
+    entries: np.ndarray  # int64 [entries, 5]: remote region, offset, local region, offset, len
+    local_base: np.ndarray  # int32 [entries, 1]: first row of each entry in the local table
+    remote_base: np.ndarray
+    block_bytes: int  # bytes read per block
+
+
+_PLANNERS: dict[tuple, ReadPlanner] = {}
+
+
+def read_planner(
+    local: EngineMetadata,
+    local_rank: int,
+    remote: EngineMetadata,
+    layers: tuple[int, int] | None = None,
+) -> ReadPlanner:
+    """The `ReadPlanner` of (local metadata, rank, remote metadata, layers), cached.
+
+    Cached per metadata *object* and generation: an engine keeps one metadata object per peer
+    and generation (a re-registration or a re-handshake makes a new one), so every read of a
+    peer after the first reuses its planner, and a planner is never reused for other
+    metadata (other addresses) even where the generation did not change.
+    """
+    key = (id(local), local.generation, local_rank, id(remote), remote.generation, layers)
+    hit = _PLANNERS.get(key)
+    if hit is not None and hit.local is local and hit.remote is remote:
+        return hit
+    planner = ReadPlanner(local, local_rank, remote, layers)
+    if len(_PLANNERS) >= _TEMPLATE_CACHE_SIZE:
+        _PLANNERS.pop(next(iter(_PLANNERS)), None)
+    _PLANNERS[key] = planner
+    return planner
