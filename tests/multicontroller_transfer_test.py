@@ -170,11 +170,41 @@ class MultiControllerTest(tt.TransferTestBase):
         self.assertTrue(conn.recv())  # the producer polls again
         self.assert_freed(conn, "r-fail")
 
+    def test_two_processes_to_two_processes(self):
+        # Both sides multi-controller: TP 4 over group A (2 x 2 devices) -> TP 2 over group B
+        # (2 x 1 device), KHTD -> THD.
+        self.group_a.call("producer", "p-both", SPEC, 4, 1, REMOTE_IDS)
+        params = self.group_a.publish("p-both", "both", REMOTE_IDS, 30.0)
+        consumer_spec = dict(SPEC, layout="THD")
+        self.group_b.call("consumer", "c-both", consumer_spec, 2)
+        self.group_b.call("read", "c-both", params, LOCAL_IDS, 30.0)
+        finished, level = self.group_b.wait_level("c-both", "finished", "both")
+        self.assertEqual((finished, level["failed"]), (["both"], []))
+        freed, _ = self.group_a.wait_level("p-both", "freeable", "both")
+        self.assertEqual(freed, ["both"])
+        self.check_group_cache(self.group_b, "c-both", consumer_spec, 2)
+
+    def check_group_cache(self, group, name, spec_kwargs, tp):
+        """Assembles a consumer group's global cache from its processes' shards; compares it
+        with G (the request's blocks) and zeros (every other block)."""
+        spec = KVCacheSpec(**spec_kwargs)
+        config = EngineConfig(spec, tp)
+        local_spec = config.local_spec(0)
+        arrays = [np.zeros(local_spec.array_shape(NUM_BLOCKS, 1), local_spec.dtype)
+                  for _ in range(local_spec.num_arrays)]
+        for shards in group.call("shards", name):
+            for index, where, data in shards:
+                arrays[index][where] = data
+        expected = tt.expected_arrays(config, 0, self._g(), LOCAL_IDS)
+        others = np.setdiff1d(np.arange(NUM_BLOCKS), LOCAL_IDS)
+        for index, (array, want) in enumerate(zip(arrays, expected)):
+            got = bits(array)
+            np.testing.assert_array_equal(got[LOCAL_IDS], want, err_msg=f"array {index}")
+            self.assertFalse(got[others].any(), f"array {index}: other blocks changed")
+
     def test_one_process_to_two_processes(self):
         # The reverse direction: a TP 2 producer in this process, a TP 2 consumer engine of
         # two processes x one device; process 0 reports the read once both finished.
-        spec = KVCacheSpec(**SPEC)
-        g = self._g()
         _, conn = self.start_producer(SPEC, 2)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
@@ -188,20 +218,7 @@ class MultiControllerTest(tt.TransferTestBase):
         for local, _, _ in group.call("outcomes", "c-tp2"):
             self.assertEqual(local["finished"], ["to-mc"])
         self.assert_freed(conn, "to-mc")
-        # Assemble the global cache from both processes' shards; compare with G.
-        config = EngineConfig(spec.replace(layout="THD"), 2)
-        local_spec = config.local_spec(0)
-        arrays = [np.zeros(local_spec.array_shape(NUM_BLOCKS, 1), local_spec.dtype)
-                  for _ in range(local_spec.num_arrays)]
-        for shards in group.call("shards", "c-tp2"):
-            for index, where, data in shards:
-                arrays[index][where] = data
-        expected = tt.expected_arrays(config, 0, g, LOCAL_IDS)
-        others = np.setdiff1d(np.arange(NUM_BLOCKS), LOCAL_IDS)
-        for index, (array, want) in enumerate(zip(arrays, expected)):
-            got = bits(array)
-            np.testing.assert_array_equal(got[LOCAL_IDS], want, err_msg=f"array {index}")
-            self.assertFalse(got[others].any(), f"array {index}: other blocks changed")
+        self.check_group_cache(group, "c-tp2", consumer_spec, 2)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
