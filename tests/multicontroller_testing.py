@@ -32,7 +32,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
       (pp == 1: the cache's heads over all devices of all processes; pp > 1: pipeline rank =
       process id, TP over this process's devices), filled from G with the request's tokens in
       `block_ids` and random bits elsewhere; answers the merged-metadata address.
-    ("consumer", name, spec_kwargs, tp): a zeroed cache over the global mesh.
+    ("consumer", name, spec_kwargs, tp[, engine_kwargs]): a zeroed cache over the global mesh.
+    The producer's optional 7th and 8th items: scrambled (the request's blocks hold other
+    bytes until written: "jit_publish"), engine_kwargs (`KVTransferEngine` options).
     ("publish", name, request_id, block_ids or None, lease_s): process 0 gets the block ids and
       broadcasts them (`broadcast_block_ids`), every process publishes; answers the params.
     ("jit_publish", name, request_id, block_ids or None, lease_s): as "publish", layer-wise,
@@ -100,7 +102,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                         cache = PagedKVCache.from_arrays(local_spec, arrays, mesh=mesh)
                     else:
                         cache = PagedKVCache.allocate(local_spec, tt.NUM_BLOCKS, mesh=mesh)
-                    engine = KVTransferEngine(name, config, lease_s=30.0)
+                    options = command[7] if kind == "producer" and len(command) > 7 else (
+                        command[4] if kind == "consumer" and len(command) > 4 else {})
+                    engine = KVTransferEngine(name, config, lease_s=30.0, **options)
                     engine.register_cache(cache, pp_rank=pp_rank)
                     mc = MultiControllerEngine(engine, timeout_s=WAIT_S)
                     mc.publish_metadata()

@@ -184,6 +184,21 @@ class MultiControllerTest(tt.TransferTestBase):
         self.assertEqual(freed, ["both"])
         self.check_group_cache(self.group_b, "c-both", consumer_spec, 2)
 
+    def test_host_staging_on_both_sides(self):
+        # The TPU path (NIXL cannot register TPU memory): each process mirrors its own shards
+        # in host memory, stages its part out (producer) or in (consumer).
+        staged = {"host_staging": True}
+        self.group_a.call("producer", "p-staged", SPEC, 4, 1, REMOTE_IDS, False, staged)
+        params = self.group_a.publish("p-staged", "staged", REMOTE_IDS, 30.0)
+        consumer_spec = dict(SPEC, layout="THD")
+        self.group_b.call("consumer", "c-staged", consumer_spec, 2, staged)
+        self.group_b.call("read", "c-staged", params, LOCAL_IDS, 30.0)
+        finished, level = self.group_b.wait_level("c-staged", "finished", "staged")
+        self.assertEqual((finished, level["failed"]), (["staged"], []))
+        freed, _ = self.group_a.wait_level("p-staged", "freeable", "staged")
+        self.assertEqual(freed, ["staged"])
+        self.check_group_cache(self.group_b, "c-staged", consumer_spec, 2)
+
     def check_group_cache(self, group, name, spec_kwargs, tp):
         """Assembles a consumer group's global cache from its processes' shards; compares it
         with G (the request's blocks) and zeros (every other block)."""
