@@ -23,7 +23,8 @@ from jaxkv.transfer import (
 
 class Store:
     """``jax.distributed``'s key-value store: set (refused when present unless overwriting),
-    blocking get with a timeout, try-get, directory get and delete."""
+    blocking get with a timeout, try-get, directory get and delete (of a key and of the
+    directory under it)."""
 
     def __init__(self):
         self.data: dict[str, bytes] = {}
@@ -54,9 +55,10 @@ class Store:
         with self.lock:
             return [(k, v) for k, v in self.data.items() if k.startswith(key)]
 
-    def key_value_delete(self, key):
+    def key_value_delete(self, key):  # the key and the directory under it
         with self.lock:
-            self.data.pop(key, None)
+            for k in [k for k in self.data if k == key or k.startswith(key + "/")]:
+                del self.data[k]
 
 
 class Engine:

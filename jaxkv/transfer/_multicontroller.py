@@ -77,6 +77,7 @@ class KeyValueClient(Protocol):
         ...
 
     def key_value_delete(self, key: str) -> None:
+        """Deletes `key` and every key under the directory ``key/``."""
         ...
 
 
@@ -376,8 +377,7 @@ class MultiControllerEngine:
             self._server.publish(merged)
             client.key_value_set_bytes(f"{base}/merged", msgspec.msgpack.encode(merged))
             if round_:
-                for pid in range(self.num_processes):
-                    client.key_value_delete(f"{self._ns}/meta/{round_ - 1}/part/{pid}")
+                client.key_value_delete(f"{self._ns}/meta/{round_ - 1}/part")
         else:
             payload = _get(client, f"{base}/merged", self.timeout_s, "merged metadata")
             merged = decode_metadata(payload, self.engine.engine_id)
@@ -453,8 +453,7 @@ class MultiControllerEngine:
                 raise RuntimeError(
                     f"process {pid} could not publish {request_id!r}: {state[5:].decode()}"
                 )
-        for pid in range(self.num_processes):
-            self._client.key_value_delete(f"{key}/{pid}")
+        self._client.key_value_delete(key)  # the directory: every process's state
 
     def publish_layers(self, request_id: str, layer_stop: int | None = None) -> None:
         """Every process: `KVTransferEngine.publish_layers` of its part."""
