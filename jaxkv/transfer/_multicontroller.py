@@ -299,6 +299,7 @@ class MultiControllerEngine:
         self._ns = f"jaxkv/mc/{_key(engine.engine_id)}"
         self._round = 0
         self._out_seq = 0
+        self._pub_seq = 0
         self._server: MetadataServer | None = None
         self._merged: EngineMetadata | None = None
         self._address: tuple[str, int] | None = None
@@ -404,6 +405,11 @@ class MultiControllerEngine:
         layers are announced by each process's `publish_layers` or in-jit callback, and
         `poll` reports the request in ``published`` once every process announced them all).
         Other processes return at once. The params name process 0's merged-metadata address.
+        Every process publishes the same requests in the same order (the scheduler's).
+
+        Args:
+          request_id, block_ids, lease_s, layerwise, expected_reads: as
+            `KVTransferEngine.publish_request` (the same in every process).
 
         Returns:
           The `TransferParams` to hand to consumers (the same in every process).
@@ -414,7 +420,10 @@ class MultiControllerEngine:
         """
         if self._merged is None:
             raise RuntimeError("publish_metadata first")
-        key = f"{self._ns}/pub/{_key(request_id)}"
+        # One key directory per publication (the processes count them alike): a state left
+        # by an earlier, failed publication of the same id is never read as this one's.
+        seq, self._pub_seq = self._pub_seq, self._pub_seq + 1
+        key = f"{self._ns}/pub/{seq:012d}-{_key(request_id)}"
         try:
             params = self.engine.publish_request(
                 request_id, block_ids, lease_s, layerwise=layerwise, expected_reads=expected_reads
@@ -441,19 +450,21 @@ class MultiControllerEngine:
 
     def _wait_published(self, request_id: str, key: str) -> None:
         deadline = time.monotonic() + self.timeout_s
-        for pid in range(1, self.num_processes):
-            try:
-                state = _get(self._client, f"{key}/{pid}", deadline - time.monotonic(),
-                             f"publication of {request_id!r} by process {pid}")
-            except TimeoutError:
-                self.abort_request(request_id)
-                raise
-            if state.startswith(b"fail:"):
-                self.abort_request(request_id)
-                raise RuntimeError(
-                    f"process {pid} could not publish {request_id!r}: {state[5:].decode()}"
-                )
-        self._client.key_value_delete(key)  # the directory: every process's state
+        try:
+            for pid in range(1, self.num_processes):
+                try:
+                    state = _get(self._client, f"{key}/{pid}", deadline - time.monotonic(),
+                                 f"publication of {request_id!r} by process {pid}")
+                except TimeoutError:
+                    self.abort_request(request_id)
+                    raise
+                if state.startswith(b"fail:"):
+                    self.abort_request(request_id)
+                    raise RuntimeError(
+                        f"process {pid} could not publish {request_id!r}: {state[5:].decode()}"
+                    )
+        finally:
+            self._client.key_value_delete(key)  # the directory: every process's state
 
     def publish_layers(self, request_id: str, layer_stop: int | None = None) -> None:
         """Every process: `KVTransferEngine.publish_layers` of its part."""
