@@ -15,9 +15,9 @@ multi-controller JAX job already runs):
   request freeable once every process freed its part, and an abort (or a process's failure
   to publish) aborts the request in every process;
 * consumer reads: every process reads its ranks (`start_read` with the same read id);
-  process 0 reports a read finished once every process finished it (`WorkerAggregator`),
-  failed as soon as one process failed it (the others are aborted: the blocks are invalid
-  everywhere);
+  process 0 reports a read finished once every process finished it (`WorkerAggregator`);
+  when one process fails it, the others are aborted (the blocks are invalid anyway) and the
+  read is reported failed once every process ended it, with every process's invalid blocks;
 * `StepChannel`: the scheduler (block manager) runs on process 0 and broadcasts each step's
   block ids to the other processes.
 
