@@ -43,6 +43,8 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     ("cache_ops", spec_kwargs): `PagedKVCache` ops over the global mesh, checked per shard.
     ("reregister", name): re-registers the cache and re-publishes the metadata: answers
       (merged generation, this process's generation).
+    ("jit_wait", name, params, local_ids, timeout_s): `start_read`, then a jitted step waits
+      for it per device: answers (each local device's ids row, each local device's status).
     ("abort", name, request_id): `abort_request` (in this process: spreads to the others).
     ("outcomes", name): (local outcomes, engine-level outcomes, num_pinned) seen so far.
     ("shards", name): this process's cache shards: [(array index, index, bytes)].
@@ -151,6 +153,22 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     mc = engines[command[1]]
                     mc.engine.register_cache(mc.engine.caches[0])
                     answer = (mc.publish_metadata().generation, mc.engine.generation)
+                elif kind == "jit_wait":  # start the read, then wait inside a jitted step
+                    name, params, local_ids, timeout = command[1:5]
+                    mc = engines[name]
+                    mc.start_read(params, local_ids, timeout)
+                    cache = mc.engine.caches[0]
+                    named = cache.sharding.named_sharding(cache.spec)
+                    whole = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
+                    step = jax.jit(_wait, static_argnums=(0, 1))
+                    ids, status = step(
+                        mc, cache, place_exactly(np.int32(mc.handle(params.request_id)), whole),
+                        place_exactly(np.asarray(local_ids, np.int32), whole),
+                    )
+                    answer = (
+                        [np.asarray(s.data).tolist() for s in ids.addressable_shards],
+                        [int(np.asarray(s.data)[0]) for s in status.addressable_shards],
+                    )
                 elif kind == "abort":
                     engines[command[1]].abort_request(command[2])
                 elif kind == "statuses":
@@ -230,6 +248,10 @@ def _cache_ops(jax, cache_class, spec_kwargs: dict) -> dict:
 def kv_bits(rng, shape, dtype) -> np.ndarray:
     raw = rng.integers(0, 256, size=(*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
     return raw.view(dtype).reshape(shape)
+
+
+def _wait(mc, cache, handle, ids):
+    return mc.wait_in_jit(handle, ids, cache, timeout_s=60.0)
 
 
 def _write_and_publish(mc, cache, dense, ids, handle):

@@ -199,6 +199,25 @@ class MultiControllerTest(tt.TransferTestBase):
         self.assertEqual(freed, ["staged"])
         self.check_group_cache(self.group_b, "c-staged", consumer_spec, 2)
 
+    def test_consumer_waits_inside_a_jitted_step_in_every_process(self):
+        # The producer does not poll for a while: the waits inside the consumer's step
+        # really wait, each device for its own process's part.
+        _, conn = self.start_producer(SPEC, 2, engine_kwargs=dict(progress_interval_s=None))
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "in-jit", REMOTE_IDS, 30.0)
+        conn.send(("pause", 1.0))
+        group = self.group_b
+        group.call("consumer", "c-jit", SPEC, 2)  # same layout: nothing to rewrite after
+        answers = group.call("jit_wait", "c-jit", params, LOCAL_IDS, 30.0)
+        self.assertEqual(answers, [([[LOCAL_IDS]], [1]), ([[LOCAL_IDS]], [1])])  # per device
+        finished, _ = group.wait_level("c-jit", "finished", "in-jit")
+        self.assertEqual(finished, ["in-jit"])
+        self.assertTrue(conn.poll(tt.WAIT_S))
+        self.assertTrue(conn.recv())
+        self.assert_freed(conn, "in-jit")
+        self.check_group_cache(group, "c-jit", SPEC, 2)
+
     def check_group_cache(self, group, name, spec_kwargs, tp):
         """Assembles a consumer group's global cache from its processes' shards; compares it
         with G (the request's blocks) and zeros (every other block)."""

@@ -546,6 +546,57 @@ class MultiControllerEngine:
             jnp.asarray(layer_stop, jnp.int32).reshape(()),
         )
 
+    def wait_in_jit(
+        self, handle: Any, block_ids: Any, cache: Any, timeout_s: float = 30.0
+    ) -> tuple[Any, Any]:
+        """`jaxkv.transfer.wait_in_jit` for a consumer step over the global mesh (call inside
+        ``jax.jit``, in every process): every device waits for its own process's part of the
+        read, so no device uses blocks its process has not received.
+
+        A plain ``io_callback`` in a multi-process program runs in process 0 only; this one
+        runs per device (inside ``shard_map``), each returning its own copy of the ids.
+
+        Args:
+          handle: int32 scalar, `handle` of the read id (taken in the same order everywhere).
+          block_ids: int32 ``[n]`` local block ids the step reads the received blocks with.
+          cache: the registered `PagedKVCache` (its mesh places the callbacks).
+          timeout_s: the longest one callback blocks.
+
+        Returns:
+          ``(ids, status)`` sharded over the cache's mesh: ``ids`` int32 ``[devices, n]``,
+          row ``d`` the ids for device ``d`` (all ``-1`` unless its process's read finished;
+          data dependent on that wait: use the row inside the step's ``shard_map``),
+          ``status`` int32 ``[devices]`` as `wait_in_jit`'s (1 finished, 0 failed, -1 timed
+          out, -2 needs `poll` outside jit).
+        """
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import io_callback
+        from jax.sharding import PartitionSpec
+
+        from jaxkv.transfer._jit import _wait_callback
+
+        mesh = cache.sharding.mesh
+        names = tuple(mesh.axis_names)
+        callback = functools.partial(_wait_callback, self.engine, float(timeout_s))
+
+        def body(handle, ids):
+            status = io_callback(callback, jax.ShapeDtypeStruct((), jnp.int32), handle)
+            return jnp.where(status == 1, ids, -1)[None], status.reshape(1)
+
+        replicated = PartitionSpec()
+        program = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(replicated, replicated),
+            out_specs=(PartitionSpec(names), PartitionSpec(names)),
+            check_vma=False,
+        )
+        return program(
+            jnp.asarray(handle, jnp.int32).reshape(()),
+            jnp.asarray(block_ids, jnp.int32).reshape(-1),
+        )
+
     def abort_request(self, request_id: str) -> None:
         """Any process: aborts a producer request or a consumer read in every process (each
         applies it at its next `poll`; this process at once)."""
