@@ -9,21 +9,29 @@ import threading
 import time
 
 import numpy as np
+import transfer_testing as tt
 from absl.testing import absltest
 
 from jaxkv import EngineConfig, KVCacheSpec
 from jaxkv.transfer import (
+    AgentInfo,
     FailedRead,
+    MetadataError,
     MultiControllerEngine,
     PollResult,
+    RankInfo,
     StepChannel,
+    TransferParams,
     broadcast_block_ids,
+    engine_metadata,
+    fetch_metadata,
 )
 
 
 class Store:
     """``jax.distributed``'s key-value store: set (refused when present unless overwriting),
-    blocking get with a timeout, try-get, directory get and delete."""
+    blocking get with a timeout, try-get, directory get and delete (of a key and of the
+    directory under it)."""
 
     def __init__(self):
         self.data: dict[str, bytes] = {}
@@ -54,21 +62,45 @@ class Store:
         with self.lock:
             return [(k, v) for k, v in self.data.items() if k.startswith(key)]
 
-    def key_value_delete(self, key):
+    def key_value_delete(self, key):  # the key and the directory under it
         with self.lock:
-            self.data.pop(key, None)
+            for k in [k for k in self.data if k == key or k.startswith(key + "/")]:
+                del self.data[k]
 
 
 class Engine:
-    """Records what the coordination asks of a process's engine; `poll` returns what the test
-    queued."""
+    """Records what the coordination asks of a process's engine (TP rank `pid` of a TP 2
+    engine); `poll` returns what the test queued."""
 
-    def __init__(self):
+    def __init__(self, pid: int = 0):
         self.engine_id = "prefill"
         self.config = EngineConfig(KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4,
                                                block_size=4), 2)
+        self.pid = pid
+        self.generation = 1000 + pid  # each process starts with its own
         self.aborted: list[str] = []
+        self.pinned: list[str] = []
+        self.refuse = False
         self.queued = PollResult()
+
+    @property
+    def metadata(self):
+        rank = RankInfo(rank=self.pid, agent_name=f"agent-{self.pid}",
+                        regions=tt.fake_regions(self.config, self.pid, 16))
+        return engine_metadata(self.engine_id, self.config, [rank],
+                               [AgentInfo(name=f"agent-{self.pid}", metadata=b"md")],
+                               self.generation)
+
+    def adopt_generation(self, generation):
+        self.generation = generation
+
+    def publish_request(self, request_id, block_ids, lease_s=None, *, layerwise=False,
+                        expected_reads=1):
+        if self.refuse:
+            raise ValueError("no such blocks")
+        self.pinned.append(request_id)
+        return TransferParams(self.engine_id, [("127.0.0.1", 1)], request_id,
+                              list(block_ids), 30.0, self.generation, layerwise)
 
     def poll(self) -> PollResult:
         result, self.queued = self.queued, PollResult()
@@ -84,7 +116,7 @@ class Engine:
 def pair(test: absltest.TestCase, store: Store | None = None):
     """Processes 0 and 1 of one engine: (mc0, mc1, engine0, engine1)."""
     store = store or Store()
-    engines = Engine(), Engine()
+    engines = Engine(0), Engine(1)
     mcs = [
         MultiControllerEngine(engine, client=store, process_id=pid, num_processes=2,
                               store_interval_s=0.0)
@@ -122,6 +154,79 @@ class StepChannelTest(absltest.TestCase):
             zero.broadcast(np.array([1 << 40]))
         with self.assertRaisesRegex(TypeError, "cannot broadcast"):
             zero.broadcast(object())
+
+
+def both(call0, call1):
+    """Runs two processes' calls at once (each may wait for the other); returns both
+    results (an exception as the result)."""
+    out = [None, None]
+
+    def run(i, call):
+        try:
+            out[i] = call()
+        except Exception as error:  # noqa: BLE001 - returned to the test
+            out[i] = error
+
+    thread = threading.Thread(target=run, args=(1, call1))
+    thread.start()
+    run(0, call0)
+    thread.join(timeout=30)
+    return out
+
+
+class PublicationTest(absltest.TestCase):
+    def test_metadata_merged_under_one_generation(self):
+        mc0, mc1, engine0, engine1 = pair(self)
+        meta0, meta1 = both(mc0.publish_metadata, mc1.publish_metadata)
+        self.assertEqual(meta0, meta1)
+        self.assertEqual([r.rank for r in meta0.ranks], [0, 1])
+        self.assertEqual(meta0.generation, 1000)  # process 0's, adopted by every process
+        self.assertEqual((engine0.generation, engine1.generation), (1000, 1000))
+        self.assertEqual(mc1.address, mc0.address)
+        # served by process 0: what a consumer fetches
+        self.assertEqual(fetch_metadata(mc0.address, "prefill"), meta0)
+        # a re-publication gets a new generation, in every process
+        meta0, meta1 = both(mc0.publish_metadata, mc1.publish_metadata)
+        self.assertEqual((meta0.generation, engine1.generation), (1001, 1001))
+
+    def test_a_rank_nobody_registered_is_refused(self):
+        mc0, mc1, engine0, engine1 = pair(self)
+        engine1.pid = 0  # both processes claim rank 0; rank 1 is missing
+        mc1.timeout_s = 0.5
+        error0, error1 = both(mc0.publish_metadata, mc1.publish_metadata)
+        self.assertIsInstance(error0, MetadataError)
+        self.assertIn("no process publishes ranks [1]", str(error0))
+        self.assertIsInstance(error1, TimeoutError)  # bounded: no merged metadata came
+
+    def test_publication_failing_in_one_process_aborts_everywhere(self):
+        mc0, mc1, engine0, engine1 = pair(self)
+        both(mc0.publish_metadata, mc1.publish_metadata)
+        params, _ = both(lambda: mc0.publish_request("ok", [1, 2]),
+                         lambda: mc1.publish_request("ok", [1, 2]))
+        self.assertEqual([tuple(a) for a in params.addresses], [mc0.address])
+        engine1.refuse = True
+        error0, error1 = both(lambda: mc0.publish_request("bad", [3]),
+                              lambda: mc1.publish_request("bad", [3]))
+        self.assertIsInstance(error1, ValueError)
+        self.assertIsInstance(error0, RuntimeError)
+        self.assertIn("process 1 could not publish 'bad': ValueError: no such blocks",
+                      str(error0))
+        self.assertEqual(engine0.aborted, ["bad"])
+        mc1.poll()
+        self.assertEqual(engine1.aborted, ["bad"])
+        # a later publication of the same id is not confused with the failed one
+        engine1.refuse = False
+        params, _ = both(lambda: mc0.publish_request("bad", [3]),
+                         lambda: mc1.publish_request("bad", [3]))
+        self.assertEqual(params.request_id, "bad")
+
+    def test_a_process_that_does_not_publish_times_out(self):
+        mc0, mc1, engine0, engine1 = pair(self)
+        both(mc0.publish_metadata, mc1.publish_metadata)
+        mc0.timeout_s = 0.2
+        with self.assertRaisesRegex(TimeoutError, "publication of 'lonely' by process 1"):
+            mc0.publish_request("lonely", [1])
+        self.assertEqual(engine0.aborted, ["lonely"])
 
 
 class AggregationTest(absltest.TestCase):

@@ -32,7 +32,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
       (pp == 1: the cache's heads over all devices of all processes; pp > 1: pipeline rank =
       process id, TP over this process's devices), filled from G with the request's tokens in
       `block_ids` and random bits elsewhere; answers the merged-metadata address.
-    ("consumer", name, spec_kwargs, tp): a zeroed cache over the global mesh.
+    ("consumer", name, spec_kwargs, tp[, engine_kwargs]): a zeroed cache over the global mesh.
+    The producer's optional 7th and 8th items: scrambled (the request's blocks hold other
+    bytes until written: "jit_publish"), engine_kwargs (`KVTransferEngine` options).
     ("publish", name, request_id, block_ids or None, lease_s): process 0 gets the block ids and
       broadcasts them (`broadcast_block_ids`), every process publishes; answers the params.
     ("jit_publish", name, request_id, block_ids or None, lease_s): as "publish", layer-wise,
@@ -41,6 +43,8 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     ("cache_ops", spec_kwargs): `PagedKVCache` ops over the global mesh, checked per shard.
     ("reregister", name): re-registers the cache and re-publishes the metadata: answers
       (merged generation, this process's generation).
+    ("jit_wait", name, params, local_ids, timeout_s): `start_read`, then a jitted step waits
+      for it per device: answers (each local device's ids row, each local device's status).
     ("abort", name, request_id): `abort_request` (in this process: spreads to the others).
     ("outcomes", name): (local outcomes, engine-level outcomes, num_pinned) seen so far.
     ("shards", name): this process's cache shards: [(array index, index, bytes)].
@@ -100,7 +104,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                         cache = PagedKVCache.from_arrays(local_spec, arrays, mesh=mesh)
                     else:
                         cache = PagedKVCache.allocate(local_spec, tt.NUM_BLOCKS, mesh=mesh)
-                    engine = KVTransferEngine(name, config, lease_s=30.0)
+                    options = command[7] if kind == "producer" and len(command) > 7 else (
+                        command[4] if kind == "consumer" and len(command) > 4 else {})
+                    engine = KVTransferEngine(name, config, lease_s=30.0, **options)
                     engine.register_cache(cache, pp_rank=pp_rank)
                     mc = MultiControllerEngine(engine, timeout_s=WAIT_S)
                     mc.publish_metadata()
@@ -147,6 +153,22 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     mc = engines[command[1]]
                     mc.engine.register_cache(mc.engine.caches[0])
                     answer = (mc.publish_metadata().generation, mc.engine.generation)
+                elif kind == "jit_wait":  # start the read, then wait inside a jitted step
+                    name, params, local_ids, timeout = command[1:5]
+                    mc = engines[name]
+                    mc.start_read(params, local_ids, timeout)
+                    cache = mc.engine.caches[0]
+                    named = cache.sharding.named_sharding(cache.spec)
+                    whole = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
+                    step = jax.jit(_wait, static_argnums=(0, 1))
+                    ids, status = step(
+                        mc, cache, place_exactly(np.int32(mc.handle(params.request_id)), whole),
+                        place_exactly(np.asarray(local_ids, np.int32), whole),
+                    )
+                    answer = (
+                        [np.asarray(s.data).tolist() for s in ids.addressable_shards],
+                        [int(np.asarray(s.data)[0]) for s in status.addressable_shards],
+                    )
                 elif kind == "abort":
                     engines[command[1]].abort_request(command[2])
                 elif kind == "statuses":
@@ -226,6 +248,10 @@ def _cache_ops(jax, cache_class, spec_kwargs: dict) -> dict:
 def kv_bits(rng, shape, dtype) -> np.ndarray:
     raw = rng.integers(0, 256, size=(*shape, np.dtype(dtype).itemsize), dtype=np.uint8)
     return raw.view(dtype).reshape(shape)
+
+
+def _wait(mc, cache, handle, ids):
+    return mc.wait_in_jit(handle, ids, cache, timeout_s=60.0)
 
 
 def _write_and_publish(mc, cache, dense, ids, handle):

@@ -170,11 +170,75 @@ class MultiControllerTest(tt.TransferTestBase):
         self.assertTrue(conn.recv())  # the producer polls again
         self.assert_freed(conn, "r-fail")
 
+    def test_two_processes_to_two_processes(self):
+        # Both sides multi-controller: TP 4 over group A (2 x 2 devices) -> TP 2 over group B
+        # (2 x 1 device), KHTD -> THD.
+        self.group_a.call("producer", "p-both", SPEC, 4, 1, REMOTE_IDS)
+        params = self.group_a.publish("p-both", "both", REMOTE_IDS, 30.0)
+        consumer_spec = dict(SPEC, layout="THD")
+        self.group_b.call("consumer", "c-both", consumer_spec, 2)
+        self.group_b.call("read", "c-both", params, LOCAL_IDS, 30.0)
+        finished, level = self.group_b.wait_level("c-both", "finished", "both")
+        self.assertEqual((finished, level["failed"]), (["both"], []))
+        freed, _ = self.group_a.wait_level("p-both", "freeable", "both")
+        self.assertEqual(freed, ["both"])
+        self.check_group_cache(self.group_b, "c-both", consumer_spec, 2)
+
+    def test_host_staging_on_both_sides(self):
+        # The TPU path (NIXL cannot register TPU memory): each process mirrors its own shards
+        # in host memory, stages its part out (producer) or in (consumer).
+        staged = {"host_staging": True}
+        self.group_a.call("producer", "p-staged", SPEC, 4, 1, REMOTE_IDS, False, staged)
+        params = self.group_a.publish("p-staged", "staged", REMOTE_IDS, 30.0)
+        consumer_spec = dict(SPEC, layout="THD")
+        self.group_b.call("consumer", "c-staged", consumer_spec, 2, staged)
+        self.group_b.call("read", "c-staged", params, LOCAL_IDS, 30.0)
+        finished, level = self.group_b.wait_level("c-staged", "finished", "staged")
+        self.assertEqual((finished, level["failed"]), (["staged"], []))
+        freed, _ = self.group_a.wait_level("p-staged", "freeable", "staged")
+        self.assertEqual(freed, ["staged"])
+        self.check_group_cache(self.group_b, "c-staged", consumer_spec, 2)
+
+    def test_consumer_waits_inside_a_jitted_step_in_every_process(self):
+        # The producer does not poll for a while: the waits inside the consumer's step
+        # really wait, each device for its own process's part.
+        _, conn = self.start_producer(SPEC, 2, engine_kwargs=dict(progress_interval_s=None))
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "in-jit", REMOTE_IDS, 30.0)
+        conn.send(("pause", 1.0))
+        group = self.group_b
+        group.call("consumer", "c-jit", SPEC, 2)  # same layout: nothing to rewrite after
+        answers = group.call("jit_wait", "c-jit", params, LOCAL_IDS, 30.0)
+        self.assertEqual(answers, [([[LOCAL_IDS]], [1]), ([[LOCAL_IDS]], [1])])  # per device
+        finished, _ = group.wait_level("c-jit", "finished", "in-jit")
+        self.assertEqual(finished, ["in-jit"])
+        self.assertTrue(conn.poll(tt.WAIT_S))
+        self.assertTrue(conn.recv())
+        self.assert_freed(conn, "in-jit")
+        self.check_group_cache(group, "c-jit", SPEC, 2)
+
+    def check_group_cache(self, group, name, spec_kwargs, tp):
+        """Assembles a consumer group's global cache from its processes' shards; compares it
+        with G (the request's blocks) and zeros (every other block)."""
+        spec = KVCacheSpec(**spec_kwargs)
+        config = EngineConfig(spec, tp)
+        local_spec = config.local_spec(0)
+        arrays = [np.zeros(local_spec.array_shape(NUM_BLOCKS, 1), local_spec.dtype)
+                  for _ in range(local_spec.num_arrays)]
+        for shards in group.call("shards", name):
+            for index, where, data in shards:
+                arrays[index][where] = data
+        expected = tt.expected_arrays(config, 0, self._g(), LOCAL_IDS)
+        others = np.setdiff1d(np.arange(NUM_BLOCKS), LOCAL_IDS)
+        for index, (array, want) in enumerate(zip(arrays, expected)):
+            got = bits(array)
+            np.testing.assert_array_equal(got[LOCAL_IDS], want, err_msg=f"array {index}")
+            self.assertFalse(got[others].any(), f"array {index}: other blocks changed")
+
     def test_one_process_to_two_processes(self):
         # The reverse direction: a TP 2 producer in this process, a TP 2 consumer engine of
         # two processes x one device; process 0 reports the read once both finished.
-        spec = KVCacheSpec(**SPEC)
-        g = self._g()
         _, conn = self.start_producer(SPEC, 2)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
@@ -188,20 +252,7 @@ class MultiControllerTest(tt.TransferTestBase):
         for local, _, _ in group.call("outcomes", "c-tp2"):
             self.assertEqual(local["finished"], ["to-mc"])
         self.assert_freed(conn, "to-mc")
-        # Assemble the global cache from both processes' shards; compare with G.
-        config = EngineConfig(spec.replace(layout="THD"), 2)
-        local_spec = config.local_spec(0)
-        arrays = [np.zeros(local_spec.array_shape(NUM_BLOCKS, 1), local_spec.dtype)
-                  for _ in range(local_spec.num_arrays)]
-        for shards in group.call("shards", "c-tp2"):
-            for index, where, data in shards:
-                arrays[index][where] = data
-        expected = tt.expected_arrays(config, 0, g, LOCAL_IDS)
-        others = np.setdiff1d(np.arange(NUM_BLOCKS), LOCAL_IDS)
-        for index, (array, want) in enumerate(zip(arrays, expected)):
-            got = bits(array)
-            np.testing.assert_array_equal(got[LOCAL_IDS], want, err_msg=f"array {index}")
-            self.assertFalse(got[others].any(), f"array {index}: other blocks changed")
+        self.check_group_cache(group, "c-tp2", consumer_spec, 2)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -213,6 +264,9 @@ class KilledProducerProcessTest(tt.TransferTestBase):
             group.call("producer", "p-kill", SPEC, 2, 1, REMOTE_IDS)
             lease = 4.0
             params = group.publish("p-kill", "doomed", REMOTE_IDS, lease)
+            # Another request nobody reads: the survivor frees it at its lease's expiry.
+            group.publish("p-kill", "orphan", [0, 1], lease)
+            orphan_published = time.monotonic()
             engine, cache, config = self.consumer(spec, 1, read_timeout_s=5.0)
             engine.add_peer(params.engine_id, params.addresses)  # both agents known
             group.kill(1)
@@ -229,10 +283,13 @@ class KilledProducerProcessTest(tt.TransferTestBase):
             deadline = time.monotonic() + lease + 10.0
             while True:
                 local, _, pinned = group.call("outcomes", "p-kill", only=0)[0]
-                if local["freeable"] or time.monotonic() > deadline:
+                if len(local["freeable"]) == 2 or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-            self.assertEqual((local["freeable"], pinned), (["doomed"], 0))
+            orphan_freed = time.monotonic()
+            self.assertEqual((sorted(local["freeable"]), pinned), (["doomed", "orphan"], 0))
+            self.assertEqual(local["freeable"][-1], "orphan")
+            self.assertGreater(orphan_freed - orphan_published, lease - 0.5)
         finally:
             group.close()
 

@@ -61,8 +61,8 @@ flags.DEFINE_float(
 )
 flags.DEFINE_integer(
     "kill_prefill_after", 0,
-    "Fault injection: kill the prefill process (SIGKILL) once this many transfers finished; "
-    "0 = off.",
+    "Fault injection: kill the prefill process (SIGKILL; every one of them with "
+    "--prefill_processes > 1) once this many transfers finished; 0 = off.",
 )
 flags.DEFINE_float("read_timeout_s", 20.0, "Deadline of one request's read and confirmation.")
 flags.DEFINE_bool(

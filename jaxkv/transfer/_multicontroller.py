@@ -15,9 +15,9 @@ multi-controller JAX job already runs):
   request freeable once every process freed its part, and an abort (or a process's failure
   to publish) aborts the request in every process;
 * consumer reads: every process reads its ranks (`start_read` with the same read id);
-  process 0 reports a read finished once every process finished it (`WorkerAggregator`),
-  failed as soon as one process failed it (the others are aborted: the blocks are invalid
-  everywhere);
+  process 0 reports a read finished once every process finished it (`WorkerAggregator`);
+  when one process fails it, the others are aborted (the blocks are invalid anyway) and the
+  read is reported failed once every process ended it, with every process's invalid blocks;
 * `StepChannel`: the scheduler (block manager) runs on process 0 and broadcasts each step's
   block ids to the other processes.
 
@@ -73,6 +73,7 @@ class KeyValueClient(Protocol):
         ...
 
     def key_value_delete(self, key: str) -> None:
+        """Deletes `key` and every key under the directory ``key/``."""
         ...
 
 
@@ -294,6 +295,7 @@ class MultiControllerEngine:
         self._ns = f"jaxkv/mc/{_key(engine.engine_id)}"
         self._round = 0
         self._out_seq = 0
+        self._pub_seq = 0
         self._server: MetadataServer | None = None
         self._merged: EngineMetadata | None = None
         self._address: tuple[str, int] | None = None
@@ -372,8 +374,7 @@ class MultiControllerEngine:
             self._server.publish(merged)
             client.key_value_set_bytes(f"{base}/merged", msgspec.msgpack.encode(merged))
             if round_:
-                for pid in range(self.num_processes):
-                    client.key_value_delete(f"{self._ns}/meta/{round_ - 1}/part/{pid}")
+                client.key_value_delete(f"{self._ns}/meta/{round_ - 1}/part")
         else:
             payload = _get(client, f"{base}/merged", self.timeout_s, "merged metadata")
             merged = decode_metadata(payload, self.engine.engine_id)
@@ -400,6 +401,11 @@ class MultiControllerEngine:
         layers are announced by each process's `publish_layers` or in-jit callback, and
         `poll` reports the request in ``published`` once every process announced them all).
         Other processes return at once. The params name process 0's merged-metadata address.
+        Every process publishes the same requests in the same order (the scheduler's).
+
+        Args:
+          request_id, block_ids, lease_s, layerwise, expected_reads: as
+            `KVTransferEngine.publish_request` (the same in every process).
 
         Returns:
           The `TransferParams` to hand to consumers (the same in every process).
@@ -410,7 +416,10 @@ class MultiControllerEngine:
         """
         if self._merged is None:
             raise RuntimeError("publish_metadata first")
-        key = f"{self._ns}/pub/{_key(request_id)}"
+        # One key directory per publication (the processes count them alike): a state left
+        # by an earlier, failed publication of the same id is never read as this one's.
+        seq, self._pub_seq = self._pub_seq, self._pub_seq + 1
+        key = f"{self._ns}/pub/{seq:012d}-{_key(request_id)}"
         try:
             params = self.engine.publish_request(
                 request_id, block_ids, lease_s, layerwise=layerwise, expected_reads=expected_reads
@@ -437,20 +446,21 @@ class MultiControllerEngine:
 
     def _wait_published(self, request_id: str, key: str) -> None:
         deadline = time.monotonic() + self.timeout_s
-        for pid in range(1, self.num_processes):
-            try:
-                state = _get(self._client, f"{key}/{pid}", deadline - time.monotonic(),
-                             f"publication of {request_id!r} by process {pid}")
-            except TimeoutError:
-                self.abort_request(request_id)
-                raise
-            if state.startswith(b"fail:"):
-                self.abort_request(request_id)
-                raise RuntimeError(
-                    f"process {pid} could not publish {request_id!r}: {state[5:].decode()}"
-                )
-        for pid in range(self.num_processes):
-            self._client.key_value_delete(f"{key}/{pid}")
+        try:
+            for pid in range(1, self.num_processes):
+                try:
+                    state = _get(self._client, f"{key}/{pid}", deadline - time.monotonic(),
+                                 f"publication of {request_id!r} by process {pid}")
+                except TimeoutError:
+                    self.abort_request(request_id)
+                    raise
+                if state.startswith(b"fail:"):
+                    self.abort_request(request_id)
+                    raise RuntimeError(
+                        f"process {pid} could not publish {request_id!r}: {state[5:].decode()}"
+                    )
+        finally:
+            self._client.key_value_delete(key)  # the directory: every process's state
 
     def publish_layers(self, request_id: str, layer_stop: int | None = None) -> None:
         """Every process: `KVTransferEngine.publish_layers` of its part."""
@@ -530,6 +540,57 @@ class MultiControllerEngine:
             jnp.asarray(handle, jnp.int32).reshape(()),
             jnp.asarray(block_ids, jnp.int32).reshape(-1),
             jnp.asarray(layer_stop, jnp.int32).reshape(()),
+        )
+
+    def wait_in_jit(
+        self, handle: Any, block_ids: Any, cache: Any, timeout_s: float = 30.0
+    ) -> tuple[Any, Any]:
+        """`jaxkv.transfer.wait_in_jit` for a consumer step over the global mesh (call inside
+        ``jax.jit``, in every process): every device waits for its own process's part of the
+        read, so no device uses blocks its process has not received.
+
+        A plain ``io_callback`` in a multi-process program runs in process 0 only; this one
+        runs per device (inside ``shard_map``), each returning its own copy of the ids.
+
+        Args:
+          handle: int32 scalar, `handle` of the read id (taken in the same order everywhere).
+          block_ids: int32 ``[n]`` local block ids the step reads the received blocks with.
+          cache: the registered `PagedKVCache` (its mesh places the callbacks).
+          timeout_s: the longest one callback blocks.
+
+        Returns:
+          ``(ids, status)`` sharded over the cache's mesh: ``ids`` int32 ``[devices, n]``,
+          row ``d`` the ids for device ``d`` (all ``-1`` unless its process's read finished;
+          data dependent on that wait: use the row inside the step's ``shard_map``),
+          ``status`` int32 ``[devices]`` as `wait_in_jit`'s (1 finished, 0 failed, -1 timed
+          out, -2 needs `poll` outside jit).
+        """
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import io_callback
+        from jax.sharding import PartitionSpec
+
+        from jaxkv.transfer._jit import _wait_callback
+
+        mesh = cache.sharding.mesh
+        names = tuple(mesh.axis_names)
+        callback = functools.partial(_wait_callback, self.engine, float(timeout_s))
+
+        def body(handle, ids):
+            status = io_callback(callback, jax.ShapeDtypeStruct((), jnp.int32), handle)
+            return jnp.where(status == 1, ids, -1)[None], status.reshape(1)
+
+        replicated = PartitionSpec()
+        program = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(replicated, replicated),
+            out_specs=(PartitionSpec(names), PartitionSpec(names)),
+            check_vma=False,
+        )
+        return program(
+            jnp.asarray(handle, jnp.int32).reshape(()),
+            jnp.asarray(block_ids, jnp.int32).reshape(-1),
         )
 
     def abort_request(self, request_id: str) -> None:
