@@ -98,6 +98,25 @@ class TcpControlChannelTest(absltest.TestCase):
             sock.settimeout(5)
             self.assertEqual(sock.recv(16), b"")
 
+    def test_incoming_connections_are_capped(self):
+        producer = TcpControlChannel(max_incoming=2)
+        server = MetadataServer(on_control=producer.adopt)
+        self.addCleanup(producer.close)
+        self.addCleanup(server.close)
+        consumers = [TcpControlChannel() for _ in range(3)]
+        for consumer in consumers:
+            self.addCleanup(consumer.close)
+        targets = [c.connect(server.address, "p", "p") for c in consumers]
+        for consumer, target in zip(consumers, targets):
+            consumer.send(target, b"x")
+            _receive(producer, 1)
+        self.assertEqual(producer.open_connections, 2)
+        deadline = time.monotonic() + 5  # the oldest was closed: its peer sees EOF
+        while consumers[0].open_connections and time.monotonic() < deadline:
+            consumers[0].receive()
+            time.sleep(0.01)
+        self.assertEqual(consumers[0].open_connections, 0)
+
     def test_peer_closing_drops_its_connection(self):
         target = self.consumer.connect(self.server.address, "p", "p")
         self.consumer.send(target, b"hello")

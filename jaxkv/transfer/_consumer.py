@@ -417,7 +417,7 @@ class Consumer:
         transition(state, ReadState.LANDED)
         self._send_done(state, ok=True)
         # Overlaps the producer's acknowledgement round trip.
-        self._post_process(state)
+        post_process(state, self.registry)
 
     def _progress(self, state: Reading, now: float, result: PollResult) -> None:
         if state.error is None and now > state.deadline:
@@ -460,52 +460,6 @@ class Consumer:
             return
         if now >= state.next_heartbeat:
             self.heartbeat(state, now)
-
-    def _post_process(self, state: Reading) -> None:
-        """Rewrites the received blocks that arrived in the sender's arrangement, in place,
-        in every registered cache they belong to; any failure fails the request."""
-        per_entry: dict[int, tuple[Registered, list[PostProcess], set[int]]] = {}
-        for plan in state.plans:
-            entry = self.registry.rank_cache[plan.local_rank]
-            _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
-            ranks.add(plan.local_rank)
-            steps.extend(plan.post)
-        if not state.needs_jax:
-            return
-        start = time.perf_counter()
-        try:
-            for entry, steps, ranks in per_entry.values():
-                if entry.mirror is not None and state.local_block_ids:
-                    check_current(entry)
-                    updated = entry.mirror.stage_in(entry.cache, state.local_block_ids)
-                    updated.verify_unmoved(entry.buffers)
-                    entry.cache.arrays = updated.arrays
-                if not steps:
-                    continue
-                by_rank = {
-                    r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post)
-                    for r in ranks
-                }
-                first = next(iter(by_rank.values()))
-                if any(
-                    g.keys() != first.keys()
-                    or any(g[k][0] != first[k][0] for k in g)
-                    for g in by_rank.values()
-                ):
-                    raise ValueError(
-                        "the ranks of one sharded cache need different post-processing"
-                    )
-                cache = entry.cache
-                check_current(entry)
-                updated = apply_post_processing(cache, steps)
-                updated.verify_unmoved(entry.buffers)
-                # Keep the caller's object current: its donated arrays are replaced by the
-                # results, which live in the same (registered) buffers.
-                cache.arrays = updated.arrays
-        except Exception as error:  # noqa: BLE001 - reported as a failed request
-            _log.error("post-processing of %s failed: %s", state.request_id, error)
-            state.error = f"post-processing failed: {type(error).__name__}: {error}"
-        state.post_s = time.perf_counter() - start
 
     def heartbeat(self, state: Reading, now: float) -> None:
         peer = self.peers.get(state.peer)
@@ -616,6 +570,53 @@ class Consumer:
             self.release_handles(state)
         self.reading.clear()
         self.by_attempt.clear()
+
+
+def post_process(state: Reading, registry: CacheRegistry) -> None:
+    """Rewrites the received blocks that arrived in the sender's arrangement, in place,
+    in every registered cache they belong to; any failure fails the request."""
+    per_entry: dict[int, tuple[Registered, list[PostProcess], set[int]]] = {}
+    for plan in state.plans:
+        entry = registry.rank_cache[plan.local_rank]
+        _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
+        ranks.add(plan.local_rank)
+        steps.extend(plan.post)
+    if not state.needs_jax:
+        return
+    start = time.perf_counter()
+    try:
+        for entry, steps, ranks in per_entry.values():
+            if entry.mirror is not None and state.local_block_ids:
+                check_current(entry)
+                updated = entry.mirror.stage_in(entry.cache, state.local_block_ids)
+                updated.verify_unmoved(entry.buffers)
+                entry.cache.arrays = updated.arrays
+            if not steps:
+                continue
+            by_rank = {
+                r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post)
+                for r in ranks
+            }
+            first = next(iter(by_rank.values()))
+            if any(
+                g.keys() != first.keys()
+                or any(g[k][0] != first[k][0] for k in g)
+                for g in by_rank.values()
+            ):
+                raise ValueError(
+                    "the ranks of one sharded cache need different post-processing"
+                )
+            cache = entry.cache
+            check_current(entry)
+            updated = apply_post_processing(cache, steps)
+            updated.verify_unmoved(entry.buffers)
+            # Keep the caller's object current: its donated arrays are replaced by the
+            # results, which live in the same (registered) buffers.
+            cache.arrays = updated.arrays
+    except Exception as error:  # noqa: BLE001 - reported as a failed request
+        _log.error("post-processing of %s failed: %s", state.request_id, error)
+        state.error = f"post-processing failed: {type(error).__name__}: {error}"
+    state.post_s = time.perf_counter() - start
 
 
 def check_current(entry: Registered) -> None:

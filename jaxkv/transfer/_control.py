@@ -54,6 +54,8 @@ class TcpControlChannel:
     Args:
       on_message: called from the channel's thread after messages arrived (must not block).
       connect_timeout_s: bound on opening a connection to a peer.
+      max_incoming: connections adopted from the side channel kept at once (a new one beyond
+        it closes the oldest).
 
     Example:
       >>> a, b = TcpControlChannel(), TcpControlChannel()
@@ -71,8 +73,14 @@ class TcpControlChannel:
     name = "tcp"
 
     def __init__(
-        self, on_message: Callable[[], None] | None = None, connect_timeout_s: float = 5.0
+        self,
+        on_message: Callable[[], None] | None = None,
+        connect_timeout_s: float = 5.0,
+        max_incoming: int = 1024,
     ):
+        if max_incoming < 1:
+            raise ValueError(f"max_incoming must be >= 1, got {max_incoming}")
+        self._max_incoming = max_incoming
         self._on_message = on_message
         self._connect_timeout_s = connect_timeout_s
         self._conns: dict[str, _Conn] = {}
@@ -116,6 +124,11 @@ class TcpControlChannel:
 
     def adopt(self, sock: socket.socket) -> None:
         """Takes over a connection a `MetadataServer` accepted as a control connection."""
+        with self._lock:
+            incoming = [c for c in self._conns.values() if c.key.startswith("tcp-in:")]
+        if len(incoming) >= self._max_incoming:
+            incoming[0].alive = False  # the oldest
+            self._request("drop", incoming[0])
         self._add(f"tcp-in:{next(self._ids)}", sock)
 
     def accept(self, agent: str, sender: str, payload: bytes) -> str:
