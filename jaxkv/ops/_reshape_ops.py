@@ -23,10 +23,12 @@ from jaxkv.ops._block_ops import (
     _check_blocks_first,
     _ffi_call,
     block_nbytes,
+    check_data_parallel,
+    data_parallel_local,
 )
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
 from jaxkv.ops._layouts import check_ratio, one_layout, packed_layout_pair
-from jaxkv.ops._partition import ShardingError, partitioned_call
+from jaxkv.ops._partition import IdRoles, ShardingError, partitioned_call
 
 __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 
@@ -50,14 +52,18 @@ def _program(
     operand_kinds: tuple[str, ...],
     num_outputs: int | None,
     donate_argnums: tuple[int, ...],
+    roles: IdRoles = (),
+    op: str = "",
 ) -> Callable[..., Any]:
     """A jitted program running ``local(*operands, **static)`` on every shard. Operand kinds
     are "blocks" (sharded like the cache) or "replicated"; outputs are blocks-like, one array
-    (`num_outputs` None) or a tuple of `num_outputs`."""
+    (`num_outputs` None) or a tuple of `num_outputs`. On a sharded block axis each shard
+    keeps the ids it owns (`roles`)."""
     kwargs = dict(static)
+    run = data_parallel_local(local, roles, partition, op)
 
     def program(*operands):
-        return local(*operands, **kwargs)
+        return run(*operands, **kwargs)
 
     if partition is not None:
         mesh, spec = partition
@@ -80,17 +86,24 @@ def run_per_shard(
     partition_of: int = 0,
     op: str | None = None,
     unsharded_axes: Sequence[tuple[int, str]] = (),
+    roles: IdRoles = (),
 ):
     """Runs `local` on `operands` (traced: under the sharding rule of `_partition`, local to
     each shard; concrete: a cached donating program, per shard of operand `partition_of`'s
-    sharding). `static` values must be hashable; `op` names the public op in errors."""
+    sharding). `static` values must be hashable; `op` names the public op in errors; `roles`
+    say how ids find their shard on a sharded block axis (none: such a sharding is refused).
+    """
     static_items = tuple(sorted(static.items()))
     if any(isinstance(x, jax.core.Tracer) for x in operands):
         # Inside the caller's jit: a sharding rule keeps the op local to each shard.
         return partitioned_call(local, operands, kinds, static, op=op or local.__name__,
-                                reference=partition_of, unsharded_axes=unsharded_axes)
+                                reference=partition_of, unsharded_axes=unsharded_axes,
+                                roles=roles)
     partition = _block_partition(operands[partition_of])
-    program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums)
+    check_data_parallel(partition, roles, operands, operands[partition_of].shape[0],
+                        op or local.__name__)
+    program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums,
+                       tuple(roles), op or local.__name__)
     placed = list(operands)
     if partition is not None:
         for axis, why in unsharded_axes:
@@ -221,6 +234,7 @@ def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target,
              packed=None if packed is None else 1 + dst_stored.index(packed),
              payload=payload),
         donate_argnums=(0,), op=target.removeprefix("jaxkv_"), unsharded_axes=tuple(unsharded),
+        roles=((1, "local", 0),),
     )
 
 
@@ -258,7 +272,8 @@ def permute_blocks(
         "auto" runs the jnp reference for it.
 
     On a sharded cache (eagerly, or traced inside the caller's jit) every shard rewrites its own
-    local blocks (each rank received its own heads' bytes); the block axis must not be sharded.
+    local blocks (each rank received its own heads' bytes). On a sharded block axis (data
+    parallelism) each shard rewrites the listed blocks it owns (ids stay global).
 
     Returns:
       The updated cache (the same buffer when donated).
@@ -299,7 +314,8 @@ def merge_blocks(
         axis with phantom tokens cannot be merged).
 
     On a sharded cache (eagerly, or traced inside the caller's jit) every shard rewrites its own
-    local blocks (each rank received its own heads' bytes); the block axis must not be sharded.
+    local blocks (each rank received its own heads' bytes). On a sharded block axis (data
+    parallelism) each shard rewrites the listed blocks it owns (ids stay global).
 
     Returns:
       The updated cache.
@@ -446,9 +462,11 @@ def copy_block_prefix(
             _prefix_in_place_local, (dst_cache, src, dst, count),
             ("blocks", "replicated", "replicated", "replicated"), static, donate_argnums=(0,),
             op="copy_block_prefix", unsharded_axes=unsharded,
+            roles=((1, "local", 0), (2, "local", 0)),
         )
     return run_per_shard(
         _prefix_local, (src_cache, dst_cache, src, dst, count),
         ("blocks", "blocks", "replicated", "replicated", "replicated"), static,
         donate_argnums=(1,), partition_of=1, op="copy_block_prefix", unsharded_axes=unsharded,
+        roles=((2, "local", 0), (3, "local", 1)),
     )
