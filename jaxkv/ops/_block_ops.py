@@ -196,10 +196,9 @@ def check_data_parallel(partition: tuple[Any, PartitionSpec] | None, roles: IdRo
                 "one per shard (pad the ids with -1)")
     pairs = [p for p, role, _ in roles if role == "local"]
     if len(pairs) == 2 and len({indexed for _, _, indexed in roles}) == 1:
-        values = [concrete_ids(operands[p]) for p in pairs]
-        if values[0] is not None and values[1] is not None:
+        a, b = (concrete_ids(operands[p]) for p in pairs)
+        if a is not None and b is not None:
             per_shard = num_blocks // count
-            a, b = values
             crossing = np.flatnonzero((a >= 0) & (b >= 0) & (a // per_shard != b // per_shard))
             if crossing.size:
                 i = int(crossing[0])
