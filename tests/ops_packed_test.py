@@ -199,6 +199,25 @@ class PackedRewriteTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "packed_size needs a packed layout"):
             ops.permute_blocks(jnp.zeros((2, 4, 4, 128)), [0], "HTD", "THD", packed_size=3)
 
+    @parameterized.parameters("bfloat16", "float8_e4m3fn", "float32", "int8")
+    def test_pallas_lowers_for_tpu(self, dtype):
+        # Pallas's TPU (Mosaic) lowering of the packed rewrite, run from this CPU machine
+        # (Mosaic's own compile needs a TPU): a Mosaic custom call, never the CPU one.
+        from unittest import mock
+
+        shape = tpu_inference_shape(16, 16, 3, 64, dtype)
+        args = (jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((4,), jnp.int32))
+        for fn in (lambda c, i: ops.merge_blocks(c, i, 2, "HhTD", "THhD", packed_size=6,
+                                                 head_dim=64, validate_ids=False),
+                   lambda c, i: ops.permute_blocks(c, i, "HhTD", "THhD", packed_size=6,
+                                                   head_dim=64, validate_ids=False)):
+            with ops.implementation("pallas"), mock.patch.object(jax, "default_backend",
+                                                                 return_value="tpu"):
+                traced = jax.jit(fn).trace(*args)
+            text = traced.lower(lowering_platforms=("tpu",)).as_text()
+            self.assertIn("tpu_custom_call", text)
+            self.assertNotIn("jaxkv_", text)
+
 
 class PhantomRowsTest(parameterized.TestCase):
     @parameterized.parameters(("THD", "H", (4, 8, 128), 6), ("HTD", "H", (8, 4, 128), 5),
