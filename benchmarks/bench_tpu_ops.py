@@ -106,6 +106,23 @@ def _ids(num_pages, moved, seed):
     return np.asarray(ids, np.int32)
 
 
+def numpy_merge(host, ids, ratio, src, dst, mask):
+    """Each listed block's bytes read as ``[ratio, *src axes (T / ratio tokens)]``, written in
+    `dst` order, padding (False in `mask`) zeroed: the reference for the packed rewrite."""
+    import numpy as np
+
+    out = host.copy()
+    sizes = dict(zip(dst, host.shape[1:]))
+    sizes["T"] //= ratio
+    names = ["R", *src]
+    order = [x for a in dst for x in (("R", "T") if a == "T" else (a,))]
+    for b in ids:
+        block = host[b].reshape([ratio] + [sizes[a] for a in src])
+        block = block.transpose([names.index(x) for x in order]).reshape(host.shape[1:])
+        out[b] = np.where(mask, block, np.zeros((), block.dtype))
+    return out
+
+
 def _smoke(report):
     """Interpret mode on small shapes: every contender against numpy, bit for bit."""
     import jax
@@ -136,6 +153,17 @@ def _smoke(report):
         out = jaxkv.ops.copy_blocks(jnp.asarray(host), ids, dst)
         checks["jaxkv copy (pallas interpret)"] = np.array_equal(
             np.asarray(out).view(np.uint16), expected.view(np.uint16))
+        # The packed rewrite: head-major sender pages of half the page size into
+        # tpu-inference's token-major blocks, phantom heads and padded lanes zeroed.
+        packed = jaxkv.KVCacheSpec.for_tpu_inference(1, num_kv_heads=3, head_dim=64,
+                                                     page_size=8, dtype="float8_e4m3fn")
+        raw = rng.integers(0, 256, size=(pages, *packed.block_shape()), dtype=np.uint8)
+        merged = jaxkv.ops.merge_blocks(
+            jnp.asarray(raw.view(packed.dtype)), ids, 2, "HhTD", packed.stored_layout,
+            packed_size=packed.axis_sizes()["H"], head_dim=packed.head_dim)
+        checks["jaxkv packed merge (pallas interpret)"] = np.array_equal(
+            np.asarray(merged).view(np.uint8),
+            numpy_merge(raw, ids, 2, "HhTD", "THhD", packed.payload_mask()))
     gathered = jax.jit(lambda c, i: c.at[i].get())(jnp.asarray(host), ids)
     checks["cache.at[ids].get()"] = np.array_equal(np.asarray(gathered).view(np.uint16),
                                                    host[ids].view(np.uint16))
@@ -192,6 +220,19 @@ def _timed(report):
             return state["cache"]
         return step
 
+    # The packed rewrite (head-major sender pages of half the page size into token-major
+    # blocks, padding zeroed) against the same rewrite by XLA (the jnp reference), compiled
+    # under its implementation here: the implementation is fixed when tracing.
+    heads = spec.axis_sizes()["H"]
+
+    def merge_fn(c, i):
+        return jaxkv.ops.merge_blocks(c, i, 2, "HhTD", spec.stored_layout, packed_size=heads,
+                                      head_dim=spec.head_dim, validate_ids=False)
+
+    with jaxkv.ops.implementation("reference"):
+        xla_merge = jax.jit(merge_fn, donate_argnums=0).lower(cache, ids_d).compile()
+    merge = jax.jit(merge_fn, donate_argnums=0)
+
     with jaxkv.ops.implementation("pallas"):
         steps = {
             "limit: device copy": lambda: copy_limit(flat),
@@ -200,6 +241,8 @@ def _timed(report):
             "jaxkv scatter": stateful(scatter, blocks, dst_sorted_d),
             "chunked DMA insert": stateful(insert, blocks, *chunks),
             "jaxkv copy": stateful(copy, ids_d, dst_d),
+            "jaxkv packed merge": stateful(merge, ids_d),
+            "XLA packed merge (jnp)": stateful(xla_merge, ids_d),
         }
         times = interleaved_seconds(steps, FLAGS.iters)
     limit = times["limit: device copy"]

@@ -412,6 +412,17 @@ class KVCacheSpec:
                 axes.append(axis.lower())
         return tuple(axes)
 
+    @property
+    def stored_layout(self) -> str:
+        """`block_axes` as one layout string, the form `jaxkv.ops.permute_blocks` and
+        `jaxkv.ops.merge_blocks` take for a packed cache.
+
+        Example:
+          >>> KVCacheSpec.for_tpu_inference(1, 8, 128, 16).stored_layout
+          'THhD'
+        """
+        return "".join(self.block_axes())
+
     def block_shape(self, tp_size: int = 1) -> tuple[int, ...]:
         """Stored shape of one block of one cache array, on one TP rank (``tp_size=1``:
         global), padding included."""

@@ -13,6 +13,7 @@ import pytest
 from absl.testing import absltest, parameterized
 
 from jaxkv import SUPPORTED_DTYPES
+from jaxkv import ops as jaxkv_ops
 from jaxkv.offload import FileTier, HostPool, OffloadManager, offload_blocks, onboard_blocks
 from jaxkv.transfer import nixl_available
 
@@ -141,6 +142,66 @@ class FunctionalApiTest(parameterized.TestCase):
             HostPool.allocate(cache, 0)
         with self.assertRaisesRegex(ValueError, "memory_kind"):
             HostPool.allocate(cache, 2, memory_kind="unpinned")
+
+
+class WithoutCustomCallsTest(parameterized.TestCase):
+    """The host tier with the Pallas kernels (interpret mode here) or the jnp reference, pools
+    in pinned host memory or the default memory: exact bytes, and no custom call built."""
+
+    def _no_custom_calls(self):
+        def refuse(*args, **kwargs):
+            raise AssertionError("a custom call was built")
+
+        from unittest import mock
+
+        from jaxkv.ops import _block_ops, _reshape_ops
+
+        self.enter_context(mock.patch.object(_block_ops, "_ffi_call", refuse))
+        self.enter_context(mock.patch.object(_reshape_ops, "_ffi_call", refuse))
+
+    @parameterized.parameters(*[(impl, kind) for impl in ("reference", "pallas")
+                                for kind in (None, "pinned_host")])
+    def test_round_trip(self, impl, memory_kind):
+        self._no_custom_calls()
+        with jaxkv_ops.implementation(impl):
+            RoundTripTest._round_trip(self, "KTHD", "bfloat16", tp=2, memory_kind=memory_kind)
+
+    @parameterized.parameters("reference", "pallas")
+    def test_partial_onboard_from_a_pinned_pool(self, impl):
+        self._no_custom_calls()
+        spec = ot.spec_for("THD", "float8_e4m3fn")
+        with jaxkv_ops.implementation(impl):
+            cache, hosts = ot.filled_cache(spec, 6, seed=11)
+            pool = HostPool.allocate(cache, 3, memory_kind="pinned_host")
+            self.assertEqual(pool.arrays[0].sharding.memory_kind, "pinned_host")
+            pool = offload_blocks(cache, pool, [4, 1, -1], [2, 0, 1])
+            ot.assert_bits_equal(np.asarray(pool.arrays[0])[[2, 0]], hosts[0][[4, 1]])
+            ot.assert_bits_equal(np.asarray(pool.arrays[0])[1], np.zeros_like(hosts[0][0]))
+            target, before = ot.filled_cache(spec, 6, seed=12)
+            target = onboard_blocks(pool, target, [2, 0], [0, 5], num_tokens=3)
+        for array, host, old in zip(target.arrays, hosts, before):
+            expected = old.copy()
+            ot.prefix_copy(expected[0], host[4], 3, spec)
+            ot.prefix_copy(expected[5], host[1], 3, spec)
+            ot.assert_bits_equal(array, expected, impl)
+
+    def test_reference_inside_jit_with_a_pinned_pool(self):
+        self._no_custom_calls()
+        spec = ot.spec_for("KHTD", "float32")
+        with jaxkv_ops.implementation("reference"):
+            cache, hosts = ot.filled_cache(spec, 8, seed=5, mesh=_mesh(2))
+            pool = HostPool.allocate(cache, 4, memory_kind="pinned_host")
+
+            def round_trip(cache, pool, ids, slots, back):
+                pool = offload_blocks(cache, pool, ids, slots)
+                return onboard_blocks(pool, cache, slots, back), pool
+
+            cache, pool = jax.jit(round_trip, donate_argnums=(0, 1))(
+                cache, pool, jnp.array([3, 1]), jnp.array([0, 2]), jnp.array([6, 7]))
+        self.assertEqual(pool.arrays[0].sharding.memory_kind, "pinned_host")
+        expected = hosts[0].copy()
+        expected[[6, 7]] = hosts[0][[3, 1]]
+        ot.assert_bits_equal(cache.arrays[0], expected)
 
 
 if __name__ == "__main__":

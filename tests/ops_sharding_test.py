@@ -1,6 +1,7 @@
 """Raw ops inside the caller's own jit on a sharded cache: local per shard (no collective in
-the compiled HLO), the result keeps the cache's sharding, values exact; a sharded block axis is
-refused."""
+the compiled HLO), the result keeps the cache's sharding, values exact. A sharded block axis
+(data parallelism): each shard handles the global ids it owns, dense rows in segments, against
+a numpy model of that rule; ops without that rule (peer split/concat) refuse it."""
 
 import kv_testing
 
@@ -150,16 +151,17 @@ class ShardedInJitTest(parameterized.TestCase):
         self._check(lambda c, s, d: ops.copy_block_prefix(c, c, s, d, 3, "KHTD"),
                     (cache, src, dst), 0, want, sharding)
 
-    @parameterized.parameters(("1d", P("tp")), ("2d", P(("dp", "tp"))), ("2d", P("dp", None, "tp")))
-    def test_a_sharded_block_axis_is_refused(self, mesh_name, spec):
-        sharding = NamedSharding(_mesh(mesh_name), spec)
-        cache = jax.device_put(np.zeros(SHAPE, np.float32), sharding)
-        ids = jnp.asarray([0], jnp.int32)
-        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d), donate_argnums=0)
-        with self.assertRaisesRegex(Exception, r"copy_blocks: the block axis \(axis 0\)"):
-            step.lower(cache, ids, ids + 1).compile()
-        with self.assertRaisesRegex(Exception, r"gather_blocks: the block axis"):
-            jax.jit(ops.gather_blocks).lower(cache, ids).compile()
+    def test_peer_ops_refuse_a_sharded_block_axis(self):
+        from jaxkv import EngineConfig, KVCacheSpec
+
+        spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="float32", layout="LKHTD")
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
+        cache = jax.device_put(np.zeros((8, 1, 2, 2, 4, 8), np.float32),
+                               NamedSharding(mesh, P("dp")))
+        me, peer = EngineConfig(spec, tp_size=1), EngineConfig(spec, tp_size=2)
+        with self.assertRaisesRegex(Exception, "block axis"):
+            ops.split_for_peers(cache, [0], me, peer, 0)
 
     def test_donated_sharded_cache_is_updated_in_place(self):
         sharding = NamedSharding(_mesh("2d"), P(None, "dp", "tp"))
@@ -184,6 +186,150 @@ class ShardedInJitTest(parameterized.TestCase):
         self.assertNotIn("CustomSPMDPartitioning", step.lower(cache, src, dst).as_text())
         np.testing.assert_array_equal(np.asarray(step(cache, src, dst)),
                                       kv_testing.numpy_copy_blocks(host, [1], [2]))
+
+
+# Block-sharded (data-parallel) caches: (mesh shape, axis names, partition spec).
+DP_CASES = [
+    ((4,), ("dp",), P("dp")),
+    ((2, 2), ("dp", "tp"), P("dp", None, "tp")),
+    ((2, 2), ("dp", "tp"), P(("dp", "tp"))),
+    ((2, 2), ("tp", "dp"), P("dp", "tp")),
+]
+
+
+def _auto_mesh(shape, names):
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names)
+
+
+def _shards(sharding):
+    spec = _spec(sharding, len(SHAPE))[0]
+    axes = spec if isinstance(spec, tuple) else (spec,)
+    return int(np.prod([sharding.mesh.shape[a] for a in axes]))
+
+
+def dp_copy(host, src, dst, shards):
+    """The data-parallel rule: a pair is copied by the shard owning both blocks."""
+    per = host.shape[0] // shards
+    out = host.copy()
+    for s, d in zip(src, dst):
+        if 0 <= s < host.shape[0] and 0 <= d < host.shape[0] and s // per == d // per:
+            out[d] = host[s]
+    return out
+
+
+def dp_gather(host, ids, shards):
+    """Row i (in shard i // segment's segment) is its block if that shard owns it, else 0."""
+    per, segment = host.shape[0] // shards, len(ids) // shards
+    out = np.zeros((len(ids), *host.shape[1:]), host.dtype)
+    for i, b in enumerate(ids):
+        if 0 <= b < host.shape[0] and b // per == i // segment:
+            out[i] = host[b]
+    return out
+
+
+def dp_scatter(host, blocks, ids, shards):
+    per, segment = host.shape[0] // shards, len(ids) // shards
+    out = host.copy()
+    for i, b in enumerate(ids):
+        if 0 <= b < host.shape[0] and b // per == i // segment:
+            out[b] = blocks[i]
+    return out
+
+
+class DataParallelTest(parameterized.TestCase):
+    """Ops with global ids on a cache whose block axis is sharded."""
+
+    def _compiled(self, fn, args, donate, out_sharding):
+        step = jax.jit(fn, donate_argnums=donate, out_shardings=out_sharding)
+        compiled = step.lower(*args).compile()
+        found = [c for c in COLLECTIVES if c in compiled.as_text()]
+        self.assertEqual(found, [], f"collectives in the compiled HLO: {found}")
+        return compiled(*args)
+
+    def _assert(self, got, want, sharding, msg=""):
+        self.assertEqual(_spec(got.sharding, got.ndim), _spec(sharding, got.ndim), msg)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                      np.asarray(want).view(np.uint32), err_msg=msg)
+
+    @parameterized.parameters(*[(c, impl) for c in DP_CASES for impl in ("auto", "reference")])
+    def test_ops_in_jit_route_ids_to_their_shard(self, case, impl):
+        shape, names, spec = case
+        sharding = NamedSharding(_auto_mesh(shape, names), spec)
+        shards = _shards(sharding)
+        rng = np.random.default_rng(len(names) + shards)
+        host = kv_testing.random_bits(rng, SHAPE, np.float32)
+        # Global ids: pairs inside one shard, across shards, padding and out of range.
+        src = np.array([0, 4, 2, -1, 9], np.int32)
+        dst = np.array([1, 5, 6, 3, 7], np.int32)
+        ids = np.array([1, 0, 3, 2, 5, -1, 7, 12], np.int32)
+        blocks = kv_testing.random_bits(rng, (8, *SHAPE[1:]), np.float32)
+        with ops.implementation(impl):
+            got = self._compiled(lambda c, s, d: ops.copy_blocks(c, s, d, validate_ids=False),
+                                 (jax.device_put(host, sharding), src, dst), 0, sharding)
+            self._assert(got, dp_copy(host, src, dst, shards), sharding, "copy")
+            got = self._compiled(lambda c, i: ops.gather_blocks(c, i, validate_ids=False),
+                                 (jax.device_put(host, sharding), ids), (), sharding)
+            self._assert(got, dp_gather(host, ids, shards), sharding, "gather")
+            out = jax.device_put(np.zeros((8, *SHAPE[1:]), np.float32), sharding)
+            got = self._compiled(
+                lambda c, i, o: ops.gather_blocks(c, i, out=o, validate_ids=False),
+                (jax.device_put(host, sharding), ids, out), 2, sharding)
+            self._assert(got, dp_gather(host, ids, shards), sharding, "gather into")
+            for dense in (sharding, NamedSharding(sharding.mesh, P())):  # sharded or replicated
+                got = self._compiled(
+                    lambda c, b, i: ops.scatter_blocks(c, b, i, validate_ids=False),
+                    (jax.device_put(host, sharding), jax.device_put(blocks, dense),
+                     np.array([1, 0, 2, 3, 5, -1, 6, 12], np.int32)), 0, sharding)
+                self._assert(got, dp_scatter(host, blocks, [1, 0, 2, 3, 5, -1, 6, 12], shards),
+                             sharding, "scatter")
+            if _spec(sharding, len(SHAPE))[2] is None:  # H unsharded: a whole-block rewrite
+                rewrite = np.array([6, 1, -1, 3], np.int32)
+                got = self._compiled(
+                    lambda c, i: ops.permute_blocks(c, i, "KTHD", "KHTD", validate_ids=False),
+                    (jax.device_put(host, sharding), rewrite), 0, sharding)
+                self._assert(got, reference.permute_blocks(jnp.asarray(host), rewrite, "KTHD",
+                                                           "KHTD"), sharding, "permute")
+            got = self._compiled(
+                lambda c, s, d: ops.copy_block_prefix(c, c, s, d, 3, "KHTD",
+                                                      validate_ids=False),
+                (jax.device_put(host, sharding), np.array([0, 5, 2], np.int32),
+                 np.array([1, 4, 7], np.int32)), 0, sharding)
+            per = SHAPE[0] // shards
+            pairs = [(s, d) for s, d in ((0, 1), (5, 4), (2, 7)) if s // per == d // per]
+            want = reference.copy_block_prefix(
+                jnp.asarray(host), jnp.asarray(host), np.array([p[0] for p in pairs] or [-1]),
+                np.array([p[1] for p in pairs] or [-1]), 3, "KHTD")
+            self._assert(got, want, sharding, "prefix")
+
+    @parameterized.parameters("auto", "reference", "pallas")
+    def test_eager_calls(self, impl):
+        sharding = NamedSharding(_auto_mesh((4,), ("dp",)), P("dp"))
+        host = kv_testing.random_bits(np.random.default_rng(3), SHAPE, np.float32)
+        ids = np.array([1, 0, 3, 2, 5, -1, 7, 6], np.int32)
+        with ops.implementation(impl):
+            got = ops.copy_blocks(jax.device_put(host, sharding), [0, 4, 6], [1, 5, 7])
+            self._assert(got, dp_copy(host, [0, 4, 6], [1, 5, 7], 4), sharding, "copy")
+            got = ops.gather_blocks(jax.device_put(host, sharding), ids)
+            self._assert(got, dp_gather(host, ids, 4), sharding, "gather")
+            blocks = kv_testing.random_bits(np.random.default_rng(4), (8, *SHAPE[1:]),
+                                            np.float32)
+            got = ops.scatter_blocks(jax.device_put(host, sharding), jnp.asarray(blocks), ids)
+            self._assert(got, dp_scatter(host, blocks, ids, 4), sharding, "scatter")
+            got = ops.merge_blocks(jax.device_put(host, sharding), [6, 1, -1], 2, "KHTD", "KHTD")
+            self._assert(got, reference.merge_blocks(jnp.asarray(host), np.array([6, 1, -1]), 2,
+                                                     "KHTD", "KHTD"), sharding, "merge")
+
+    def test_concrete_pairs_across_shards_and_uneven_segments_are_refused(self):
+        sharding = NamedSharding(_auto_mesh((4,), ("dp",)), P("dp"))
+        cache = jax.device_put(np.zeros(SHAPE, np.float32), sharding)
+        with self.assertRaisesRegex(ValueError, r"pair 1 \(2 -> 5\) crosses data shards"):
+            ops.copy_blocks(cache, [0, 2], [1, 5])
+        with self.assertRaisesRegex(ValueError, "3 ids for a block axis split in 4 shards"):
+            ops.gather_blocks(cache, [0, 2, 4])
+        step = jax.jit(lambda c, i: ops.gather_blocks(c, i))
+        with self.assertRaisesRegex(Exception, "3 ids for a block axis split in 4 shards"):
+            step.lower(cache, jnp.zeros(3, jnp.int32)).compile()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import transfer_e2e_test as e2e  # noqa: E402  (module only: its class is not collected twice)
 from absl.testing import absltest, parameterized  # noqa: E402
 
-from jaxkv import KVCacheSpec, PagedKVCache  # noqa: E402
+from jaxkv import KVCacheSpec, PagedKVCache, ops  # noqa: E402
 from jaxkv.transfer import HostMirror, nixl_available  # noqa: E402
 
 
@@ -101,6 +101,57 @@ class HostMirrorTest(parameterized.TestCase):
         np.testing.assert_array_equal(rows[2, 1], arrays[0][2, 1].reshape(-1))
         self.assertFalse(rows[2, 0].any())  # layer 0 not staged yet
         self.assertFalse(rows[[0, 1, 3]].any())
+
+
+class HostMirrorWithoutCustomCallsTest(parameterized.TestCase):
+    """The mirror copies with the Pallas kernels (interpret mode here) or the jnp reference,
+    directly or through pinned host memory: exact bytes, and no custom call built."""
+
+    @parameterized.parameters(*[(impl, kind) for impl in ("reference", "pallas")
+                                for kind in (None, "pinned_host")])
+    def test_stage_out_and_in(self, impl, memory_kind):
+        from unittest import mock
+
+        import jax
+        import jax.numpy as jnp
+
+        from jaxkv.ops import _block_ops
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a custom call was built")
+
+        self.enter_context(mock.patch.object(_block_ops, "_ffi_call", refuse))
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="LKHTD")
+        mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+        host = kv_testing.random_bits(np.random.default_rng(1), spec.array_shape(8), spec.dtype)
+        with ops.implementation(impl):
+            cache = PagedKVCache.from_arrays(spec, [jnp.asarray(host)], mesh=mesh)
+            mirror = HostMirror(cache, memory_kind=memory_kind)
+            mirror.stage_out(cache, [3, 5, 0])
+            for b in cache.shard_buffers():   # the mirror holds the staged blocks' bytes
+                staged = mirror.buffers[(b.array_index, b.device.id)].reshape(8, -1)
+                shard = next(s for s in cache.arrays[0].addressable_shards
+                             if s.device == b.device)
+                local = np.asarray(shard.data).reshape(8, -1).view(np.uint8)
+                np.testing.assert_array_equal(staged[[3, 5, 0]], local[[3, 5, 0]])
+                self.assertFalse(staged[[1, 2, 4, 6, 7]].any())
+            target = PagedKVCache.from_arrays(spec, [jnp.zeros(spec.array_shape(8), spec.dtype)],
+                                              mesh=mesh)
+            received = HostMirror(target, memory_kind=memory_kind)
+            for key, buffer in mirror.buffers.items():
+                received.buffers[key][:] = buffer
+            target = received.stage_in(target, [5, 3])
+        expected = np.zeros_like(host)
+        expected[[3, 5]] = host[[3, 5]]
+        np.testing.assert_array_equal(kv_testing.bits(np.asarray(target.arrays[0])),
+                                      kv_testing.bits(expected))
+
+    def test_unknown_memory_kind(self):
+        spec = KVCacheSpec(1, 1, 8, 4, "float32", layout="THD")
+        cache = PagedKVCache.allocate(spec, num_blocks=2)
+        with self.assertRaisesRegex(ValueError, "memory_kind must be None or 'pinned_host'"):
+            HostMirror(cache, memory_kind="device")
 
 
 if __name__ == "__main__":

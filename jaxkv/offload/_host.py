@@ -1,11 +1,18 @@
 """The host tier: a pool of block slots in host memory, and batched copies between a device
-cache and the pool through the block custom calls.
+cache and the pool through the block ops.
 
 On CPU the pool is a set of plain host arrays with the cache's sharding, and both directions are
-one `copy_block_prefix` custom call per array (device block -> host slot and back, in place,
-`num_tokens` for partial onboarding). Where the platform has pinned host memory (GPU:
+one `copy_block_prefix` per array (device block -> host slot and back, in place, `num_tokens`
+for partial onboarding). Where the platform has pinned host memory (GPU, TPU:
 ``memory_kind="pinned_host"``), the pool lives there and the copies stage through a device
 buffer: `gather_blocks` on the device, a device-to-host copy, a slot update (and the reverse).
+
+The block ops run with the implementation in force (`jaxkv.ops.implementation`): custom calls
+on CPU and CUDA, the Pallas kernels on TPU, the jnp reference anywhere; the host memory itself
+is only touched by XLA (copies between memory kinds, the slot update), never by a custom call.
+Tested on CPU (which has a "pinned_host" memory) byte for byte with every implementation; on
+a TPU this path is unvalidated (no TPU was available), in particular whether XLA runs the slot
+update in pinned host memory there as it does on CPU.
 """
 
 from __future__ import annotations
@@ -77,8 +84,8 @@ class HostPool:
         Args:
           cache: the device cache whose blocks the pool will hold (spec and sharding).
           num_slots: slots in the pool (each holds one block of every array).
-          memory_kind: "auto" (pinned host memory on GPU, the default memory on CPU), None
-            (the devices' default memory) or "pinned_host".
+          memory_kind: "auto" (pinned host memory on GPU and TPU, the default memory on
+            CPU), None (the devices' default memory) or "pinned_host".
 
         Returns:
           The pool.
@@ -194,11 +201,25 @@ def _offload_traced(cache: PagedKVCache, pool: HostPool, device_ids, host_slots,
         copy = _direct_copy(spec, sharding, validate_ids)
         return copy(cache.arrays, pool.arrays, device_ids, host_slots, jnp.int32(0))
     # Pinned host pool: gather on the device, copy to host memory, update the slots there.
+    staged = _stage_on_device(cache, device_ids, validate_ids)
+    return _update_pool(pool, staged, device_ids, host_slots)
+
+
+def _stage_on_device(cache: PagedKVCache, device_ids, validate_ids: bool):
+    """The blocks to offload, gathered into dense device arrays (the implementation in force:
+    custom calls, Pallas kernels or the jnp reference)."""
+    spec, sharding = cache.spec, cache.sharding
 
     def gather(arrays, ids):
         return tuple(_gather_local(a, ids, validate_ids=validate_ids) for a in arrays)
 
-    staged = _map_arrays(sharding, spec, gather, 1, 1)(cache.arrays, device_ids)
+    return _map_arrays(sharding, spec, gather, 1, 1)(cache.arrays, device_ids)
+
+
+def _update_pool(pool: HostPool, staged, device_ids, host_slots) -> tuple[jax.Array, ...]:
+    """Copies dense device rows to host memory and writes them into their pool slots (XLA
+    only: no custom call touches host memory)."""
+    spec, sharding = pool.spec, pool.sharding
     host = _pool_sharding(spec, sharding, pool.memory_kind)
     staged = jax.device_put(staged, (host,) * len(staged))
     valid = (device_ids >= 0) & (host_slots >= 0)
@@ -226,11 +247,24 @@ def _onboard_traced(pool: HostPool, cache: PagedKVCache, host_slots, device_ids,
     copy = _direct_copy(spec, sharding, validate_ids)
     if pool.memory_kind is None:
         return copy(pool.arrays, cache.arrays, host_slots, device_ids, num_tokens)
+    rows = _rows_from_pool(pool, host_slots)
+    return _write_rows(cache, rows, host_slots, device_ids, num_tokens, validate_ids)
+
+
+def _rows_from_pool(pool: HostPool, host_slots) -> tuple[jax.Array, ...]:
+    """The listed slots of a pinned pool as dense device rows (XLA only)."""
+    spec, sharding = pool.spec, pool.sharding
     host_ids = jax.device_put(
         jnp.clip(host_slots, 0, pool.num_slots - 1),
         NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=pool.memory_kind))
     rows = tuple(_from_bits(_bits(p)[host_ids], p.dtype) for p in pool.arrays)
-    rows = jax.device_put(rows, (sharding.named_sharding(spec),) * len(rows))
+    return jax.device_put(rows, (sharding.named_sharding(spec),) * len(rows))
+
+
+def _write_rows(cache: PagedKVCache, rows, host_slots, device_ids, num_tokens,
+                validate_ids: bool) -> tuple[jax.Array, ...]:
+    """Dense device rows into their cache blocks (token prefixes), in place."""
+    copy = _direct_copy(cache.spec, cache.sharding, validate_ids)
     count = host_slots.shape[0]
     row_ids = jnp.where(host_slots >= 0, jnp.arange(count, dtype=jnp.int32), -1)
     return copy(rows, cache.arrays, row_ids, device_ids, num_tokens)
@@ -324,9 +358,47 @@ def onboard_blocks(pool: HostPool, cache: PagedKVCache, host_slots: Any, device_
     return PagedKVCache(cache.spec, arrays, cache.sharding)
 
 
-@functools.lru_cache(maxsize=64)
 def _program(direction: str, memory_kind: str | None, validate_ids: bool):
-    """The jitted, donating program of one direction; returns (arrays, completion token)."""
+    """The donating program of one direction; returns (arrays, completion token)."""
+    from jaxkv.ops._dispatch import current_implementation
+
+    # Pallas's interpret mode (forced "pallas" off TPU) runs kernels through ordered host
+    # callbacks, and jax 0.10 cannot lower a program with ordered effects whose outputs live
+    # in pinned host memory: the device gather and the host update then run as two programs.
+    interpreted = current_implementation() == "pallas" and jax.default_backend() != "tpu"
+    return _programs(direction, memory_kind, validate_ids,
+                     interpreted and memory_kind is not None)
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(direction: str, memory_kind: str | None, validate_ids: bool, split: bool):
+    if direction == "offload" and split:
+        stage = jax.jit(lambda cache, ids: _stage_on_device(cache, ids, validate_ids))
+
+        def update(pool, staged, device_ids, host_slots):
+            arrays = _update_pool(pool, staged, device_ids, host_slots)
+            return arrays, _completion_token(arrays[0], pool.sharding, pool.spec,
+                                             pool.memory_kind)
+
+        update_jit = jax.jit(update, donate_argnums=(0,))
+
+        def offload_in_two(cache, pool, device_ids, host_slots):
+            return update_jit(pool, stage(cache, device_ids), device_ids, host_slots)
+
+        return offload_in_two
+    if split:
+        read = jax.jit(lambda pool, slots: _rows_from_pool(pool, slots))
+
+        def write(cache, rows, host_slots, device_ids, num_tokens):
+            arrays = _write_rows(cache, rows, host_slots, device_ids, num_tokens, validate_ids)
+            return arrays, _completion_token(arrays[0], cache.sharding, cache.spec, None)
+
+        write_jit = jax.jit(write, donate_argnums=(0,))
+
+        def onboard_in_two(pool, cache, host_slots, device_ids, num_tokens):
+            return write_jit(cache, read(pool, host_slots), host_slots, device_ids, num_tokens)
+
+        return onboard_in_two
     if direction == "offload":
 
         def offload(cache, pool, device_ids, host_slots):

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxkv._cache import BufferMovedError, PagedKVCache
@@ -159,8 +160,18 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ raw memory of slots
 
+    def _settle_for_pointers(self) -> None:
+        """Reading a pending buffer's address waits for it while holding the GIL, which the
+        host callbacks of Pallas's interpret mode (forced "pallas" off TPU) need to finish it:
+        wait without the GIL first there (elsewhere no wait: copies stay asynchronous)."""
+        from jaxkv.ops._dispatch import current_implementation
+
+        if current_implementation() == "pallas" and jax.default_backend() != "tpu":
+            jax.block_until_ready(self._pool.arrays)
+
     def _slot_layout(self) -> tuple[list[tuple[int, int]], list[list[int]], list[int]]:
         """Per array and head range: the primary shard buffer and its replicas."""
+        self._settle_for_pointers()
         primary: list[tuple[int, int]] = []  # (address, bytes per slot) in payload order
         replicas: list[list[int]] = []
         addresses: list[int] = []
@@ -186,6 +197,7 @@ class OffloadManager:
         return out
 
     def _check_unmoved(self) -> None:
+        self._settle_for_pointers()
         now = [int(s.data.unsafe_buffer_pointer()) for a in self._pool.arrays
                for s in a.addressable_shards]
         if sorted(now) != sorted(self._addresses):

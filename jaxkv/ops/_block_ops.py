@@ -6,8 +6,9 @@ argument is consumed; use the returned array). Called on a tracer (inside the ca
 ``jax.jit`` / ``shard_map``) it emits the custom call with the cache aliased to the result;
 the caller's jit must donate the cache for the update to stay in place. A cache sharded over
 its per-block axes (heads, layers, tokens; over one mesh axis or several) runs locally on every
-shard, in jit too, and the result keeps the cache's sharding (see `jaxkv.ops._partition`); a
-sharded block axis is refused.
+shard, in jit too, and the result keeps the cache's sharding (see `jaxkv.ops._partition`). On a
+sharded block axis (data parallelism) each shard handles the global ids it owns, without
+collectives (see `copy_blocks`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxkv import _ffi
 from jaxkv._placement import place_exactly
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
-from jaxkv.ops._partition import partitioned_call
+from jaxkv.ops._partition import IdRoles, block_axes, localize_ids, partitioned_call
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
 
@@ -119,6 +120,14 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
     return dispatch("scatter", ffi, cache, blocks, ids, validate_ids=validate_ids)
 
 
+_ROLES: dict[Callable[..., Any], IdRoles] = {
+    _copy_local: ((1, "local", 0), (2, "local", 0)),
+    _gather_local: ((1, "segment", 0),),
+    _gather_into_local: ((1, "segment", 0),),
+    _scatter_local: ((2, "segment", 0),),
+}
+"""How each op's ids find their shard on a sharded block axis (`_partition.IdRoles`)."""
+
 _OP_NAMES = {
     _copy_local: "copy_blocks",
     _gather_local: "gather_blocks",
@@ -140,11 +149,63 @@ def _block_partition(
             f"(got {type(sharding).__name__}); see jaxkv.PagedKVCache"
         )
     spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
-    if spec[0] is not None:
-        raise ValueError(
-            f"the block axis of the cache must not be sharded (partition spec {sharding.spec})"
-        )
     return sharding.mesh, PartitionSpec(*spec)
+
+
+def data_parallel_local(local: Callable[..., Any], roles: IdRoles,
+                        partition: tuple[Any, PartitionSpec] | None,
+                        op: str) -> Callable[..., Any]:
+    """`local` with its ids made shard-local when `partition` shards the block axis (run
+    under shard_map); `local` itself otherwise."""
+    if partition is None or partition[1][0] is None:
+        return local
+    if not roles:
+        raise ValueError(f"jaxkv.ops.{op}: the block axis of the cache must not be sharded "
+                         f"(partition spec {partition[1]})")
+    mesh, spec = partition
+    axes = block_axes(spec[0])
+    count = 1
+    for axis in axes:
+        count *= mesh.shape[axis]
+
+    def run(*operands, **kwargs):
+        return local(*localize_ids(operands, roles, axes, count), **kwargs)
+
+    return run
+
+
+def check_data_parallel(partition: tuple[Any, PartitionSpec] | None, roles: IdRoles,
+                        operands: Any, num_blocks: int, op: str) -> None:
+    """On a sharded block axis: segment ids divide into the shards, and concrete ids that
+    pair blocks (copy) name blocks of one shard.
+
+    Raises:
+      ValueError: ids that do not divide into the shards, or a pair across shards.
+    """
+    if partition is None or partition[1][0] is None:
+        return
+    mesh, spec = partition
+    count = 1
+    for axis in block_axes(spec[0]):
+        count *= mesh.shape[axis]
+    for position, role, _ in roles:
+        if role == "segment" and operands[position].shape[0] % count:
+            raise ValueError(
+                f"jaxkv.ops.{op}: {operands[position].shape[0]} ids for a block axis split in "
+                f"{count} shards: the rows of a dense array come in {count} equal segments, "
+                "one per shard (pad the ids with -1)")
+    pairs = [p for p, role, _ in roles if role == "local"]
+    if len(pairs) == 2 and len({indexed for _, _, indexed in roles}) == 1:
+        a, b = (concrete_ids(operands[p]) for p in pairs)
+        if a is not None and b is not None:
+            per_shard = num_blocks // count
+            crossing = np.flatnonzero((a >= 0) & (b >= 0) & (a // per_shard != b // per_shard))
+            if crossing.size:
+                i = int(crossing[0])
+                raise ValueError(
+                    f"jaxkv.ops.{op}: pair {i} ({int(a[i])} -> {int(b[i])}) crosses data "
+                    f"shards (each of {count} owns {per_shard} blocks); moving a block between "
+                    "shards needs a collective")
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,7 +218,10 @@ def _eager_program(
 ) -> Callable[..., Any]:
     """A jitted program running `local` on every shard; operand kinds are "blocks" (sharded
     like the cache) or "ids" (replicated)."""
-    program = functools.partial(local, validate_ids=validate_ids)
+    program = functools.partial(
+        data_parallel_local(local, _ROLES.get(local, ()), partition,
+                            _OP_NAMES.get(local, local.__name__)),
+        validate_ids=validate_ids)
     if partition is not None:
         mesh, spec = partition
         in_specs = tuple(spec if kind == "blocks" else PartitionSpec() for kind in operand_kinds)
@@ -172,8 +236,11 @@ def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_id
     if any(isinstance(x, jax.core.Tracer) for x in operands):
         # Inside the caller's jit: a sharding rule keeps the op local to each shard.
         return partitioned_call(local, operands, kinds, dict(validate_ids=validate_ids),
-                                op=_OP_NAMES.get(local, local.__name__))
+                                op=_OP_NAMES.get(local, local.__name__),
+                                roles=_ROLES.get(local, ()))
     partition = _block_partition(cache)
+    check_data_parallel(partition, _ROLES.get(local, ()), operands, cache.shape[0],
+                        _OP_NAMES.get(local, local.__name__))
     program = _eager_program(local, partition, kinds, donate_argnums, validate_ids)
     if partition is not None:
         # Outside jit, shard_map wants its operands placed as its in_specs say.
@@ -207,14 +274,21 @@ def copy_blocks(
         the result is undefined (the bytes stay inside the buffer). Traced ids wider than int32
         are saturated, never wrapped: values past int32 become ``2**31 - 1`` (out of range).
 
+    On a cache whose block axis is sharded (data parallelism: shard ``s`` of ``S`` owns
+    blocks ``[s * B / S, (s + 1) * B / S)``), ids stay global and each shard copies the pairs
+    whose two blocks it owns, with no collective (eagerly, and inside the caller's jit); a
+    pair across shards would need one: concrete ids raise, traced ones are skipped like
+    out-of-range ids. `gather_blocks` and `scatter_blocks` work on such a cache too.
+
     Returns:
       The updated cache (the same buffer when donated).
 
     Raises:
       IndexError: an id is >= num_blocks (concrete ids).
-      ValueError: id lists of different lengths, a repeated destination, or a block that is
-        both a source and a destination. Traced ids that fail the checks raise
-        ``jax.errors.JaxRuntimeError`` with the same message from the handler.
+      ValueError: id lists of different lengths, a repeated destination, a block that is
+        both a source and a destination, or (block-sharded cache) a pair across shards.
+        Traced ids that fail the checks raise ``jax.errors.JaxRuntimeError`` with the same
+        message from the handler.
 
     Example:
       >>> cache = jnp.arange(8.0).reshape(4, 2)
@@ -252,6 +326,12 @@ def gather_blocks(
         (for a staging buffer reused every step: a fresh multi-MiB output costs page faults
         on CPU). It is consumed (donated) outside jit; donate it in the caller's jit.
       validate_ids: see `copy_blocks`.
+
+    On a cache whose block axis is sharded over ``S`` shards (data parallelism) the output's
+    rows are sharded like the block axis: the ids come in ``S`` equal segments, and row ``i``,
+    held by shard ``s = i // (n / S)``, is ``cache[ids[i]]`` when shard ``s`` owns that block
+    and zeros otherwise; no collective moves a block between shards. Inside the caller's jit
+    give the result that sharding (``out_shardings``, or pass `out`), or XLA gathers it.
 
     Returns:
       ``out[i] = cache[ids[i]]``, sharded like the cache (the `out` buffer when given).
@@ -293,6 +373,11 @@ def scatter_blocks(
       blocks: ``[n, *block]`` with the cache's dtype and per-block shape.
       ids: int32 destination ids, shape ``[n]``; negative ids are skipped.
       validate_ids: see `copy_blocks`.
+
+    On a cache whose block axis is sharded over ``S`` shards, `blocks` rows are taken in
+    ``S`` equal segments like `gather_blocks`' output: row ``i`` is written when shard
+    ``i // (n / S)`` owns block ``ids[i]`` (a replicated `blocks` is sliced locally, without a
+    collective).
 
     Returns:
       The updated cache with ``cache[ids[i]] = blocks[i]``.

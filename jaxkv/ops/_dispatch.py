@@ -132,6 +132,25 @@ def _reference_gather(cache, ids):
     return reference.gather_blocks(cache, _in_range(ids, cache.shape[0]))
 
 
+def _reference_rearrange(cache, ids, *, src_layout, dst_layout, ratio, payload=None):
+    import jax.numpy as jnp
+
+    ids = _in_range(ids, cache.shape[0])
+    out = reference.merge_blocks(cache, ids, ratio, src_layout, dst_layout)
+    if payload is None:
+        return out
+    # Padding of the rewritten blocks comes out zero. The mask is built from iotas: a
+    # constant array would be a closed-over constant, which custom_partitioning refuses.
+    axis, entries, lanes = payload
+    block = tuple(cache.shape[1:])
+    mask = ((jax.lax.broadcasted_iota(jnp.int32, block, len(block) - 1) < lanes)
+            & (jax.lax.broadcasted_iota(jnp.int32, block, dst_layout.index(axis)) < entries))
+    targets = jnp.where(ids < 0, cache.shape[0], ids)
+    blocks = jnp.where(mask, out[jnp.clip(ids, 0, cache.shape[0] - 1)],
+                       jnp.zeros((), cache.dtype))
+    return out.at[targets].set(blocks, mode="drop")
+
+
 def _in_range(ids, num_blocks):
     """Ids at or past `num_blocks` as padding (-1): the reference skips them like the kernels."""
     import jax.numpy as jnp
@@ -167,8 +186,7 @@ _REFERENCE: dict[str, Callable[..., Any]] = {
     "gather_into": lambda cache, ids, out: _reference_gather(cache, ids),
     "scatter": lambda cache, blocks, ids: reference.scatter_blocks(
         cache, blocks, _in_range(ids, cache.shape[0])),
-    "rearrange": lambda cache, ids, *, src_layout, dst_layout, ratio: reference.merge_blocks(
-        cache, _in_range(ids, cache.shape[0]), ratio, src_layout, dst_layout),
+    "rearrange": _reference_rearrange,
     "prefix": lambda src_cache, dst_cache, src, dst, count, *, layout: (
         reference.copy_block_prefix(src_cache, dst_cache, _in_range(src, src_cache.shape[0]),
                                     _in_range(dst, dst_cache.shape[0]), count, layout)),
@@ -256,13 +274,15 @@ def _sequential_vmap(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, validate_ids: bool = False,
-             **params: Any) -> Any:
+def dispatch(op: str, ffi: Callable[..., Any] | None, *operands: Any,
+             validate_ids: bool = False, **params: Any) -> Any:
     """Runs one per-shard op with the current implementation.
 
     Args:
       op: the op's name (a key of `_pallas.OPS`).
-      ffi: the custom-call implementation, called as ``ffi(*operands)``.
+      ffi: the custom-call implementation, called as ``ffi(*operands)``; None where the
+        custom calls cannot do the op (padded packed layouts): "auto" then takes the jnp
+        reference on cpu and cuda, and a forced "ffi" raises.
       operands: the op's array operands.
       validate_ids: check the ids on the host before the Pallas or reference op runs (the
         custom calls check them themselves).
@@ -273,8 +293,17 @@ def dispatch(op: str, ffi: Callable[..., Any], *operands: Any, validate_ids: boo
 
     Raises:
       ValueError: an unknown implementation name in ``JAXKV_OPS_IMPL``.
+      NotImplementedError: "ffi" forced for an op the custom calls cannot do.
     """
     impl = current_implementation()
+    if ffi is None:
+        if impl == "ffi":
+            raise NotImplementedError(
+                f"jaxkv.ops: the custom calls cannot do this {op} (padding of a packed "
+                "layout); use implementation('pallas'), 'reference' or 'auto'")
+        ffi = functools.partial(_bitwise(_REFERENCE[op]), **params)
+        if validate_ids:
+            ffi = _validated(op, ffi)
     reference_fn: Callable[..., Any] = functools.partial(_bitwise(_REFERENCE[op]), **params)
     if validate_ids:
         reference_fn = _validated(op, reference_fn)

@@ -14,10 +14,16 @@ Design:
 - Layout rewrites (permute, merge) stage each block through VMEM as a ``[rows, D]`` matrix
   (``D``, always the innermost axis, stays on the 128 lanes; rows on sublanes). Any permute or
   merge is a fixed permutation of those rows made of runs with a constant source stride, done
-  with strided sublane loads. Sub-32-bit dtypes pack 2 or 4 rows per sublane, so the block is
-  first widened to 32 bits (bit-exact integer widening) before the strided loads. Blocks are
-  double-buffered: the next block's load DMA and the previous block's store DMA overlap the
-  rewrite of the current one.
+  with strided sublane loads into a second 32-bit buffer. Sub-32-bit dtypes pack 2 or 4 rows
+  per sublane word, so the block is unpacked to 32 bits once as a whole (bit-exact integer
+  widening) before the strided loads and packed once as a whole after them: no store ever
+  writes part of a packed sublane word. Blocks are double-buffered: the next block's load DMA
+  and the previous block's store DMA overlap the rewrite of the current one.
+- Packed caches (tpu-inference's ``[T, words, packing, D]`` blocks, K/V interleaved in the
+  combined head axis) are rewritten with the word axis and its packing flattened into one
+  axis of combined heads; their padding (phantom heads, padded head-dim lanes) is zeroed in
+  VMEM (a lane mask, strided zero stores over the phantom rows), so no padding value reaches
+  the result.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ _ZERO_CHUNK_BYTES = 1 << 20
 """Largest VMEM zero buffer used to fill the rows of padding ids."""
 
 _REARRANGE_VMEM_BYTES = 24 << 20
-"""VMEM the permute/merge kernel may use (two input and two output blocks plus a 32-bit copy
-of one); larger blocks take the XLA path on TPU."""
+"""VMEM the permute/merge kernel may use (two input and two output blocks plus two 32-bit
+copies of one); larger blocks take the XLA path on TPU."""
 
 
 def _interpret(interpret: Any) -> Any:
@@ -305,9 +311,38 @@ def row_runs(block_shape: Sequence[int], src_layout: str, dst_layout: str,
     return run, tuple(d[0] for d in outer), tuple(d[1] for d in outer), stride
 
 
+def phantom_rows(block_shape: Sequence[int], dst_layout: str, axis: str,
+                 valid: int) -> tuple[tuple[int, int, int], ...]:
+    """The rows (a row is the innermost axis ``D``) of a block in `dst_layout` whose entry of
+    `axis` is ``>= valid`` (phantom heads or tokens of a packed axis), as strided row sets
+    ``(start, count, stride)``: few and static, whichever of the two decompositions needs
+    fewer stores.
+
+    Example:
+      >>> phantom_rows((4, 8, 128), "THD", "H", 6)   # rows t*8 + 6 and t*8 + 7
+      ((6, 4, 8), (7, 4, 8))
+    """
+    sizes = list(block_shape[:-1])
+    k = dst_layout.index(axis)
+    size = sizes[k]
+    outer, inner = math.prod(sizes[:k]), math.prod(sizes[k + 1:])
+    if valid >= size:
+        return ()
+    if inner >= outer:  # one contiguous run of `inner` rows per (outer index, phantom entry)
+        return tuple((o * size * inner + c * inner, inner, 1)
+                     for o in range(outer) for c in range(valid, size))
+    return tuple((c * inner + i, outer, size * inner)
+                 for c in range(valid, size) for i in range(inner))
+
+
 def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int,
-                     interpret: bool):
-    """Permutes (``ratio == 1``) or merges the listed blocks in place, through VMEM."""
+                     interpret: bool, payload: tuple[str, int, int] | None = None):
+    """Permutes (``ratio == 1``) or merges the listed blocks in place, through VMEM.
+
+    `payload` ``(axis, entries, lanes)`` marks padding of a packed cache: entries of `axis`
+    from `entries` on (phantom heads or tokens) and lanes of ``D`` from `lanes` on come out
+    zero; no padding value reaches the result.
+    """
     n, num_blocks = ids.shape[0], cache.shape[0]
     block_shape = tuple(cache.shape[1:])
     if n == 0:
@@ -317,23 +352,31 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
     run, radices, source_strides, stride = row_runs(block_shape, src_layout, dst_layout, ratio)
     num_runs = rows // run
     dtype = np.dtype(cache.dtype)
-    vmem = math.prod(block_shape) * (4 * dtype.itemsize + 4)
+    vmem = math.prod(block_shape) * (4 * dtype.itemsize + 8)
     if not interpret and vmem > _REARRANGE_VMEM_BYTES:
         # A block too large to stage in VMEM: XLA's gather/transpose/scatter on unsigned
         # views (bit-exact), still in place when the cache is donated.
-        from jaxkv.ops import reference
+        from jaxkv.ops._dispatch import _reference_rearrange
 
         unsigned = jnp.dtype(f"uint{8 * dtype.itemsize}")
-        ids = jnp.where(ids >= num_blocks, -1, ids)
-        out = reference.merge_blocks(jax.lax.bitcast_convert_type(cache, unsigned), ids, ratio,
-                                     src_layout, dst_layout)
+        out = _reference_rearrange(jax.lax.bitcast_convert_type(cache, unsigned), ids,
+                                   src_layout=src_layout, dst_layout=dst_layout, ratio=ratio,
+                                   payload=payload)
         return jax.lax.bitcast_convert_type(out, cache.dtype)
-    # Same-width integers keep every bit pattern (NaN payloads included); 32-bit rows are the
-    # TPU's unpacked sublane layout, where strided row loads need no unpacking.
+    phantom: tuple[tuple[int, int, int], ...] = ()
+    lanes = width
+    if payload is not None:
+        axis, entries, lanes = payload
+        phantom = phantom_rows(block_shape, dst_layout, axis, entries)
+    # Same-width integers keep every bit pattern (NaN payloads included). The rewrite runs on
+    # 32-bit rows, the TPU's unpacked sublane layout: a sub-32-bit block is unpacked once as a
+    # whole (2 or 4 values share a 32-bit sublane word, so single rows of it cannot be moved
+    # with strided sublane loads), rewritten, and packed once as a whole.
     narrow = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dtype.itemsize]
     rows_view = cache.reshape(num_blocks, rows, width)
 
-    def kernel(ids_ref, _, out_ref, in_buf, wide, out_buf, in_sems, out_sems, pending):
+    def kernel(ids_ref, _, out_ref, in_buf, wide, wide_out, out_buf, in_sems, out_sems,
+               pending):
         for k in range(2):
             pending[k] = 0
 
@@ -364,8 +407,11 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
                 def _():
                     store(slot, 0).wait()
 
-                block = jax.lax.bitcast_convert_type(in_buf[slot], narrow)
-                wide[...] = block.astype(jnp.uint32)
+                block = jax.lax.bitcast_convert_type(in_buf[slot], narrow).astype(jnp.uint32)
+                if lanes < width:  # padded head-dim lanes: never carried into the result
+                    lane = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+                    block = jnp.where(lane < lanes, block, jnp.uint32(0))
+                wide[...] = block
 
                 def copy_run(r, c):
                     source = 0
@@ -377,11 +423,16 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
                         rest = jax.lax.div(rest, size)
                     part = wide[pl.ds(source, run, stride=stride), :] if run > 1 else (
                         wide[pl.ds(source, 1), :])
-                    out_buf[slot, pl.ds(r * run, run), :] = jax.lax.bitcast_convert_type(
-                        part.astype(narrow), cache.dtype)
+                    wide_out[pl.ds(r * run, run), :] = part
                     return c
 
                 jax.lax.fori_loop(0, num_runs, copy_run, 0)
+                for start, count, step in phantom:  # phantom heads/tokens: zero rows
+                    index = pl.ds(start, count, stride=step) if step > 1 and count > 1 else (
+                        pl.ds(start, count))
+                    wide_out[index, :] = jnp.zeros((count, width), jnp.uint32)
+                out_buf[slot] = jax.lax.bitcast_convert_type(wide_out[...].astype(narrow),
+                                                             cache.dtype)
                 store(slot, b).start()
                 pending[slot] = 1
 
@@ -398,6 +449,7 @@ def rearrange_blocks(cache, ids, *, src_layout: str, dst_layout: str, ratio: int
         num_prefetch=1, num_inputs=1, aliases={1: 0}, interpret=interpret,
         scratch=[
             pltpu.VMEM((2, rows, width), cache.dtype),
+            pltpu.VMEM((rows, width), jnp.uint32),
             pltpu.VMEM((rows, width), jnp.uint32),
             pltpu.VMEM((2, rows, width), cache.dtype),
             pltpu.SemaphoreType.DMA((2,)),

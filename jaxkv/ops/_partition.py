@@ -10,9 +10,13 @@ the equivalent GSPMD callbacks) that says:
   result and of the other block arrays (dense blocks, destination caches, peer buffers) when the
   sizes agree, so any sharding of those axes, over one mesh axis or several, stays local and the
   result keeps the cache's sharding;
-* the block axis must not be sharded: these ops move blocks between arbitrary ids, which a shard
-  holding some of the blocks cannot do alone. Such a sharding is refused with an error naming
-  the op, never silently all-gathered;
+* a sharded block axis (data parallelism: shard ``s`` of ``S`` owns blocks
+  ``[s * B / S, (s + 1) * B / S)``) is supported by the ops that name `IdRoles`: ids stay
+  global and replicated, and each shard keeps the ids it owns as local ids (the others become
+  padding), with no collective. Ids whose rows are those of a dense array (gather's output,
+  scatter's blocks) come in ``S`` equal segments, segment ``s`` for shard ``s``, and the dense
+  arrays' rows are sharded like the block axis. Ops without roles refuse such a sharding with
+  an error naming the op, never silently all-gathered;
 * ids and other small operands are replicated.
 
 The per-shard function (``_*_local`` in the op modules) is what runs on each shard: inside a
@@ -37,7 +41,13 @@ try:  # private, but the only way to tell a vmap tracer; without it, vmap is not
 except ImportError:  # pragma: no cover
     _BATCH_TRACERS = ()
 
-__all__ = ["ShardingError", "partitioned_call"]
+__all__ = ["IdRoles", "ShardingError", "localize_ids", "partitioned_call"]
+
+IdRoles = tuple[tuple[int, str, int], ...]
+"""How an op's ids find their shard on a sharded block axis: ``(operand index of the ids,
+"local" or "segment", operand index of the array they index)``. "local": every shard keeps
+the ids in its block range; "segment": shard ``s`` first takes segment ``s`` of ``S`` equal
+segments (the ids of the rows it holds of a dense array)."""
 
 
 class ShardingError(ValueError):
@@ -66,11 +76,13 @@ def _rule(shapes: Sequence[tuple[int, ...]], kinds: Sequence[str], reference: in
         return " ".join(factors)
 
     operands = []
+    dense: dict[tuple[int, ...], str] = {}
     for i, (shape, kind) in enumerate(zip(shapes, kinds)):
         if i == reference:
             operands.append(" ".join(["n", *block_factors]))
         elif kind == "blocks":
             operands.append(blocks_mapping(shape, next(unique)))
+            dense.setdefault(tuple(shape), operands[-1])
         else:
             factors = [next(unique) for _ in shape]
             replicated.extend(factors)
@@ -79,10 +91,50 @@ def _rule(shapes: Sequence[tuple[int, ...]], kinds: Sequence[str], reference: in
     for shape in result_shapes:
         if tuple(shape) == tuple(ref_shape):
             results.append(" ".join(["n", *block_factors]))
+        elif tuple(shape) in dense:  # written into that operand (gather's `out`)
+            results.append(dense[tuple(shape)])
         else:
             results.append(blocks_mapping(shape, next(unique)))
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     return rule, tuple(replicated), tuple(sorted(unshared))
+
+
+def localize_ids(operands: Sequence[Any], roles: IdRoles, axes: tuple[str, ...],
+                 count: int) -> list[Any]:
+    """Per shard of a block axis sharded over mesh `axes` (`count` shards): every id operand
+    of `roles` as local ids of this shard, ids of other shards (and out-of-range ones) as -1.
+    Only this shard's axis index is read: no collective.
+
+    Args:
+      operands: the op's per-shard operands (ids replicated, block arrays local).
+      roles: see `IdRoles`.
+      axes: the mesh axes of the block axis, major first.
+      count: the number of shards of the block axis.
+
+    Returns:
+      The operands with the ids replaced.
+    """
+    import jax.numpy as jnp
+
+    shard = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
+    out = list(operands)
+    for position, role, indexed in roles:
+        ids = out[position]
+        if role == "segment":
+            segment = ids.shape[0] // count
+            ids = jax.lax.dynamic_slice_in_dim(ids, shard * segment, segment)
+        local = out[indexed].shape[0]
+        start = (shard * local).astype(ids.dtype)
+        owned = (ids >= start) & (ids < start + local)
+        out[position] = jnp.where(owned, ids - start, jnp.asarray(-1, ids.dtype))
+    return out
+
+
+def block_axes(spec_entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one partition-spec entry, as a tuple."""
+    if spec_entry is None:
+        return ()
+    return tuple(spec_entry) if isinstance(spec_entry, (tuple, list)) else (spec_entry,)
 
 
 def _sharded_axes(shape: Sequence[int], sharding: jax.sharding.Sharding) -> list[int]:
@@ -111,6 +163,7 @@ def _partitioned(
     reference: int,
     multiple_results: bool,
     unsharded_axes: tuple[tuple[int, str], ...],
+    roles: IdRoles = (),
 ) -> Callable[..., Any]:
     kwargs = dict(static)
     rule, need_replication, unshared = _rule(shapes, kinds, reference, result_shapes)
@@ -118,11 +171,28 @@ def _partitioned(
     def run(*operands):
         return local(*operands, **kwargs)
 
+    def data_parallel(sharding) -> tuple[tuple[str, ...], int]:
+        """The mesh axes and shard count of a sharded block axis."""
+        if not isinstance(sharding, NamedSharding):
+            raise ShardingError(f"jaxkv.ops.{op}: a sharded block axis needs a NamedSharding "
+                                f"of the cache, got {sharding}")
+        axes = block_axes(tuple(sharding.spec)[0])
+        count = 1
+        for axis in axes:
+            count *= sharding.mesh.shape[axis]
+        for position, role, _ in roles:
+            if role == "segment" and shapes[position][0] % count:
+                raise ShardingError(
+                    f"jaxkv.ops.{op}: {shapes[position][0]} ids for a block axis split in "
+                    f"{count} shards: the rows of a dense array come in {count} equal "
+                    "segments, one per shard (pad the ids with -1)")
+        return axes, count
+
     def shardings(arg_shapes):
         ref = arg_shapes[reference]
         sharding = ref.sharding
         sharded = _sharded_axes(ref.shape, sharding)
-        if 0 in sharded:
+        if 0 in sharded and not roles:
             raise ShardingError(
                 f"jaxkv.ops.{op}: the block axis (axis 0) of its cache operand is sharded "
                 f"({sharding}); the op moves blocks between arbitrary ids, which one shard "
@@ -148,7 +218,14 @@ def _partitioned(
         blocks, replicated = shardings(arg_shapes)
         arg_shardings = tuple(blocks if k == "blocks" else replicated for k in kinds)
         results = tuple(blocks for _ in result_shapes)
-        return mesh, run, results if multiple_results else results[0], arg_shardings
+        lower = run
+        if 0 in _sharded_axes(arg_shapes[reference].shape, blocks):
+            axes, count = data_parallel(blocks)
+
+            def lower(*operands):
+                return local(*localize_ids(operands, roles, axes, count), **kwargs)
+
+        return mesh, lower, results if multiple_results else results[0], arg_shardings
 
     def infer(mesh, arg_shapes, result_shape):
         blocks, _ = shardings(arg_shapes)
@@ -166,14 +243,13 @@ def _partitioned(
 
 
 def _without_rule() -> bool:
-    # The forced jnp reference is plain XLA, which the SPMD partitioner handles itself.
     # Pallas's TPU interpret mode (forced "pallas" off TPU) runs kernels through ordered host
     # callbacks, whose effects custom_partitioning cannot lower; it is a debugging aid on
     # unsharded arrays, so the op runs without a sharding rule there.
     from jaxkv.ops._dispatch import current_implementation
 
     impl = current_implementation()
-    return impl == "reference" or (impl == "pallas" and jax.default_backend() != "tpu")
+    return impl == "pallas" and jax.default_backend() != "tpu"
 
 
 def partitioned_call(
@@ -185,6 +261,7 @@ def partitioned_call(
     op: str,
     reference: int = 0,
     unsharded_axes: Sequence[tuple[int, str]] = (),
+    roles: IdRoles = (),
 ):
     """Calls ``local(*operands, **static)`` under a sharding rule (see the module docstring).
 
@@ -197,6 +274,8 @@ def partitioned_call(
       reference: index of the cache operand whose sharding the block arrays follow.
       unsharded_axes: ``(axis, why)`` pairs: axes of the cache that the op cannot split
         (a shard-local run would compute something else); a sharding of one is refused.
+      roles: how ids find their shard when the block axis is sharded (see `IdRoles`); none:
+        a sharded block axis is refused.
 
     Returns:
       What `local` returns.
@@ -211,7 +290,7 @@ def partitioned_call(
     wrapped = _partitioned(
         local, op, tuple(sorted(static.items())), tuple(kinds),
         tuple(tuple(x.shape) for x in operands), result_shapes, reference, multiple,
-        tuple(unsharded_axes),
+        tuple(unsharded_axes), tuple(roles),
     )
     result = wrapped(*operands)
     return tuple(result) if multiple else result

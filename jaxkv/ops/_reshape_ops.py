@@ -23,10 +23,12 @@ from jaxkv.ops._block_ops import (
     _check_blocks_first,
     _ffi_call,
     block_nbytes,
+    check_data_parallel,
+    data_parallel_local,
 )
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
-from jaxkv.ops._layouts import check_ratio, layout_pair, one_layout
-from jaxkv.ops._partition import ShardingError, partitioned_call
+from jaxkv.ops._layouts import check_ratio, one_layout, packed_layout_pair
+from jaxkv.ops._partition import IdRoles, ShardingError, partitioned_call
 
 __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 
@@ -50,14 +52,18 @@ def _program(
     operand_kinds: tuple[str, ...],
     num_outputs: int | None,
     donate_argnums: tuple[int, ...],
+    roles: IdRoles = (),
+    op: str = "",
 ) -> Callable[..., Any]:
     """A jitted program running ``local(*operands, **static)`` on every shard. Operand kinds
     are "blocks" (sharded like the cache) or "replicated"; outputs are blocks-like, one array
-    (`num_outputs` None) or a tuple of `num_outputs`."""
+    (`num_outputs` None) or a tuple of `num_outputs`. On a sharded block axis each shard
+    keeps the ids it owns (`roles`)."""
     kwargs = dict(static)
+    run = data_parallel_local(local, roles, partition, op)
 
     def program(*operands):
-        return local(*operands, **kwargs)
+        return run(*operands, **kwargs)
 
     if partition is not None:
         mesh, spec = partition
@@ -80,17 +86,24 @@ def run_per_shard(
     partition_of: int = 0,
     op: str | None = None,
     unsharded_axes: Sequence[tuple[int, str]] = (),
+    roles: IdRoles = (),
 ):
     """Runs `local` on `operands` (traced: under the sharding rule of `_partition`, local to
     each shard; concrete: a cached donating program, per shard of operand `partition_of`'s
-    sharding). `static` values must be hashable; `op` names the public op in errors."""
+    sharding). `static` values must be hashable; `op` names the public op in errors; `roles`
+    say how ids find their shard on a sharded block axis (none: such a sharding is refused).
+    """
     static_items = tuple(sorted(static.items()))
     if any(isinstance(x, jax.core.Tracer) for x in operands):
         # Inside the caller's jit: a sharding rule keeps the op local to each shard.
         return partitioned_call(local, operands, kinds, static, op=op or local.__name__,
-                                reference=partition_of, unsharded_axes=unsharded_axes)
+                                reference=partition_of, unsharded_axes=unsharded_axes,
+                                roles=roles)
     partition = _block_partition(operands[partition_of])
-    program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums)
+    check_data_parallel(partition, roles, operands, operands[partition_of].shape[0],
+                        op or local.__name__)
+    program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums,
+                       tuple(roles), op or local.__name__)
     placed = list(operands)
     if partition is not None:
         for axis, why in unsharded_axes:
@@ -119,8 +132,16 @@ def run_per_shard(
 
 
 def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: str, ratio: int,
-                     validate_ids: bool):
+                     validate_ids: bool, packed: int | None = None,
+                     payload: tuple[str, int, int] | None = None):
     from jaxkv.ops._dispatch import dispatch
+
+    stored = cache.shape
+    if packed is not None:
+        # The packed pair [words, packing] (array axes packed, packed + 1) as one axis of
+        # combined entries: a free reshape of the contiguous pair.
+        cache = cache.reshape(*stored[:packed], stored[packed] * stored[packed + 1],
+                              *stored[packed + 2:])
 
     def ffi(cache, ids):
         block_bytes = block_nbytes(cache)
@@ -135,37 +156,91 @@ def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: st
                       ratio=np.int64(ratio), validate_ids=validate_ids)
         return out
 
-    return dispatch("rearrange", ffi, cache, ids, src_layout=src_layout,
-                    dst_layout=dst_layout, ratio=ratio, validate_ids=validate_ids)
+    params: dict[str, Any] = dict(src_layout=src_layout, dst_layout=dst_layout, ratio=ratio)
+    if payload is not None:
+        params["payload"] = payload
+    out = dispatch("rearrange", ffi if payload is None else None, cache, ids,
+                   validate_ids=validate_ids, **params)
+    return out.reshape(stored)
 
 
-def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target):
+def _payload(cache, dst_stored: str, dst: str, packed: str | None, packed_size: Any,
+             head_dim: Any) -> tuple[tuple[str, int, int] | None, list[tuple[int, str]]]:
+    """The padding to zero, ``(axis, entries, lanes)`` or None, and the axes that must not be
+    sharded for it."""
+    if packed_size is None and head_dim is None:
+        return None, []
+    if packed is None and packed_size is not None:
+        raise ValueError("packed_size needs a packed layout (a lowercase packed position, "
+                         "e.g. 'THhD')")
+    unsharded: list[tuple[int, str]] = []
+    width = cache.shape[-1]
+    lanes = width if head_dim is None else _positive(head_dim, "head_dim", width)
+    if lanes < width:
+        unsharded.append((cache.ndim - 1, f"head_dim={lanes} counts lanes of the whole D axis"))
+    axis = packed or dst[0]
+    entries = 0
+    if packed is not None:
+        k = 1 + dst_stored.index(packed)
+        size = cache.shape[k] * cache.shape[k + 1]
+        entries = size if packed_size is None else _positive(packed_size, "packed_size", size)
+        unsharded.append((k + 1, "the packing position of a word cannot be split"))
+    else:
+        entries = cache.shape[1 + dst.index(axis)]
+    return (axis, entries, lanes), unsharded
+
+
+def _positive(value: Any, name: str, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+        1 <= value <= limit
+    ):
+        raise ValueError(f"{name} must be an integer in [1, {limit}], got {value!r}")
+    return int(value)
+
+
+def _rearrange(cache, ids, ratio, src_layout, dst_layout, validate_ids, target,
+               packed_size=None, head_dim=None):
     _check_blocks_first(cache, "cache")
     if cache.ndim < 2:
         raise ValueError("cache must be [num_blocks, *block] with at least one block axis")
-    src, dst = layout_pair(src_layout, dst_layout, cache.ndim - 1)
-    ratio = check_ratio(ratio, cache.shape[1 + dst.index("T")])
+    src, dst, packed = packed_layout_pair(src_layout, dst_layout, cache.ndim - 1)
+    dst_stored = dst if packed is None else dst.replace(packed, packed + packed.lower())
+    t = 1 + dst_stored.index("T")
+    tokens = cache.shape[t] * (cache.shape[t + 1] if packed == "T" else 1)
+    ratio = check_ratio(ratio, tokens)
+    payload, unsharded_payload = _payload(cache, dst_stored, dst, packed, packed_size,
+                                          head_dim)
+    if packed == "T" and ratio > 1 and payload is not None and payload[1] < tokens:
+        raise ValueError(
+            f"a merge of blocks with phantom tokens (packed_size={payload[1]} of {tokens}) is "
+            "not defined: the sender blocks would not be equal parts of the block"
+        )
     ids = as_id_array(ids, "ids")
     host = concrete_ids(ids)
     if host is not None:
         check_ids(host, "ids", cache.shape[0], unique=True)
-    if (ratio == 1 and src == dst) or ids.shape[0] == 0:
+    if (ratio == 1 and src == dst and payload is None) or ids.shape[0] == 0:
         return cache  # nothing moves
-    unsharded = ()
+    unsharded = list(unsharded_payload)
     if ratio > 1:
-        unsharded = ((1 + dst.index("T"), f"a merge splits the token axis T into {ratio} sender "
-                      "blocks of the whole block"),)
+        unsharded.append((t, f"a merge splits the token axis T into {ratio} sender blocks of "
+                          "the whole block"))
+        if packed == "T":
+            unsharded.append((t + 1, "the token axis is packed"))
     return run_per_shard(
         _rearrange_local, (cache, ids), ("blocks", "replicated"),
         dict(target=target, src_layout=src, dst_layout=dst, ratio=ratio,
-             validate_ids=validate_ids),
-        donate_argnums=(0,), op=target.removeprefix("jaxkv_"), unsharded_axes=unsharded,
+             validate_ids=validate_ids,
+             packed=None if packed is None else 1 + dst_stored.index(packed),
+             payload=payload),
+        donate_argnums=(0,), op=target.removeprefix("jaxkv_"), unsharded_axes=tuple(unsharded),
+        roles=((1, "local", 0),),
     )
 
 
 def permute_blocks(
     cache: jax.Array, block_ids: Any, src_layout: str, dst_layout: str, *,
-    validate_ids: bool = True,
+    validate_ids: bool = True, packed_size: int | None = None, head_dim: int | None = None,
 ) -> jax.Array:
     """Rewrites listed blocks, in place, from `src_layout` into `dst_layout` (the cache's).
 
@@ -183,11 +258,22 @@ def permute_blocks(
       block_ids: int32 ids of the blocks to rewrite, shape ``[n]``; negative ids are skipped;
         ids must be unique.
       src_layout, dst_layout: layout letters (or preset names, see `jaxkv.LAYOUT_PRESETS`)
-        naming the same axes, as many as the cache's block axes.
+        naming the same axes, as many as the cache's block axes. A packed cache (TPU
+        frameworks' ``[T, words, packing, D]`` blocks) names its stored axes as
+        `jaxkv.KVCacheSpec.block_axes` does: the packing position in lowercase right after
+        its axis, ``"THhD"``; both layouts pack the same axis, and the pair moves as one axis
+        of ``words * packing`` entries (K/V interleaving inside it is kept).
       validate_ids: see `jaxkv.ops.copy_blocks`.
+      packed_size: valid entries of the packed axis per shard (e.g. ``2 * heads`` combined
+        K/V heads); the rest are phantom entries. None: all valid.
+      head_dim: valid lanes of ``D`` (the rest is alignment padding). None: all valid.
+        With either, the padding of every rewritten block comes out zero (no padding value
+        is carried into the result); the custom calls do not do this, so on cpu and cuda
+        "auto" runs the jnp reference for it.
 
     On a sharded cache (eagerly, or traced inside the caller's jit) every shard rewrites its own
-    local blocks (each rank received its own heads' bytes); the block axis must not be sharded.
+    local blocks (each rank received its own heads' bytes). On a sharded block axis (data
+    parallelism) each shard rewrites the listed blocks it owns (ids stay global).
 
     Returns:
       The updated cache (the same buffer when donated).
@@ -203,12 +289,12 @@ def permute_blocks(
       [0.0, 10.0, 1.0, 11.0]
     """
     return _rearrange(cache, block_ids, 1, src_layout, dst_layout, validate_ids,
-                      "jaxkv_permute_blocks")
+                      "jaxkv_permute_blocks", packed_size, head_dim)
 
 
 def merge_blocks(
     cache: jax.Array, block_ids: Any, ratio: int, src_layout: str, dst_layout: str, *,
-    validate_ids: bool = True,
+    validate_ids: bool = True, packed_size: int | None = None, head_dim: int | None = None,
 ) -> jax.Array:
     """Merges sender-sized sub-blocks into receiver blocks, in place (with a layout change).
 
@@ -224,9 +310,12 @@ def merge_blocks(
       src_layout: the sender's layout (same axes as `dst_layout`).
       dst_layout: the cache's layout.
       validate_ids: see `jaxkv.ops.copy_blocks`.
+      packed_size, head_dim: padding of a packed cache, see `permute_blocks` (a packed token
+        axis with phantom tokens cannot be merged).
 
     On a sharded cache (eagerly, or traced inside the caller's jit) every shard rewrites its own
-    local blocks (each rank received its own heads' bytes); the block axis must not be sharded.
+    local blocks (each rank received its own heads' bytes). On a sharded block axis (data
+    parallelism) each shard rewrites the listed blocks it owns (ids stay global).
 
     Returns:
       The updated cache.
@@ -244,7 +333,7 @@ def merge_blocks(
       [0.0, 10.0, 1.0, 11.0, 2.0, 12.0, 3.0, 13.0]
     """
     return _rearrange(cache, block_ids, ratio, src_layout, dst_layout, validate_ids,
-                      "jaxkv_merge_blocks")
+                      "jaxkv_merge_blocks", packed_size, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,9 +462,11 @@ def copy_block_prefix(
             _prefix_in_place_local, (dst_cache, src, dst, count),
             ("blocks", "replicated", "replicated", "replicated"), static, donate_argnums=(0,),
             op="copy_block_prefix", unsharded_axes=unsharded,
+            roles=((1, "local", 0), (2, "local", 0)),
         )
     return run_per_shard(
         _prefix_local, (src_cache, dst_cache, src, dst, count),
         ("blocks", "blocks", "replicated", "replicated", "replicated"), static,
         donate_argnums=(1,), partition_of=1, op="copy_block_prefix", unsharded_axes=unsharded,
+        roles=((2, "local", 0), (3, "local", 1)),
     )

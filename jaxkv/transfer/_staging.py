@@ -11,9 +11,16 @@ cache and the read planner works unchanged on the mirror's addresses:
   scatter custom call (``scatter_blocks``), in place in the registered cache, before the
   post-processing and before the request is reported finished.
 
-The mirror is plain page-aligned numpy memory registered as NIXL "DRAM". On a GPU a pinned
-host allocation would make the device copies DMA; here the copy to host is ``np.asarray`` of
-the gathered shard (zero-copy on CPU devices, one device-to-host copy elsewhere).
+The mirror is plain page-aligned numpy memory registered as NIXL "DRAM". The copy to host is
+``np.asarray`` of the gathered shard (zero-copy on CPU devices, one device-to-host copy
+elsewhere). With ``memory_kind="pinned_host"`` the gathered rows first move to the devices'
+pinned host memory (and received rows come back through it), the path a TPU or GPU DMAs.
+
+No custom call is needed: the gather and scatter are `PagedKVCache` methods, so they run
+with the implementation in force (`jaxkv.ops.implementation`): the Pallas kernels on TPU, the
+jnp reference anywhere. On CPU both implementations and both memory kinds are tested byte for
+byte; the TPU path (Pallas kernels, pinned host memory on a TPU) is unvalidated: no TPU was
+available.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ class HostMirror:
 
     Args:
       cache: the device cache (its `shard_buffers()` define the mirror's buffers).
+      memory_kind: None (copy between device memory and the mirror directly) or
+        "pinned_host" (stage the copies through the devices' pinned host memory).
+
+    Raises:
+      ValueError: an unknown memory kind, or one the cache's devices do not have.
 
     Example:
       >>> from jaxkv import KVCacheSpec, PagedKVCache
@@ -52,7 +64,17 @@ class HostMirror:
       1
     """
 
-    def __init__(self, cache: Any):
+    def __init__(self, cache: Any, memory_kind: str | None = None):
+        if memory_kind not in (None, "pinned_host"):
+            raise ValueError(f"memory_kind must be None or 'pinned_host', got {memory_kind!r}")
+        if memory_kind is not None:
+            for array in cache.arrays:
+                for device in array.sharding.device_set:
+                    kinds = {m.kind for m in device.addressable_memories()}
+                    if memory_kind not in kinds:
+                        raise ValueError(f"device {device} has no {memory_kind!r} memory "
+                                         f"(it has {sorted(kinds)})")
+        self.memory_kind = memory_kind
         self.spec = cache.spec
         self.num_blocks = cache.num_blocks
         self.buffers: dict[tuple[int, int], np.ndarray] = {}
@@ -99,7 +121,13 @@ class HostMirror:
         if dense is None:
             dense = cache.gather_blocks(padded)
         layout = self.spec.layout
-        for index, ((layer, _), array) in enumerate(zip(cache.array_keys, dense)):
+        source = tuple(dense)
+        if self.memory_kind is not None:
+            import jax
+
+            source = tuple(jax.device_put(a, a.sharding.with_memory_kind(self.memory_kind))
+                           for a in source)
+        for index, ((layer, _), array) in enumerate(zip(cache.array_keys, source)):
             if layers is not None and layer is not None and not layers[0] <= layer < layers[1]:
                 continue
             select: tuple = (ids,)
@@ -148,11 +176,15 @@ class HostMirror:
                 # Padding rows (ids -1) are skipped by the scatter: left as they are.
                 source = self._rows(index, shard.device.id, local_shape, width)
                 np.take(source, ids, axis=0, out=rows[: len(ids)])
-                pieces.append(jax.device_put(rows.view(array.dtype), shard.device))
-            dense.append(
-                jax.make_array_from_single_device_arrays(
-                    (len(padded), *array.shape[1:]), array.sharding, pieces
-                )
-            )
+                target = shard.device if self.memory_kind is None else (
+                    jax.sharding.SingleDeviceSharding(shard.device, memory_kind=self.memory_kind))
+                pieces.append(jax.device_put(rows.view(array.dtype), target))
+            sharding = array.sharding if self.memory_kind is None else (
+                array.sharding.with_memory_kind(self.memory_kind))
+            staged = jax.make_array_from_single_device_arrays(
+                (len(padded), *array.shape[1:]), sharding, pieces)
+            if self.memory_kind is not None:  # pinned host -> device memory
+                staged = jax.device_put(staged, array.sharding)
+            dense.append(staged)
         # Wait: the next call refills the same host rows, which a pending copy may still read.
         return cache.scatter_blocks(dense, padded).block_until_ready()
