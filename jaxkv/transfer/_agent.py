@@ -200,8 +200,11 @@ class NixlAgent:
             handle = self._agent.initialize_xfer(
                 "READ", local_descs, remote_descs, remote_name, notif
             )
-        except Exception as error:  # noqa: BLE001 - NIXL's own error types
-            raise ConnectionError(f"NIXL refused a READ from {remote_name!r}: {error!r}") from error
+        except Exception as error:  # noqa: BLE001 - NIXL's errors (a dead peer) are untyped
+            raise ConnectionError(
+                f"NIXL could not post a READ from {remote_name!r}: {type(error).__name__}: "
+                f"{error}"
+            ) from error
         return self._post(handle, remote_name)
 
     def read_plan(
@@ -222,15 +225,17 @@ class NixlAgent:
         block of both caches (`ReadPlanner.block_table`); this and later reads then only pick
         their rows by index (`make_prepped_xfer`) instead of building, validating and
         preparing two descriptor lists per request. Plans without tables (block-size ratios,
-        caches too large to prepare, large requests whose runs merge) are posted from their
-        own descriptors. Lists are released with the remote agent (`remove_remote`), before
-        any deregistration, and at `close`.
+        caches too large to prepare, large requests whose runs merge, layer-wise sub-plans)
+        are posted from their own descriptors. Lists are released with the remote agent
+        (`remove_remote`), before any deregistration, and at `close`.
 
         Raises:
           ConnectionError: NIXL refused the READ.
         """
         planner = plan.planner
-        if planner is not None:
+        # Layer-wise sub-plans (one planner per layer) keep per-request descriptors: lists
+        # per layer would multiply the prepared rows by the layers.
+        if planner is not None and planner.layers is None:
             pair = self._prepared(planner, remote_rank, remote_name, kind, remote_kind or kind)
             indices = None if pair is None else planner.prepped_indices(plan, remote_rank)
             if pair is not None and indices is not None:
