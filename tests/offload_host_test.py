@@ -204,5 +204,41 @@ class WithoutCustomCallsTest(parameterized.TestCase):
         ot.assert_bits_equal(cache.arrays[0], expected)
 
 
+class PackedCacheTest(parameterized.TestCase):
+    """The host tier on the caches of TPU frameworks (packed heads or tokens, padding)."""
+
+    @parameterized.parameters(*[(preset, impl) for preset in ("tpu_inference", "fp8", "mla")
+                                for impl in ("auto", "reference", "pallas")])
+    def test_partial_round_trip(self, preset, impl):
+        from jaxkv import KVCacheSpec
+
+        spec = {
+            "tpu_inference": lambda: KVCacheSpec.for_tpu_inference(2, 3, 64, 4, "bfloat16"),
+            "fp8": lambda: KVCacheSpec.for_tpu_inference(1, 3, 64, 4, "float8_e4m3fn"),
+            "mla": lambda: KVCacheSpec.for_tpu_inference_mla(2, 72, 6, "bfloat16"),
+        }[preset]()
+        pair = 1 + spec.block_axes().index(spec.packed_axis)
+        t_axis = spec.block_axes().index("T")
+
+        def by_token(x):  # the packed pair as one axis: tokens (MLA) or combined heads
+            x = np.asarray(x)
+            return x.reshape(*x.shape[:pair], -1, *x.shape[pair + 2:])
+
+        for memory_kind in (None, "pinned_host"):
+            with jaxkv_ops.implementation(impl):
+                cache, hosts = ot.filled_cache(spec, 6, seed=13)
+                pool = HostPool.allocate(cache, 3, memory_kind=memory_kind)
+                pool = offload_blocks(cache, pool, [4, 1], [2, 0])
+                target, before = ot.filled_cache(spec, 6, seed=14)
+                target = onboard_blocks(pool, target, [2, 0], [0, 5], num_tokens=3)
+            for array, host, old in zip(target.arrays, hosts, before):
+                expected = by_token(old).copy()
+                for dst, src in ((0, 4), (5, 1)):
+                    index = [slice(None)] * (expected.ndim - 1)
+                    index[t_axis] = slice(0, 3)   # the first 3 tokens, packed or not
+                    expected[dst][tuple(index)] = by_token(host)[src][tuple(index)]
+                ot.assert_bits_equal(by_token(array), expected, f"{preset} {memory_kind}")
+
+
 if __name__ == "__main__":
     absltest.main()

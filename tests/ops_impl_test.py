@@ -266,6 +266,12 @@ class PallasRaceTest(absltest.TestCase):
                 dst_layout="THD", ratio=2, interpret=p).reshape(12, 8, 128),
                       numpy_merge(host.reshape(12, 4, 2, 128), [0, 3, -1, 5, 7, 2], 2, "HTD",
                                   "THD").reshape(12, 8, 128)),
+            # A packed rewrite zeroing padding: 8 combined heads, 6 valid; 100 valid lanes.
+            "packed merge": (lambda c: _pallas.rearrange_blocks(
+                c.reshape(12, 2, 4, 128), jnp.array([0, 3, -1, 5, 7, 2]), src_layout="HTD",
+                dst_layout="THD", ratio=2, interpret=p, payload=("H", 3, 100)).reshape(
+                    12, 8, 128),
+                             _packed_expected(host)),
             "prefix": (lambda c: _pallas.copy_block_prefix_in_place(
                 c, jnp.array([0, 1, 2]), jnp.array([5, 6, -1]), jnp.int32(5), layout="TD",
                 interpret=p),
@@ -305,6 +311,15 @@ class PallasRaceTest(absltest.TestCase):
         self.assertTrue(found)
 
 
+def _packed_expected(host):
+    blocks = host.reshape(12, 2, 4, 128)
+    out = numpy_merge(blocks, [0, 3, -1, 5, 7, 2], 2, "HTD", "THD")
+    for b in (0, 3, 5, 7, 2):
+        out[b][:, 3:] = 0
+        out[b][..., 100:] = 0
+    return out.reshape(12, 8, 128)
+
+
 class LargeBlockTest(absltest.TestCase):
     def test_blocks_beyond_vmem_take_the_xla_path_on_tpu(self):
         # Compiled (not interpreted), a block that does not fit the VMEM budget is rewritten by
@@ -317,6 +332,17 @@ class LargeBlockTest(absltest.TestCase):
             self.assertNotIn("tpu_custom_call", fn.lower(jnp.asarray(host), ids).as_text())
             result = fn(jnp.asarray(host), ids)
         _assert_bits(result, numpy_merge(host, [3, -1, -1, 0], 2, "THD", "HTD"))
+        with mock.patch.object(_pallas, "_REARRANGE_VMEM_BYTES", 64):  # with padding zeroed
+            fn = jax.jit(lambda c, i: _pallas.rearrange_blocks(
+                c, i, src_layout="THD", dst_layout="HTD", ratio=2, interpret=False,
+                payload=("H", 1, 12)))
+            self.assertNotIn("tpu_custom_call", fn.lower(jnp.asarray(host), ids).as_text())
+            result = fn(jnp.asarray(host), ids)
+        expected = numpy_merge(host, [3, -1, -1, 0], 2, "THD", "HTD")
+        for b in (3, 0):
+            expected[b][1:] = 0
+            expected[b][..., 12:] = 0
+        _assert_bits(result, expected)
 
 
 class RowRunsTest(parameterized.TestCase):

@@ -320,6 +320,24 @@ class DataParallelTest(parameterized.TestCase):
             self._assert(got, reference.merge_blocks(jnp.asarray(host), np.array([6, 1, -1]), 2,
                                                      "KHTD", "KHTD"), sharding, "merge")
 
+    def test_explicit_mesh(self):
+        # An Explicit mesh: the custom calls run in jit (the gather's rows come out sharded
+        # without out_shardings), the jnp reference refuses clearly there, and both run
+        # eagerly.
+        sharding = NamedSharding(jax.make_mesh((4,), ("dp",)), P("dp"))
+        host = kv_testing.random_bits(np.random.default_rng(6), SHAPE, np.float32)
+        ids = np.array([1, 0, 3, 2, 5, -1, 7, 6], np.int32)
+        step = jax.jit(lambda c, i: ops.gather_blocks(c, i, validate_ids=False))
+        compiled = step.lower(jax.device_put(host, sharding), ids).compile()
+        self.assertEqual([c for c in COLLECTIVES if c in compiled.as_text()], [])
+        self._assert(compiled(jax.device_put(host, sharding), ids), dp_gather(host, ids, 4),
+                     sharding)
+        with ops.implementation("reference"):
+            with self.assertRaisesRegex(NotImplementedError, "Explicit mesh"):
+                step(jax.device_put(host, sharding), ids)
+            got = ops.gather_blocks(jax.device_put(host, sharding), ids)
+        self._assert(got, dp_gather(host, ids, 4), sharding)
+
     def test_concrete_pairs_across_shards_and_uneven_segments_are_refused(self):
         sharding = NamedSharding(_auto_mesh((4,), ("dp",)), P("dp"))
         cache = jax.device_put(np.zeros(SHAPE, np.float32), sharding)

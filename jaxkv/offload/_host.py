@@ -181,13 +181,23 @@ def _map_arrays(sharding: HeadSharding, spec: KVCacheSpec, body, num_blocks_oper
 
 
 def _direct_copy(spec: KVCacheSpec, sharding: HeadSharding, validate_ids: bool):
-    """src arrays, dst arrays, src ids, dst ids, num_tokens -> dst arrays (custom call)."""
+    """src arrays, dst arrays, src ids, dst ids, num_tokens -> dst arrays (block op)."""
     layout = spec.layout
+    # A packed cache (tpu-inference) stores its packed axis as [words, packing]: copied with
+    # the pair as one axis of `spec.layout` (a free reshape), a token prefix of a packed token
+    # axis is exactly the first tokens (token w * packing + p).
+    pair = None if spec.packing is None else 1 + spec.block_axes().index(spec.packed_axis)
+
+    def merged(x):
+        if pair is None:
+            return x
+        return x.reshape(*x.shape[:pair], x.shape[pair] * x.shape[pair + 1],
+                         *x.shape[pair + 2:])
 
     def body(src, dst, src_ids, dst_ids, num_tokens):
         return tuple(
-            _prefix_local(s, d, src_ids, dst_ids, num_tokens, layout=layout,
-                          validate_ids=validate_ids)
+            _prefix_local(merged(s), merged(d), src_ids, dst_ids, num_tokens, layout=layout,
+                          validate_ids=validate_ids).reshape(d.shape)
             for s, d in zip(src, dst)
         )
 

@@ -282,9 +282,21 @@ def partitioned_call(
     """
     if any(isinstance(x, _BATCH_TRACERS) for x in operands) or _without_rule():
         return local(*operands, **static)
+    from jaxkv.ops._dispatch import current_implementation
+
+    if current_implementation() == "reference" and _explicit_block_sharding(operands[reference]):
+        # jnp's indexing refuses an index into an axis that an Explicit mesh shards (it asks
+        # for an output sharding), already when the op is traced globally.
+        raise NotImplementedError(
+            f"jaxkv.ops.{op}: the jnp reference cannot run inside jit on a cache whose block "
+            "axis an Explicit mesh axis shards; use an Auto mesh (jax.sharding.Mesh), the "
+            "custom calls ('auto' on cpu/cuda) or call the op eagerly")
     operands = tuple(jax.numpy.asarray(x) if not isinstance(x, (jax.Array, jax.core.Tracer))
                      else x for x in operands)
-    out = jax.eval_shape(lambda *xs: local(*xs, **static), *operands)
+    # Shapes only (no shardings: the abstract evaluation of an op cannot index a block axis
+    # that an Explicit mesh shards).
+    out = jax.eval_shape(lambda *xs: local(*xs, **static),
+                         *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
     multiple = isinstance(out, (tuple, list))
     result_shapes = tuple(tuple(o.shape) for o in out) if multiple else (tuple(out.shape),)
     wrapped = _partitioned(
@@ -294,3 +306,17 @@ def partitioned_call(
     )
     result = wrapped(*operands)
     return tuple(result) if multiple else result
+
+
+def _explicit_block_sharding(x: Any) -> PartitionSpec | None:
+    """The partition spec of `x` when an Explicit mesh axis shards its block axis."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if sharding is None or mesh is None or getattr(mesh, "empty", True):
+        return None
+    spec = tuple(sharding.spec)
+    if not spec or spec[0] is None:
+        return None
+    if not set(block_axes(spec[0])) & set(getattr(mesh, "explicit_axes", ())):
+        return None
+    return PartitionSpec(*spec)
