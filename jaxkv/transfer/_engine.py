@@ -1,6 +1,7 @@
 """`KVTransferEngine`: one process's side of KV-block transfers between engines.
 
-One NIXL agent per process; it may hold several ranks of an engine (TP ranks as devices of
+One transport endpoint per process (a NIXL agent with the default transport); it may hold
+several ranks of an engine (TP ranks as devices of
 one process) or one (a process per rank). Both roles live in the same object:
 
 * **Producer** (prefill): `register_cache`, then `publish_request(request_id, block_ids)`
@@ -102,10 +103,10 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _MAX_HANDLES = 1 << 16
 
-# Measured with benchmarks/bench_transfer.py --small --control (benchmarks/RESULTS.md): the
-# NIXL notification hop that carries a Done riding on the READ is slow and bimodal (~12 ms
-# median confirmed under load), a Done sent apart over TCP once the READ completed confirms
-# several times faster, idle and with the producer computing.
+# Measured with benchmarks/bench_transfer.py --small --control (benchmarks/RESULTS.md, load
+# 7-8 on 2 cores): a small read confirmed in 6.3 / 10.6 ms (idle / busy producer, medians of
+# five rounds) with NIXL notifications and the Done riding on the READ, 3.4 / 3.3 ms with a
+# Done sent over TCP once the READ completed; large pulls did not differ measurably.
 DEFAULT_CONTROL = "tcp"
 TRANSPORTS = ("nixl", "jax", "auto")
 """The `KVTransferEngine` ``transport`` choices."""
