@@ -1,8 +1,8 @@
 """`KVTransferEngine`: one process's side of KV-block transfers between engines.
 
 One transport endpoint per process (a NIXL agent with the default transport); it may hold
-several ranks of an engine (TP ranks as devices of
-one process) or one (a process per rank). Both roles live in the same object:
+several ranks of an engine (TP ranks as devices of one process) or one (a process per rank).
+Both roles live in the same object:
 
 * **Producer** (prefill): `register_cache`, then `publish_request(request_id, block_ids)`
   pins the blocks under a lease; `poll()` reports in `PollResult.freeable` the requests whose
