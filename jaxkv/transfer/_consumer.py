@@ -108,6 +108,7 @@ class Consumer:
       registry: the registered caches and metadata.
       transport: moves the bytes.
       control: the control channel this process sends on.
+      address: this process's side-channel address (sent in `Want`).
       stats: where reads are recorded.
       read_timeout_s, handshake_timeout_s, handshake_retries: bounds.
     """
@@ -118,6 +119,7 @@ class Consumer:
         registry: CacheRegistry,
         transport: Transport,
         control: ControlChannel,
+        address: tuple[str, int],
         stats: TransferStats,
         read_timeout_s: float,
         handshake_timeout_s: float,
@@ -127,6 +129,7 @@ class Consumer:
         self.registry = registry
         self.transport = transport
         self.control = control
+        self.address = address
         self.stats = stats
         self.read_timeout_s = read_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -272,11 +275,18 @@ class Consumer:
             )
             if state.layerwise:
                 self._plan_layers(state, peer, local_ids, params.block_ids)
-                transition(state, ReadState.WAITING_READY)
-                want = encode_message(Want(request_id, self.transport.endpoint))
+            if state.layerwise or self.transport.announces_reads:
+                want = encode_message(
+                    Want(request_id, self.transport.endpoint, key, len(local_ids),
+                         [self.address[0], self.address[1]])
+                    if self.transport.announces_reads
+                    else Want(request_id, self.transport.endpoint)
+                )
                 for target in peer.targets.values():
                     if not self.control.send(target, want):
                         raise ConnectionError(f"could not subscribe to producer {target!r}")
+            if state.layerwise:
+                transition(state, ReadState.WAITING_READY)
                 return
             attach = self.attach_done and self.transport.attaches_notifications
             for plan in state.plans:

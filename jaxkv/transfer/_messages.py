@@ -86,6 +86,13 @@ class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
 
     request_id: _Id
     agent_name: _Id
+    # Sent for every read (not only layer-wise ones) when the transport prepares per-consumer
+    # buffers (`Transport.announces_reads`, e.g. jax.experimental.transfer): which read, how
+    # many of the request's blocks it reads (the tail; -1: all), and the consumer process's
+    # side channel (its metadata: ranks, layout, block size).
+    read_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    num_blocks: Annotated[int, msgspec.Meta(ge=-1, le=1 << 30)] = -1
+    address: Annotated[list[str | int], msgspec.Meta(max_length=2)] = []
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):

@@ -293,6 +293,7 @@ class Producer:
                 pinned.layer_stop,
                 tuple(self.registry.caches),
                 message.agent_name,
+                message,
             )
         )
         if pinned.layer_stop > 0:
