@@ -179,6 +179,14 @@ class PullServer:
         """Whether offers of `nbytes` more would stay within the budget now."""
         return self.budget_bytes is None or self._held + int(nbytes) <= self.budget_bytes
 
+    def check_budget(self, request_id: str, nbytes: int) -> None:
+        """Raises `PullBudgetError` unless offers of `nbytes` more fit the budget now (call
+        before formatting a request, so that a refused one costs nothing)."""
+        if not self.fits(nbytes):
+            raise PullBudgetError(
+                f"request {request_id!r} needs {int(nbytes)} bytes for pending pulls; "
+                f"{self._held} of the {self.budget_bytes}-byte budget are held")
+
     def offer(self, request_id: str, uuid: int, arrays: Sequence[Any], lease_s: float) -> int:
         """Posts `arrays` for one pull of `uuid`, held until `release` or `lease_s` passed.
 
@@ -202,20 +210,17 @@ class PullServer:
         """`offer` for several uuids of one request, all or nothing against the budget."""
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        items = [(int(uuid), list(arrays)) for uuid, arrays in items]
-        nbytes = sum(int(a.nbytes) for _, arrays in items for a in arrays)
+        posted = [(int(uuid), list(arrays)) for uuid, arrays in items]
+        nbytes = sum(int(a.nbytes) for _, arrays in posted for a in arrays)
         with self._lock:
             if self._closed:
                 raise ValueError("the pull server is closed")
-            for uuid, _ in items:
+            for uuid, _ in posted:
                 if uuid in self._offers or not 0 <= uuid <= _UUID_MASK:
                     raise ValueError(f"uuid {uuid} is pending or outside [0, 2^62)")
-            if self.budget_bytes is not None and self._held + nbytes > self.budget_bytes:
-                raise PullBudgetError(
-                    f"request {request_id!r} needs {nbytes} bytes for pending pulls; "
-                    f"{self._held} of the {self.budget_bytes}-byte budget are held")
+            self.check_budget(request_id, nbytes)
             deadline = time.monotonic() + float(lease_s)
-            for uuid, arrays in items:
+            for uuid, arrays in posted:
                 self._server.await_pull(uuid, arrays, timeout=_deadline(lease_s))
                 self._offers[uuid] = _Offer(request_id, uuid, arrays,
                                             sum(int(a.nbytes) for a in arrays), deadline)
