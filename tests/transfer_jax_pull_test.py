@@ -46,7 +46,8 @@ def producer_main(conn) -> None:
     kwargs, consumer tp, consumer pp, block_ids, lease_s, request_id) -> bytes held or
     ("error", class name, message); ("big", request_id, uuid, nbytes, lease_s) -> offers one
     fresh buffer; ("release", request_id) -> bytes; ("expire",) -> expired request ids;
-    ("state",) -> (held bytes, offers, RSS MiB); ("exit",)."""
+    ("state",) -> (held bytes, offers, RSS MiB, pooled bytes); ("exit",). Requests are split
+    into the server's pooled buffers when it has some of the right shapes."""
     tt.child_env(PRODUCER_DEVICES)
     import jax
     import jax.numpy as jnp
@@ -80,7 +81,8 @@ def producer_main(conn) -> None:
                            for rank in ranks
                            for r in fmt.send_routes(p_cfg, c_cfg, rank, len(block_ids)))
                 server.check_budget(request_id, need)  # refuse before formatting anything
-                buffers = fmt.split_request(cache, p_cfg, c_cfg, block_ids, ranks)
+                buffers = fmt.split_request(cache, p_cfg, c_cfg, block_ids, ranks,
+                                            staging=server.take)
                 items = [(pull_uuid(key, gen, p, c), [b]) for (p, c), b in buffers.items()]
                 conn.send(server.offer_many(request_id, items, lease_s))
             elif kind == "big":
@@ -93,7 +95,7 @@ def producer_main(conn) -> None:
             elif kind == "expire":
                 conn.send(server.expire())
             elif kind == "state":
-                conn.send((server.held_bytes, server.num_offers, _rss_mb()))
+                conn.send((server.held_bytes, server.num_offers, _rss_mb(), server.pooled_bytes))
             else:
                 raise ValueError(f"unknown command {kind!r}")
         except Exception as error:  # noqa: BLE001 - reported to the test
@@ -168,20 +170,25 @@ class JaxPullTest(parameterized.TestCase):
         address = self.call("setup", _kwargs(p_spec), p_tp, 1, 0, None)
         local_ids = tt.LOCAL_IDS[: len(tt.REMOTE_IDS) // ratio]
         tail = fmt.remote_tail(c_cfg, p_cfg, len(local_ids), tt.REMOTE_IDS)
-        key = f"prefill/req-{p_tp}{c_tp}/read"
-        held = self.call("offer", key, 3, _kwargs(c_spec), c_tp, 1, tail.tolist(), 30.0, "req")
-        self.assertIsInstance(held, int, held)
-        caches = self.pull_request(address, key, 3, p_cfg, c_cfg, local_ids, tail)
         g = tt.global_cache(p_spec, len(tt.REMOTE_IDS) * 4, seed=tt.G_SEED)
         expected = tt.expected_arrays(c_cfg, 0, g, local_ids)
         ids = np.asarray(local_ids)
-        for index, (array, want) in enumerate(zip(caches[0].arrays, expected)):
-            got = bits(np.asarray(array))
-            np.testing.assert_array_equal(got[ids], want, err_msg=f"array {index}")
-            others = np.setdiff1d(np.arange(tt.NUM_BLOCKS), ids)
-            self.assertFalse(got[others].any())
-        self.assertEqual(self.call("release", "req"), held)
-        self.assertEqual(self.call("state")[:2], (0, 0))
+        for round_ in range(2):  # the second round splits into the first one's buffers
+            key = f"prefill/req-{p_tp}{c_tp}/read-{round_}"
+            held = self.call("offer", key, 3, _kwargs(c_spec), c_tp, 1, tail.tolist(), 30.0,
+                             "req")
+            self.assertIsInstance(held, int, held)
+            if round_:
+                self.assertEqual(self.call("state")[3], 0, "pooled buffers were not reused")
+            caches = self.pull_request(address, key, 3, p_cfg, c_cfg, local_ids, tail)
+            for index, (array, want) in enumerate(zip(caches[0].arrays, expected)):
+                got = bits(np.asarray(array))
+                np.testing.assert_array_equal(got[ids], want, err_msg=f"array {index}")
+                others = np.setdiff1d(np.arange(tt.NUM_BLOCKS), ids)
+                self.assertFalse(got[others].any())
+            self.assertEqual(self.call("release", "req"), held)
+            held_now, offers, _, pooled = self.call("state")
+            self.assertEqual((held_now, offers, pooled), (0, 0, held))
 
     def test_budget_refuses_and_frees(self):
         spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
@@ -210,12 +217,12 @@ class JaxPullTest(parameterized.TestCase):
         uuid = pull_uuid("k/never", 0, 0, 0)
         rss_before = self.call("state")[2]
         self.assertEqual(self.call("big", "never", uuid, nbytes, 1.0), nbytes)
-        held, offers, rss_offered = self.call("state")
+        held, offers, rss_offered, _ = self.call("state")
         self.assertEqual((held, offers), (nbytes, 1))
         self.assertGreater(rss_offered - rss_before, 0.75 * nbytes / (1 << 20))
         time.sleep(1.5)
         self.assertEqual(self.call("expire"), ["never"])
-        held, offers, rss_expired = self.call("state")
+        held, offers, rss_expired, _ = self.call("state")
         self.assertEqual((held, offers), (0, 0))
         # the transfer server dropped its reference too: the memory went back
         self.assertLess(rss_expired, rss_offered - 0.75 * nbytes / (1 << 20))

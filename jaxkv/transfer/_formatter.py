@@ -322,6 +322,7 @@ def split_request(
     consumer: EngineConfig,
     block_ids: Sequence[int],
     ranks: Mapping[int, Any],
+    staging: Any = None,
 ) -> dict[tuple[int, int], Any]:
     """Producer side: the request's blocks, split into one buffer per (producer rank,
     consumer rank) route of the producer ranks in `ranks`.
@@ -331,6 +332,9 @@ def split_request(
       producer, consumer: the two engines' configs.
       block_ids: the producer blocks to send, in token order (after a partial-hit cut).
       ranks: producer rank -> the device holding its shard (`rank_devices`).
+      staging: optional ``staging(device, [(shape, dtype), ...])`` returning reusable
+        buffers of those shapes on `device` to split into (donated), or None
+        (`PullServer.take`): a fresh multi-MiB output costs page faults on CPU.
 
     Returns:
       ``{(producer rank, consumer rank): buffer}``, each buffer a fresh single-device array
@@ -349,27 +353,31 @@ def split_request(
     bs = producer.spec.block_size
     canon_p, canon_c = canonical_config(producer, bs), canonical_config(consumer, bs)
     layout, keys = cache.spec.layout, tuple(cache.array_keys)
-    out: dict[tuple[int, int], Any] = {}
+    result: dict[tuple[int, int], Any] = {}
     for rank, device in sorted(ranks.items(), key=lambda item: item[0]):
         routes = send_routes(producer, consumer, rank, len(ids))
         if not routes:
             continue
         shards = [_shard(a, device) for a in cache.arrays]
         dev_ids = jax.device_put(ids, device)
+        plan = _plan(canon_p, canon_c, rank)
+        out = None
+        if staging is not None:
+            out = staging(device, [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))])
         if layout == CANONICAL_LAYOUT:
-            buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank)
+            buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank, out=out)
         else:
             dense = [gather_blocks(s, dev_ids) for s in shards]
             canon = to_canonical(dense, layout, keys)
-            buffers = split_for_peers(canon, jax.device_put(jnp.arange(len(ids), dtype=jnp.int32),
-                                                            device), canon_p, canon_c, rank)
+            rows = jax.device_put(jnp.arange(len(ids), dtype=jnp.int32), device)
+            buffers = split_for_peers(canon, rows, canon_p, canon_c, rank, out=out)
         for route in routes:
             buffer = buffers[route.index]
             if tuple(buffer.shape) != route.shape:
                 raise FormatError(f"buffer {route.index} of rank {rank} has shape "
                                   f"{tuple(buffer.shape)}, the plan says {route.shape}")
-            out[(rank, route.consumer_rank)] = buffer
-    return out
+            result[(rank, route.consumer_rank)] = buffer
+    return result
 
 
 def _assemble(shape: tuple[int, ...], like: Any, pieces: Mapping[Any, Any]) -> Any:

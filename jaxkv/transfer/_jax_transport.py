@@ -114,6 +114,8 @@ class PullServer:
     Args:
       host: the interface to listen on (the address peers connect to).
       budget_bytes: the most bytes pending offers may hold (None: unbounded).
+      pool_bytes: the most bytes of released buffers kept for reuse (`take`): buffers whose
+        pull was confirmed are split into again instead of allocating fresh ones.
       client: the JAX client whose devices hold the buffers (default: the first device's).
 
     Raises:
@@ -133,7 +135,7 @@ class PullServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", budget_bytes: int | None = None,
-                 client: Any = None):
+                 pool_bytes: int = 256 << 20, client: Any = None):
         if not jax_transfer_available():
             raise RuntimeError("this jax has no jax.experimental.transfer server")
         from jax.experimental import transfer
@@ -148,6 +150,9 @@ class PullServer:
         self._offers: dict[int, _Offer] = {}
         self._by_request: dict[str, set[int]] = {}
         self._held = 0
+        self.pool_bytes = int(pool_bytes)
+        self._pool: dict[tuple, list[Any]] = {}
+        self._pooled = 0
         self._expired_in_server = False
         self._closed = False
 
@@ -228,24 +233,60 @@ class PullServer:
             self._held += nbytes
         return nbytes
 
-    def release(self, request_id: str) -> int:
-        """Drops the buffers of a request whose pulls completed (the consumer said so).
+    def release(self, request_id: str, pulled: bool = True) -> int:
+        """Drops the buffers of a request: its pulls completed (the consumer's `Done` said
+        so: the buffers go to the reuse pool), or it was aborted (``pulled=False``: dropped;
+        the transfer server keeps an unpulled offer until its lease passed and it is swept).
 
         Returns:
           The bytes released (0 for a request with no pending offers).
         """
         with self._lock:
-            return self._drop(request_id)
+            return self._drop(request_id, pulled)
 
-    def _drop(self, request_id: str) -> int:
+    def _drop(self, request_id: str, pulled: bool = False) -> int:
         freed = 0
+        now = time.monotonic()
         for uuid in self._by_request.pop(request_id, set()):
             offer = self._offers.pop(uuid)
             freed += offer.nbytes
-            if offer.deadline <= time.monotonic():
+            if offer.deadline <= now:
                 self._expired_in_server = True
+            elif pulled:
+                for array in offer.arrays:
+                    self._keep(array)
         self._held -= freed
         return freed
+
+    def _keep(self, array: Any) -> None:
+        nbytes = int(array.nbytes)
+        if self._pooled + nbytes > self.pool_bytes:
+            return
+        key = (tuple(array.shape), str(array.dtype), next(iter(array.sharding.device_set)))
+        self._pool.setdefault(key, []).append(array)
+        self._pooled += nbytes
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of released buffers kept for reuse."""
+        return self._pooled
+
+    def take(self, device: Any, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list | None:
+        """Reusable buffers of these ``(shape, dtype)`` on `device` from the pool, all or
+        none (None); they leave the pool (donate them to the op that fills them)."""
+        import numpy as np
+
+        keys = [(tuple(int(d) for d in shape), str(np.dtype(dtype)), device)
+                for shape, dtype in shapes]
+        with self._lock:
+            need: dict[tuple, int] = {}
+            for key in keys:
+                need[key] = need.get(key, 0) + 1
+            if any(len(self._pool.get(key, ())) < count for key, count in need.items()):
+                return None
+            out = [self._pool[key].pop() for key in keys]
+            self._pooled -= sum(int(a.nbytes) for a in out)
+            return out
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drops every request with an offer whose lease passed, and sweeps the server's
@@ -281,7 +322,8 @@ class PullServer:
             self._closed = True
             self._offers.clear()
             self._by_request.clear()
-            self._held = 0
+            self._pool.clear()
+            self._held = self._pooled = 0
             reset = getattr(self._server, "_reset_rendevous_table", None)
             if reset is not None:
                 reset()
