@@ -26,7 +26,8 @@ acknowledged). The bare READs are timed under the same producer load, alternatin
 pulls: after another bare READ (``bare_read``), carrying a 160-byte notification (what a Done
 riding on the READ costs), and right after such a notification went over the same endpoint
 (``bare_read_after_notif``: what a READ meets when control messages share the endpoint, as
-jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` measure the alternatives:
+jaxkv's do). ``--done_apart`` / ``--no_progress_thread`` / ``--control=tcp|nixl`` measure the
+alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
 """
@@ -105,7 +106,7 @@ SMALL_BLOCKS = 16
 SMALL_NUM_BLOCKS = 256
 
 
-def _small_producer(conn, progress: float | None) -> None:
+def _small_producer(conn, progress: float | None, control: str = "auto") -> None:
     """("pin", request_id, block_ids) -> params; ("busy", seconds): compute that long (a
     jitted loop, GIL released) between polls; ("exit",)."""
     import jax
@@ -132,7 +133,7 @@ def _small_producer(conn, progress: float | None) -> None:
     x = jnp.arange(64, dtype=jnp.uint32)
     iters, busy = 1000, 0.0
     with KVTransferEngine("prefill", EngineConfig(spec, 1), lease_s=60.0,
-                          progress_interval_s=progress) as engine:
+                          progress_interval_s=progress, control=control) as engine:
         engine.register_cache(cache)
         conn.send(engine.address)
         while True:
@@ -167,6 +168,10 @@ def small_requests(args) -> dict:
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     progress = None if args.no_progress_thread else 0.001
+    variants = [v.strip() for v in args.control.split(",") if v.strip()]
+    for variant in variants:
+        if variant.removesuffix("_apart") not in ("auto", "nixl", "tcp"):
+            raise ValueError(f"--control: unknown variant {variant!r}")
     process = ctx.Process(target=_small_producer, args=(child, progress), daemon=True)
     process.start()
     out: dict = {"bench": "bench_transfer --small"}
@@ -176,10 +181,18 @@ def small_requests(args) -> dict:
         address = parent.recv()
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         cache = PagedKVCache.allocate(spec, SMALL_NUM_BLOCKS, mesh=mesh)
-        engine = KVTransferEngine("decode", EngineConfig(spec, 1), read_timeout_s=60.0,
-                                  progress_interval_s=progress)
-        engine.register_cache(cache)
-        engine._attach_done = not args.done_apart  # noqa: SLF001 - the alternative, measured
+        engines = {}  # one consumer engine per control variant, pulls alternate between them
+        for variant in variants:
+            engines[variant] = KVTransferEngine(
+                "decode", EngineConfig(spec, 1), read_timeout_s=60.0,
+                progress_interval_s=progress, control=variant.removesuffix("_apart"))
+            engines[variant].register_cache(
+                cache if variant == variants[0]
+                else PagedKVCache.allocate(spec, SMALL_NUM_BLOCKS, mesh=mesh))
+            if args.done_apart or variant.endswith("_apart"):  # the alternative, measured
+                engines[variant]._attach_done = False  # noqa: SLF001
+            engines[variant].add_peer("prefill", [address])
+        engine = engines[variants[0]]
         peer = engine.add_peer("prefill", [address])
         remote_name = next(iter(engine.agent.remote_agents))
         rng = np.random.default_rng(1)
@@ -198,7 +211,7 @@ def small_requests(args) -> dict:
             engine.agent.release(handle)
             return elapsed
 
-        def pull(request_id):
+        def pull(request_id, engine=engine):
             parent.send(("pin", request_id, remote_ids))
             params = parent.recv()
             start = time.perf_counter()
@@ -218,18 +231,28 @@ def small_requests(args) -> dict:
             assert record.request_id == request_id
             return record.duration_s, confirmed
 
+        def key(name, variant):
+            return name if variant == variants[0] else f"{name}[{variant}]"
+
         results = {}
         for load, busy_s in (("idle", 0.0), ("busy_10ms", 0.010)):
             parent.send(("busy", busy_s))
             iters = parent.recv()
             times = {"bare_read": [], "bare_read_notif_160B": [],
                      "bare_read_after_notif": [], "landed": [], "confirmed": []}
+            for variant in variants[1:]:
+                times[f"landed[{variant}]"], times[f"confirmed[{variant}]"] = [], []
             for rep in range(args.repeats + 3):
                 bare()
                 b = bare()  # after a bare READ: nothing else on the endpoint
                 bn = bare(notif)
                 ba = bare()  # right after a notification went over the same endpoint
                 landed, confirmed = pull(f"{load}-{rep}")
+                for variant in variants[1:]:
+                    other = pull(f"{load}-{rep}-{variant}", engines[variant])
+                    if rep >= 3:
+                        times[f"landed[{variant}]"].append(other[0])
+                        times[f"confirmed[{variant}]"].append(other[1])
                 if rep >= 3:  # warm-up
                     times["bare_read"].append(b)
                     times["bare_read_notif_160B"].append(bn)
@@ -244,6 +267,13 @@ def small_requests(args) -> dict:
                 "landed_vs_bare": med["landed"] / med["bare_read"],
                 "confirmed_vs_bare": med["confirmed"] / med["bare_read"],
                 "landed_vs_bare_after_notif": med["landed"] / med["bare_read_after_notif"],
+                "controls": {
+                    variant: {
+                        "landed_vs_bare": med[key("landed", variant)] / med["bare_read"],
+                        "confirmed_vs_bare": med[key("confirmed", variant)] / med["bare_read"],
+                    }
+                    for variant in variants
+                },
             }
         idle, busy = results["idle"], results["busy_10ms"]
         out.update(
@@ -252,7 +282,10 @@ def small_requests(args) -> dict:
                      **_versions()},
             request={"bytes": 192 << 10, "descriptors": len(loc), "blocks": SMALL_BLOCKS},
             repeats=args.repeats,
-            options={"progress_thread": progress is not None, "attach_done": not args.done_apart},
+            options={"progress_thread": progress is not None,
+                     "attach_done": engine._attach_done,  # noqa: SLF001
+                     "control": variants[0], "compared_controls": variants[1:],
+                     "control_channel": engine.control.name},
             results=results,
             checks={
                 "idle_landed_le_1.3x_bare": {"ratio": idle["landed_vs_bare"],
@@ -264,7 +297,8 @@ def small_requests(args) -> dict:
             },
             stats=engine.stats.summary(),
         )
-        engine.close()
+        for each in engines.values():
+            each.close()
     finally:
         _stop(parent, process)
     return out
@@ -504,6 +538,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--transport", choices=("nixl", "jax"), default="nixl",
                         help="jax: the JAX transfer-server transport (a --mib and a 192 KiB "
                              "request vs bare await_pull/pull)")
+    parser.add_argument("--control", default="auto",
+                        help="--small: the consumer's control channel (KVTransferEngine "
+                             "control=: auto, nixl, tcp; suffix _apart: Done sent apart from "
+                             "the READ); a comma list alternates the pulls between them "
+                             "(ratios per variant under results.*.controls)")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
     if args.small or args.transport == "jax":
@@ -545,7 +584,8 @@ def main(argv=None) -> dict:
                 host_staging=MODES[mode],
                 progress_interval_s=progress,
             )
-            engines[mode]._attach_done = not args.done_apart  # noqa: SLF001 - measured
+            if args.done_apart:
+                engines[mode]._attach_done = False  # noqa: SLF001 - measured
             engines[mode].register_cache(cache)
             engines[mode].add_peer(f"prefill-{mode}", [addresses[mode]])
         engine = engines["direct"]

@@ -65,19 +65,53 @@ class TransferE2ETest(tt.TransferTestBase):
         # MLA: one read per decode rank (replicas on the producer), block-size ratio 2 merged
         self.read_case(p_tp, d_tp, "LKTD", "LKTD", ratio=ratio, mla=True)
 
+    @parameterized.parameters(
+        # (consumer control, producer control, Done riding on the READ)
+        ("nixl", "tcp", True),
+        ("tcp", "nixl", False),
+        ("tcp", "tcp", True),  # Done over the NIXL notification, Ack over TCP
+    )
+    def test_control_channels(self, control, producer_control, attach):
+        engine, _ = self.read_case(
+            2, 1, "HTD", "HTD", control=control, producer_control=producer_control,
+            attach=attach,
+        )
+        self.assertEqual(engine.control.name, control)
+        # The messages went where asked: a persistent TCP connection to the producer's side
+        # channel only with control="tcp".
+        tcp = engine._channels["tcp"]  # noqa: SLF001
+        self.assertEqual(tcp.open_connections, 1 if control == "tcp" else 0)
+
+    def test_unknown_transport_or_control_is_refused(self):
+        from jaxkv import EngineConfig
+        from jaxkv.transfer import KVTransferEngine
+
+        config = EngineConfig(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8,
+                                          block_size=4), 1)
+        with self.assertRaisesRegex(NotImplementedError, "transport='jax'"):
+            KVTransferEngine("x", config, transport="jax")
+        with self.assertRaisesRegex(ValueError, "transport must be one of"):
+            KVTransferEngine("x", config, transport="ucx")
+        with self.assertRaisesRegex(ValueError, "control must be one of"):
+            KVTransferEngine("x", config, control="udp")
+
     def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
-                  mla=False):
+                  mla=False, control="auto", producer_control="auto", attach=None):
         spec_kwargs = dict(
             num_layers=2, num_kv_heads=heads, head_dim=8, block_size=4, dtype=dtype, layout=p_layout
         )
         if mla:
             spec_kwargs.update(num_kv_heads=1, kv_factor=1, mla=True)
-        _, conn = self.start_producer(spec_kwargs, p_tp)
+        _, conn = self.start_producer(
+            spec_kwargs, p_tp, engine_kwargs=dict(control=producer_control)
+        )
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
         params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
         spec_d = KVCacheSpec(**dict(spec_kwargs, layout=d_layout, block_size=4 * ratio))
-        engine, cache, config = self.consumer(spec_d, d_tp)
+        engine, cache, config = self.consumer(spec_d, d_tp, control=control)
+        if attach is not None:
+            engine._attach_done = attach  # noqa: SLF001 - both ways of sending Done
         local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio]
         engine.start_read(params, local_ids)
         deadline = time.monotonic() + WAIT_S

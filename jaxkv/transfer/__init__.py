@@ -5,13 +5,7 @@ read planning are pure Python/numpy; only creating an agent imports NIXL.
 """
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
-from jaxkv.transfer._engine import (
-    FailedRead,
-    KVTransferEngine,
-    PollResult,
-    TransferParams,
-    make_transfer_params,
-)
+from jaxkv.transfer._engine import TRANSPORTS, KVTransferEngine
 from jaxkv.transfer._groups import (
     GroupedParams,
     GroupedPollResult,
@@ -42,6 +36,7 @@ from jaxkv.transfer._metadata import (
     encode_metadata,
     engine_metadata,
 )
+from jaxkv.transfer._params import FailedRead, PollResult, TransferParams, make_transfer_params
 from jaxkv.transfer._plan import (
     COPY_COLUMNS,
     PlanError,
@@ -52,9 +47,11 @@ from jaxkv.transfer._plan import (
 )
 from jaxkv.transfer._post import apply_post_processing, group_post_steps
 from jaxkv.transfer._prometheus import BUCKETS_S, TransferStatsCollector, prometheus_text
+from jaxkv.transfer._protocol import ProtocolError, ReadState, RequestState
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._staging import HostMirror
 from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats, WorkerAggregator
+from jaxkv.transfer._transport import ControlChannel, Fetch, Offer, Transport
 
 __all__ = [
     "AgentInfo",
@@ -68,6 +65,14 @@ __all__ = [
     "KVTransferEngine",
     "NixlAgent",
     "PollResult",
+    "ProtocolError",
+    "ReadState",
+    "RequestState",
+    "TRANSPORTS",
+    "Transport",
+    "ControlChannel",
+    "Fetch",
+    "Offer",
     "PublishRecord",
     "TransferParams",
     "TransferRecord",

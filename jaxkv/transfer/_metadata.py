@@ -104,8 +104,11 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       num_layers, num_kv_heads, head_dim, kv_factor, mla, dtype: model geometry (must match).
       layout, block_size: per-block arrangement (may differ: converted after the read).
       compat_hash: hex digest over `compat_fields`.
-      agents: the NIXL agents of the engine's processes.
+      agents: the transport's entry of each of the engine's processes (NIXL: its agent).
       ranks: per rank, its agent and regions (may be a subset while being assembled).
+      transport: how peers move the KV (``"nixl"``: one-sided READs of the registered
+        regions; ``"jax"``: `jax.experimental.transfer` pulls); both engines must agree, and
+        `agents` carries each process's transport entry.
       block_hashing: how the engine names blocks by content (prefix caching, KV events), an
         opaque string such as ``"sha256_cbor:seed=ab12"``; None: not declared. Two engines
         that both declare it must agree (`check_compatible`).
@@ -129,6 +132,7 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=1 << 16)]
     ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=1 << 16)]
     block_hashing: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    transport: Annotated[str, msgspec.Meta(pattern="^[a-z][a-z0-9_]{0,31}$")] = "nixl"
 
     # -- derived --------------------------------------------------------------------------
 
@@ -196,6 +200,7 @@ def engine_metadata(
     agents: list[AgentInfo],
     generation: int = 0,
     block_hashing: str | None = None,
+    transport: str = "nixl",
 ) -> EngineMetadata:
     """Builds a validated `EngineMetadata` from an `EngineConfig` and per-rank registrations.
 
@@ -222,6 +227,7 @@ def engine_metadata(
         agents=list(agents),
         ranks=sorted(ranks, key=lambda r: r.rank),
         block_hashing=block_hashing,
+        transport=transport,
     )
     meta = EngineMetadata(**fields)
     meta = msgspec.structs.replace(meta, compat_hash=compute_compat_hash(compat_fields(meta)))
@@ -373,6 +379,11 @@ def check_compatible(local: EngineMetadata, remote: EngineMetadata) -> None:
             f"block hashing differs: {remote.engine_id!r} uses {remote.block_hashing!r}, "
             f"{local.engine_id!r} uses {local.block_hashing!r}; prefix hits and KV events "
             "would never match"
+        )
+    if local.transport != remote.transport:
+        differing.append(
+            f"transport: {remote.engine_id!r} moves KV over {remote.transport!r}, "
+            f"{local.engine_id!r} over {local.transport!r}"
         )
     if local.block_size % remote.block_size:
         differing.append(

@@ -5,6 +5,9 @@ server answers ``MAGIC + u64 length + payload`` where the payload is `encode_met
 (or an empty payload when it has nothing to publish yet). Every socket operation has a
 timeout; the client retries a bounded number of times with exponential backoff. The server
 serves its connections concurrently, each under a deadline, a bounded number at once.
+
+A connection that starts with ``CONTROL_MAGIC + version`` instead is a persistent control
+connection (`jaxkv.transfer._control`): handed to ``on_control`` (dropped without one).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 from jaxkv.transfer._metadata import (
     MAX_METADATA_BYTES,
@@ -28,6 +32,7 @@ from jaxkv.transfer._metadata import (
 __all__ = ["HandshakeError", "MetadataServer", "fetch_metadata"]
 
 MAGIC = b"JKVM"
+CONTROL_MAGIC = b"JKVC"  # a persistent control connection (jaxkv.transfer._control)
 _REQUEST = struct.Struct("!4sI")
 _REPLY = struct.Struct("!4sQ")
 
@@ -50,6 +55,8 @@ class MetadataServer:
       port: 0 picks a free port; read it back from `port`.
       io_timeout: seconds each client connection may take.
       max_connections: open connections served at once.
+      on_control: takes over control connections (the socket, non-blocking, after its 8
+        request bytes); None: they are dropped.
 
     Example:
       >>> server = MetadataServer()
@@ -64,10 +71,12 @@ class MetadataServer:
         port: int = 0,
         io_timeout: float = 5.0,
         max_connections: int = 64,
+        on_control: Callable[[socket.socket], None] | None = None,
     ):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self._payload = b""
+        self.on_control = on_control
         self._lock = threading.Lock()
         self._io_timeout = io_timeout
         self._max_connections = max_connections
@@ -156,6 +165,9 @@ class MetadataServer:
                 if len(conn.request) < _REQUEST.size:
                     return
                 magic, _version = _REQUEST.unpack(conn.request)
+                if magic == CONTROL_MAGIC and self.on_control is not None:
+                    self._hand_over(conn)
+                    return
                 if magic != MAGIC:
                     self._drop(conn)  # garbage: no answer
                     return
@@ -174,6 +186,20 @@ class MetadataServer:
             return
         except OSError:
             self._drop(conn)
+
+    def _hand_over(self, conn: _Connection) -> None:
+        self._conns.pop(conn.sock, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(conn.sock)
+        handler = self.on_control
+        try:
+            if handler is None:
+                raise OSError("no control handler")
+            handler(conn.sock)
+        except Exception:  # noqa: BLE001 - a refused control connection is closed
+            self.dropped_connections += 1
+            with contextlib.suppress(OSError):
+                conn.sock.close()
 
     def _drop(self, conn: _Connection, dropped: bool = True) -> None:
         if self._conns.pop(conn.sock, None) is None:

@@ -1,0 +1,661 @@
+"""The consumer role: reads of producer requests, from planning to confirmation.
+
+`start_read` fetches (or reuses) the producer's metadata, plans the read of every local
+rank, and posts one transport fetch per (local rank, producer rank) (`ReadState.TRANSFERRING`)
+or, for a layer-wise request, subscribes (`Want`) and posts each layer once its producer
+rank announced it (``WAITING_READY``). Once every fetch completed (``LANDED``) every consumer
+rank sends `Done` to every producer rank (or it rode on the fetch, with NIXL) and the received
+blocks are post-processed in place; the read is reported finished when every producer rank
+acknowledged (``CONFIRMED``), failed otherwise (``FAILED``: its local blocks listed invalid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
+from jaxkv.transfer._metadata import (
+    AgentInfo,
+    EngineMetadata,
+    IncompatibleEngineError,
+    MetadataError,
+    RankInfo,
+    check_compatible,
+)
+from jaxkv.transfer._params import FailedRead, PollResult, TransferParams, address_tuple
+from jaxkv.transfer._plan import PlanError, PostProcess, ReadPlan, plan_read
+from jaxkv.transfer._post import apply_post_processing, group_post_steps
+from jaxkv.transfer._protocol import TERMINAL, ReadState, transition
+from jaxkv.transfer._registry import CacheRegistry, Registered
+from jaxkv.transfer._side_channel import HandshakeError, fetch_metadata
+from jaxkv.transfer._stats import TransferRecord, TransferStats
+from jaxkv.transfer._transport import ControlChannel, Fetch, Transport
+
+__all__ = ["Consumer", "Peer", "Reading", "merge_metadata"]
+
+_log = logging.getLogger(__name__)
+_attempt_counter = itertools.count(1)
+MAX_OUTCOMES = 4096
+
+
+@dataclasses.dataclass
+class Peer:
+    """A producer engine this process reads from."""
+
+    meta: EngineMetadata
+    addresses: tuple[tuple[str, int], ...]
+    targets: dict[str, str]  # published agent name -> control channel target
+    names: dict[str, str]  # published agent name -> the transport's name
+    generations: dict[str, int] = dataclasses.field(default_factory=dict)  # agent -> generation
+    stale: bool = False  # a producer process re-registered since: fetch again before reading
+
+
+@dataclasses.dataclass
+class Reading:
+    """One consumer read in flight (see `ReadState`)."""
+
+    request_id: str
+    peer: str
+    plans: list[ReadPlan]
+    handles: list[Any]  # transport handles
+    started: float
+    deadline: float
+    lease_s: float
+    next_heartbeat: float
+    done_at: float | None = None
+    acks: dict[tuple[int, int], bool] = dataclasses.field(default_factory=dict)
+    expected_acks: int = 0
+    error: str | None = None
+    local_block_ids: tuple[int, ...] = ()
+    post_s: float = 0.0
+    layerwise: bool = False
+    # layer-wise: (global layer, remote rank, prepared fetch), posted once announced
+    pending: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
+    ready: dict[int, int] = dataclasses.field(default_factory=dict)  # remote rank -> stop
+    layer_handles: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    layers_total: tuple[int, ...] = ()  # global layers this process reads
+    layer_arrival: dict[int, float] = dataclasses.field(default_factory=dict)  # wall time
+    started_wall: float = 0.0
+    needs_jax: bool = False  # post-processing or host staging (not inside a host callback)
+    attempt: int = 0  # tags this read's Done / Ack messages
+    # (local rank, remote rank) pairs whose Done travels as the notification of their fetch
+    attached: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # remote rank -> generation of its process when the reads were planned (sent in Done)
+    generations: dict[int, int] = dataclasses.field(default_factory=dict)
+    stale: bool = False  # a producer answered that the planned regions are no longer current
+    unpublished: bool = False  # a producer answered that it never published the request
+    read_id: str = ""  # the consumer's key of this read (default: the producer's request id)
+    state: ReadState = ReadState.PLANNING
+
+    @property
+    def key(self) -> str:
+        return self.read_id
+
+
+class Consumer:
+    """The consumer side of one engine process (thread-safety: the engine's lock).
+
+    Args:
+      engine_id: this engine.
+      registry: the registered caches and metadata.
+      transport: moves the bytes.
+      control: the control channel this process sends on.
+      stats: where reads are recorded.
+      read_timeout_s, handshake_timeout_s, handshake_retries: bounds.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        registry: CacheRegistry,
+        transport: Transport,
+        control: ControlChannel,
+        stats: TransferStats,
+        read_timeout_s: float,
+        handshake_timeout_s: float,
+        handshake_retries: int,
+    ):
+        self.engine_id = engine_id
+        self.registry = registry
+        self.transport = transport
+        self.control = control
+        self.stats = stats
+        self.read_timeout_s = read_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.handshake_retries = handshake_retries
+        self.peers: dict[str, Peer] = {}
+        self.reading: dict[str, Reading] = {}  # by read id (the consumer's request id)
+        self.by_attempt: dict[int, Reading] = {}
+        self.outcomes: dict[str, bool] = {}  # recent read outcomes (for in-jit waits)
+        # The consumer's Done rides on its fetch as the notification (True, where the
+        # transport can), or is sent on its own once the fetches completed (False); the
+        # engine picks per control channel (benchmarks/RESULTS.md, small requests).
+        self.attach_done = True
+
+    def send(self, target: str, payload: bytes) -> bool:
+        ok = self.control.send(target, payload)
+        if not ok:
+            self.stats.failed_notifications += 1
+        return ok
+
+    # -- handshake --------------------------------------------------------------------------
+
+    def add_peer(self, engine_id: str, addresses: Sequence[tuple[str, int]]) -> EngineMetadata:
+        """See `KVTransferEngine.add_peer`."""
+        metas: list[EngineMetadata] = []
+        try:
+            for address in addresses:
+                metas.append(
+                    fetch_metadata(
+                        address_tuple(address),
+                        engine_id,
+                        self.handshake_timeout_s,
+                        self.handshake_retries,
+                    )
+                )
+            merged = merge_metadata(metas)
+            if self.registry.meta is None:
+                raise RuntimeError("register_cache first")
+            check_compatible(self.registry.meta, merged)
+            self.transport.check_peer(merged)
+        except (HandshakeError, IncompatibleEngineError, MetadataError):
+            self.stats.failed_handshakes += 1
+            raise
+        old = self.peers.pop(engine_id, None)
+        if old is not None:
+            self.transport.disconnect_peer(old.names.values())
+            for target in old.targets.values():
+                self.control.forget(target)
+        names = self.transport.connect_peer(merged.agents)
+        targets = {}
+        for address, meta in zip(addresses, metas):
+            for agent in meta.agents:
+                targets[agent.name] = self.control.connect(
+                    address_tuple(address), agent.name, names[agent.name]
+                )
+        generations = {a.name: m.generation for m in metas for a in m.agents}
+        self.peers[engine_id] = Peer(
+            merged, tuple(address_tuple(a) for a in addresses), targets, names, generations
+        )
+        hello = encode_message(
+            Hello(
+                self.engine_id,
+                self.registry.generation,
+                self.transport.endpoint,
+                self.control.hello_payload(),
+            )
+        )
+        for target in targets.values():
+            self.send(target, hello)
+        return merged
+
+    def peer(self, engine_id: str, addresses, generation: int = -1) -> Peer:
+        peer = self.peers.get(engine_id)
+        if (
+            peer is None
+            or peer.stale
+            or (generation >= 0 and generation not in peer.generations.values())
+        ):
+            self.add_peer(engine_id, addresses)
+            peer = self.peers[engine_id]
+        return peer
+
+    def suspect(self, engine_id: str) -> None:
+        """The peer's metadata may be stale (a fetch failed, a producer answered `stale`):
+        the next read fetches it again."""
+        peer = self.peers.get(engine_id)
+        if peer is not None:
+            peer.stale = True
+
+    # -- starting reads ---------------------------------------------------------------------
+
+    def start(
+        self,
+        params: TransferParams,
+        local_block_ids: Sequence[int],
+        timeout_s: float | None,
+        read_id: str | None = None,
+    ) -> None:
+        """See `KVTransferEngine.start_read`."""
+        request_id = params.request_id
+        key = request_id if read_id is None else read_id
+        if not isinstance(key, str) or not 0 < len(key) <= 512:
+            raise ValueError(f"read_id must be a str of 1 to 512 characters, got {read_id!r}")
+        if key in self.reading:
+            raise ValueError(f"read {key!r} is already in flight")
+        now = time.monotonic()
+        timeout = self.read_timeout_s if timeout_s is None else timeout_s
+        state = Reading(
+            request_id,
+            params.engine_id,
+            [],
+            [],
+            now,
+            now + timeout,
+            params.lease_s,
+            now + params.lease_s / 3,
+        )
+        state.layerwise = bool(getattr(params, "layerwise", False))
+        state.started_wall = time.time()
+        state.attempt = next(_attempt_counter)
+        state.read_id = key
+        self.reading[key] = state
+        self.by_attempt[state.attempt] = state
+        self.outcomes.pop(key, None)
+        local_ids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        state.local_block_ids = tuple(int(b) for b in local_ids)
+        registry = self.registry
+        try:
+            peer = self.peer(params.engine_id, params.addresses, params.generation)
+            meta = registry.meta
+            assert meta is not None  # add_peer checked it
+            state.generations = {
+                info.rank: peer.generations.get(info.agent_name, -1) for info in peer.meta.ranks
+            }
+            for rank in registry.local_ranks:
+                plan = plan_read(meta, rank, peer.meta, local_ids, params.block_ids, check=False)
+                state.plans.append(plan)
+            state.needs_jax = len(local_ids) > 0 and (
+                any(p.post for p in state.plans)
+                or any(registry.rank_cache[p.local_rank].mirror is not None for p in state.plans)
+            )
+            if state.layerwise:
+                self._plan_layers(state, peer, local_ids, params.block_ids)
+                transition(state, ReadState.WAITING_READY)
+                want = encode_message(Want(request_id, self.transport.endpoint))
+                for target in peer.targets.values():
+                    if not self.control.send(target, want):
+                        raise ConnectionError(f"could not subscribe to producer {target!r}")
+                return
+            attach = self.attach_done and self.transport.attaches_notifications
+            for plan in state.plans:
+                for remote_rank in plan.read_ranks:
+                    prepared = self.transport.prepare_fetch(
+                        Fetch(request_id, key, meta, peer.meta, plan, remote_rank)
+                    )
+                    # The Done of this (local, remote) rank pair rides on the fetch: the
+                    # transport delivers it once the fetch completed, so the producer's Ack
+                    # is not delayed by this process noticing the completion first (the
+                    # background progress thread keeps the producer answering while it
+                    # computes).
+                    done = b""
+                    if attach:
+                        done = self._done_message(state, plan.local_rank, remote_rank, ok=True)
+                    state.handles.append(self.transport.start_fetch(prepared, done))
+                    if done:
+                        state.attached.add((plan.local_rank, remote_rank))
+            transition(state, ReadState.TRANSFERRING)
+        except (
+            HandshakeError,
+            IncompatibleEngineError,
+            MetadataError,
+            PlanError,
+            ConnectionError,
+            KeyError,
+        ) as error:
+            state.error = f"{type(error).__name__}: {error}"
+
+    def _plan_layers(self, state: Reading, peer: Peer, local_ids: np.ndarray, remote_ids) -> None:
+        """Per (global layer, remote rank): a prepared fetch, posted once announced."""
+        meta = self.registry.meta
+        assert meta is not None
+        layers: set[int] = set()
+        for plan in state.plans:
+            entry = self.registry.rank_cache[plan.local_rank]
+            for layer in range(entry.layer_start, entry.layer_stop):
+                layers.add(layer)
+                if not len(local_ids):
+                    continue
+                sub = plan_read(
+                    meta,
+                    plan.local_rank,
+                    peer.meta,
+                    local_ids,
+                    remote_ids,
+                    check=False,
+                    layers=(layer, layer + 1),
+                )
+                for remote_rank in sub.read_ranks:
+                    fetch = Fetch(
+                        state.request_id, state.read_id, meta, peer.meta, sub, remote_rank, layer
+                    )
+                    state.pending.append(
+                        (layer, remote_rank, self.transport.prepare_fetch(fetch))
+                    )
+        state.layers_total = tuple(sorted(layers))
+        for layer in state.layers_total:
+            state.layer_handles[layer] = []
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def on_ack(self, message: Ack) -> None:
+        # May come before this process saw its fetches complete (Done attached).
+        reading = self.by_attempt.get(message.attempt)
+        if reading is not None and message.request_id == reading.request_id:
+            reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
+            if message.stale:
+                reading.stale = True
+                self.suspect(reading.peer)
+            reading.unpublished |= message.unpublished
+
+    def on_ready(self, message: Ready) -> None:
+        for reading in self.reading.values():
+            if reading.request_id != message.request_id:
+                continue
+            for rank in message.ranks:
+                reading.ready[rank] = max(reading.ready.get(rank, 0), message.layer_stop)
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def poll(self, now: float, allow_jax: bool, result: PollResult) -> None:
+        for request_id in list(self.reading):
+            state = self.reading[request_id]
+            if state.needs_jax and not allow_jax and state.error is None and now <= state.deadline:
+                continue  # its rewrite runs JAX: left to the next `poll` outside callbacks
+            self._progress(state, now, result)
+
+    def _post_ready(self, state: Reading) -> None:
+        """Posts the pending layer fetches whose producer rank announced the layer."""
+        still = []
+        for item in state.pending:
+            layer, remote_rank, prepared = item
+            if state.ready.get(remote_rank, 0) > layer:
+                handle = self.transport.start_fetch(prepared)
+                state.handles.append(handle)
+                state.layer_handles[layer].append(handle)
+                if state.state is ReadState.WAITING_READY:
+                    transition(state, ReadState.TRANSFERRING)
+            else:
+                still.append(item)
+        state.pending = still
+
+    def _layers_arrived(self, state: Reading, result: PollResult) -> bool:
+        """Records the arrival time of completed layers; True when every layer arrived."""
+        waiting = {item[0] for item in state.pending}
+        changed = False
+        for layer in state.layers_total:
+            if layer in state.layer_arrival or layer in waiting:
+                continue
+            handles = state.layer_handles[layer]
+            if not handles and not any(
+                state.ready.get(r, 0) > layer for r in self._source_ranks_of(state, layer)
+            ):
+                continue  # nothing to read for this layer, but not announced yet
+            states = [self.transport.check(h) for h in handles]
+            if "ERR" in states:
+                state.error = f"a {self.transport.name} fetch of layer {layer} failed"
+                self.suspect(state.peer)
+                return False
+            if all(st == "DONE" for st in states):
+                state.layer_arrival[layer] = time.time()
+                changed = True
+        if changed:
+            result.layers[state.read_id] = len(state.layer_arrival)
+        return len(state.layer_arrival) == len(state.layers_total)
+
+    def _source_ranks_of(self, state: Reading, layer: int) -> list[int]:
+        peer = self.peers.get(state.peer)
+        if peer is None:
+            return []
+        config = peer.meta.config()
+        pp = config.layer_owner(layer)
+        return [config.rank(tp, pp) for tp in range(config.tp_size)]
+
+    def _landed(self, state: Reading) -> None:
+        state.done_at = time.monotonic()
+        transition(state, ReadState.LANDED)
+        self._send_done(state, ok=True)
+        # Overlaps the producer's acknowledgement round trip.
+        post_process(state, self.registry)
+
+    def _progress(self, state: Reading, now: float, result: PollResult) -> None:
+        if state.error is None and now > state.deadline:
+            state.error = (
+                f"timed out after {now - state.started:.3f}s "
+                f"({'confirming' if state.done_at else 'reading'})"
+            )
+        if state.error is None and state.done_at is None and state.layerwise:
+            try:
+                self._post_ready(state)
+            except ConnectionError as error:
+                state.error = f"{type(error).__name__}: {error}"
+            if state.error is None and self._layers_arrived(state, result):
+                self._landed(state)
+        elif state.error is None and state.done_at is None:
+            states = [self.transport.check(h) for h in state.handles]
+            if "ERR" in states:
+                state.error = f"a {self.transport.name} fetch failed"
+                self.suspect(state.peer)
+            elif all(s == "DONE" for s in states):
+                self._landed(state)
+        if (
+            state.error is None
+            and state.done_at is not None
+            and (len(state.acks) >= state.expected_acks)
+        ):
+            if all(state.acks.values()):
+                self._finish(state, result)
+                return
+            state.error = (
+                "the producer re-registered its cache after this read was planned (stale "
+                "metadata: the next read fetches it again)"
+                if state.stale
+                else "the producer did not publish the request (within its early_read_grace_s)"
+                if state.unpublished
+                else "the producer released the blocks before the read was confirmed"
+            )
+        if state.error is not None:
+            self._fail(state, result)
+            return
+        if now >= state.next_heartbeat:
+            self.heartbeat(state, now)
+
+    def heartbeat(self, state: Reading, now: float) -> None:
+        peer = self.peers.get(state.peer)
+        state.next_heartbeat = now + state.lease_s / 3
+        if peer is None:
+            return
+        message = encode_message(Heartbeat(state.request_id, self.engine_id))
+        for target in peer.targets.values():
+            self.send(target, message)
+
+    def _done_message(self, state: Reading, local_rank: int, remote_rank: int, ok: bool) -> bytes:
+        return encode_message(
+            Done(
+                state.request_id,
+                self.engine_id,
+                self.transport.endpoint,
+                local_rank,
+                remote_rank,
+                self.registry.config.world_size,
+                ok,
+                state.attempt,
+                state.generations.get(remote_rank, -1),
+                "" if state.read_id == state.request_id else state.read_id,
+            )
+        )
+
+    def _send_done(self, state: Reading, ok: bool) -> None:
+        """Every consumer rank notifies every producer rank (those whose Done went with
+        their fetch, on success, are only counted)."""
+        peer = self.peers.get(state.peer)
+        if peer is None:
+            return
+        state.expected_acks = 0
+        for local_rank in self.registry.local_ranks:
+            for remote_rank in range(peer.meta.world_size):
+                if ok and (local_rank, remote_rank) in state.attached:
+                    state.expected_acks += 1
+                    continue
+                info = peer.meta.rank_info(remote_rank)
+                message = self._done_message(state, local_rank, remote_rank, ok)
+                if self.send(peer.targets[info.agent_name], message):
+                    state.expected_acks += 1
+                elif ok:
+                    state.error = f"could not notify producer rank {remote_rank}"
+
+    def release_handles(self, state: Reading) -> bool:
+        clean = True
+        for handle in state.handles:
+            clean &= self.transport.release(handle)
+        state.handles = []
+        return clean
+
+    def _finish(self, state: Reading, result: PollResult) -> None:
+        transition(state, ReadState.CONFIRMED)
+        self.release_handles(state)
+        del self.reading[state.read_id]
+        self.by_attempt.pop(state.attempt, None)
+        plans = state.plans
+        self.stats.add(
+            TransferRecord(
+                request_id=state.read_id,
+                bytes=sum(p.num_bytes for p in plans),
+                descriptors=sum(p.num_descriptors for p in plans),
+                expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
+                duration_s=(state.done_at or time.monotonic()) - state.started,
+                # fetches complete -> confirmed, less the post-processing done meanwhile
+                confirm_s=max(
+                    0.0, time.monotonic() - (state.done_at or time.monotonic()) - state.post_s
+                ),
+                post_s=state.post_s,
+                layer_arrival=tuple(sorted(state.layer_arrival.items())),
+                started_at=state.started_wall,
+            )
+        )
+        self._remember(state.read_id, True)
+        result.finished.append(state.read_id)
+        posts = [step for p in plans for step in p.post]
+        if posts:
+            result.post_applied[state.read_id] = posts
+
+    def _fail(self, state: Reading, result: PollResult) -> None:
+        if state.state not in TERMINAL:
+            transition(state, ReadState.FAILED)
+        # Release (cancel) the fetches first: releasing a handle may cancel messages queued
+        # behind it on the endpoint.
+        self.release_handles(state)
+        if state.done_at is None:
+            self._send_done(state, ok=False)  # lets the producer free early
+        del self.reading[state.read_id]
+        self.by_attempt.pop(state.attempt, None)
+        self.stats.failed_transfers += 1
+        invalid = sorted({int(b) for b in state.local_block_ids})
+        self._remember(state.read_id, False)
+        result.failed.append(FailedRead(state.read_id, state.error or "failed", tuple(invalid)))
+
+    def _remember(self, request_id: str, ok: bool) -> None:
+        self.outcomes[request_id] = ok
+        while len(self.outcomes) > MAX_OUTCOMES:
+            del self.outcomes[next(iter(self.outcomes))]
+
+    def abort(self, read_id: str) -> None:
+        reading = self.reading.get(read_id)
+        if reading is not None and reading.error is None:
+            reading.error = "aborted"
+
+    def close(self) -> None:
+        for state in self.reading.values():
+            self.release_handles(state)
+        self.reading.clear()
+        self.by_attempt.clear()
+
+
+def post_process(state: Reading, registry: CacheRegistry) -> None:
+    """Rewrites the received blocks that arrived in the sender's arrangement, in place,
+    in every registered cache they belong to; any failure fails the request."""
+    per_entry: dict[int, tuple[Registered, list[PostProcess], set[int]]] = {}
+    for plan in state.plans:
+        entry = registry.rank_cache[plan.local_rank]
+        _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
+        ranks.add(plan.local_rank)
+        steps.extend(plan.post)
+    if not state.needs_jax:
+        return
+    start = time.perf_counter()
+    try:
+        for entry, steps, ranks in per_entry.values():
+            if entry.mirror is not None and state.local_block_ids:
+                check_current(entry)
+                updated = entry.mirror.stage_in(entry.cache, state.local_block_ids)
+                updated.verify_unmoved(entry.buffers)
+                entry.cache.arrays = updated.arrays
+            if not steps:
+                continue
+            by_rank = {
+                r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post)
+                for r in ranks
+            }
+            first = next(iter(by_rank.values()))
+            if any(
+                g.keys() != first.keys()
+                or any(g[k][0] != first[k][0] for k in g)
+                for g in by_rank.values()
+            ):
+                raise ValueError(
+                    "the ranks of one sharded cache need different post-processing"
+                )
+            cache = entry.cache
+            check_current(entry)
+            updated = apply_post_processing(cache, steps)
+            updated.verify_unmoved(entry.buffers)
+            # Keep the caller's object current: its donated arrays are replaced by the
+            # results, which live in the same (registered) buffers.
+            cache.arrays = updated.arrays
+    except Exception as error:  # noqa: BLE001 - reported as a failed request
+        _log.error("post-processing of %s failed: %s", state.request_id, error)
+        state.error = f"post-processing failed: {type(error).__name__}: {error}"
+    state.post_s = time.perf_counter() - start
+
+
+def check_current(entry: Registered) -> None:
+    """Raises ValueError if the registered cache's arrays were consumed (deleted)."""
+    if any(a.is_deleted() for a in entry.cache.arrays):
+        raise ValueError(
+            "the registered cache was consumed by another update: pass the current "
+            "cache to update_cache() after each donated update"
+        )
+
+
+def merge_metadata(metas: list[EngineMetadata]) -> EngineMetadata:
+    """One engine's metadata from the partial views of its processes."""
+    first = metas[0]
+    ranks: dict[int, RankInfo] = {}
+    agents: dict[str, AgentInfo] = {}
+    for meta in metas:
+        shared = {
+            k: v
+            for k, v in msgspec.structs.asdict(meta).items()
+            if k not in ("ranks", "agents", "generation")
+        }
+        reference = {
+            k: v
+            for k, v in msgspec.structs.asdict(first).items()
+            if k not in ("ranks", "agents", "generation")
+        }
+        if shared != reference:
+            raise MetadataError(
+                f"processes of engine {first.engine_id!r} disagree on the engine description"
+            )
+        for info in meta.ranks:
+            ranks[info.rank] = info
+        for agent in meta.agents:
+            agents[agent.name] = agent
+    missing = sorted(set(range(first.world_size)) - set(ranks))
+    if missing:
+        raise MetadataError(f"engine {first.engine_id!r}: no process publishes ranks {missing}")
+    generation = max(m.generation for m in metas)
+    return msgspec.structs.replace(
+        first,
+        ranks=[ranks[r] for r in sorted(ranks)],
+        agents=list(agents.values()),
+        generation=generation,
+    )

@@ -1,0 +1,150 @@
+"""The NIXL transport: one-sided READs of registered memory (`NixlAgent`), and the control
+channel over NIXL notifications.
+
+The producer's registered memory is passively readable: `offer` / `withdraw` do nothing; the
+consumer READs byte ranges planned by `ReadPlan.expanded_descriptors`. A READ may carry a
+notification, delivered to the producer once the READ completed (the consumer's `Done`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from jaxkv.transfer._agent import AgentOptions, NixlAgent
+from jaxkv.transfer._metadata import AgentInfo, EngineMetadata, MetadataError, RegionInfo
+from jaxkv.transfer._transport import Fetch, Offer
+
+__all__ = ["NixlNotificationChannel", "NixlTransport"]
+
+
+def _key(region: RegionInfo) -> tuple[int, int, int, str]:
+    return (
+        region.base_address,
+        region.block_len * region.num_blocks,
+        region.device_id,
+        region.memory_kind,
+    )
+
+
+class NixlTransport:
+    """`Transport` over one NIXL agent (named `endpoint`).
+
+    Args:
+      endpoint: the agent's name (unique per process and generation).
+      options: NIXL agent options.
+
+    Raises:
+      ImportError: NIXL is not installed.
+    """
+
+    name = "nixl"
+    attaches_notifications = True
+
+    def __init__(self, endpoint: str, options: AgentOptions | None = None):
+        self.endpoint = endpoint
+        self.agent = NixlAgent(endpoint, options or AgentOptions())
+        self._names: dict[str, str] = {}  # published agent name -> NIXL name
+
+    # -- registration and metadata ---------------------------------------------------------
+
+    def register(self, regions: Sequence[RegionInfo]) -> None:
+        self.agent.register([_key(r) for r in regions])
+
+    def deregister(self, regions: Sequence[RegionInfo]) -> None:
+        self.agent.deregister([_key(r) for r in regions])
+
+    def describe(self) -> list[AgentInfo]:
+        return [AgentInfo(name=self.endpoint, metadata=self.agent.metadata())]
+
+    def check_peer(self, meta: EngineMetadata) -> None:
+        for agent in meta.agents:
+            if not agent.metadata:
+                raise MetadataError(f"agent {agent.name!r} publishes no NIXL metadata")
+
+    def connect_peer(self, agents: Sequence[AgentInfo]) -> dict[str, str]:
+        names = {a.name: self.agent.add_remote(a.metadata) for a in agents}
+        for name in names.values():
+            self.agent.connect(name)
+        self._names.update(names)
+        return names
+
+    def disconnect_peer(self, names: Iterable[str]) -> None:
+        gone = set(names)
+        for name in gone:
+            self.agent.remove_remote(name)
+        self._names = {k: v for k, v in self._names.items() if v not in gone}
+
+    # -- producer: passively readable memory -------------------------------------------------
+
+    def offer(self, offer: Offer) -> None:
+        del offer
+
+    def withdraw(self, request_id: str) -> None:
+        del request_id
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    def prepare_fetch(self, fetch: Fetch) -> tuple:
+        """The READ's descriptors and target: (local, remote, NIXL name, kinds)."""
+        loc, rem = fetch.plan.expanded_descriptors(fetch.local, fetch.peer, fetch.remote_rank)
+        info = fetch.peer.rank_info(fetch.remote_rank)
+        name = self._names[info.agent_name]
+        kind = fetch.local.rank_info(fetch.plan.local_rank).regions[0].memory_kind
+        return loc, rem, name, kind, info.regions[0].memory_kind
+
+    def start_fetch(self, prepared: tuple, notification: bytes = b"") -> Any:
+        loc, rem, name, kind, remote_kind = prepared
+        return self.agent.read(loc, rem, name, kind, remote_kind, notif=notification)
+
+    def check(self, handle: Any) -> str:
+        return self.agent.state(handle)
+
+    def release(self, handle: Any) -> bool:
+        return self.agent.release(handle)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return [(s, m) for s, ms in self.agent.notifications().items() for m in ms]
+
+    def progress(self) -> None:
+        self.agent.progress()
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+class NixlNotificationChannel:
+    """`ControlChannel` over the NIXL agent's notifications: a consumer's `Hello` carries its
+    agent metadata, which the producer loads to answer."""
+
+    name = "nixl"
+
+    def __init__(self, agent: NixlAgent):
+        self.agent = agent
+
+    def hello_payload(self) -> bytes:
+        return self.agent.metadata()
+
+    def connect(self, address: tuple[str, int], agent: str, transport_name: str) -> str:
+        del address, agent
+        return transport_name
+
+    def accept(self, agent: str, sender: str, payload: bytes) -> str:
+        del agent, sender
+        try:
+            return self.agent.add_remote(payload)
+        except Exception as error:  # noqa: BLE001 - bad metadata from a peer
+            raise ValueError(f"unusable NIXL agent metadata: {error}") from error
+
+    def send(self, target: str, payload: bytes) -> bool:
+        return self.agent.send(target, payload)
+
+    def receive(self) -> list[tuple[str, bytes]]:
+        return [(s, m) for s, ms in self.agent.notifications().items() for m in ms]
+
+    def forget(self, target: str) -> None:
+        self.agent.remove_remote(target)
+
+    def close(self) -> None:
+        pass
+

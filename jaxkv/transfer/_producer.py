@@ -1,0 +1,398 @@
+"""The producer role: requests pinned for consumers, their leases, confirmations and release.
+
+`publish_request` pins a request's blocks (`RequestState.PINNED`) under a lease; consumers
+extend it with `Heartbeat`s. Each consumer rank's `Done` is answered with an `Ack` saying
+whether the blocks were still pinned (``READING`` once one was counted); the request becomes
+``DONE`` when every expected read was confirmed by every consumer rank for every local
+producer rank, ``ABORTED`` (`abort`) or ``EXPIRED`` (lease), and is then reported freeable.
+A `Done` for a request not published yet is held up to ``early_read_grace_s``. Layer-wise
+requests announce their written layers (`Ready`) to the consumers that subscribed (`Want`);
+with host staging the published layers are first copied to the host mirror.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
+from jaxkv.transfer._params import PollResult, TransferParams
+from jaxkv.transfer._protocol import RequestState, transition
+from jaxkv.transfer._registry import CacheRegistry
+from jaxkv.transfer._stats import PublishRecord, TransferStats
+from jaxkv.transfer._transport import ControlChannel, Offer, Transport
+
+__all__ = ["Pinned", "Producer"]
+
+_log = logging.getLogger(__name__)
+MAX_OUTCOMES = 4096
+
+Target = tuple[str, str]  # (control channel name, the channel's target)
+
+
+@dataclasses.dataclass
+class Pinned:
+    """A published request (see `RequestState`)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    deadline: float  # -1: aborted
+    # producer rank -> {(consumer engine, read id): {consumer ranks that notified}}
+    notified: dict[int, dict[tuple[str, str], set[int]]]
+    expected: dict[tuple[str, str], int]  # (consumer engine, read id) -> its world size
+    lease_s: float
+    expected_reads: int = 1  # consumer reads to confirm before the blocks are freeable
+    layer_stop: int = 0  # global layers [0, layer_stop) are written and readable
+    subscribers: set[Target] = dataclasses.field(default_factory=set)
+    published_at: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    staged_s: float = 0.0
+    state: RequestState = RequestState.PINNED
+
+    @property
+    def key(self) -> str:
+        return self.request_id
+
+    def complete(self) -> bool:
+        """Every local producer rank counted `expected_reads` fully confirmed reads."""
+        return all(
+            sum(len(ranks) >= self.expected[read] for read, ranks in reads.items())
+            >= self.expected_reads
+            for reads in self.notified.values()
+        )
+
+
+class Producer:
+    """The producer side of one engine process (thread-safety: the engine's lock).
+
+    Args:
+      engine_id: this engine.
+      registry: the registered caches and metadata.
+      transport: offered each readable request, withdrawn once freed.
+      channels: the control channels by name (answers go back on the one a consumer used).
+      stats: where publications and expiries are counted.
+      lease_s: default lease.
+      early_read_grace_s: how long a `Done` for an unpublished request is held.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        registry: CacheRegistry,
+        transport: Transport,
+        channels: dict[str, ControlChannel],
+        stats: TransferStats,
+        lease_s: float,
+        early_read_grace_s: float,
+    ):
+        self.engine_id = engine_id
+        self.registry = registry
+        self.transport = transport
+        self.channels = channels
+        self.stats = stats
+        self.lease_s = lease_s
+        self.early_read_grace_s = early_read_grace_s
+        self.pinned: dict[str, Pinned] = {}
+        self.consumers: dict[str, Target] = {}  # consumer agent name (published) -> target
+        self.early_wants: dict[str, tuple[set[Target], float]] = {}
+        # Done messages of requests not published yet: request -> [(message, expiry)]
+        self.early_dones: dict[str, list[tuple[Done, float]]] = {}
+        self.released: dict[str, bool] = {}  # recently freed requests (confirmed?)
+        # publications from host callbacks that need JAX (host staging): (request, stop,
+        # the cache versions at the callback); staged from a later version (the step's output)
+        self.deferred: list[tuple[str, int, tuple[int, ...]]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pinned or self.early_dones)
+
+    def send(self, target: Target, payload: bytes) -> None:
+        channel = self.channels.get(target[0])
+        if channel is None or not channel.send(target[1], payload):
+            self.stats.failed_notifications += 1
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def publish(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        lease_s: float | None,
+        layerwise: bool,
+        expected_reads: int,
+        address: tuple[str, int],
+    ) -> TransferParams:
+        """See `KVTransferEngine.publish_request`."""
+        lease = self.lease_s if lease_s is None else lease_s
+        ids = tuple(int(b) for b in block_ids)
+        if int(expected_reads) < 1:
+            raise ValueError(f"expected_reads must be >= 1, got {expected_reads}")
+        pinned = Pinned(
+            request_id,
+            ids,
+            time.monotonic() + lease,
+            {r: {} for r in self.registry.ranks},
+            {},
+            lease,
+            int(expected_reads),
+        )
+        self.pinned[request_id] = pinned
+        self.released.pop(request_id, None)
+        early = self.early_wants.pop(request_id, None)
+        if early is not None:
+            pinned.subscribers |= early[0]
+        if not layerwise:
+            self.publish_layers(pinned, self.registry.config.spec.num_layers)
+        for message, _ in self.early_dones.pop(request_id, []):
+            # Held reads: the blocks held the request's bytes already (direct mode);
+            # confirmed (or refused) now that the request is pinned.
+            self.on_done(message)
+        return TransferParams(
+            self.engine_id,
+            [address],
+            request_id,
+            list(ids),
+            lease,
+            self.registry.generation,
+            layerwise,
+        )
+
+    def publish_layers(self, pinned: Pinned, stop: int) -> None:
+        """Marks the global layers ``[0, stop)`` written: stages them (host staging), offers
+        them to the transport and announces them to the subscribers."""
+        start = pinned.layer_stop
+        if stop <= start:
+            return
+        t0 = time.perf_counter()
+        for entry in self.registry.caches:
+            if entry.mirror is None:
+                continue
+            lo, hi = max(start, entry.layer_start), min(stop, entry.layer_stop)
+            if lo >= hi:
+                continue
+            layers = (lo - entry.layer_start, hi - entry.layer_start)
+            whole = layers == (0, entry.layer_stop - entry.layer_start)
+            entry.mirror.stage_out(entry.cache, pinned.block_ids, None if whole else layers)
+        pinned.staged_s += time.perf_counter() - t0
+        pinned.layer_stop = stop
+        pinned.published_at.append((stop, time.time()))
+        if stop == self.registry.config.spec.num_layers:
+            self.stats.add_publication(
+                PublishRecord(pinned.request_id, tuple(pinned.published_at), pinned.staged_s)
+            )
+        self.transport.offer(
+            Offer(pinned.request_id, pinned.block_ids, stop, tuple(self.registry.caches))
+        )
+        message = encode_message(Ready(pinned.request_id, list(self.registry.local_ranks), stop))
+        for target in pinned.subscribers:
+            self.send(target, message)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.pinned:
+            self.pinned[request_id].deadline = -1.0
+
+    def stage_deferred(self) -> None:
+        """Stages the publications of host callbacks (host staging) once every registered
+        cache was replaced by a later version than the one of the callback's step: the
+        callback ran inside the step, whose input cache is donated (deleted) and whose
+        output is handed over by `update_cache` after the step."""
+        caches = self.registry.caches
+        still = []
+        for request_id, stop, versions in self.deferred:
+            pinned = self.pinned.get(request_id)
+            if pinned is None:
+                continue  # freed or expired meanwhile
+            current = all(
+                e.mirror is None
+                or (e.version > v and not any(a.is_deleted() for a in e.cache.arrays))
+                for e, v in zip(caches, versions)
+            )
+            if not current or len(versions) != len(caches):
+                if len(versions) == len(caches):
+                    still.append((request_id, stop, versions))
+                    continue
+                _log.error("publishing %s failed: the caches were re-registered", request_id)
+                pinned.deadline = -1.0
+                continue
+            try:
+                self.publish_layers(pinned, stop)
+            except Exception as error:  # noqa: BLE001 - the request is aborted
+                _log.error("publishing %s failed: %s", request_id, error)
+                pinned.deadline = -1.0
+        self.deferred = still
+
+    def callback_publish(self, request_id: str, block_ids: np.ndarray, stop: int) -> int:
+        """A jitted step's publication (see `KVTransferEngine._callback_publish`); the
+        engine's lock is held and the new messages handled. Returns 1 or 0 (refused)."""
+        ids = [int(b) for b in np.asarray(block_ids).reshape(-1) if b >= 0]
+        pinned = self.pinned.get(request_id)
+        if pinned is None:
+            if self.released.get(request_id):
+                # Every consumer confirmed it already (it read the layers announced
+                # before): a late announcement of a finished request is no error.
+                _log.debug("publish from a jitted step: %s already confirmed", request_id)
+                return 1
+            _log.error("publish from a jitted step: %s is not published", request_id)
+            return 0
+        if ids and tuple(ids) != pinned.block_ids:
+            _log.error(
+                "publish from a jitted step: %s wrote blocks %s, it was published with %s",
+                request_id, ids, list(pinned.block_ids),
+            )
+            pinned.deadline = -1.0
+            return 0
+        if self.registry.staged:
+            # The step's output is not available here: staged from it once the caller
+            # hands it to update_cache (never from the donated input, see stage_deferred).
+            self.deferred.append(
+                (request_id, stop, tuple(e.version for e in self.registry.caches))
+            )
+        else:
+            self.publish_layers(pinned, stop)
+        return 1
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def on_hello(self, message: Hello, channel: str, sender: str) -> None:
+        old = self.consumers.pop(message.agent_name, None)
+        if old is not None and old[0] in self.channels:
+            self.channels[old[0]].forget(old[1])
+        try:
+            target = self.channels[channel].accept(
+                message.agent_name, sender, message.agent_metadata
+            )
+        except (KeyError, ValueError):  # bad metadata from a peer
+            self.stats.malformed_messages += 1
+            return
+        self.consumers[message.agent_name] = (channel, target)
+
+    def on_heartbeat(self, message: Heartbeat, now: float) -> None:
+        pinned = self.pinned.get(message.request_id)
+        if pinned is not None and now <= pinned.deadline:  # not after expiry
+            pinned.deadline = max(pinned.deadline, now + pinned.lease_s)
+
+    def on_want(self, message: Want, now: float) -> None:
+        target = self.consumers.get(message.agent_name)
+        if target is None:
+            self.stats.failed_notifications += 1
+            return
+        pinned = self.pinned.get(message.request_id)
+        if pinned is None:  # subscribed before this process published: remember for a lease
+            targets, _ = self.early_wants.get(message.request_id, (set(), 0.0))
+            targets.add(target)
+            self.early_wants[message.request_id] = (targets, now + self.lease_s)
+            return
+        pinned.subscribers.add(target)
+        self.transport.offer(
+            Offer(
+                pinned.request_id,
+                pinned.block_ids,
+                pinned.layer_stop,
+                tuple(self.registry.caches),
+                message.agent_name,
+            )
+        )
+        if pinned.layer_stop > 0:
+            ready = Ready(message.request_id, list(self.registry.local_ranks), pinned.layer_stop)
+            self.send(target, encode_message(ready))
+
+    def on_done(self, message: Done, hold: bool = True) -> None:
+        pinned = self.pinned.get(message.request_id)
+        stale = message.generation != self.registry.generation
+        if hold and self._holds_early(message, pinned, stale):
+            held = self.early_dones.setdefault(message.request_id, [])
+            held.append((message, time.monotonic() + self.early_read_grace_s))
+            return
+        live = (
+            not stale
+            and pinned is not None
+            and pinned.deadline >= 0
+            and time.monotonic() <= pinned.deadline
+            and message.producer_rank in pinned.notified
+        )
+        if live:
+            assert pinned is not None  # implied by `live`
+            read = (message.engine_id, message.read_id or message.request_id)
+            pinned.notified[message.producer_rank].setdefault(read, set()).add(
+                message.consumer_rank
+            )
+            pinned.expected[read] = message.expected
+            if pinned.state is RequestState.PINNED:
+                transition(pinned, RequestState.READING)
+        target = self.consumers.get(message.agent_name)
+        ack = encode_message(
+            Ack(
+                message.request_id,
+                message.producer_rank,
+                message.consumer_rank,
+                live,
+                message.attempt,
+                stale,
+                pinned is None and message.request_id not in self.released,
+            )
+        )
+        if target is None:
+            self.stats.failed_notifications += 1
+        else:
+            self.send(target, ack)
+
+    def _holds_early(self, message: Done, pinned: Pinned | None, stale: bool) -> bool:
+        """Whether a Done is for a request this process has not published yet and may still
+        publish: a successful read of a rank of this process, in direct mode, within the
+        grace window's bounds (the number of held requests is bounded too)."""
+        return (
+            pinned is None
+            and message.ok
+            and not stale
+            and self.early_read_grace_s > 0
+            and message.request_id not in self.released
+            and message.producer_rank in self.registry.ranks
+            and not self.registry.staged
+            and (
+                message.request_id in self.early_dones
+                or len(self.early_dones) < MAX_OUTCOMES
+            )
+        )
+
+    # -- polling ----------------------------------------------------------------------------
+
+    def poll(self, now: float, result: PollResult) -> None:
+        """Expires held messages, releases finished requests into ``result.freeable``."""
+        for request_id, (_, expiry) in list(self.early_wants.items()):
+            if now > expiry:
+                del self.early_wants[request_id]
+        for request_id, held in list(self.early_dones.items()):
+            keep = [(m, expiry) for m, expiry in held if now <= expiry]
+            for message, expiry in held:
+                if now > expiry:
+                    self.on_done(message, hold=False)  # refused: never published in time
+            if keep:
+                self.early_dones[request_id] = keep
+            else:
+                del self.early_dones[request_id]
+        for request_id, pinned in list(self.pinned.items()):
+            complete = pinned.complete()
+            if complete:
+                transition(pinned, RequestState.DONE)
+            elif pinned.deadline < 0:
+                transition(pinned, RequestState.ABORTED)
+            elif now > pinned.deadline:
+                self.stats.expired_leases += 1
+                transition(pinned, RequestState.EXPIRED)
+            else:
+                continue
+            del self.pinned[request_id]
+            self.transport.withdraw(request_id)
+            self.released[request_id] = complete
+            while len(self.released) > MAX_OUTCOMES:
+                del self.released[next(iter(self.released))]
+            result.freeable.append(request_id)
+
+    def close(self) -> None:
+        for request_id in list(self.pinned):
+            self.transport.withdraw(request_id)
+        self.pinned.clear()
+        self.early_dones.clear()
