@@ -267,6 +267,10 @@ class Consumer:
                 any(p.post for p in state.plans)
                 or any(registry.rank_cache[p.local_rank].mirror is not None for p in state.plans)
             )
+            if getattr(self.transport, "moves_arrays", False):
+                self._start_arrays(state, peer, meta, len(local_ids))
+                transition(state, ReadState.TRANSFERRING)
+                return
             if state.layerwise:
                 self._plan_layers(state, peer, local_ids, params.block_ids)
                 transition(state, ReadState.WAITING_READY)
@@ -302,6 +306,32 @@ class Consumer:
             KeyError,
         ) as error:
             state.error = f"{type(error).__name__}: {error}"
+
+    def _start_arrays(self, state: Reading, peer: Peer, meta: EngineMetadata,
+                      num_local: int) -> None:
+        """A read over a transport that moves arrays (`transport.moves_arrays`): the producer
+        processes format the request for this process's ranks once asked (`Want` with the
+        read and this engine's geometry, layer-wise requests once every layer is written);
+        one fetch per local rank pulls its buffers from every source rank and writes them
+        in the local layout (no post-processing left)."""
+        state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
+        state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
+        if not num_local:
+            return  # notify only
+        config = self.registry.config
+        want = encode_message(Want(
+            state.request_id, self.transport.endpoint, state.read_id, state.attempt,
+            len(state.plans[0].remote_block_ids), config.spec.layout, config.spec.block_size,
+            config.tp_size, config.pp_size, list(config.layer_split),
+            list(self.registry.local_ranks)))
+        for target in peer.targets.values():
+            if not self.control.send(target, want):
+                raise ConnectionError(f"could not ask producer {target!r} for the request")
+        for plan in state.plans:
+            prepared = self.transport.prepare_fetch(Fetch(
+                state.request_id, state.read_id, meta, peer.meta, plan, -1,
+                attempt=state.attempt))
+            state.handles.append(self.transport.start_fetch(prepared))
 
     def _plan_layers(self, state: Reading, peer: Peer, local_ids: np.ndarray, remote_ids) -> None:
         """Per (global layer, remote rank): a prepared fetch, posted once announced."""

@@ -34,7 +34,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
+    "JaxTransport",
     "PendingPull",
     "PullBudgetError",
     "PullServer",
@@ -154,6 +157,7 @@ class PullServer:
         self._pool: dict[tuple, list[Any]] = {}
         self._pooled = 0
         self._expired_in_server = False
+        self._tiny: Any = None
         self._closed = False
 
     @property
@@ -274,8 +278,6 @@ class PullServer:
     def take(self, device: Any, shapes: Sequence[tuple[tuple[int, ...], Any]]) -> list | None:
         """Reusable buffers of these ``(shape, dtype)`` on `device` from the pool, all or
         none (None); they leave the pool (donate them to the op that fills them)."""
-        import numpy as np
-
         keys = [(tuple(int(d) for d in shape), str(np.dtype(dtype)), device)
                 for shape, dtype in shapes]
         with self._lock:
@@ -310,8 +312,9 @@ class PullServer:
 
         self._expired_in_server = False
         uuid = _SWEEP_BASE + next(_sweep_counter) % _SWEEP_BASE
-        tiny = jnp.zeros((1,), jnp.uint8)
-        self._server.await_pull(uuid, [tiny], timeout=_deadline(0.0))
+        if self._tiny is None:
+            self._tiny = jnp.zeros((1,), jnp.uint8)
+        self._server.await_pull(uuid, [self._tiny], timeout=_deadline(0.0))
 
     def close(self) -> None:
         """Drops every pending offer (idempotent). The server itself lives until the process
@@ -407,6 +410,11 @@ class Puller:
                 self._connections[address] = conn
             return conn
 
+    def drop(self, address: str) -> None:
+        """Forgets the connection to `address` (pulls in flight on it continue)."""
+        with self._lock:
+            self._connections.pop(address, None)
+
     def poison(self, address: str) -> None:
         """Fails every pull in flight on the connection to `address` and drops it."""
         with self._lock:
@@ -435,3 +443,370 @@ class Puller:
         conn = self._connection(address)
         arrays = list(conn.pull(int(uuid), avals))
         return PendingPull(self, address, int(uuid), arrays, time.monotonic() + float(timeout_s))
+
+
+# -- the Transport of KVTransferEngine(transport="jax") --------------------------------------
+
+
+@dataclasses.dataclass
+class _Want:
+    """A consumer process's subscription to a request (from its `Want`)."""
+
+    message: Any
+    served: bool = False
+
+
+@dataclasses.dataclass
+class _Piece:
+    """One consumer rank's share of a read: its pulls (one per source rank)."""
+
+    group: _ReadGroup
+    rank: int
+    routes: tuple
+    addresses: tuple[str, ...]
+    uuids: tuple[int, ...]
+    device: Any
+    pulls: list[PendingPull] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _ReadGroup:
+    """Every piece of one read in this process: written into the caches together once all
+    their pulls arrived."""
+
+    key: tuple[str, int]
+    local_ids: tuple[int, ...]
+    num_remote: int
+    consumer: Any  # EngineConfig
+    producer: Any  # EngineConfig
+    pieces: list[_Piece] = dataclasses.field(default_factory=list)
+    written: bool = False
+    error: str | None = None
+
+
+def _address_of(agent: Any) -> str:
+    from jaxkv.transfer._metadata import MetadataError
+
+    try:
+        address = bytes(agent.metadata).decode("ascii")
+    except UnicodeDecodeError as error:
+        raise MetadataError(f"agent {agent.name!r}: its transfer-server address is not "
+                            "ASCII") from error
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MetadataError(f"agent {agent.name!r} publishes no transfer-server address "
+                            f"host:port (got {address[:64]!r})")
+    return address
+
+
+def entry_devices(entry: Any, config: Any) -> dict[int, Any]:
+    """Engine rank -> device of a registered cache (`Registered`): one TP rank's cache or
+    one sharded over every TP rank of its pipeline stage."""
+    from jaxkv.transfer._formatter import rank_devices
+
+    pp_rank = config.coordinates(entry.ranks[0])[1]
+    if entry.cache.tp_size != config.tp_size or len(entry.ranks) == 1 and config.tp_size > 1:
+        tp_rank = config.coordinates(entry.ranks[0])[0]
+        return rank_devices(entry.cache, config, pp_rank, tp_rank)
+    return rank_devices(entry.cache, config, pp_rank)
+
+
+class JaxTransport:
+    """`Transport` over `jax.experimental.transfer` (``KVTransferEngine(transport="jax")``).
+
+    Producer: a consumer process's `Want` names its read and geometry; once the request is
+    published (every layer written), its blocks are formatted for that process's ranks
+    (`jaxkv.transfer._formatter.split_request`) and offered on the `PullServer` under
+    `pull_uuid` ``(consumer endpoint/read id/attempt, 0, producer rank, consumer rank)``,
+    until `withdraw` (the request was freed: every read confirmed, aborted or expired). An
+    offer beyond ``budget_bytes`` waits (retried from `progress`) while the request is
+    pinned; a request that can never fit, or cannot be formatted, is offered as error arrays
+    (the consumer's pull fails at once with the reason).
+
+    Consumer: one fetch per local rank pulls the buffers of its source ranks; once every
+    fetch of the read in this process arrived, `check` writes them into the registered
+    caches (`concat_request`, in place) and reports ``"DONE"``.
+
+    Args:
+      endpoint: this process's unique name.
+      host: the interface the transfer server listens on.
+      budget_bytes, pool_bytes: see `PullServer`.
+      pull_timeout_s: a pull not complete by then fails.
+      lease_s: the default lease of an offer.
+    """
+
+    name = "jax"
+    attaches_notifications = False
+    moves_arrays = True
+
+    def __init__(self, endpoint: str, host: str = "127.0.0.1", budget_bytes: int | None = None,
+                 pool_bytes: int = 256 << 20, pull_timeout_s: float = 30.0,
+                 lease_s: float = 30.0):
+        self.endpoint = endpoint
+        self.server = PullServer(host, budget_bytes, pool_bytes)
+        self.puller = Puller(self.server)
+        self.pull_timeout_s = float(pull_timeout_s)
+        self.lease_s = float(lease_s)
+        self.registry: Any = None
+        self._addresses: dict[str, str] = {}  # published agent name -> server address
+        self._wants: dict[str, dict[tuple[str, str, int], _Want]] = {}
+        self._published: dict[str, tuple[tuple[int, ...], float]] = {}  # ids, lease
+        self._groups: dict[tuple[str, int], _ReadGroup] = {}
+        self.errors: list[str] = []  # recent formatting / offering failures (producer side)
+
+    def attach(self, registry: Any) -> None:
+        """The engine's `CacheRegistry` (the caches to format from and write into)."""
+        self.registry = registry
+
+    # -- registration and metadata ---------------------------------------------------------
+
+    def register(self, regions: Sequence[Any]) -> None:
+        del regions  # arrays are offered per request: nothing to register
+
+    def deregister(self, regions: Sequence[Any]) -> None:
+        del regions
+
+    def describe(self) -> list[Any]:
+        from jaxkv.transfer._metadata import AgentInfo
+
+        return [AgentInfo(name=self.endpoint, metadata=self.server.address.encode("ascii"))]
+
+    def check_peer(self, meta: Any) -> None:
+        for agent in meta.agents:
+            _address_of(agent)
+
+    def connect_peer(self, agents: Sequence[Any]) -> dict[str, str]:
+        names = {}
+        for agent in agents:
+            self._addresses[agent.name] = _address_of(agent)
+            names[agent.name] = agent.name
+        return names
+
+    def disconnect_peer(self, names: Any) -> None:
+        for name in names:
+            address = self._addresses.pop(name, None)
+            if address is not None and address not in self._addresses.values():
+                self.puller.drop(address)
+
+    # -- producer ---------------------------------------------------------------------------
+
+    def offer(self, offer: Any) -> None:
+        if offer.want is not None:
+            message = offer.want
+            if not message.layout:
+                return  # a layer-wise subscription of a consumer that reads byte ranges
+            key = (message.agent_name, message.read_id or offer.request_id, message.attempt)
+            wants = self._wants.setdefault(offer.request_id, {})
+            wants.setdefault(key, _Want(message))
+        if offer.block_ids and self.registry is not None and (
+                offer.layer_stop >= self.registry.config.spec.num_layers):
+            lease = self.lease_s if offer.lease_s is None else float(offer.lease_s)
+            self._published[offer.request_id] = (tuple(offer.block_ids), lease)
+
+    def _serve(self, request_id: str) -> None:
+        published = self._published.get(request_id)
+        wants = self._wants.get(request_id)
+        if published is None or not wants:
+            return
+        for key, want in wants.items():
+            if want.served:
+                continue
+            try:
+                offered = self._offer_want(request_id, key, want.message, *published)
+            except Exception as error:  # noqa: BLE001 - reported to the consumer
+                message = f"request {request_id!r} for {key[0]!r}: {type(error).__name__}: {error}"
+                self.errors.append(message)
+                del self.errors[:-64]
+                self._offer_errors(request_id, key, want.message, message, published[1])
+                offered = True
+            want.served = offered
+
+    def _consumer_config(self, message: Any) -> Any:
+        from jaxkv._parallel import EngineConfig
+
+        spec = self.registry.config.spec.replace(layout=message.layout,
+                                                 block_size=message.block_size)
+        return EngineConfig(spec, message.tp_size, message.pp_size,
+                            tuple(message.layers_per_pp))
+
+    def _offer_want(self, request_id: str, key: tuple[str, str, int], message: Any,
+                    block_ids: tuple[int, ...], lease_s: float) -> bool:
+        """Formats and offers the request for one subscriber; False: over budget for now."""
+        from jaxkv.transfer._formatter import FormatError, send_routes, split_request
+
+        producer = self.registry.config
+        consumer = self._consumer_config(message)
+        wanted = set(message.ranks)
+        if message.num_blocks < 0 or message.num_blocks > len(block_ids):
+            raise FormatError(f"the consumer reads {message.num_blocks} of the request's "
+                              f"{len(block_ids)} blocks")
+        ids = list(block_ids[len(block_ids) - message.num_blocks:])
+        uuid_key = f"{key[0]}/{key[1]}/{key[2]}"
+        plans = []
+        need = 0
+        for entry in self.registry.caches:
+            devices = entry_devices(entry, producer)
+            for rank in devices:
+                for route in send_routes(producer, consumer, rank, len(ids)):
+                    if route.consumer_rank in wanted:
+                        need += int(np.prod(route.shape)) * producer.spec.itemsize
+            plans.append((entry, devices))
+        if not self.server.fits(need):
+            if self.server.budget_bytes is not None and need > self.server.budget_bytes:
+                raise PullBudgetError(
+                    f"the request needs {need} bytes of pending pulls, above the whole "
+                    f"{self.server.budget_bytes}-byte budget")
+            return False  # waits for releases (`progress` retries)
+        items = []
+        for entry, devices in plans:
+            buffers = split_request(entry.cache, producer, consumer, ids, devices,
+                                    staging=self.server.take)
+            for (p_rank, c_rank), buffer in buffers.items():
+                if c_rank in wanted:
+                    items.append((pull_uuid(uuid_key, 0, p_rank, c_rank), [buffer]))
+        self.server.offer_many(request_id, items, lease_s)
+        return True
+
+    def _offer_errors(self, request_id: str, key: tuple[str, str, int], message: Any,
+                      reason: str, lease_s: float) -> None:
+        """Offers error arrays under the subscriber's uuids: its pulls fail with `reason`."""
+        from jax.experimental import transfer
+
+        make_error = getattr(transfer, "make_error_array", None)
+        if make_error is None or self.registry is None:
+            return  # the consumer's pulls time out instead
+        try:
+            from jaxkv.transfer._formatter import send_routes
+
+            producer = self.registry.config
+            consumer = self._consumer_config(message)
+            uuid_key = f"{key[0]}/{key[1]}/{key[2]}"
+            items = []
+            for entry in self.registry.caches:
+                for rank, device in entry_devices(entry, producer).items():
+                    for route in send_routes(producer, consumer, rank, max(message.num_blocks, 0)):
+                        if route.consumer_rank not in message.ranks:
+                            continue
+                        import jax
+
+                        aval = jax.ShapeDtypeStruct(
+                            route.shape, producer.spec.dtype,
+                            sharding=jax.sharding.SingleDeviceSharding(device))
+                        items.append((pull_uuid(uuid_key, 0, rank, route.consumer_rank),
+                                      [make_error(aval, reason)]))
+            with self.server._lock:
+                for uuid, arrays in items:
+                    if uuid not in self.server._offers:
+                        self.server.server.await_pull(uuid, arrays, timeout=_deadline(lease_s))
+        except Exception as error:  # noqa: BLE001 - best effort: the pulls time out otherwise
+            self.errors.append(f"could not offer the failure of {request_id!r}: {error}")
+
+    def withdraw(self, request_id: str, confirmed: bool = False) -> None:
+        self._published.pop(request_id, None)
+        self._wants.pop(request_id, None)
+        self.server.release(request_id, pulled=confirmed)
+
+    # -- consumer ---------------------------------------------------------------------------
+
+    def prepare_fetch(self, fetch: Any) -> _Piece:
+        """Plans the pulls of one local rank (``fetch.remote_rank`` is ignored: the
+        formatter's routes name the source ranks)."""
+        from jaxkv.transfer._formatter import receive_routes
+
+        local_cfg, peer_cfg = fetch.local.config(), fetch.peer.config()
+        plan = fetch.plan
+        key = (fetch.read_id, fetch.attempt)
+        group = self._groups.get(key)
+        if group is None:
+            group = _ReadGroup(key, tuple(int(b) for b in plan.local_block_ids),
+                               len(plan.remote_block_ids), local_cfg, peer_cfg)
+        routes = receive_routes(local_cfg, peer_cfg, plan.local_rank, group.num_remote)
+        addresses = []
+        for route in routes:
+            agent = fetch.peer.rank_info(route.producer_rank).agent_name
+            if agent not in self._addresses:
+                raise KeyError(f"producer agent {agent!r} is not connected")
+            addresses.append(self._addresses[agent])
+        uuid_key = f"{self.endpoint}/{fetch.read_id}/{fetch.attempt}"
+        uuids = tuple(pull_uuid(uuid_key, 0, r.producer_rank, plan.local_rank) for r in routes)
+        entry = self.registry.rank_cache[plan.local_rank]
+        device = entry_devices(entry, local_cfg)[plan.local_rank]
+        self._groups[key] = group
+        return _Piece(group, plan.local_rank, routes, tuple(addresses), uuids, device)
+
+    def start_fetch(self, prepared: _Piece, notification: bytes = b"") -> _Piece:
+        del notification
+        dtype = prepared.group.consumer.spec.dtype
+        for route, address, uuid in zip(prepared.routes, prepared.addresses, prepared.uuids):
+            prepared.pulls.append(self.puller.pull(address, uuid, [(route.shape, dtype)],
+                                                   prepared.device, self.pull_timeout_s))
+        prepared.group.pieces.append(prepared)
+        return prepared
+
+    def check(self, handle: _Piece) -> str:
+        group = handle.group
+        if group.error is not None:
+            return "ERR"
+        if group.written:
+            return "DONE"
+        states = [p.status() for piece in group.pieces for p in piece.pulls]
+        if "ERR" in states:
+            errors = [p.error for piece in group.pieces for p in piece.pulls if p.error]
+            group.error = errors[0] if errors else "a pull failed"
+            return "ERR"
+        if "PROC" in states:
+            return "PROC"
+        try:
+            self._write(group)
+        except Exception as error:  # noqa: BLE001 - the read fails with the reason
+            group.error = f"writing the pulled buffers failed: {type(error).__name__}: {error}"
+            return "ERR"
+        group.written = True
+        return "DONE"
+
+    def _write(self, group: _ReadGroup) -> None:
+        from jaxkv.transfer._formatter import concat_request
+
+        per_entry: dict[int, tuple[Any, dict[int, list[Any]], dict[int, Any]]] = {}
+        for piece in group.pieces:
+            entry = self.registry.rank_cache[piece.rank]
+            _, pulled, devices = per_entry.setdefault(id(entry), (entry, {}, {}))
+            pulled[piece.rank] = [p.arrays[0] for p in piece.pulls]
+            devices[piece.rank] = piece.device
+        for entry, pulled, devices in per_entry.values():
+            if any(a.is_deleted() for a in entry.cache.arrays):
+                raise ValueError("the registered cache was consumed by another update: pass "
+                                 "the current cache to update_cache() after each donated update")
+            updated = concat_request(entry.cache, group.consumer, group.producer,
+                                     group.local_ids, group.num_remote, pulled, devices)
+            updated.block_until_ready()
+            updated.verify_unmoved(entry.buffers)
+            entry.cache.arrays = updated.arrays  # keep the caller's object current
+
+    def release(self, handle: _Piece) -> bool:
+        group = handle.group
+        if handle in group.pieces:
+            group.pieces.remove(handle)
+        if not group.pieces:
+            self._groups.pop(group.key, None)
+        return True
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def progress(self) -> None:
+        """Frees the buffers of offers whose lease passed (no JAX computation)."""
+        self.server.expire()
+
+    def serve(self) -> None:
+        """Formats and offers the published requests that subscribers wait for (JAX ops:
+        called by the engine's `poll`, never from a jitted step's host callback)."""
+        for request_id in [r for r, w in self._wants.items()
+                           if r in self._published and any(not x.served for x in w.values())]:
+            self._serve(request_id)
+
+    def close(self) -> None:
+        self._groups.clear()
+        self._wants.clear()
+        self._published.clear()
+        self.server.close()

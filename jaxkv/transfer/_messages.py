@@ -86,6 +86,18 @@ class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
 
     request_id: _Id
     agent_name: _Id
+    # A transport that moves arrays (jax.experimental.transfer) formats the request for the
+    # subscriber: its read, and the geometry of its ranks (`layout` empty: not given).
+    read_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
+    num_blocks: Annotated[int, msgspec.Meta(ge=-1, le=1 << 30)] = -1
+    layout: Annotated[str, msgspec.Meta(max_length=5)] = ""
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    layers_per_pp: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]],
+                             msgspec.Meta(max_length=1 << 16)] = []
+    ranks: Annotated[list[_Rank], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):

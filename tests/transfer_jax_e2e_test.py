@@ -1,0 +1,338 @@
+"""`KVTransferEngine(transport="jax")` between real processes on localhost: the global-cache
+grid (TP/PP splits, KV heads, layouts, block ratio, MLA, dtypes, partial prefix hits,
+notify-only), the request life cycle (Done/Ack, leases, abort, failures -> invalid blocks,
+stats) and faults (producer killed mid-pull, a consumer that never pulls, bad metadata),
+and many requests with flat memory."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+
+import kv_testing
+
+kv_testing.force_cpu_devices()
+
+import jax  # noqa: E402
+import msgspec  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import transfer_testing as tt  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+
+from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
+from jaxkv.transfer import KVTransferEngine  # noqa: E402
+from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
+
+NUM_BLOCKS, REMOTE_IDS, LOCAL_IDS, G_SEED = tt.NUM_BLOCKS, tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED
+WAIT_S = 60.0
+PRODUCER_DEVICES = 4
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def jax_producer_main(conn) -> None:
+    """A producer process (transport="jax"), re-set-up per case:
+    ("setup", spec kwargs, tp, pp, pp_rank, num_tokens, engine kwargs) -> side-channel address
+    (the cache filled from G in REMOTE_IDS; a previous engine is closed);
+    ("pin", request_id, block_ids, lease_s[, expected_reads]) -> TransferParams;
+    ("abort", request_id); ("pause", seconds): no polling; ("state",) -> (pinned, freed,
+    stats summary, held bytes, RSS MiB, transport errors); ("exit",)."""
+    tt.child_env(PRODUCER_DEVICES)
+    engine = None
+    freed: list[str] = []
+    while True:
+        if conn.poll(0.0005):
+            command = conn.recv()
+            kind = command[0]
+            if kind == "exit":
+                break
+            try:
+                if kind == "setup":
+                    _, spec_kwargs, tp, pp, pp_rank, num_tokens, engine_kwargs = command
+                    if engine is not None:
+                        engine.close()
+                    freed.clear()
+                    spec = KVCacheSpec(**spec_kwargs)
+                    config = EngineConfig(spec, tp, pp)
+                    g = tt.global_cache(spec, num_tokens, seed=G_SEED)
+                    arrays = tt.global_arrays(config, pp_rank, g, REMOTE_IDS, NUM_BLOCKS)
+                    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+                    cache = PagedKVCache.from_arrays(config.local_spec(pp_rank), arrays,
+                                                     mesh=mesh)
+                    engine = KVTransferEngine("prefill", config, transport="jax",
+                                              **engine_kwargs)
+                    engine.register_cache(cache, pp_rank=pp_rank)
+                    conn.send(engine.address)
+                elif kind == "pin":
+                    _, request_id, block_ids, lease, *reads = command
+                    conn.send(engine.publish_request(request_id, block_ids, lease,
+                                                     expected_reads=reads[0] if reads else 1))
+                elif kind == "abort":
+                    engine.abort_request(command[1])
+                    conn.send(True)
+                elif kind == "pause":
+                    time.sleep(command[1])
+                    conn.send(True)
+                elif kind == "state":
+                    conn.send((engine.num_pinned, list(freed), engine.stats.summary(),
+                               engine.transport.server.held_bytes, _rss_mb(),
+                               list(engine.transport.errors)))
+                else:
+                    raise ValueError(f"unknown command {kind!r}")
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                conn.send(("error", type(error).__name__, str(error)))
+        if engine is not None:
+            freed.extend(engine.poll().freeable)
+
+
+def _kwargs(spec: KVCacheSpec) -> dict:
+    return dict(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, block_size=spec.block_size, dtype=spec.dtype.name,
+                layout=spec.layout, kv_factor=spec.kv_factor, mla=spec.mla)
+
+
+class _Producers:
+    """Producer processes shared by a test class (one per pipeline rank), re-set-up per case."""
+
+    def __init__(self, count: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.items = []
+        for _ in range(count):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=jax_producer_main, args=(child,), daemon=True)
+            process.start()
+            child.close()
+            self.items.append((process, parent))
+
+    @staticmethod
+    def call(conn, *command, timeout=WAIT_S):
+        conn.send(command)
+        if not conn.poll(timeout):
+            raise TimeoutError(f"producer did not answer {command[0]!r}")
+        answer = conn.recv()
+        if isinstance(answer, tuple) and answer and answer[0] == "error":
+            raise RuntimeError(f"producer: {answer[1]}: {answer[2]}")
+        return answer
+
+    def close(self):
+        for process, conn in self.items:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(("exit",))
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+            conn.close()
+
+
+@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
+class JaxEngineTest(parameterized.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.producers = _Producers(2)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.producers.close()
+        super().tearDownClass()
+
+    def setUp(self):
+        super().setUp()
+        self._engines = []
+
+    def tearDown(self):
+        for engine in self._engines:
+            engine.close()
+        super().tearDown()
+
+    def conn(self, index=0):
+        return self.producers.items[index][1]
+
+    def call(self, *command, index=0, timeout=WAIT_S):
+        return self.producers.call(self.conn(index), *command, timeout=timeout)
+
+    def consumer(self, spec, tp, pp=1, pp_rank=0, **kwargs):
+        config = EngineConfig(spec, tp, pp)
+        engine = KVTransferEngine("decode", config, transport="jax", **kwargs)
+        self._engines.append(engine)
+        cache = PagedKVCache.allocate(config.local_spec(pp_rank), NUM_BLOCKS,
+                                      mesh=jax.sharding.Mesh(np.array(jax.devices()[:tp]),
+                                                             ("tp",)))
+        engine.register_cache(cache, pp_rank=pp_rank)
+        return engine, cache, config
+
+    @staticmethod
+    def wait(engine, read_ids, timeout=WAIT_S):
+        finished, failed = [], []
+        deadline = time.monotonic() + timeout
+        pending = set(read_ids)
+        while pending and time.monotonic() < deadline:
+            result = engine.poll()
+            finished += result.finished
+            failed += result.failed
+            pending -= set(result.finished) | {f.request_id for f in result.failed}
+        if pending:
+            raise TimeoutError(f"reads {sorted(pending)} neither finished nor failed")
+        return finished, failed
+
+    def wait_freed(self, request_id, index=0, timeout=WAIT_S):
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.call("state", index=index)
+            if request_id in state[1] or time.monotonic() >= deadline:
+                return state
+            time.sleep(0.01)
+
+    def check_cache(self, cache, config, g, local_ids, pp_rank=0, first_token=0):
+        tt.TransferTestBase.check_cache(self, cache, config, g, local_ids, pp_rank, first_token)
+
+    def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
+                  p_pp=1, d_pp=1, mla=False, hit=0, num_layers=3):
+        bs = 4
+        if mla:
+            p_spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=1, head_dim=8,
+                                 block_size=bs, dtype=dtype, layout="TD", kv_factor=1, mla=True)
+            d_spec = p_spec.replace(block_size=bs * ratio)
+        else:
+            p_spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=heads, head_dim=8,
+                                 block_size=bs, dtype=dtype, layout=p_layout)
+            d_spec = p_spec.replace(layout=d_layout, block_size=bs * ratio)
+        num_tokens = len(REMOTE_IDS) * bs
+        p_config = EngineConfig(p_spec, p_tp, p_pp)
+        addresses = [self.call("setup", _kwargs(p_spec), p_tp, p_pp, r, num_tokens, {},
+                               index=r) for r in range(p_pp)]
+        request_id = f"req-{time.monotonic_ns()}"
+        for r in range(p_pp):  # every producer process publishes the request
+            params = self.call("pin", request_id, REMOTE_IDS, 30.0, index=r)
+        params = msgspec.structs.replace(params, addresses=[tuple(a) for a in addresses])
+        local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio - hit]
+        g = tt.global_cache(p_spec, num_tokens, seed=G_SEED)
+        for pp_rank in range(d_pp):
+            engine, cache, config = self.consumer(d_spec, d_tp, d_pp, pp_rank)
+            read_id = f"{params.request_id}-read"  # one read over the consumer's processes
+            engine.start_read(params, local_ids, read_id=read_id)
+            finished, failed = self.wait(engine, [read_id])
+            self.assertEqual((finished, failed), ([read_id], []))
+            self.check_cache(cache, config, g, local_ids, pp_rank,
+                             first_token=hit * ratio * bs)
+            engine.check_registrations(cache)  # written in place
+        for r in range(p_pp):
+            state = self.wait_freed(params.request_id, index=r)
+            self.assertEqual(state[0], 0, state)
+            self.assertEqual(state[3], 0, "the producer still holds buffers")
+        del p_config
+        return engine, cache
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_layout, d_layout, heads)
+        (1, 2, "LKHTD", "LKHTD", 4),
+        (2, 1, "LKHTD", "KHTD", 4),
+        (2, 4, "THD", "THD", 2),
+        (4, 2, "KTHD", "LKTHD", 8),
+        (1, 4, "HTD", "HTD", 1),
+        (4, 1, "HTD", "LKHTD", 2),
+    )
+    def test_tp_grid(self, p_tp, d_tp, p_layout, d_layout, heads):
+        self.read_case(p_tp, d_tp, p_layout, d_layout, heads=heads)
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_pp, d_pp, p_layout, d_layout, ratio, dtype, mla, hit)
+        (1, 2, 2, 1, "LKHTD", "HTD", 1, "bfloat16", False, 0),  # PP 2 (3 layers: 2 + 1)
+        (2, 1, 1, 2, "HTD", "LKTHD", 1, "float32", False, 0),
+        (1, 2, 1, 1, "HTD", "THD", 2, "bfloat16", False, 0),  # block ratio 2, HND -> NHD
+        (2, 2, 1, 1, "KTHD", "KHTD", 2, "float32", False, 1),  # ratio 2 + partial prefix
+        (1, 2, 1, 1, "", "", 1, "bfloat16", True, 0),  # MLA (replicated)
+        (2, 1, 1, 1, "", "", 2, "float32", True, 2),
+    )
+    def test_pp_ratio_mla(self, p_tp, d_tp, p_pp, d_pp, p_layout, d_layout, ratio, dtype, mla,
+                          hit):
+        self.read_case(p_tp, d_tp, p_layout, d_layout, dtype=dtype, ratio=ratio, p_pp=p_pp,
+                       d_pp=d_pp, mla=mla, hit=hit)
+
+    def test_notify_only_and_stats(self):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, cache, _ = self.consumer(spec, 2)
+        params = self.call("pin", "notify", REMOTE_IDS, 30.0)
+        engine.start_read(params, [])
+        self.assertEqual(self.wait(engine, ["notify"]), (["notify"], []))
+        self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())
+        state = self.wait_freed("notify")
+        self.assertEqual((state[0], state[3]), (0, 0))
+        params = self.call("pin", "full", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)
+        self.wait(engine, ["full"])
+        summary = engine.stats.summary()
+        self.assertEqual(summary["transfers"], 2)
+        self.assertEqual(engine.metadata.transport, "jax")
+
+    def test_consumer_never_pulls_lease_expiry_frees(self):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16)
+        # 16 blocks x 256 KiB: the formatted request holds 4 MiB until it expires
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 16, {})
+        engine, _, _ = self.consumer(spec, 1, read_timeout_s=60.0)
+        params = self.call("pin", "never", REMOTE_IDS, 1.5)
+        engine.start_read(params, LOCAL_IDS)
+        deadline = time.monotonic() + WAIT_S
+        while self.call("state")[3] == 0 and time.monotonic() < deadline:
+            engine.poll()  # the Want goes out; the producer formats and offers
+        self.assertGreater(self.call("state")[3], 0)
+        engine.close()  # the consumer goes away without pulling or confirming
+        self._engines.remove(engine)
+        state = self.wait_freed("never")
+        self.assertEqual((state[0], state[3]), (0, 0))
+        self.assertGreaterEqual(state[2]["expired_leases"], 1)
+
+    def test_abort_fails_read_with_invalid_blocks(self):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, _, _ = self.consumer(spec, 1, read_timeout_s=3.0)
+        params = self.call("pin", "aborted", REMOTE_IDS, 30.0)
+        self.call("abort", "aborted")
+        self.wait_freed("aborted")
+        engine.start_read(params, LOCAL_IDS)
+        _, failed = self.wait(engine, ["aborted"])
+        self.assertEqual(len(failed), 1)
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+
+    def test_budget_waits_then_serves(self):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        one = len(REMOTE_IDS) * spec.block_nbytes()
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4,
+                  {"jax_transport_options": {"budget_bytes": one}})
+        engine, cache, config = self.consumer(spec, 1)
+        ids_a, ids_b = LOCAL_IDS, [0, 1, 2, 3, 4, 5]
+        pa = self.call("pin", "a", REMOTE_IDS, 30.0)
+        pb = self.call("pin", "b", REMOTE_IDS, 30.0)
+        engine.start_read(pa, ids_a)
+        engine.start_read(pb, ids_b)
+        finished, failed = self.wait(engine, ["a", "b"])
+        self.assertEqual((sorted(finished), failed), (["a", "b"], []))
+        g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        expected = tt.expected_arrays(config, 0, g, ids_a)[0]
+        got = np.asarray(cache.arrays[0]).view(np.uint16)
+        np.testing.assert_array_equal(got[ids_a], expected)
+        np.testing.assert_array_equal(got[ids_b], expected)
+
+    def test_budget_too_small_fails_clearly(self):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4,
+                  {"jax_transport_options": {"budget_bytes": 1024}})
+        engine, _, _ = self.consumer(spec, 1, read_timeout_s=20.0)
+        params = self.call("pin", "huge", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)
+        _, failed = self.wait(engine, ["huge"])
+        self.assertEqual(len(failed), 1)
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.assertIn("budget", self.call("state")[5][-1])
+
+
+if __name__ == "__main__":
+    absltest.main()
