@@ -41,6 +41,8 @@ def jax_producer_main(conn) -> None:
     ("setup", spec kwargs, tp, pp, pp_rank, num_tokens, engine kwargs) -> side-channel address
     (the cache filled from G in REMOTE_IDS; a previous engine is closed);
     ("pin", request_id, block_ids, lease_s[, expected_reads]) -> TransferParams;
+    ("big", request_id, block_ids): fills the blocks with a large cache (engine kwargs
+    "bad_address": bytes published as the transfer-server address);
     ("abort", request_id); ("pause", seconds): no polling; ("state",) -> (pinned, freed,
     stats summary, held bytes, RSS MiB, transport errors); ("exit",)."""
     tt.child_env(PRODUCER_DEVICES)
@@ -65,8 +67,15 @@ def jax_producer_main(conn) -> None:
                     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
                     cache = PagedKVCache.from_arrays(config.local_spec(pp_rank), arrays,
                                                      mesh=mesh)
+                    engine_kwargs = dict(engine_kwargs)
+                    bad_address = engine_kwargs.pop("bad_address", None)
                     engine = KVTransferEngine("prefill", config, transport="jax",
                                               **engine_kwargs)
+                    if bad_address is not None:  # publishes a malformed server address
+                        from jaxkv.transfer import AgentInfo
+
+                        engine.transport.describe = lambda e=engine.transport.endpoint, \
+                            b=bad_address: [AgentInfo(name=e, metadata=b)]
                     engine.register_cache(cache, pp_rank=pp_rank)
                     conn.send(engine.address)
                 elif kind == "pin":
@@ -332,6 +341,89 @@ class JaxEngineTest(parameterized.TestCase):
         self.assertEqual(len(failed), 1)
         self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
         self.assertIn("budget", self.call("state")[5][-1])
+
+    def test_bad_metadata_refused(self):
+        from jaxkv.transfer import MetadataError
+
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        address = self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4,
+                            {"bad_address": b"not-an-address"})
+        engine, _, _ = self.consumer(spec, 1)
+        with self.assertRaisesRegex(MetadataError, "no transfer-server address"):
+            engine.add_peer("prefill", [address])
+        params = self.call("pin", "bad", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)  # lazily: fails the read, not the caller
+        _, failed = self.wait(engine, ["bad"], timeout=10)
+        self.assertIn("MetadataError", failed[0].reason)
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.assertEqual(engine.stats.failed_handshakes, 2)
+
+    def test_thousand_requests_flat_memory(self):
+        count = int(os.environ.get("JAXKV_TRANSFER_LOOP", "1000"))
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, _, _ = self.consumer(spec, 2)
+        rng = np.random.default_rng(0)
+        rss, producer_rss = [], []
+        for i in range(count):
+            ids = rng.permutation(NUM_BLOCKS)[:4].tolist()
+            params = self.call("pin", f"r{i}", ids, 30.0)
+            engine.start_read(params, rng.permutation(NUM_BLOCKS)[:4].tolist())
+            finished, failed = self.wait(engine, [f"r{i}"])
+            self.assertEqual((finished, failed), ([f"r{i}"], []))
+            if i in (count // 4, count - 1):
+                rss.append(_rss_mb())
+                producer_rss.append(self.call("state")[4])
+        state = self.wait_freed(f"r{count - 1}")
+        pinned, freed, summary, held = state[:4]
+        self.assertEqual((pinned, len(freed), summary["expired_leases"], held), (0, count, 0, 0))
+        self.assertEqual(engine.num_reading, 0)
+        self.assertEqual(len(engine.stats.records), count)
+        self.assertEqual(engine.transport.puller.server.held_bytes, 0)
+        self.assertLess(rss[-1] - rss[0], 24)  # MiB: flat after warm-up
+        self.assertLess(producer_rss[-1] - producer_rss[0], 24)
+
+
+@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
+class JaxProducerKilledTest(absltest.TestCase):
+    def test_producer_killed_mid_pull(self):
+        producers = _Producers(2)
+        self.addCleanup(producers.close)
+        (process, conn), (_, conn2) = producers.items
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=2048)
+        # 6 blocks x 8 MiB: 48 MiB, pulled for ~0.1 s or more
+        producers.call(conn, "setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 2048, {})
+        params = producers.call(conn, "pin", "doomed", REMOTE_IDS, 30.0)
+        config = EngineConfig(spec, 1)
+        engine = KVTransferEngine("decode", config, transport="jax", read_timeout_s=10.0)
+        self.addCleanup(engine.close)
+        cache = PagedKVCache.allocate(spec, NUM_BLOCKS)
+        engine.register_cache(cache)
+        engine.start_read(params, LOCAL_IDS)
+        # kill once the producer holds the formatted request (its pull under way)
+        deadline = time.monotonic() + WAIT_S
+        while producers.call(conn, "state")[3] == 0 and time.monotonic() < deadline:
+            engine.poll()
+        engine.poll()
+        process.kill()
+        process.join(timeout=10)
+        start = time.monotonic()
+        finished, failed = JaxEngineTest.wait(engine, ["doomed"], timeout=WAIT_S)
+        if finished:  # the pull completed before the kill: no fault to observe
+            self.skipTest("the pull completed before the producer was killed")
+        self.assertLess(time.monotonic() - start, 10.0 + 2.0)
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.assertEqual(engine.stats.failed_transfers, 1)
+        # the consumer keeps serving: another producer, another request, bit-exact
+        small = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=2048)
+        producers.call(conn2, "setup", _kwargs(small), 1, 1, 0, len(REMOTE_IDS) * 2048, {})
+        params2 = producers.call(conn2, "pin", "next", REMOTE_IDS, 30.0)
+        engine.start_read(params2, [0, 1, 2, 3, 4, 5])
+        self.assertEqual(JaxEngineTest.wait(engine, ["next"]), (["next"], []))
+        g = tt.global_cache(small, len(REMOTE_IDS) * 2048, seed=G_SEED)
+        want = tt.expected_arrays(config, 0, g, [0, 1, 2, 3, 4, 5])
+        got = np.asarray(engine.caches[0].arrays[0]).view(np.uint16)
+        np.testing.assert_array_equal(got[[0, 1, 2, 3, 4, 5]], want[0])
 
 
 if __name__ == "__main__":
