@@ -13,6 +13,7 @@ from jaxkv.transfer._groups import (
     LayoutAdvice,
     recommend_layout,
 )
+from jaxkv.transfer._jax_transport import JaxTransport, jax_transfer_available
 from jaxkv.transfer._jit import (
     after_callback,
     publish_in_jit,
@@ -62,6 +63,7 @@ __all__ = [
     "GroupedTransferEngine",
     "LayoutAdvice",
     "HostMirror",
+    "JaxTransport",
     "KVTransferEngine",
     "NixlAgent",
     "PollResult",
@@ -80,6 +82,7 @@ __all__ = [
     "TransferStatsCollector",
     "BUCKETS_S",
     "WorkerAggregator",
+    "jax_transfer_available",
     "load_nixl",
     "make_transfer_params",
     "nixl_available",
