@@ -312,8 +312,8 @@ def _jax_producer(conn, large_blocks: int) -> None:
     the small request's 12 per-layer arrays), one `PullServer`.
 
     ("fmt", kind, key, request_id, block_ids, consumer spec kwargs) -> seconds gathering and
-    splitting (the buffers offered under `pull_uuid(key, 0, 0, 0)`); ("bare", kind, uuid) ->
-    offers a fresh array of the same bytes with a bare `await_pull`; ("release", request_id);
+    splitting (the buffers offered under `pull_uuid(key, 0, 0, 0)`, and the same arrays with
+    a bare `await_pull` under `pull_uuid("bare/" + key, 0, 0, 0)`); ("release", request_id);
     ("exit",)."""
     import jax
 
@@ -350,13 +350,10 @@ def _jax_producer(conn, large_blocks: int) -> None:
             split_s = time.perf_counter() - start
             server.offer_many(request_id, [(pull_uuid(key, 0, p, c), [b])
                                            for (p, c), b in buffers.items()], 60.0)
+            # the same arrays, offered bare too (the consumer pulls both, in turn)
+            for (p, c), b in buffers.items():
+                server.server.await_pull(pull_uuid("bare/" + key, 0, p, c), [b])
             conn.send(split_s)
-        elif command[0] == "bare":
-            _, kind, uuid, shape = command
-            dtype = caches[kind].spec.dtype
-            array = jax.numpy.full(shape, 1, dtype).block_until_ready()  # fresh, same bytes
-            server.server.await_pull(uuid, [array])
-            conn.send(True)
         elif command[0] == "release":
             conn.send(server.release(command[1]))
 
@@ -369,8 +366,9 @@ def _recv(conn, timeout: float = 120.0):
 
 def jax_requests(args) -> dict:
     """``--transport=jax``: a large (``--mib``) and a 192 KiB request over the JAX transport
-    (split formatter + `PullServer` / `Puller`) against bare `await_pull` / `pull` of a fresh
-    array of the same bytes between the same processes, alternating."""
+    (split formatter + `PullServer` / `Puller`, concat into the cache) against a bare
+    `await_pull` / `connect(...).pull` of the same arrays between the same processes; the
+    two pulls of each repetition alternate which goes first."""
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
@@ -391,6 +389,7 @@ def jax_requests(args) -> dict:
         device = jax.devices()[0]
         mesh = jax.sharding.Mesh(np.array([device]), ("tp",))
         puller = Puller()
+        bare_conn = puller.server.server.connect(address)
         rng = np.random.default_rng(1)
         requests = {
             "large": (np.arange(n_large), np.arange(n_large) + n_large + 8),
@@ -411,21 +410,22 @@ def jax_requests(args) -> dict:
             nbytes = int(np.prod(route.shape)) * spec.itemsize
             times = {"bare_pull": [], "split": [], "pull": [], "concat": [], "end_to_end": []}
             repeats = args.repeats if kind == "large" else 10 * args.repeats
-            def bare(rep, kind=kind, route=route, spec=spec):
-                uuid = (1 << 61) + rep * 2 + (kind == "small")
-                parent.send(("bare", kind, uuid, route.shape))
-                _recv(parent)
-                start = time.perf_counter()
-                pending = puller.pull(address, uuid, [(route.shape, spec.dtype)], device, 60.0)
-                pending.wait(60.0)
-                return {"bare_pull": time.perf_counter() - start}
-
-            def formatted(rep, kind=kind, route=route, spec=spec, cfg=cfg, ranks=ranks,
-                          remote_ids=remote_ids, local_ids=local_ids):
+            def run(rep, kind=kind, route=route, spec=spec, cfg=cfg, ranks=ranks,
+                    remote_ids=remote_ids, local_ids=local_ids):
                 key = f"bench/{kind}/{rep}"
                 parent.send(("fmt", kind, key, key, remote_ids.tolist(),
                              dict(SPEC if kind == "large" else SMALL_SPEC)))
                 split = _recv(parent)
+                aval = [jax.ShapeDtypeStruct(route.shape, spec.dtype,
+                                             sharding=jax.sharding.SingleDeviceSharding(device))]
+
+                def bare():  # the same arrays, bare `connect(...).pull`
+                    start = time.perf_counter()
+                    jax.block_until_ready(bare_conn.pull(pull_uuid("bare/" + key, 0, 0, 0),
+                                                         aval))
+                    return time.perf_counter() - start
+
+                first = bare() if rep % 2 else None  # alternate which pull goes first
                 start = time.perf_counter()
                 pending = puller.pull(address, pull_uuid(key, 0, 0, 0),
                                       [(route.shape, spec.dtype)], device, 60.0)
@@ -435,18 +435,17 @@ def jax_requests(args) -> dict:
                                                   len(remote_ids), {0: buffers}, ranks)
                 caches[kind].block_until_ready()
                 done = time.perf_counter()
+                bare_s = first if first is not None else bare()
                 parent.send(("release", key))
                 _recv(parent)
-                return {"split": split, "pull": pulled - start, "concat": done - pulled,
-                        "end_to_end": split + done - start}
+                return {"bare_pull": bare_s, "split": split, "pull": pulled - start,
+                        "concat": done - pulled, "end_to_end": split + done - start}
 
             for rep in range(repeats + 2):
-                # alternate which goes first: both meet the same machine load
-                for run in ((bare, formatted) if rep % 2 else (formatted, bare)):
-                    measured = run(rep)
-                    if rep >= 2:  # warm-up (compilation, first connection, pool)
-                        for name, value in measured.items():
-                            times[name].append(value)
+                measured = run(rep)
+                if rep >= 2:  # warm-up (compilation, first connection, pool)
+                    for name, value in measured.items():
+                        times[name].append(value)
             med = {k: statistics.median(v) for k, v in times.items()}
             results[kind] = {
                 "bytes": nbytes,
@@ -466,7 +465,8 @@ def jax_requests(args) -> dict:
         large = results["large"]
         out.update(
             machine={"python": sys.version.split()[0], "platform": platform.platform(),
-                     "cpus": os.cpu_count(), **_versions()},
+                     "cpus": os.cpu_count(), "loadavg_1m_after": os.getloadavg()[0],
+                     **_versions()},
             repeats={"large": args.repeats, "small": 10 * args.repeats},
             results=results,
             checks={

@@ -372,7 +372,8 @@ class PendingPull:
           PullTimeoutError: not done in time.
           RuntimeError: the pull failed.
         """
-        limit = time.monotonic() + float(timeout_s)
+        started = time.monotonic()
+        limit = started + float(timeout_s)
         while True:
             state = self.status()
             if state == "DONE":
@@ -382,10 +383,12 @@ class PendingPull:
                 if "in time" in self.error:
                     raise PullTimeoutError(self.error)
                 raise RuntimeError(self.error)
-            if time.monotonic() >= limit:
+            now = time.monotonic()
+            if now >= limit:
                 raise PullTimeoutError(f"pull {self.uuid} from {self.address} still running "
                                        f"after {timeout_s} s")
-            time.sleep(0.0005)
+            # yield at once for the first millisecond (small pulls), then sleep a little
+            time.sleep(0 if now - started < 0.001 else 0.0002)
 
 
 class Puller:
