@@ -43,6 +43,8 @@ def jax_producer_main(conn) -> None:
     ("pin", request_id, block_ids, lease_s[, expected_reads]) -> TransferParams;
     ("big", request_id, block_ids): fills the blocks with a large cache (engine kwargs
     "bad_address": bytes published as the transfer-server address);
+    ("pin_lw", request_id, block_ids, lease_s) -> TransferParams of a layer-wise request;
+    ("layers", request_id, stop) -> publishes its layers [0, stop);
     ("abort", request_id); ("pause", seconds): no polling; ("state",) -> (pinned, freed,
     stats summary, held bytes, RSS MiB, transport errors); ("exit",)."""
     tt.child_env(PRODUCER_DEVICES)
@@ -82,6 +84,13 @@ def jax_producer_main(conn) -> None:
                     _, request_id, block_ids, lease, *reads = command
                     conn.send(engine.publish_request(request_id, block_ids, lease,
                                                      expected_reads=reads[0] if reads else 1))
+                elif kind == "pin_lw":
+                    _, request_id, block_ids, lease = command
+                    conn.send(engine.publish_request(request_id, block_ids, lease,
+                                                     layerwise=True))
+                elif kind == "layers":
+                    engine.publish_layers(command[1], command[2])
+                    conn.send(True)
                 elif kind == "abort":
                     engine.abort_request(command[1])
                     conn.send(True)
@@ -341,6 +350,24 @@ class JaxEngineTest(parameterized.TestCase):
         self.assertEqual(len(failed), 1)
         self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
         self.assertIn("budget", self.call("state")[5][-1])
+
+    def test_layerwise_request_read_once_every_layer_is_written(self):
+        spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, layout="HTD")
+        self.call("setup", _kwargs(spec), 2, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, cache, config = self.consumer(spec.replace(layout="THD"), 1)
+        params = self.call("pin_lw", "lw", REMOTE_IDS, 30.0)
+        self.assertTrue(params.layerwise)
+        engine.start_read(params, LOCAL_IDS)
+        for stop in (1, 2):
+            self.call("layers", "lw", stop)
+            deadline = time.monotonic() + 0.3
+            while time.monotonic() < deadline:
+                result = engine.poll()
+                self.assertEqual((result.finished, result.failed), ([], []))
+        self.call("layers", "lw", 3)
+        self.assertEqual(self.wait(engine, ["lw"]), (["lw"], []))
+        g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(cache, config, g, LOCAL_IDS)
 
     def test_bad_metadata_refused(self):
         from jaxkv.transfer import MetadataError

@@ -316,6 +316,7 @@ class Consumer:
         in the local layout (no post-processing left)."""
         state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
         state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
+        state.layerwise = False  # a layer-wise request is pulled whole, once fully written
         if not num_local:
             return  # notify only
         config = self.registry.config
