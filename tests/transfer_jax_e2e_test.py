@@ -311,13 +311,16 @@ class JaxEngineTest(parameterized.TestCase):
     def test_abort_fails_read_with_invalid_blocks(self):
         spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
         self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
-        engine, _, _ = self.consumer(spec, 1, read_timeout_s=3.0)
+        engine, _, _ = self.consumer(spec, 1, read_timeout_s=30.0)
         params = self.call("pin", "aborted", REMOTE_IDS, 30.0)
         self.call("abort", "aborted")
         self.wait_freed("aborted")
+        start = time.monotonic()
         engine.start_read(params, LOCAL_IDS)
         _, failed = self.wait(engine, ["aborted"])
+        self.assertLess(time.monotonic() - start, 10.0)  # told at once, not at the timeout
         self.assertEqual(len(failed), 1)
+        self.assertIn("was freed before this read", failed[0].reason)
         self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
 
     def test_budget_waits_then_serves(self):

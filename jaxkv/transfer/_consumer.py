@@ -464,6 +464,11 @@ class Consumer:
             states = [self.transport.check(h) for h in state.handles]
             if "ERR" in states:
                 state.error = f"a {self.transport.name} fetch failed"
+                error_of = getattr(self.transport, "error_of", None)  # the reason, if known
+                reasons = [error_of(h) for h in state.handles] if error_of else []
+                reason = next((r for r in reasons if r), None)
+                if reason:
+                    state.error += f": {reason}"
                 self.suspect(state.peer)
             elif all(s == "DONE" for s in states):
                 self._landed(state)

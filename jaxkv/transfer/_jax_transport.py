@@ -602,6 +602,11 @@ class JaxTransport:
             if not message.layout:
                 return  # a layer-wise subscription of a consumer that reads byte ranges
             key = (message.agent_name, message.read_id or offer.request_id, message.attempt)
+            if offer.gone:
+                self._offer_errors(offer.request_id, key, message,
+                                   f"request {offer.request_id!r} was freed before this read "
+                                   "(confirmed, aborted or expired)", self.lease_s)
+                return
             wants = self._wants.setdefault(offer.request_id, {})
             wants.setdefault(key, _Want(message))
         if offer.block_ids and self.registry is not None and (
@@ -788,6 +793,10 @@ class JaxTransport:
             updated.block_until_ready()
             updated.verify_unmoved(entry.buffers)
             entry.cache.arrays = updated.arrays  # keep the caller's object current
+
+    def error_of(self, handle: _Piece) -> str | None:
+        """Why a fetch failed (None: it did not)."""
+        return handle.group.error
 
     def release(self, handle: _Piece) -> bool:
         group = handle.group

@@ -285,9 +285,11 @@ class Producer:
             targets, _ = self.early_wants.get(message.request_id, (set(), 0.0))
             targets.add(target)
             self.early_wants[message.request_id] = (targets, now + self.lease_s)
-            # a transport that formats per reader keeps the subscription until published
+            # a transport that formats per reader keeps the subscription until published, or
+            # fails the reader's fetches of a request freed already
             self.transport.offer(Offer(message.request_id, (), 0, (), message.agent_name,
-                                       message, self.lease_s))
+                                       message, self.lease_s,
+                                       gone=message.request_id in self.released))
             return
         pinned.subscribers.add(target)
         self.transport.offer(

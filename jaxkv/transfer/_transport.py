@@ -86,6 +86,7 @@ class Offer:
     consumer: str | None = None
     want: Any = None  # the subscriber's `Want` message (a transport that formats per reader)
     lease_s: float | None = None  # the request's lease
+    gone: bool = False  # the subscriber asked for a request already freed here
 
 
 class Transport(Protocol):
