@@ -372,6 +372,49 @@ class JaxEngineTest(parameterized.TestCase):
         g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, LOCAL_IDS)
 
+    def test_consumer_rank_per_engine_aggregated(self):
+        # producer TP 2 -> consumer TP 2 as two engines of one rank each (a process per rank)
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           layout="KHTD")
+        self.call("setup", _kwargs(spec), 2, 1, 0, len(REMOTE_IDS) * 4, {})
+        params = self.call("pin", "per-rank", REMOTE_IDS, 30.0)
+        config = EngineConfig(spec, 2)
+        rank_spec = spec.replace(num_kv_heads=config.heads_per_rank)
+        engines = []
+        for rank in range(2):
+            engine = KVTransferEngine("decode", config, transport="jax")
+            self._engines.append(engine)
+            cache = PagedKVCache.allocate(
+                rank_spec, NUM_BLOCKS,
+                mesh=jax.sharding.Mesh(np.array(jax.devices()[rank:rank + 1]), ("tp",)))
+            engine.register_cache(cache, tp_rank=rank)
+            engine.start_read(params, LOCAL_IDS)
+            engines.append(engine)
+        pending = {0, 1}
+        deadline = time.monotonic() + WAIT_S
+        while pending and time.monotonic() < deadline:
+            for rank in list(pending):
+                result = engines[rank].poll()
+                self.assertEqual(result.failed, [])
+                if result.finished:
+                    self.assertEqual(result.finished, ["per-rank"])
+                    pending.discard(rank)
+        self.assertEqual(pending, set())
+        g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        expected = tt.NumpyEngine(config, NUM_BLOCKS)
+        ids = np.asarray(LOCAL_IDS)
+        for rank, engine in enumerate(engines):
+            want = expected.slice_of(rank, g, 0, len(ids))
+            for index, (array, blocks) in enumerate(zip(engine.caches[0].arrays, want)):
+                got = np.asarray(array).view(np.uint8).reshape(NUM_BLOCKS, -1)
+                np.testing.assert_array_equal(
+                    got[ids], blocks.reshape(len(ids), -1).view(np.uint8),
+                    err_msg=f"rank {rank} array {index}")
+                others = np.setdiff1d(np.arange(NUM_BLOCKS), ids)
+                self.assertFalse(got[others].any())
+        state = self.wait_freed("per-rank")  # only once both engines confirmed
+        self.assertEqual((state[0], state[3]), (0, 0))
+
     def test_bad_metadata_refused(self):
         from jaxkv.transfer import MetadataError
 
