@@ -1,4 +1,5 @@
-"""KV-block transfer between engines (disaggregated prefill/decode) over NIXL.
+"""KV-block transfer between engines (disaggregated prefill/decode) over NIXL (the transport
+is pluggable: `Transport`; control messages over TCP or NIXL notifications).
 
 `import jaxkv.transfer` needs neither NIXL nor a JAX backend: metadata, the side channel and
 read planning are pure Python/numpy; only creating an agent imports NIXL.

@@ -108,6 +108,7 @@ class Consumer:
       registry: the registered caches and metadata.
       transport: moves the bytes.
       control: the control channel this process sends on.
+      address: this process's side-channel address (sent in `Want`).
       stats: where reads are recorded.
       read_timeout_s, handshake_timeout_s, handshake_retries: bounds.
     """
@@ -118,6 +119,7 @@ class Consumer:
         registry: CacheRegistry,
         transport: Transport,
         control: ControlChannel,
+        address: tuple[str, int],
         stats: TransferStats,
         read_timeout_s: float,
         handshake_timeout_s: float,
@@ -127,6 +129,7 @@ class Consumer:
         self.registry = registry
         self.transport = transport
         self.control = control
+        self.address = address
         self.stats = stats
         self.read_timeout_s = read_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
@@ -273,11 +276,18 @@ class Consumer:
                 return
             if state.layerwise:
                 self._plan_layers(state, peer, local_ids, params.block_ids)
-                transition(state, ReadState.WAITING_READY)
-                want = encode_message(Want(request_id, self.transport.endpoint))
+            if state.layerwise or self.transport.announces_reads:
+                want = encode_message(
+                    Want(request_id, self.transport.endpoint, key, len(local_ids),
+                         [self.address[0], self.address[1]])
+                    if self.transport.announces_reads
+                    else Want(request_id, self.transport.endpoint)
+                )
                 for target in peer.targets.values():
                     if not self.control.send(target, want):
                         raise ConnectionError(f"could not subscribe to producer {target!r}")
+            if state.layerwise:
+                transition(state, ReadState.WAITING_READY)
                 return
             attach = self.attach_done and self.transport.attaches_notifications
             for plan in state.plans:
@@ -321,10 +331,12 @@ class Consumer:
             return  # notify only
         config = self.registry.config
         want = encode_message(Want(
-            state.request_id, self.transport.endpoint, state.read_id, state.attempt,
-            len(state.plans[0].remote_block_ids), config.spec.layout, config.spec.block_size,
-            config.tp_size, config.pp_size, list(config.layer_split),
-            list(self.registry.local_ranks)))
+            state.request_id, self.transport.endpoint, read_id=state.read_id,
+            num_blocks=len(state.plans[0].remote_block_ids),
+            address=[self.address[0], self.address[1]], attempt=state.attempt,
+            layout=config.spec.layout, block_size=config.spec.block_size,
+            tp_size=config.tp_size, pp_size=config.pp_size,
+            layers_per_pp=list(config.layer_split), ranks=list(self.registry.local_ranks)))
         for target in peer.targets.values():
             if not self.control.send(target, want):
                 raise ConnectionError(f"could not ask producer {target!r} for the request")

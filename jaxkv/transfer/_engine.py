@@ -231,6 +231,8 @@ class KVTransferEngine:
             raise ValueError(f"early_read_grace_s must be >= 0, got {early_read_grace_s}")
         if progress_interval_s is not None and progress_interval_s <= 0:
             raise ValueError(f"progress_interval_s must be > 0, got {progress_interval_s}")
+        if control not in CONTROLS:
+            raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
         self.engine_id = engine_id
         self.config = config
         self.lease_s = lease_s
@@ -248,10 +250,16 @@ class KVTransferEngine:
         if self.transport.name == "jax":
             host_staging = False  # arrays are formatted from the device cache itself
         self._channels = control_channels(self.transport, self._on_control)
-        self.control = pick_control(control, self._channels)
         tcp = self._channels["tcp"]
         assert isinstance(tcp, TcpControlChannel)
-        self.server = MetadataServer(host, port, on_control=tcp.adopt)
+        try:
+            self.control = pick_control(control, self._channels)
+            self.server = MetadataServer(host, port, on_control=tcp.adopt)
+        except BaseException:
+            for channel in self._channels.values():
+                channel.close()
+            self.transport.close()
+            raise
         self.stats = TransferStats()
         self._registry = CacheRegistry(
             engine_id, config, self.transport, self.server, host_staging, block_hashing,
@@ -265,8 +273,9 @@ class KVTransferEngine:
             float(early_read_grace_s),
         )
         self.consumer = Consumer(
-            engine_id, self._registry, self.transport, self.control, self.stats,
-            read_timeout_s, handshake_timeout_s, handshake_retries,
+            engine_id, self._registry, self.transport, self.control,
+            address_tuple(self.server.address), self.stats, read_timeout_s,
+            handshake_timeout_s, handshake_retries,
         )
         # The Done rides on the READ only where control messages travel as NIXL
         # notifications anyway; over TCP it is sent apart as soon as the READ completed.

@@ -543,6 +543,7 @@ class JaxTransport:
 
     name = "jax"
     attaches_notifications = False
+    announces_reads = True  # the consumer's `Want` (sent by `Consumer._start_arrays`)
     moves_arrays = True
 
     def __init__(self, endpoint: str, host: str = "127.0.0.1", budget_bytes: int | None = None,

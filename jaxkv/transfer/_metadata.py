@@ -36,7 +36,8 @@ __all__ = [
     "engine_metadata",
 ]
 
-PROTOCOL_VERSION = 2  # 2: Done names the consumer's read (read_id)
+PROTOCOL_VERSION = 3  # 2: Done names the consumer's read (read_id); 3: metadata names the
+# transport, control connections on the side channel, Want describes the read
 """Version of the wire format; a peer speaking another version is refused."""
 
 MAX_METADATA_BYTES = 8 << 20

@@ -40,6 +40,7 @@ class NixlTransport:
 
     name = "nixl"
     attaches_notifications = True
+    announces_reads = False
 
     def __init__(self, endpoint: str, options: AgentOptions | None = None):
         self.endpoint = endpoint

@@ -19,6 +19,9 @@ A **transport** moves a request's KV from producer ranks to consumer ranks. It i
 * on the consumer side: `prepare_fetch` (pure planning, may raise `PlanError`) then
   `start_fetch` for each (local rank, producer rank) piece of a read, `check` until
   ``"DONE"`` (or ``"ERR"``), `release` each handle; `progress` from every poll;
+* ``announces_reads``: whether every read starts with the consumer's `Want` (its read id,
+  number of blocks and side-channel address), which the producer hands to `offer`: for a
+  transport that prepares one buffer per consumer rank (False for NIXL);
 * ``attaches_notifications``: whether `start_fetch` can deliver a control message to the
   producer when the fetch completed (NIXL: the READ's notification); such messages come out
   of the producer's `notifications`.
@@ -77,6 +80,8 @@ class Offer:
         cache, its ranks and global layer range) to gather the bytes from.
       consumer: the published agent name of a consumer process that subscribed (`Want`), or
         None when the request (or more of its layers) was published.
+      want: that consumer's `Want` (its read id, how many blocks it reads, its side-channel
+        address: see ``Transport.announces_reads``), or None.
     """
 
     request_id: str
@@ -95,6 +100,7 @@ class Transport(Protocol):
     name: str
     endpoint: str
     attaches_notifications: bool
+    announces_reads: bool  # the consumer sends `Want` for every read (not only layer-wise)
 
     def register(self, regions: Sequence[RegionInfo]) -> None:
         """Makes registered-cache regions readable by peers (repeats take a reference)."""
