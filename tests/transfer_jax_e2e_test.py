@@ -46,7 +46,7 @@ def jax_producer_main(conn) -> None:
     ("pin_lw", request_id, block_ids, lease_s) -> TransferParams of a layer-wise request;
     ("layers", request_id, stop) -> publishes its layers [0, stop);
     ("abort", request_id); ("pause", seconds): no polling; ("state",) -> (pinned, freed,
-    stats summary, held bytes, RSS MiB, transport errors); ("exit",)."""
+    stats summary, held bytes, RSS MiB, transport errors, subscriptions kept); ("exit",)."""
     tt.child_env(PRODUCER_DEVICES)
     engine = None
     freed: list[str] = []
@@ -100,7 +100,8 @@ def jax_producer_main(conn) -> None:
                 elif kind == "state":
                     conn.send((engine.num_pinned, list(freed), engine.stats.summary(),
                                engine.transport.server.held_bytes, _rss_mb(),
-                               list(engine.transport.errors)))
+                               list(engine.transport.errors),
+                               engine.transport.num_subscriptions))
                 else:
                     raise ValueError(f"unknown command {kind!r}")
             except Exception as error:  # noqa: BLE001 - reported to the test
@@ -434,7 +435,8 @@ class JaxEngineTest(parameterized.TestCase):
     def test_thousand_requests_flat_memory(self):
         count = int(os.environ.get("JAXKV_TRANSFER_LOOP", "1000"))
         spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
-        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
+        # the engine's default lease bounds subscriptions to unpublished requests
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {"lease_s": 2.0})
         engine, _, _ = self.consumer(spec, 2)
         rng = np.random.default_rng(0)
         rss, producer_rss = [], []
@@ -447,12 +449,25 @@ class JaxEngineTest(parameterized.TestCase):
             if i in (count // 4, count - 1):
                 rss.append(_rss_mb())
                 producer_rss.append(self.call("state")[4])
+        # a read of a request the producer never publishes: its subscription is dropped
+        # after a lease, not kept forever
+        params = self.call("pin", "unpublished", [1, 2], 0.3)
+        self.call("abort", "unpublished")
+        ghost = msgspec.structs.replace(params, request_id="never-published")
+        engine.start_read(ghost, [3, 4], timeout_s=1.0)
+        _, failed = self.wait(engine, ["never-published"])
+        self.assertEqual(len(failed), 1)
         state = self.wait_freed(f"r{count - 1}")
         pinned, freed, summary, held = state[:4]
-        self.assertEqual((pinned, len(freed), summary["expired_leases"], held), (0, count, 0, 0))
+        self.assertEqual((pinned, len(freed), summary["expired_leases"], held),
+                         (0, count + 1, 0, 0))  # + the aborted "unpublished"
         self.assertEqual(engine.num_reading, 0)
         self.assertEqual(len(engine.stats.records), count)
         self.assertEqual(engine.transport.puller.server.held_bytes, 0)
+        deadline = time.monotonic() + WAIT_S
+        while self.call("state")[6] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(self.call("state")[6], 0)  # no subscription left behind
         self.assertLess(rss[-1] - rss[0], 24)  # MiB: flat after warm-up
         self.assertLess(producer_rss[-1] - producer_rss[0], 24)
 

@@ -459,6 +459,7 @@ class _Want:
     """A consumer process's subscription to a request (from its `Want`)."""
 
     message: Any
+    expiry: float = 0.0  # time.monotonic() past which an unpublished request's want is dropped
     served: bool = False
 
 
@@ -609,7 +610,8 @@ class JaxTransport:
                                    "(confirmed, aborted or expired)", self.lease_s)
                 return
             wants = self._wants.setdefault(offer.request_id, {})
-            wants.setdefault(key, _Want(message))
+            lease = self.lease_s if offer.lease_s is None else float(offer.lease_s)
+            wants.setdefault(key, _Want(message, time.monotonic() + lease))
         if offer.block_ids and self.registry is not None and (
                 offer.layer_stop >= self.registry.config.spec.num_layers):
             lease = self.lease_s if offer.lease_s is None else float(offer.lease_s)
@@ -811,8 +813,18 @@ class JaxTransport:
         return []
 
     def progress(self) -> None:
-        """Frees the buffers of offers whose lease passed (no JAX computation)."""
+        """Frees the buffers of offers whose lease passed, forgets subscriptions to requests
+        never published within a lease (no JAX computation)."""
         self.server.expire()
+        now = time.monotonic()
+        for request_id in [r for r, w in self._wants.items() if r not in self._published
+                           and all(x.expiry < now for x in w.values())]:
+            del self._wants[request_id]
+
+    @property
+    def num_subscriptions(self) -> int:
+        """Subscriptions (consumer reads) this producer process keeps."""
+        return sum(len(w) for w in self._wants.values())
 
     def serve(self) -> None:
         """Formats and offers the published requests that subscribers wait for (JAX ops:
