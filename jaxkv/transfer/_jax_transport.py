@@ -257,6 +257,10 @@ class PullServer:
             if offer.deadline <= now:
                 self._expired_in_server = True
             elif pulled:
+                # Reused (donated) by a later split. An offer of the request that was never
+                # pulled (another reader's, freed with the request) then fails its pull
+                # ("donated buffer") instead of serving other bytes; such a reader's Done is
+                # refused anyway (the request is freed).
                 for array in offer.arrays:
                     self._keep(array)
         self._held -= freed
