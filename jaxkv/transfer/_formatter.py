@@ -366,6 +366,9 @@ def split_request(
             out = staging(device, [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))])
         if layout == CANONICAL_LAYOUT:
             buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank, out=out)
+        elif out is None:
+            buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys, canon_p=canon_p,
+                                    canon_c=canon_c, rank=rank)
         else:
             dense = [gather_blocks(s, dev_ids) for s in shards]
             canon = to_canonical(dense, layout, keys)
@@ -378,6 +381,33 @@ def split_request(
                                   f"{tuple(buffer.shape)}, the plan says {route.shape}")
             result[(rank, route.consumer_rank)] = buffer
     return result
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank"))
+def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
+                  canon_p: EngineConfig, canon_c: EngineConfig, rank: int) -> list[Any]:
+    """One rank's gather of every cache array, its canonical arrangement and its split, as
+    one program (one dispatch: a small request is dominated by per-op costs)."""
+    from jaxkv.ops import gather_blocks, split_for_peers
+
+    canon = to_canonical([gather_blocks(s, ids) for s in shards], layout, keys)
+    rows = jax.numpy.arange(ids.shape[0], dtype=jax.numpy.int32)
+    return split_for_peers(canon, rows, canon_p, canon_c, rank)
+
+
+@functools.partial(jax.jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",
+                                             "canon_p", "rank"))
+def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: str, keys: tuple,
+                      canon_c: EngineConfig, canon_p: EngineConfig, rank: int) -> tuple:
+    """One rank's concat of its pulled buffers into canonical blocks, merged and rearranged
+    into the local layout per cache array, as one program."""
+    from jaxkv.ops import concat_from_peers
+
+    local_shape = canon_c.local_block_shape(canon_c.coordinates(rank)[1])
+    zeros = jax.numpy.zeros((n_local * ratio, *local_shape), buffers[0].dtype)
+    rows = jax.numpy.arange(buffers[0].shape[0], dtype=jax.numpy.int32)
+    canon = concat_from_peers(zeros, buffers, rows, canon_c, canon_p, rank)
+    return from_canonical(canon, layout, keys, ratio)
 
 
 def _assemble(shape: tuple[int, ...], like: Any, pieces: Mapping[Any, Any]) -> Any:
@@ -423,7 +453,6 @@ def concat_request(
     Raises:
       FormatError: missing or misshapen buffers, too many remote blocks for the local ones.
     """
-    import jax.numpy as jnp
 
     from jaxkv.ops import concat_from_peers
 
@@ -465,12 +494,10 @@ def concat_request(
         return cache._with_arrays([new])
     pieces: list[dict[Any, Any]] = [{} for _ in cache.arrays]
     for rank, device in ranks.items():
-        local_shape = canon_c.local_block_shape(canon_c.coordinates(rank)[1])
-        zeros = jax.device_put(
-            jnp.zeros((n_local * ratio, *local_shape), cache.spec.dtype), device)
-        remote = jax.device_put(jnp.arange(num_remote_blocks, dtype=jnp.int32), device)
-        canon = concat_from_peers(zeros, list(pulled[rank]), remote, canon_c, canon_p, rank)
-        for index, dense in enumerate(from_canonical(canon, layout, keys, ratio)):
+        dense_parts = _concat_rearrange(list(pulled[rank]), n_local=n_local, ratio=ratio,
+                                        layout=layout, keys=keys, canon_c=canon_c,
+                                        canon_p=canon_p, rank=rank)
+        for index, dense in enumerate(dense_parts):
             pieces[index][device] = dense
     dense_all = [
         _assemble((n_local, *a.shape[1:]), a, pieces[i]) for i, a in enumerate(cache.arrays)
