@@ -98,6 +98,24 @@ class TcpControlChannelTest(absltest.TestCase):
             sock.settimeout(5)
             self.assertEqual(sock.recv(16), b"")
 
+    def test_reconnects_after_the_peer_closed(self):
+        # The consumer's channel thread is kept busy (its message callback sleeps), so only
+        # `connect` itself can notice that the producer side closed.
+        consumer = TcpControlChannel(on_message=lambda: time.sleep(1.0))
+        self.addCleanup(consumer.close)
+        target = consumer.connect(self.server.address, "p", "p")
+        consumer.send(target, b"one")
+        (sender, _), = _receive(self.producer, 1)
+        self.producer.send(sender, b"bye")  # wakes the consumer's thread into its callback
+        time.sleep(0.1)
+        self.producer.forget(sender)  # the producer side goes away (e.g. a restart)
+        time.sleep(0.1)
+        self.assertEqual(consumer.connect(self.server.address, "p", "p"), target)
+        self.assertTrue(consumer.send(target, b"two"))
+        got = _receive(self.producer, 1)
+        self.assertEqual([p for _, p in got], [b"two"])
+        self.assertNotEqual(got[0][0], sender)  # a new connection
+
     def test_incoming_connections_are_capped(self):
         producer = TcpControlChannel(max_incoming=2)
         server = MetadataServer(on_control=producer.adopt)

@@ -50,12 +50,15 @@ class TransferLayerwiseTest(tt.TransferTestBase):
     @parameterized.parameters(
         # (p_tp, d_tp, p_layout, d_layout, staging): cross-layer blocks (one region, per-layer
         # byte ranges), per-layer arrays with a layout change (permuted after the last layer),
-        # host staging on both sides (the mirror gets each layer's bytes when published)
+        # host staging on both sides (the mirror gets each layer's bytes when published); the
+        # control messages (Want, Ready, Done, Ack) over TCP (the default) or NIXL
         (1, 1, "LKHTD", "LKHTD", False),
         (2, 1, "KHTD", "KTHD", False),
         (1, 2, "LKTHD", "LKTHD", True),
+        (2, 1, "KHTD", "KTHD", False, "nixl"),
     )
-    def test_layers_arrive_as_published(self, p_tp, d_tp, p_layout, d_layout, staging):
+    def test_layers_arrive_as_published(self, p_tp, d_tp, p_layout, d_layout, staging,
+                                        control="auto"):
         spec_kwargs = dict(num_layers=NUM_LAYERS, num_kv_heads=4, head_dim=8, block_size=4,
                            dtype="bfloat16", layout=p_layout)
         _, conn = self.start_producer(spec_kwargs, p_tp, engine_kwargs={"host_staging": staging})
@@ -65,7 +68,7 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         self.assertTrue(params.layerwise)
         self.call(conn, "layers", "req-lw", 1)  # layer 0 computed and published
         spec = KVCacheSpec(**dict(spec_kwargs, layout=d_layout))
-        engine, cache, config = self.consumer(spec, d_tp, host_staging=staging)
+        engine, cache, config = self.consumer(spec, d_tp, host_staging=staging, control=control)
         engine.start_read(params, LOCAL_IDS)
 
         seen = self.poll_until(engine, lambda s: s.layers.get("req-lw", 0) >= 1, "layer 0")

@@ -89,6 +89,23 @@ class MetadataTest(absltest.TestCase):
         check_compatible(_meta(), _meta("decode", spec=SPEC.replace(layout="THD"), tp=4, pp=2))
 
 
+class TransportFieldTest(absltest.TestCase):
+    def test_transport_must_match_and_is_validated(self):
+        jax_meta = msgspec.structs.replace(_meta("decode"), transport="jax")
+        self.assertEqual(_meta().transport, "nixl")
+        self.assertEqual(decode_metadata(encode_metadata(jax_meta)).transport, "jax")
+        with self.assertRaisesRegex(
+            IncompatibleEngineError,
+            r"transport: 'prefill' moves KV over 'nixl', 'decode' over 'jax'",
+        ):
+            check_compatible(jax_meta, _meta())
+        check_compatible(jax_meta, msgspec.structs.replace(_meta(), transport="jax"))
+        with self.assertRaises(MetadataError):  # a bounded identifier
+            decode_metadata(
+                encode_metadata(msgspec.structs.replace(_meta(), transport="NIXL; rm -rf"))
+            )
+
+
 class BlockHashingTest(absltest.TestCase):
     def test_compatibility(self):
         def meta(engine_id, hashing):

@@ -111,6 +111,8 @@ class TcpControlChannel:
         with self._lock:
             conn = self._conns.get(key)
         if conn is not None and conn.alive:
+            self._read(conn)  # notices a peer that closed (e.g. restarted on the same port)
+        if conn is not None and conn.alive:
             return key
         try:
             sock = socket.create_connection(

@@ -1,7 +1,8 @@
 """`KVTransferEngine`: one process's side of KV-block transfers between engines.
 
-One NIXL agent per process; it may hold several ranks of an engine (TP ranks as devices of
-one process) or one (a process per rank). Both roles live in the same object:
+One transport endpoint per process (a NIXL agent with the default transport); it may hold
+several ranks of an engine (TP ranks as devices of one process) or one (a process per rank).
+Both roles live in the same object:
 
 * **Producer** (prefill): `register_cache`, then `publish_request(request_id, block_ids)`
   pins the blocks under a lease; `poll()` reports in `PollResult.freeable` the requests whose
@@ -65,6 +66,7 @@ from jaxkv._parallel import EngineConfig
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, nixl_available
 from jaxkv.transfer._consumer import Consumer, Reading
 from jaxkv.transfer._control import TcpControlChannel
+from jaxkv.transfer._jit import HandleTable
 from jaxkv.transfer._messages import (
     Ack,
     Done,
@@ -101,10 +103,10 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _MAX_HANDLES = 1 << 16
 
-# Measured with benchmarks/bench_transfer.py --small --control (benchmarks/RESULTS.md): the
-# NIXL notification hop that carries a Done riding on the READ is slow and bimodal (~12 ms
-# median confirmed under load), a Done sent apart over TCP once the READ completed confirms
-# several times faster, idle and with the producer computing.
+# Measured with benchmarks/bench_transfer.py --small --control (benchmarks/RESULTS.md, load
+# 7-8 on 2 cores): a small read confirmed in 6.3 / 10.6 ms (idle / busy producer, medians of
+# five rounds) with NIXL notifications and the Done riding on the READ, 3.4 / 3.3 ms with a
+# Done sent over TCP once the READ completed; large pulls did not differ measurably.
 DEFAULT_CONTROL = "tcp"
 TRANSPORTS = ("nixl", "jax", "auto")
 """The `KVTransferEngine` ``transport`` choices."""
@@ -280,9 +282,7 @@ class KVTransferEngine:
         # The Done rides on the READ only where control messages travel as NIXL
         # notifications anyway; over TCP it is sent apart as soon as the READ completed.
         self.consumer.attach_done = self.control.name == "nixl"
-        self._handles: dict[int, str] = {}
-        self._handle_of: dict[str, int] = {}
-        self._next_handle = 1
+        self._handles = HandleTable(_MAX_HANDLES)
         self._progress_interval_s = progress_interval_s
         if progress_interval_s is not None:
             self._progress_thread = threading.Thread(
@@ -457,19 +457,7 @@ class KVTransferEngine:
           >>> h = engine.handle("req-1")  # doctest: +SKIP
         """
         with self._lock:
-            handle = self._handle_of.get(request_id)
-            if handle is None:
-                handle = self._next_handle
-                self._next_handle = self._next_handle % ((1 << 31) - 2) + 1
-                old = self._handles.pop(handle, None)
-                if old is not None:
-                    self._handle_of.pop(old, None)
-                self._handles[handle] = request_id
-                self._handle_of[request_id] = handle
-                while len(self._handles) > _MAX_HANDLES:
-                    oldest = next(iter(self._handles))
-                    self._handle_of.pop(self._handles.pop(oldest), None)
-            return handle
+            return self._handles.handle(request_id)
 
     def request_of(self, handle: int) -> str:
         """The request id of a `handle` (KeyError if unknown)."""
@@ -601,7 +589,7 @@ class KVTransferEngine:
             _log.error("publish from a jitted step: the engine stayed busy")
             return 0
         try:
-            request_id = self._handles.get(int(handle))
+            request_id = self._handles.get(handle)
             if request_id is None:
                 _log.error("publish from a jitted step: unknown handle %d", handle)
                 return 0
@@ -625,7 +613,7 @@ class KVTransferEngine:
         while True:
             if self._lock.acquire(timeout=max(0.0, min(0.05, deadline - time.monotonic()))):
                 try:
-                    request_id = self._handles.get(int(handle))
+                    request_id = self._handles.get(handle)
                     if request_id is None:
                         return 0
                     outcome = outcomes.get(request_id)

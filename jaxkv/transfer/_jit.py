@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "HandleTable",
     "after_callback",
     "publish_in_jit",
     "publish_layer_in_jit",
@@ -232,3 +233,45 @@ def wait_in_jit(
         handle,
     )
     return jnp.where(status == 1, ids, -1), status
+
+
+class HandleTable:
+    """Small positive ints naming request ids inside jitted code (host callbacks carry ids,
+    not strings); at most `capacity` are remembered (the oldest forgotten first).
+
+    Example:
+      >>> table = HandleTable()
+      >>> h = table.handle("req-1")
+      >>> (h, table.handle("req-1"), table.get(h), table.get(h + 1))
+      (1, 1, 'req-1', None)
+    """
+
+    def __init__(self, capacity: int = 1 << 16):
+        self._capacity = capacity
+        self._requests: dict[int, str] = {}
+        self._handles: dict[str, int] = {}
+        self._next = 1
+
+    def handle(self, request_id: str) -> int:
+        """The handle of `request_id` (a new one the first time)."""
+        handle = self._handles.get(request_id)
+        if handle is None:
+            handle = self._next
+            self._next = self._next % ((1 << 31) - 2) + 1
+            old = self._requests.pop(handle, None)
+            if old is not None:
+                self._handles.pop(old, None)
+            self._requests[handle] = request_id
+            self._handles[request_id] = handle
+            while len(self._requests) > self._capacity:
+                oldest = next(iter(self._requests))
+                self._handles.pop(self._requests.pop(oldest), None)
+        return handle
+
+    def get(self, handle: int) -> str | None:
+        """The request id of `handle`, or None."""
+        return self._requests.get(int(handle))
+
+    def __getitem__(self, handle: int) -> str:
+        return self._requests[int(handle)]
+
