@@ -324,6 +324,188 @@ def small_requests(args) -> dict:
     return out
 
 
+# -- the JAX transfer-server transport (--transport=jax) ------------------------------------
+
+
+def _jax_producer(conn, large_blocks: int) -> None:
+    """Producer of the JAX-transport benchmark: two caches (the large request's LKHTD one,
+    the small request's 12 per-layer arrays), one `PullServer`.
+
+    ("fmt", kind, key, request_id, block_ids, consumer spec kwargs) -> seconds gathering and
+    splitting (the buffers offered under `pull_uuid(key, 0, 0, 0)`, and the same arrays with
+    a bare `await_pull` under `pull_uuid("bare/" + key, 0, 0, 0)`); ("release", request_id);
+    ("exit",)."""
+    import jax
+
+    from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
+    from jaxkv.transfer import _formatter as fmt
+    from jaxkv.transfer._jax_transport import PullServer, pull_uuid
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    rng = np.random.default_rng(0)
+    caches, configs = {}, {}
+    for kind, kwargs, blocks in (("large", SPEC, 2 * large_blocks + 8),
+                                 ("small", SMALL_SPEC, SMALL_NUM_BLOCKS)):
+        spec = KVCacheSpec(**kwargs)
+        arrays = [rng.integers(0, 1 << 16, spec.array_shape(blocks), dtype=np.uint16).view(
+            spec.dtype) for _ in spec.array_keys()]
+        caches[kind] = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
+        configs[kind] = EngineConfig(spec, 1)
+    server = PullServer()
+    conn.send(server.address)
+    while True:
+        command = conn.recv()
+        if command[0] == "exit":
+            break
+        if command[0] == "fmt":
+            _, kind, key, request_id, block_ids, c_kwargs = command
+            cache = caches[kind]
+            start = time.perf_counter()
+            buffers = fmt.split_request(cache, configs[kind],
+                                        EngineConfig(KVCacheSpec(**c_kwargs), 1), block_ids,
+                                        fmt.rank_devices(cache, configs[kind]),
+                                        staging=server.take)
+            for buffer in buffers.values():
+                buffer.block_until_ready()
+            split_s = time.perf_counter() - start
+            server.offer_many(request_id, [(pull_uuid(key, 0, p, c), [b])
+                                           for (p, c), b in buffers.items()], 60.0)
+            # the same arrays, offered bare too (the consumer pulls both, in turn)
+            for (p, c), b in buffers.items():
+                server.server.await_pull(pull_uuid("bare/" + key, 0, p, c), [b])
+            conn.send(split_s)
+        elif command[0] == "release":
+            conn.send(server.release(command[1]))
+
+
+def _recv(conn, timeout: float = 120.0):
+    if not conn.poll(timeout):
+        raise TimeoutError("the producer process did not answer")
+    return conn.recv()
+
+
+def jax_requests(args) -> dict:
+    """``--transport=jax``: a large (``--mib``) and a 192 KiB request over the JAX transport
+    (split formatter + `PullServer` / `Puller`, concat into the cache) against a bare
+    `await_pull` / `connect(...).pull` of the same arrays between the same processes; the
+    two pulls of each repetition alternate which goes first."""
+    import jax
+
+    from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
+    from jaxkv.transfer import _formatter as fmt
+    from jaxkv.transfer._jax_transport import Puller, pull_uuid
+
+    specs = {"large": KVCacheSpec(**SPEC), "small": KVCacheSpec(**SMALL_SPEC)}
+    n_large = max(1, (args.mib << 20) // specs["large"].block_nbytes())
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_jax_producer, args=(child, n_large), daemon=True)
+    process.start()
+    out: dict = {"bench": "bench_transfer --transport=jax"}
+    try:
+        if not parent.poll(120):
+            raise TimeoutError("producer did not start")
+        address = _recv(parent)
+        device = jax.devices()[0]
+        mesh = jax.sharding.Mesh(np.array([device]), ("tp",))
+        puller = Puller()
+        bare_conn = puller.server.server.connect(address)
+        rng = np.random.default_rng(1)
+        requests = {
+            "large": (np.arange(n_large), np.arange(n_large) + n_large + 8),
+            "small": ((rng.permutation(SMALL_NUM_BLOCKS // 2)[:SMALL_BLOCKS] * 2),
+                      (rng.permutation(SMALL_NUM_BLOCKS // 2)[:SMALL_BLOCKS] * 2 + 1)),
+        }
+        caches = {
+            "large": PagedKVCache.allocate(specs["large"], 2 * n_large + 8, mesh=mesh),
+            "small": PagedKVCache.allocate(specs["small"], SMALL_NUM_BLOCKS, mesh=mesh),
+        }
+        results = {}
+        for kind in ("large", "small"):
+            spec = specs[kind]
+            cfg = EngineConfig(spec, 1)
+            remote_ids, local_ids = requests[kind]
+            (route,) = fmt.receive_routes(cfg, cfg, 0, len(remote_ids))
+            ranks = fmt.rank_devices(caches[kind], cfg)
+            nbytes = int(np.prod(route.shape)) * spec.itemsize
+            times = {"bare_pull": [], "split": [], "pull": [], "concat": [], "end_to_end": []}
+            repeats = args.repeats if kind == "large" else 10 * args.repeats
+            def run(rep, kind=kind, route=route, spec=spec, cfg=cfg, ranks=ranks,
+                    remote_ids=remote_ids, local_ids=local_ids):
+                key = f"bench/{kind}/{rep}"
+                parent.send(("fmt", kind, key, key, remote_ids.tolist(),
+                             dict(SPEC if kind == "large" else SMALL_SPEC)))
+                split = _recv(parent)
+                aval = [jax.ShapeDtypeStruct(route.shape, spec.dtype,
+                                             sharding=jax.sharding.SingleDeviceSharding(device))]
+
+                def bare():  # the same arrays, bare `connect(...).pull`
+                    start = time.perf_counter()
+                    jax.block_until_ready(bare_conn.pull(pull_uuid("bare/" + key, 0, 0, 0),
+                                                         aval))
+                    return time.perf_counter() - start
+
+                first = bare() if rep % 2 else None  # alternate which pull goes first
+                start = time.perf_counter()
+                pending = puller.pull(address, pull_uuid(key, 0, 0, 0),
+                                      [(route.shape, spec.dtype)], device, 60.0)
+                buffers = pending.wait(60.0)
+                pulled = time.perf_counter()
+                caches[kind] = fmt.concat_request(caches[kind], cfg, cfg, local_ids,
+                                                  len(remote_ids), {0: buffers}, ranks)
+                caches[kind].block_until_ready()
+                done = time.perf_counter()
+                bare_s = first if first is not None else bare()
+                parent.send(("release", key))
+                _recv(parent)
+                return {"bare_pull": bare_s, "split": split, "pull": pulled - start,
+                        "concat": done - pulled, "end_to_end": split + done - start}
+
+            for rep in range(repeats + 2):
+                measured = run(rep)
+                if rep >= 2:  # warm-up (compilation, first connection, pool)
+                    for name, value in measured.items():
+                        times[name].append(value)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            results[kind] = {
+                "bytes": nbytes,
+                "layout": spec.layout,
+                "arrays": spec.num_arrays,
+                "median_ms": {k: v * 1e3 for k, v in med.items()},
+                "median_GBps": {k: nbytes / v / 1e9 for k, v in med.items()},
+                "pull_vs_bare": med["bare_pull"] / med["pull"],
+                "end_to_end_vs_bare": med["bare_pull"] / med["end_to_end"],
+                "formatter_pct_of_pull": 100 * (med["split"] + med["concat"]) / med["pull"],
+                "paired_pull_vs_bare": statistics.median(
+                    [b / p for b, p in zip(times["bare_pull"], times["pull"])]),
+            }
+        # the large request's bytes arrived intact
+        got = np.asarray(caches["large"].arrays[0][requests["large"][1][:4]]).view(np.uint16)
+        parent.send(("exit",))
+        large = results["large"]
+        out.update(
+            machine={"python": sys.version.split()[0], "platform": platform.platform(),
+                     "cpus": os.cpu_count(), "loadavg_1m_after": os.getloadavg()[0],
+                     **_versions()},
+            repeats={"large": args.repeats, "small": 10 * args.repeats},
+            results=results,
+            checks={
+                "large_pull_ge_0.9x_bare": {"ratio": large["pull_vs_bare"],
+                                            "pass": large["pull_vs_bare"] >= 0.9},
+                "formatter_le_15pct_of_pull": {"pct": large["formatter_pct_of_pull"],
+                                               "pass": large["formatter_pct_of_pull"] <= 15},
+            },
+            sample_sum=int(got.sum()),
+        )
+        puller.server.close()
+    finally:
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    return out
+
+
 def _stop(parent, process) -> None:
     """Asks the producer process to exit; kills it if it has not within 10 s."""
     parent.send(("exit",))
@@ -373,6 +555,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--done_apart", action="store_true",
                         help="the consumer's Done sent on its own after the READs completed "
                              "(instead of riding on the READ)")
+    parser.add_argument("--transport", choices=("nixl", "jax"), default="nixl",
+                        help="jax: the JAX transfer-server transport (a --mib and a 192 KiB "
+                             "request vs bare await_pull/pull)")
     parser.add_argument("--control", default="auto",
                         help="--small: the consumer's control channel (KVTransferEngine "
                              "control=: auto, nixl, tcp; suffix _apart: Done sent apart from "
@@ -380,8 +565,8 @@ def main(argv=None) -> dict:
                              "(ratios per variant under results.*.controls)")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
-    if args.small:
-        out = small_requests(args)
+    if args.small or args.transport == "jax":
+        out = jax_requests(args) if args.transport == "jax" else small_requests(args)
         text = json.dumps(out, indent=2)
         print(text)
         if args.json_out:

@@ -88,8 +88,10 @@ class TransferE2ETest(tt.TransferTestBase):
 
         config = EngineConfig(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8,
                                           block_size=4), 1)
-        with self.assertRaisesRegex(NotImplementedError, "transport='jax'"):
-            KVTransferEngine("x", config, transport="jax")
+        with KVTransferEngine("x", config, transport="jax") as engine:  # transfer_jax_*_test
+            self.assertEqual(engine.transport.name, "jax")
+        with self.assertRaisesRegex(ValueError, "control='nixl' needs the NIXL transport"):
+            KVTransferEngine("x", config, transport="jax", control="nixl")
         with self.assertRaisesRegex(ValueError, "transport must be one of"):
             KVTransferEngine("x", config, transport="ucx")
         with self.assertRaisesRegex(ValueError, "control must be one of"):

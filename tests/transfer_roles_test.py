@@ -23,7 +23,7 @@ class _Transport:
         self.calls.append(("offer", offer.request_id, offer.layer_stop, offer.consumer,
                            offer.want))
 
-    def withdraw(self, request_id):
+    def withdraw(self, request_id, confirmed=False):
         self.calls.append(("withdraw", request_id))
 
 

@@ -14,6 +14,7 @@ from jaxkv.transfer._groups import (
     LayoutAdvice,
     recommend_layout,
 )
+from jaxkv.transfer._jax_transport import JaxTransport, jax_transfer_available
 from jaxkv.transfer._jit import (
     after_callback,
     publish_in_jit,
@@ -71,6 +72,7 @@ __all__ = [
     "GroupedTransferEngine",
     "LayoutAdvice",
     "HostMirror",
+    "JaxTransport",
     "KVTransferEngine",
     "KeyValueClient",
     "MultiControllerEngine",
@@ -95,6 +97,7 @@ __all__ = [
     "TransferStatsCollector",
     "BUCKETS_S",
     "WorkerAggregator",
+    "jax_transfer_available",
     "load_nixl",
     "make_transfer_params",
     "nixl_available",

@@ -273,6 +273,10 @@ class Consumer:
                 any(p.post for p in state.plans)
                 or any(registry.rank_cache[p.local_rank].mirror is not None for p in state.plans)
             )
+            if getattr(self.transport, "moves_arrays", False):
+                self._start_arrays(state, peer, meta, len(local_ids))
+                transition(state, ReadState.TRANSFERRING)
+                return
             if state.layerwise:
                 self._plan_layers(state, peer, local_ids, params.block_ids)
             if state.layerwise or self.transport.announces_reads:
@@ -315,6 +319,35 @@ class Consumer:
             KeyError,
         ) as error:
             state.error = f"{type(error).__name__}: {error}"
+
+    def _start_arrays(self, state: Reading, peer: Peer, meta: EngineMetadata,
+                      num_local: int) -> None:
+        """A read over a transport that moves arrays (`transport.moves_arrays`): the producer
+        processes format the request for this process's ranks once asked (`Want` with the
+        read and this engine's geometry, layer-wise requests once every layer is written);
+        one fetch per local rank pulls its buffers from every source rank and writes them
+        in the local layout (no post-processing left)."""
+        state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
+        state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
+        state.layerwise = False  # a layer-wise request is pulled whole, once fully written
+        if not num_local:
+            return  # notify only
+        config = self.registry.config
+        want = encode_message(Want(
+            state.request_id, self.transport.endpoint, read_id=state.read_id,
+            num_blocks=len(state.plans[0].remote_block_ids),
+            address=[self.address[0], self.address[1]], attempt=state.attempt,
+            layout=config.spec.layout, block_size=config.spec.block_size,
+            tp_size=config.tp_size, pp_size=config.pp_size,
+            layers_per_pp=list(config.layer_split), ranks=list(self.registry.local_ranks)))
+        for target in peer.targets.values():
+            if not self.control.send(target, want):
+                raise ConnectionError(f"could not ask producer {target!r} for the request")
+        for plan in state.plans:
+            prepared = self.transport.prepare_fetch(Fetch(
+                state.request_id, state.read_id, meta, peer.meta, plan, -1,
+                attempt=state.attempt))
+            state.handles.append(self.transport.start_fetch(prepared))
 
     def _plan_layers(self, state: Reading, peer: Peer, local_ids: np.ndarray, remote_ids) -> None:
         """Per (global layer, remote rank): a prepared fetch, posted once announced."""
@@ -446,6 +479,11 @@ class Consumer:
             states = [self.transport.check(h) for h in state.handles]
             if "ERR" in states:
                 state.error = f"a {self.transport.name} fetch failed"
+                error_of = getattr(self.transport, "error_of", None)  # the reason, if known
+                reasons = [error_of(h) for h in state.handles] if error_of else []
+                reason = next((r for r in reasons if r), None)
+                if reason:
+                    state.error += f": {reason}"
                 self.suspect(state.peer)
             elif all(s == "DONE" for s in states):
                 self._landed(state)

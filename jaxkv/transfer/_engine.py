@@ -112,12 +112,16 @@ TRANSPORTS = ("nixl", "jax", "auto")
 """The `KVTransferEngine` ``transport`` choices."""
 
 
-def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None) -> Transport:
+def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None,
+                   **jax_options: Any) -> Transport:
     """The transport ``name`` (``"nixl"``, ``"jax"`` or ``"auto"``) for one process.
+
+    Args:
+      jax_options: keyword arguments of `JaxTransport` (transport ``"jax"``).
 
     Raises:
       ValueError: an unknown name.
-      NotImplementedError: ``"jax"`` (not available in this build).
+      RuntimeError: ``"jax"`` with a jax that has no `jax.experimental.transfer` server.
       ImportError: ``"nixl"`` without NIXL installed.
     """
     if name not in TRANSPORTS:
@@ -125,10 +129,9 @@ def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None)
     if name == "auto":
         name = "nixl" if nixl_available() else "jax"
     if name == "jax":
-        raise NotImplementedError(
-            "transport='jax' (jax.experimental.transfer) is not available in this build of "
-            "jaxkv; use transport='nixl' (pip install jaxkv[nixl])"
-        )
+        from jaxkv.transfer._jax_transport import JaxTransport
+
+        return JaxTransport(endpoint, **jax_options)
     from jaxkv.transfer._nixl_transport import NixlTransport
 
     return NixlTransport(endpoint, agent_options)
@@ -195,12 +198,16 @@ class KVTransferEngine:
         Not for host staging (the mirror holds the bytes only once published: such early
         reads are always refused) nor layer-wise requests (their reads wait for `Ready`).
       transport: what moves the KV: ``"nixl"`` (one-sided READs of registered memory),
-        ``"jax"`` (`jax.experimental.transfer`; not in this build: NotImplementedError) or
-        ``"auto"`` (NIXL when importable). Both engines of a transfer must use the same.
+        ``"jax"`` (`jax.experimental.transfer`: the producer formats each read's blocks for
+        the consumer's ranks and offers them as arrays, see `JaxTransport`) or ``"auto"``
+        (NIXL when importable). Both engines of a transfer must use the same.
       control: what carries the control messages this process sends: ``"tcp"`` (persistent
         connections to the producers' side channels), ``"nixl"`` (NIXL notifications) or
         ``"auto"`` (the faster one measured, see ``DEFAULT_CONTROL``). Every process listens
         on both; a producer answers on the channel a consumer used.
+      jax_transport_options: keyword arguments of `JaxTransport` (transport ``"jax"``), e.g.
+        ``{"budget_bytes": 1 << 30}`` (the most bytes offered requests may hold until pulled)
+        or ``{"pool_bytes": 0}``.
     """
 
     def __init__(
@@ -220,6 +227,7 @@ class KVTransferEngine:
         early_read_grace_s: float = 5.0,
         transport: str = "nixl",
         control: str = "auto",
+        jax_transport_options: dict[str, Any] | None = None,
     ):
         if not early_read_grace_s >= 0:
             raise ValueError(f"early_read_grace_s must be >= 0, got {early_read_grace_s}")
@@ -236,9 +244,13 @@ class KVTransferEngine:
         self._lock = threading.RLock()
         self._stashed = PollResult()  # found by polls inside host callbacks
         generation = new_generation()
+        jax_options = dict(host=host, pull_timeout_s=read_timeout_s, lease_s=lease_s,
+                           **(jax_transport_options or {}))
         self.transport = make_transport(
-            transport, f"{engine_id}/{os.getpid()}/{generation}", agent_options
+            transport, f"{engine_id}/{os.getpid()}/{generation}", agent_options, **jax_options
         )
+        if self.transport.name == "jax":
+            host_staging = False  # arrays are formatted from the device cache itself
         self._channels = control_channels(self.transport, self._on_control)
         tcp = self._channels["tcp"]
         assert isinstance(tcp, TcpControlChannel)
@@ -255,6 +267,9 @@ class KVTransferEngine:
             engine_id, config, self.transport, self.server, host_staging, block_hashing,
             generation,
         )
+        attach = getattr(self.transport, "attach", None)
+        if attach is not None:
+            attach(self._registry)
         self.producer = Producer(
             engine_id, self._registry, self.transport, self._channels, self.stats, lease_s,
             float(early_read_grace_s),
@@ -538,6 +553,9 @@ class KVTransferEngine:
         self._handle_messages(now)
         self.consumer.poll(now, allow_jax, result)
         self.producer.poll(now, result)
+        serve = getattr(self.transport, "serve", None)
+        if allow_jax and serve is not None:
+            serve()  # formats requests for their subscribers (JAX ops: not in callbacks)
         self.transport.progress()  # push what this poll sent, even if the caller goes idle
         return result
 

@@ -89,10 +89,20 @@ class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
     # Sent for every read (not only layer-wise ones) when the transport prepares per-consumer
     # buffers (`Transport.announces_reads`, e.g. jax.experimental.transfer): which read, how
     # many of the request's blocks it reads (the tail; -1: all), and the consumer process's
-    # side channel (its metadata: ranks, layout, block size).
+    # side channel (its metadata: ranks, layout, block size). The JAX transport also sends
+    # the read's attempt and the geometry of the consumer's ranks inline (`layout` empty: not
+    # given), so that the producer formats without fetching the consumer's metadata.
     read_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
     num_blocks: Annotated[int, msgspec.Meta(ge=-1, le=1 << 30)] = -1
     address: Annotated[list[str | int], msgspec.Meta(max_length=2)] = []
+    attempt: Annotated[int, msgspec.Meta(ge=0)] = 0
+    layout: Annotated[str, msgspec.Meta(max_length=5)] = ""
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    tp_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    layers_per_pp: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]],
+                             msgspec.Meta(max_length=1 << 16)] = []
+    ranks: Annotated[list[_Rank], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):

@@ -81,8 +81,8 @@ class NixlTransport:
     def offer(self, offer: Offer) -> None:
         del offer
 
-    def withdraw(self, request_id: str) -> None:
-        del request_id
+    def withdraw(self, request_id: str, confirmed: bool = False) -> None:
+        del request_id, confirmed
 
     # -- consumer ---------------------------------------------------------------------------
 

@@ -184,7 +184,8 @@ class Producer:
                 PublishRecord(pinned.request_id, tuple(pinned.published_at), pinned.staged_s)
             )
         self.transport.offer(
-            Offer(pinned.request_id, pinned.block_ids, stop, tuple(self.registry.caches))
+            Offer(pinned.request_id, pinned.block_ids, stop, tuple(self.registry.caches),
+                  lease_s=pinned.lease_s)
         )
         message = encode_message(Ready(pinned.request_id, list(self.registry.local_ranks), stop))
         for target in pinned.subscribers:
@@ -284,6 +285,11 @@ class Producer:
             targets, _ = self.early_wants.get(message.request_id, (set(), 0.0))
             targets.add(target)
             self.early_wants[message.request_id] = (targets, now + self.lease_s)
+            # a transport that formats per reader keeps the subscription until published, or
+            # fails the reader's fetches of a request freed already
+            self.transport.offer(Offer(message.request_id, (), 0, (), message.agent_name,
+                                       message, self.lease_s,
+                                       gone=message.request_id in self.released))
             return
         pinned.subscribers.add(target)
         self.transport.offer(
@@ -294,6 +300,7 @@ class Producer:
                 tuple(self.registry.caches),
                 message.agent_name,
                 message,
+                pinned.lease_s,
             )
         )
         if pinned.layer_stop > 0:
@@ -386,7 +393,7 @@ class Producer:
             else:
                 continue
             del self.pinned[request_id]
-            self.transport.withdraw(request_id)
+            self.transport.withdraw(request_id, complete)
             self.released[request_id] = complete
             while len(self.released) > MAX_OUTCOMES:
                 del self.released[next(iter(self.released))]

@@ -65,6 +65,7 @@ class Fetch:
     plan: ReadPlan
     remote_rank: int
     layer: int | None = None
+    attempt: int = 0  # the consumer's attempt number of the read (unique per process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,9 @@ class Offer:
     layer_stop: int
     caches: Sequence[Any]
     consumer: str | None = None
-    want: Any = None
+    want: Any = None  # the subscriber's `Want` message (a transport that formats per reader)
+    lease_s: float | None = None  # the request's lease
+    gone: bool = False  # the subscriber asked for a request already freed here
 
 
 class Transport(Protocol):
@@ -127,8 +130,9 @@ class Transport(Protocol):
         """Producer: a request (or more of its layers, or a new consumer) is readable."""
         ...
 
-    def withdraw(self, request_id: str) -> None:
-        """Producer: the request was freed; nothing of it may be read any more."""
+    def withdraw(self, request_id: str, confirmed: bool = False) -> None:
+        """Producer: the request was freed (``confirmed``: every read of it confirmed);
+        nothing of it may be read any more."""
         ...
 
     def prepare_fetch(self, fetch: Fetch) -> Any:

@@ -1,0 +1,505 @@
+"""The split/concat formatter of the JAX transport (TensorRT-LLM's cache formatter).
+
+A transport that moves whole arrays (`jax.experimental.transfer`) cannot read byte ranges out
+of a peer's cache the way NIXL does. The producer therefore *formats* a request's blocks for
+each consumer rank: it gathers the blocks of every producer rank it holds and splits them into
+one dense buffer per consumer rank that needs them (`jaxkv.ops.split_for_peers`, planned by
+`jaxkv.ops.plan_peers`); each consumer rank pulls the buffers of its source ranks and writes
+them into its cache (`jaxkv.ops.concat_from_peers`), followed by the same conversions as the
+byte-range path: sender blocks merged into larger receiver blocks, the receiver's layout.
+
+Buffers travel in the canonical cross-layer arrangement ``[n, L, K, H, T, D]`` with the
+producer's block size: heterogeneous TP (heads split, or replicated when TP exceeds the KV
+heads; MLA caches replicated on every rank) and PP (layer ranges) follow from the plan; other
+layouts are converted on either side (`to_canonical` / `from_canonical`).
+
+Pure planning (`send_routes`, `receive_routes`) needs no devices; `split_request` and
+`concat_request` run the ops on the device shards of a `PagedKVCache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
+from jaxkv._spec import KVCacheSpec
+
+__all__ = [
+    "CANONICAL_LAYOUT",
+    "FormatError",
+    "Route",
+    "canonical_config",
+    "check_formattable",
+    "concat_request",
+    "from_canonical",
+    "rank_devices",
+    "receive_routes",
+    "remote_tail",
+    "send_routes",
+    "split_request",
+    "to_canonical",
+]
+
+CANONICAL_LAYOUT = "LKHTD"
+"""The arrangement of the buffers on the wire: ``[n, L, K, H, T, D]``, sender block size."""
+
+
+class FormatError(ValueError):
+    """A request the formatter cannot move (unsupported cache, ids, shapes that disagree)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One dense buffer moving from a producer rank to a consumer rank.
+
+    Attributes:
+      producer_rank, consumer_rank: the two ends.
+      index: the buffer's index in the producer rank's split (`PeerPlan.connection_buffers`)
+        on the producer side; its position among the kept buffers on the consumer side.
+      shape: ``(n, layers, K, heads, T, D)`` of the buffer.
+    """
+
+    producer_rank: int
+    consumer_rank: int
+    index: int
+    shape: tuple[int, ...]
+
+
+def check_formattable(spec: KVCacheSpec) -> None:
+    """Refuses caches the formatter cannot convert.
+
+    Raises:
+      FormatError: a padded or packed cache (head-dim alignment, packed heads) or combined
+        K/V heads, whose stored blocks are not plain ``[.., H, T, D]`` values.
+    """
+    if spec.padded or spec.packing is not None or spec.kv_interleaved:
+        raise FormatError(
+            f"the JAX transport's formatter moves unpadded caches with separate K/V heads; "
+            f"this cache has layout {spec.layout!r}, packing {spec.packing}, head_dim_alignment "
+            f"{spec.head_dim_alignment}, kv_interleaved {spec.kv_interleaved}"
+        )
+
+
+def canonical_config(config: EngineConfig, block_size: int) -> EngineConfig:
+    """`config` with the canonical layout and the given (sender's) block size: what
+    `plan_peers` and the split/concat ops are called with."""
+    spec = config.spec.replace(layout=CANONICAL_LAYOUT, block_size=int(block_size))
+    return EngineConfig(spec, config.tp_size, config.pp_size, config.layer_split)
+
+
+def _check_pair(producer: EngineConfig, consumer: EngineConfig) -> int:
+    for config in (producer, consumer):
+        check_formattable(config.spec)
+    p, c = producer.spec, consumer.spec
+    fields = ("num_layers", "num_kv_heads", "head_dim", "kv_factor", "mla", "dtype")
+    differ = [f"{f}: {getattr(p, f)} vs {getattr(c, f)}" for f in fields
+              if getattr(p, f) != getattr(c, f)]
+    if differ:
+        raise FormatError("producer and consumer caches differ: " + "; ".join(differ))
+    if c.block_size % p.block_size:
+        raise FormatError(
+            f"consumer block size {c.block_size} is not a multiple of the producer's "
+            f"{p.block_size}"
+        )
+    return c.block_size // p.block_size
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(self_cfg: EngineConfig, peer_cfg: EngineConfig, rank: int) -> PeerPlan:
+    try:
+        return plan_peers(self_cfg, peer_cfg, rank)
+    except ValueError as error:
+        raise FormatError(str(error)) from error
+
+
+def send_routes(
+    producer: EngineConfig, consumer: EngineConfig, producer_rank: int, num_blocks: int
+) -> tuple[Route, ...]:
+    """The buffers producer rank `producer_rank` sends for a request of `num_blocks` producer
+    blocks (none when another rank holding the same heads sends them).
+
+    Raises:
+      FormatError: the engines cannot exchange blocks.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+      >>> [(r.consumer_rank, r.shape) for r in
+      ...  send_routes(EngineConfig(spec, 1), EngineConfig(spec, 2), 0, num_blocks=3)]
+      [(0, (3, 2, 2, 1, 4, 4)), (1, (3, 2, 2, 1, 4, 4))]
+    """
+    _check_pair(producer, consumer)
+    bs = producer.spec.block_size
+    plan = _plan(canonical_config(producer, bs), canonical_config(consumer, bs), producer_rank)
+    if not plan.sends:
+        return ()
+    return tuple(
+        Route(producer_rank, target, index, plan.buffer_shape(index, num_blocks))
+        for target, index in zip(plan.target_ranks, plan.connection_buffers)
+    )
+
+
+def receive_routes(
+    consumer: EngineConfig, producer: EngineConfig, consumer_rank: int, num_remote_blocks: int
+) -> tuple[Route, ...]:
+    """The buffers consumer rank `consumer_rank` pulls for `num_remote_blocks` producer
+    blocks, in the order `concat_request` takes them.
+
+    Raises:
+      FormatError: the engines cannot exchange blocks.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+      >>> [(r.producer_rank, r.shape) for r in
+      ...  receive_routes(EngineConfig(spec, 1), EngineConfig(spec, 2), 0, 3)]
+      [(0, (3, 2, 2, 1, 4, 4)), (1, (3, 2, 2, 1, 4, 4))]
+    """
+    _check_pair(producer, consumer)
+    bs = producer.spec.block_size
+    plan = _plan(canonical_config(consumer, bs), canonical_config(producer, bs), consumer_rank)
+    return tuple(
+        Route(source, consumer_rank, i, plan.buffer_shape(i, num_remote_blocks))
+        for i, source in enumerate(plan.kept_ranks)
+    )
+
+
+def remote_tail(
+    consumer: EngineConfig, producer: EngineConfig, num_local: int, remote_ids: Sequence[int]
+) -> np.ndarray:
+    """The producer blocks a consumer reads into `num_local` blocks: the tail of the
+    request's `remote_ids` (a partial prefix hit reads only what it lacks).
+
+    Raises:
+      FormatError: more local blocks than the remote blocks fill.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
+      >>> remote_tail(EngineConfig(spec.replace(block_size=8), 1), EngineConfig(spec, 1), 1,
+      ...             [5, 6, 7]).tolist()
+      [7]
+    """
+    ratio = _check_pair(producer, consumer)
+    ids = np.asarray(remote_ids, dtype=np.int64).reshape(-1)
+    total = -(-len(ids) // ratio)
+    hit = total - int(num_local)
+    if hit < 0:
+        raise FormatError(
+            f"{num_local} local blocks but the {len(ids)} remote blocks of block size "
+            f"{producer.spec.block_size} fill only {total} blocks of {consumer.spec.block_size}"
+        )
+    return ids[hit * ratio:]
+
+
+# -- layout conversion (jitted jnp: pure byte moves) ----------------------------------------
+
+
+def _expand_perm(layout: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    missing = tuple(a for a in CANONICAL_LAYOUT if a not in layout)
+    letters = tuple(layout) + missing
+    return missing, (0,) + tuple(1 + letters.index(a) for a in CANONICAL_LAYOUT)
+
+
+def _as_bits(x: Any) -> Any:
+    """`x` as unsigned ints of its width: XLA may canonicalize NaN payloads when it moves
+    floating-point values (seen for bfloat16 on CPU); KV moves must keep every bit."""
+    width = np.dtype(x.dtype).itemsize
+    return jax.lax.bitcast_convert_type(x, np.dtype(f"u{width}"))
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "keys"))
+def to_canonical(arrays: Sequence[Any], layout: str, keys: tuple) -> Any:
+    """Dense per-array blocks ``[n, *block]`` of a cache (`layout`, array `keys`) as one
+    canonical ``[n, L, K, H, T, D]`` array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> k, v = jnp.zeros((1, 2, 3, 4)), jnp.ones((1, 2, 3, 4))      # THD per (layer, kv)
+      >>> to_canonical([k, v], "THD", ((0, 0), (0, 1))).shape
+      (1, 1, 2, 3, 2, 4)
+    """
+    import jax.numpy as jnp
+
+    dtype = arrays[0].dtype
+    missing, perm = _expand_perm(layout)
+    parts = []
+    for x in arrays:
+        x = _as_bits(x)
+        x = x.reshape(*x.shape, *([1] * len(missing)))
+        parts.append(jnp.transpose(x, perm))
+    rows: list[Any] = []
+    row: list[Any] = []
+    for i, (layer, _) in enumerate(keys):
+        row.append(parts[i])
+        if i + 1 == len(keys) or keys[i + 1][0] != layer:
+            rows.append(row[0] if len(row) == 1 else jnp.concatenate(row, axis=2))
+            row = []
+    out = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+    return jax.lax.bitcast_convert_type(out, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "keys", "ratio"))
+def from_canonical(canon: Any, layout: str, keys: tuple, ratio: int = 1) -> tuple[Any, ...]:
+    """The inverse of `to_canonical`, merging `ratio` consecutive sender blocks into one:
+    ``[n * ratio, L, K, H, T, D]`` -> per array ``[n, *block]`` with ``T * ratio`` tokens
+    (token ``j * T + t`` of a block is token ``t`` of sender block ``j``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.arange(8.0).reshape(2, 1, 1, 1, 4, 1)                # two blocks of 4
+      >>> from_canonical(x, "LKHTD", ((None, None),), ratio=2)[0].shape
+      (1, 1, 1, 1, 8, 1)
+    """
+    import jax.numpy as jnp
+
+    dtype = canon.dtype
+    canon = _as_bits(canon)
+    n = canon.shape[0] // ratio
+    if ratio > 1:
+        _, layers, kv, heads, t, d = canon.shape
+        canon = canon.reshape(n, ratio, layers, kv, heads, t, d)
+        canon = jnp.transpose(canon, (0, 2, 3, 4, 1, 5, 6)).reshape(
+            n, layers, kv, heads, ratio * t, d)
+    missing, perm = _expand_perm(layout)
+    inverse = tuple(int(i) for i in np.argsort(perm))
+    out = []
+    for layer, kv in keys:
+        x = canon
+        if layer is not None:
+            x = x[:, layer:layer + 1]
+        if kv is not None:
+            x = x[:, :, kv:kv + 1]
+        x = jnp.transpose(x, inverse)
+        x = x.reshape(x.shape[: x.ndim - len(missing)])
+        out.append(jax.lax.bitcast_convert_type(x, dtype))
+    return tuple(out)
+
+
+# -- device side --------------------------------------------------------------------------
+
+
+def rank_devices(cache: Any, config: EngineConfig, pp_rank: int = 0,
+                 tp_rank: int | None = None) -> dict[int, Any]:
+    """Engine rank -> device holding that rank's shard of `cache` (a cache sharded over
+    every TP rank of the engine, or one TP rank's cache when `tp_rank` is given).
+
+    Raises:
+      FormatError: the cache's TP size does not match the engine's.
+    """
+    if tp_rank is not None:
+        device = next(iter(cache.arrays[0].sharding.device_set))
+        return {config.rank(tp_rank, pp_rank): device}
+    if cache.tp_size != config.tp_size:
+        raise FormatError(
+            f"cache is sharded over tp={cache.tp_size}, the engine has tp={config.tp_size}"
+        )
+    if cache.sharding.data_size != 1:
+        raise FormatError("the JAX transport's formatter does not move data-parallel caches")
+    mesh = cache.sharding.source_mesh
+    names = list(mesh.axis_names)
+    tp_axes = cache.sharding.tp_axis
+    tp_axes = (tp_axes,) if isinstance(tp_axes, str) else tuple(tp_axes)
+    tp_pos = [names.index(a) for a in tp_axes]
+    devices = np.moveaxis(mesh.devices, tp_pos, list(range(len(tp_pos)))).reshape(
+        config.tp_size, -1)[:, 0]
+    return {config.rank(i, pp_rank): d for i, d in enumerate(devices)}
+
+
+def _shard(array: Any, device: Any) -> Any:
+    for shard in array.addressable_shards:
+        if shard.device == device:
+            return shard.data
+    raise FormatError(f"no shard of the cache lives on {device}")
+
+
+def split_request(
+    cache: Any,
+    producer: EngineConfig,
+    consumer: EngineConfig,
+    block_ids: Sequence[int],
+    ranks: Mapping[int, Any],
+    staging: Any = None,
+) -> dict[tuple[int, int], Any]:
+    """Producer side: the request's blocks, split into one buffer per (producer rank,
+    consumer rank) route of the producer ranks in `ranks`.
+
+    Args:
+      cache: the producer's `PagedKVCache` of one pipeline rank (not modified).
+      producer, consumer: the two engines' configs.
+      block_ids: the producer blocks to send, in token order (after a partial-hit cut).
+      ranks: producer rank -> the device holding its shard (`rank_devices`).
+      staging: optional ``staging(device, [(shape, dtype), ...])`` returning reusable
+        buffers of those shapes on `device` to split into (donated), or None
+        (`PullServer.take`): a fresh multi-MiB output costs page faults on CPU.
+
+    Returns:
+      ``{(producer rank, consumer rank): buffer}``, each buffer a fresh single-device array
+      (never a view of the cache: it may be donated while the buffer waits for its pull).
+
+    Raises:
+      FormatError: engines that cannot exchange blocks, an unsupported cache.
+      IndexError: a block id out of range.
+    """
+    import jax.numpy as jnp
+
+    from jaxkv.ops import gather_blocks, split_for_peers
+
+    check_formattable(cache.spec)
+    ids = np.asarray(block_ids, dtype=np.int32).reshape(-1)
+    bs = producer.spec.block_size
+    canon_p, canon_c = canonical_config(producer, bs), canonical_config(consumer, bs)
+    layout, keys = cache.spec.layout, tuple(cache.array_keys)
+    result: dict[tuple[int, int], Any] = {}
+    for rank, device in sorted(ranks.items(), key=lambda item: item[0]):
+        routes = send_routes(producer, consumer, rank, len(ids))
+        if not routes:
+            continue
+        shards = [_shard(a, device) for a in cache.arrays]
+        dev_ids = jax.device_put(ids, device)
+        plan = _plan(canon_p, canon_c, rank)
+        out = None
+        if staging is not None:
+            out = staging(device, [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))])
+        if layout == CANONICAL_LAYOUT:
+            buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank, out=out)
+        elif out is None:
+            buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys, canon_p=canon_p,
+                                    canon_c=canon_c, rank=rank)
+        else:
+            dense = [gather_blocks(s, dev_ids) for s in shards]
+            canon = to_canonical(dense, layout, keys)
+            rows = jax.device_put(jnp.arange(len(ids), dtype=jnp.int32), device)
+            buffers = split_for_peers(canon, rows, canon_p, canon_c, rank, out=out)
+        for route in routes:
+            buffer = buffers[route.index]
+            if tuple(buffer.shape) != route.shape:
+                raise FormatError(f"buffer {route.index} of rank {rank} has shape "
+                                  f"{tuple(buffer.shape)}, the plan says {route.shape}")
+            result[(rank, route.consumer_rank)] = buffer
+    return result
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank"))
+def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
+                  canon_p: EngineConfig, canon_c: EngineConfig, rank: int) -> list[Any]:
+    """One rank's gather of every cache array, its canonical arrangement and its split, as
+    one program (one dispatch: a small request is dominated by per-op costs)."""
+    from jaxkv.ops import gather_blocks, split_for_peers
+
+    canon = to_canonical([gather_blocks(s, ids) for s in shards], layout, keys)
+    rows = jax.numpy.arange(ids.shape[0], dtype=jax.numpy.int32)
+    return split_for_peers(canon, rows, canon_p, canon_c, rank)
+
+
+@functools.partial(jax.jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",
+                                             "canon_p", "rank"))
+def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: str, keys: tuple,
+                      canon_c: EngineConfig, canon_p: EngineConfig, rank: int) -> tuple:
+    """One rank's concat of its pulled buffers into canonical blocks, merged and rearranged
+    into the local layout per cache array, as one program."""
+    from jaxkv.ops import concat_from_peers
+
+    local_shape = canon_c.local_block_shape(canon_c.coordinates(rank)[1])
+    zeros = jax.numpy.zeros((n_local * ratio, *local_shape), buffers[0].dtype)
+    rows = jax.numpy.arange(buffers[0].shape[0], dtype=jax.numpy.int32)
+    canon = concat_from_peers(zeros, buffers, rows, canon_c, canon_p, rank)
+    return from_canonical(canon, layout, keys, ratio)
+
+
+def _assemble(shape: tuple[int, ...], like: Any, pieces: Mapping[Any, Any]) -> Any:
+    """A global array sharded like `like` (blocks first) from per-device pieces."""
+    import jax
+
+    devices = list(like.sharding.addressable_devices)
+    if len(devices) == 1 and len(like.sharding.device_set) == 1:
+        return pieces[devices[0]]
+    shard_shape = like.sharding.shard_shape(like.shape)
+    piece = next(iter(pieces.values()))
+    global_shape = (shape[0],) + tuple(
+        p * (g // s) for p, g, s in zip(piece.shape[1:], like.shape[1:], shard_shape[1:]))
+    del shape
+    arrays = [pieces[d] for d in devices]
+    return jax.make_array_from_single_device_arrays(global_shape, like.sharding, arrays)
+
+
+def concat_request(
+    cache: Any,
+    consumer: EngineConfig,
+    producer: EngineConfig,
+    local_ids: Sequence[int],
+    num_remote_blocks: int,
+    pulled: Mapping[int, Sequence[Any]],
+    ranks: Mapping[int, Any],
+) -> Any:
+    """Consumer side: writes pulled buffers into the request's local blocks.
+
+    Args:
+      cache: the consumer's `PagedKVCache` of one pipeline rank; consumed (donated): use
+        the returned cache.
+      consumer, producer: the two engines' configs.
+      local_ids: the local blocks to fill, in token order.
+      num_remote_blocks: producer blocks the buffers hold (`remote_tail`).
+      pulled: consumer rank -> its buffers in `receive_routes` order (single-device arrays
+        on that rank's device).
+      ranks: consumer rank -> device (`rank_devices`), the ranks of `cache` in this process.
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      FormatError: missing or misshapen buffers, too many remote blocks for the local ones.
+    """
+
+    from jaxkv.ops import concat_from_peers
+
+    check_formattable(cache.spec)
+    ratio = _check_pair(producer, consumer)
+    ids = np.asarray(local_ids, dtype=np.int32).reshape(-1)
+    n_local = len(ids)
+    if n_local == 0:
+        return cache
+    if not (n_local - 1) * ratio < num_remote_blocks <= n_local * ratio:
+        raise FormatError(f"{num_remote_blocks} remote blocks do not fill {n_local} local "
+                          f"blocks of {ratio} remote blocks each")
+    bs = producer.spec.block_size
+    canon_c, canon_p = canonical_config(consumer, bs), canonical_config(producer, bs)
+    expected = {}
+    for rank in ranks:
+        routes = receive_routes(consumer, producer, rank, num_remote_blocks)
+        got = list(pulled.get(rank, ()))
+        if len(got) != len(routes):
+            raise FormatError(f"consumer rank {rank}: {len(got)} buffers, expected {len(routes)}")
+        for route, buffer in zip(routes, got):
+            if tuple(buffer.shape) != route.shape or buffer.dtype != cache.spec.dtype:
+                raise FormatError(
+                    f"consumer rank {rank}: buffer from producer rank {route.producer_rank} has "
+                    f"shape {tuple(buffer.shape)} {buffer.dtype}, expected {route.shape} "
+                    f"{cache.spec.dtype}")
+        expected[rank] = routes
+    first_rank = min(ranks)
+    layout, keys = cache.spec.layout, tuple(cache.array_keys)
+    if layout == CANONICAL_LAYOUT and ratio == 1:
+        array = cache.arrays[0]
+        count = len(expected[first_rank])
+        buffers = [
+            _assemble(expected[first_rank][i].shape, array,
+                      {ranks[r]: pulled[r][i] for r in ranks})
+            for i in range(count)
+        ]
+        new = concat_from_peers(array, buffers, ids, canon_c, canon_p, first_rank)
+        return cache._with_arrays([new])
+    pieces: list[dict[Any, Any]] = [{} for _ in cache.arrays]
+    for rank, device in ranks.items():
+        dense_parts = _concat_rearrange(list(pulled[rank]), n_local=n_local, ratio=ratio,
+                                        layout=layout, keys=keys, canon_c=canon_c,
+                                        canon_p=canon_p, rank=rank)
+        for index, dense in enumerate(dense_parts):
+            pieces[index][device] = dense
+    dense_all = [
+        _assemble((n_local, *a.shape[1:]), a, pieces[i]) for i, a in enumerate(cache.arrays)
+    ]
+    return cache.scatter_blocks(dense_all, ids)
