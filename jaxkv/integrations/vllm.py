@@ -479,7 +479,13 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._reading[recv.request_id] = params.request_id
         if recv.release_only:
             self._releasing.add(recv.request_id)
-        engine.start_read(params, local_ids, read_id=recv.request_id)
+        try:
+            engine.start_read(params, local_ids, read_id=recv.request_id)
+        except Exception as error:  # noqa: BLE001 - a transport error fails this read only
+            # (e.g. NIXL refusing to post to a producer that disconnected): the engine holds
+            # the read already; stopped, it is reported failed with its blocks by the next poll.
+            log.error("request %s: starting its read failed: %s", recv.request_id, error)
+            engine.abort_request(recv.request_id)
 
     def _fail_now(self, recv: _Recv) -> None:
         if recv.release_only:
