@@ -104,7 +104,7 @@ def test_runner_caches_adopted_zero_copy_and_head_dim_64_refused():
     hd64 = create_kv_caches(8, 16, 4, 64, _mesh(1), ["a"], cache_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim 64"):
         describe_runner_caches(hd64, 4, 64)
-    with pytest.raises(ValueError, match="tpu-inference's cache of 4 KV heads"):
+    with pytest.raises(ValueError, match="cache of 2 KV heads of dim 96 over TP 2"):
         describe_runner_caches(caches, 2, 96)  # the model config disagrees with the cache
 
 
@@ -184,6 +184,10 @@ def _scheduler_output(scheduled=None):
 
 
 class _Manager:
+    """The scheduler's KV cache manager as the connector uses it (block ids per request)."""
+
+    block_pool = None
+
     def __init__(self, ids):
         self.ids = ids
 
@@ -327,16 +331,21 @@ def test_worker_failed_read_is_reported_not_inserted():
         never = _remote_params_at(producer.address, "p-f", "never", [8, 9], 20)
         meta = JaxKVConnectorMetadata(to_recv=[_Recv("d-good", good, [2, 3], 0),
                                                _Recv("d-never", never, [4, 5], 0)])
-        sending, recving, errors = _run_step(consumer, meta)
-        while {"d-good", "d-never"} - recving:
-            _run_step(producer, JaxKVConnectorMetadata())
-            s, r, e = _run_step(consumer, JaxKVConnectorMetadata())
+        _, recving, errors = _run_step(consumer, meta)
+        sent: set[str] = set()
+        deadline = time.monotonic() + 30
+        while ({"d-good", "d-never"} - recving or "good" not in sent) and (
+            time.monotonic() < deadline
+        ):
+            sent |= _run_step(producer, JaxKVConnectorMetadata())[0]
+            _, r, e = _run_step(consumer, JaxKVConnectorMetadata())
             recving |= r
             errors |= e
+        assert recving == {"d-good", "d-never"} and sent == {"good"}
         assert errors == {4, 5}
+        assert consumer.engine.stats.failed_transfers == 1
         rows = th.page_rows(crunner.kv_caches, [2, 3], 20, 16)
         th.assert_rows_equal(rows, prompt, 1, 16)
-        _until(producer, lambda s, r, e: "good" in s)
     finally:
         consumer.shutdown()
         producer.shutdown()
