@@ -210,7 +210,7 @@ def describe_runner_caches(
       >>> describe_runner_caches([layer, layer], num_kv_heads=2, head_dim=128).spec.num_layers
       2
     """
-    from jax.sharding import NamedSharding
+    from jax.sharding import Mesh, NamedSharding
 
     from jaxkv import KVCacheSpec
 
@@ -236,6 +236,8 @@ def describe_runner_caches(
     tp_size = 1
     sharding = first.sharding
     if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        if not isinstance(sharding.mesh, Mesh):
+            raise ValueError("runner.kv_caches must be sharded over a concrete Mesh")
         mesh = sharding.mesh
         spec_entries = list(sharding.spec) + [None] * (5 - len(sharding.spec))
         sizes = dict(mesh.shape)
