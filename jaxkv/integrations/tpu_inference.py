@@ -446,6 +446,22 @@ class JaxKVTPUConnector(JaxKVConnector):
         self._write_back()
         return results
 
+    def _start_read(self, recv: Any) -> None:
+        """Starts a read (`JaxKVConnector._start_read`) when the producer's page size is this
+        engine's; else fails it at once (its blocks become load errors, vLLM recomputes):
+        another page size needs rewriting the received blocks, which the transfer view of
+        tpu-inference's cache does not support."""
+        remote = recv.params.get("remote_block_size", self.block_size)
+        if not recv.release_only and int(remote) != self.block_size:
+            log.error(
+                "request %s: the producer's page size %s is not this engine's %s (the "
+                "tpu-inference connector reads between equal page sizes)",
+                recv.request_id, remote, self.block_size,
+            )
+            self._fail_now(recv)
+            return
+        super()._start_read(recv)
+
     def _poll_engine(self) -> Any:
         polled = self._engine().poll()
         if self._stash is not None:

@@ -237,14 +237,15 @@ def test_scheduler_request_finished():
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
 
 
-def _worker(role, extra):
+def _worker(role, extra, block_size=16):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     worker = KVConnectorFactory.create_connector(
-        th.vllm_config(role, 16, extra), KVConnectorRole.WORKER, th.kv_cache_config(16, 32)
+        th.vllm_config(role, block_size, extra), KVConnectorRole.WORKER,
+        th.kv_cache_config(block_size, 32),
     )
-    runner = th.FakeRunner(1, 32, 16)
+    runner = th.FakeRunner(1, 32, block_size)
     worker.register_runner(runner)
     return worker, runner
 
@@ -349,6 +350,25 @@ def test_worker_failed_read_is_reported_not_inserted():
     finally:
         consumer.shutdown()
         producer.shutdown()
+
+
+@needs_nixl
+def test_worker_other_page_size_fails_at_once():
+    """A read from a producer of another page size is refused before any byte moves: its
+    blocks are load errors in the same step (vLLM recomputes them)."""
+    from jaxkv.integrations.vllm import JaxKVConnectorMetadata, _Recv
+
+    consumer, _ = _worker("kv_consumer", {"engine_id": "d-p"}, block_size=32)
+    try:
+        params = _remote_params_at(("127.0.0.1", 5999), "p-p", "r", [3, 4], 20)  # pages of 16
+        meta = JaxKVConnectorMetadata(to_recv=[_Recv("d-r", params, [2], 0)])
+        _, recving, errors = _run_step(consumer, meta)
+        assert recving == {"d-r"} and errors == {2}
+        # the engine never saw it (no handshake attempted, nothing failed there)
+        assert consumer.engine.num_reading == 0 and consumer.engine.stats.failed_transfers == 0
+        assert consumer.engine.stats.failed_handshakes == 0
+    finally:
+        consumer.shutdown()
 
 
 def test_transport_setting_is_passed_to_the_engine():
