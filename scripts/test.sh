@@ -4,15 +4,33 @@
 # Usage: scripts/test.sh [--python PYTHON] [--venv DIR] [pytest arguments...]
 #        scripts/test.sh --integrations [pytest arguments...]
 #   defaults: python3 and .venv; e.g. `scripts/test.sh -m "not slow"` skips the slow grids.
-#   --integrations: set up the vLLM integration environment (.venv-vllm, large: see
-#   scripts/setup_integrations.sh) and run tests/integrations with it.
+#   --integrations[=vllm|=tpu-inference]: set up the integration environments (large, ~10 GB
+#   each) and run tests/integrations with them: vLLM 0.33 in .venv-vllm
+#   (scripts/setup_integrations.sh), then vllm-tpu/tpu-inference 0.32 on Python 3.12 in
+#   .venv-tpui (scripts/setup_tpu_inference.sh) for tests/integrations/tpu_inference.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [[ "${1:-}" == --integrations ]]; then
+if [[ "${1:-}" == --integrations* ]]; then
+  WHICH="${1#--integrations}"
+  WHICH="${WHICH#=}"
   shift
-  bash "$ROOT/scripts/setup_integrations.sh"
+  case "$WHICH" in
+    ""|vllm|tpu-inference) ;;
+    *) echo "test.sh: --integrations takes vllm or tpu-inference, got $WHICH" >&2; exit 2 ;;
+  esac
   cd "$ROOT"
-  exec "$ROOT/.venv-vllm/bin/python" -P -m pytest -p no:cacheprovider tests/integrations "$@"
+  STATUS=0
+  if [[ -z "$WHICH" || "$WHICH" == vllm ]]; then
+    bash "$ROOT/scripts/setup_integrations.sh"
+    "$ROOT/.venv-vllm/bin/python" -P -m pytest -p no:cacheprovider tests/integrations \
+      --ignore=tests/integrations/tpu_inference "$@" || STATUS=$?
+  fi
+  if [[ -z "$WHICH" || "$WHICH" == tpu-inference ]]; then
+    bash "$ROOT/scripts/setup_tpu_inference.sh"
+    JAX_PLATFORMS=cpu "$ROOT/.venv-tpui/bin/python" -P -m pytest -p no:cacheprovider \
+      tests/integrations/tpu_inference "$@" || STATUS=$?
+  fi
+  exit "$STATUS"
 fi
 SETUP_ARGS=()
 while [[ $# -gt 0 ]]; do

@@ -7,6 +7,9 @@ framework when it is imported itself:
   blocks between a prefill (``kv_producer``) and a decode (``kv_consumer``) vLLM engine with
   `jaxkv.transfer.KVTransferEngine`; load it with vLLM's ``kv_connector="JaxKVConnector"`` and
   ``kv_connector_module_path="jaxkv.integrations.vllm"``.
+* `jaxkv.integrations.tpu_inference`: `JaxKVTPUConnector` (also exported as ``TPUConnector``,
+  the name tpu-inference's platform accepts), the same connector for tpu-inference's runner:
+  it adopts ``runner.kv_caches`` zero-copy and follows them as the runner reassigns them.
 
 The helpers below (no framework needed) convert the transfer parameters that
 travel through the framework's router.

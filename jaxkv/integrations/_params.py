@@ -51,7 +51,11 @@ class ConnectorSettings:
       early_read_grace_s: producer: how long a consumer's read of a request the workers have
         not pinned yet waits for them to (`KVTransferEngine`'s ``early_read_grace_s``).
       num_kv_heads: the model's KV heads, when a worker registers one TP rank's cache (its
-        heads only); None: the cache's heads times `tp_size`.
+        heads only); None: the cache's heads times `tp_size` (tpu-inference: the model's).
+      head_dim: tpu-inference: the model's head dim (its cache stores it padded to 128 lanes);
+        None: the model config's.
+      transport: the transfer engine's transport, passed to `KVTransferEngine` as its
+        ``transport`` argument; None: the engine's default (NIXL).
 
     Example:
       >>> ConnectorSettings.from_dict({"engine_id": "p", "side_channel": [["127.0.0.1", 5600]]})
@@ -71,6 +75,13 @@ class ConnectorSettings:
     early_read_grace_s: float = 5.0
     reads_per_request: int = 1
     num_kv_heads: int | None = None
+    head_dim: int | None = None
+    transport: str | None = None
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments for `KVTransferEngine` beyond the timeouts: the transport when
+        one is set (an engine without that setting then refuses it by name)."""
+        return {} if self.transport is None else {"transport": self.transport}
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any], default_engine_id: str | None = None):
@@ -102,6 +113,10 @@ class ConnectorSettings:
         for name in ("lease_s", "read_timeout_s", "handshake_timeout_s"):
             if not float(getattr(settings, name)) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if settings.transport is not None and (
+            not isinstance(settings.transport, str) or not settings.transport
+        ):
+            raise ValueError(f"transport must be a non-empty str, got {settings.transport!r}")
         if not float(settings.early_read_grace_s) >= 0:
             raise ValueError("early_read_grace_s must be >= 0")
         return settings

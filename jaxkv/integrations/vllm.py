@@ -42,6 +42,7 @@ Example (the configuration of a prefill engine):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Mapping
@@ -360,7 +361,6 @@ class JaxKVConnector(KVConnectorBase_V1):
           TypeError: anything else (torch tensors are not adopted yet).
         """
         from jaxkv import EngineConfig, PagedKVCache
-        from jaxkv.transfer import KVTransferEngine
 
         cache = kv_caches
         if isinstance(kv_caches, Mapping):
@@ -376,17 +376,32 @@ class JaxKVConnector(KVConnectorBase_V1):
                 f"the cache's block size {cache.spec.block_size} is not vLLM's {self.block_size}"
             )
         s = self.settings
-        host, port = (
-            s.side_channel[s.process_index] if s.side_channel else ("127.0.0.1", 0)
-        )
         spec = cache.spec
         if s.tp_rank is not None and not spec.mla:
             # one TP rank's cache holds its heads only; the engine describes the model's
             spec = spec.replace(num_kv_heads=s.num_kv_heads or spec.num_kv_heads * s.tp_size)
-        config = EngineConfig(spec, s.tp_size, s.pp_size)
+        self._new_engine(EngineConfig(spec, s.tp_size, s.pp_size))
+        self._engine().register_cache(cache, tp_rank=s.tp_rank)
+
+    def _new_engine(self, config: Any) -> KVTransferEngine:
+        """Closes the current transfer engine, if any, and starts one for `config` on this
+        worker's side-channel address, with the settings' timeouts and transport."""
+        from jaxkv.transfer import KVTransferEngine
+
+        s = self.settings
+        host, port = (
+            s.side_channel[s.process_index] if s.side_channel else ("127.0.0.1", 0)
+        )
+        options = s.engine_options()
+        if options and "transport" not in inspect.signature(KVTransferEngine).parameters:
+            raise ValueError(
+                f"transport {s.transport!r}: this jaxkv's KVTransferEngine has no transport "
+                "setting (NIXL only); leave transport unset"
+            )
         if self.engine is not None:
             self.engine.close()
-        engine = self.engine = KVTransferEngine(
+            self.engine = None
+        self.engine = KVTransferEngine(
             s.engine_id,
             config,
             host=host,
@@ -395,8 +410,9 @@ class JaxKVConnector(KVConnectorBase_V1):
             read_timeout_s=s.read_timeout_s,
             handshake_timeout_s=s.handshake_timeout_s,
             early_read_grace_s=s.early_read_grace_s,
+            **options,
         )
-        engine.register_cache(cache, tp_rank=s.tp_rank)
+        return self.engine
 
     @property
     def address(self) -> tuple[str, int]:
@@ -463,7 +479,13 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._reading[recv.request_id] = params.request_id
         if recv.release_only:
             self._releasing.add(recv.request_id)
-        engine.start_read(params, local_ids, read_id=recv.request_id)
+        try:
+            engine.start_read(params, local_ids, read_id=recv.request_id)
+        except Exception as error:  # noqa: BLE001 - a transport error fails this read only
+            # (e.g. NIXL refusing to post to a producer that disconnected): the engine holds
+            # the read already; stopped, it is reported failed with its blocks by the next poll.
+            log.error("request %s: starting its read failed: %s", recv.request_id, error)
+            engine.abort_request(recv.request_id)
 
     def _fail_now(self, recv: _Recv) -> None:
         if recv.release_only:
@@ -503,7 +525,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._failed_now = set()
         if self.engine is None:
             return results
-        polled = self.engine.poll()
+        polled = self._poll_engine()
         for consumer_id in polled.finished:  # read ids: the consumer's request ids
             self._cancelled.discard(consumer_id)
             if self._reading.pop(consumer_id, None) is not None and (
@@ -536,6 +558,10 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._awaiting_send -= sending
         results.finished_sending |= sending
         return results
+
+    def _poll_engine(self) -> Any:
+        """One `KVTransferEngine.poll` (subclasses add what they polled earlier)."""
+        return self._engine().poll()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of failed reads since the last call."""

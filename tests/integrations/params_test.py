@@ -102,3 +102,15 @@ def test_reads_per_request_setting():
     assert s.reads_per_request == 2
     with pytest.raises(ValueError, match="reads_per_request"):
         ConnectorSettings.from_dict({"engine_id": "p", "reads_per_request": 0})
+
+
+def test_transport_and_head_dim_settings():
+    """``transport`` reaches the engine's keyword arguments only when set (a non-empty str);
+    ``head_dim`` (tpu-inference) is read like ``num_kv_heads``."""
+    base = {"engine_id": "p"}
+    assert ConnectorSettings.from_dict(base).engine_options() == {}
+    settings = ConnectorSettings.from_dict({**base, "transport": "jax", "head_dim": 96})
+    assert settings.engine_options() == {"transport": "jax"} and settings.head_dim == 96
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match="transport must be a non-empty str"):
+            ConnectorSettings.from_dict({**base, "transport": bad})
