@@ -137,6 +137,16 @@ class PlanGridTest(parameterized.TestCase):
     def test_block_size_ratio_2(self, tp, layouts):
         run_case(self, *tp, heads=4, p_layout=layouts[0], d_layout=layouts[1], ratio=2)
 
+    @parameterized.parameters((1, 1), (2, 1), (1, 2), (4, 2))
+    def test_token_major_merge_needs_no_rewrite(self, p_tp, d_tp):
+        # THD blocks hold tokens outermost: sender blocks staged one after another already
+        # are the merged block, so nothing is rewritten after the READs (exact bytes checked
+        # by run_case); with layer / K slabs outside the tokens a merge remains.
+        plan = run_case(self, p_tp, d_tp, heads=4, p_layout="THD", d_layout="THD", ratio=2)
+        self.assertEqual(plan.post, ())
+        plan = run_case(self, p_tp, d_tp, heads=4, p_layout="LKTHD", d_layout="LKTHD", ratio=2)
+        self.assertNotEqual(plan.post, ())
+
     @parameterized.product(tp=TP_PAIRS, layout=["TD", "LKHTD"])
     def test_mla(self, tp, layout):
         plan = run_case(self, *tp, mla=True, p_layout=layout, d_layout=layout)

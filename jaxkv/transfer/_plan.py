@@ -557,6 +557,10 @@ def _build_templates(
     for lg, recv_order in sorted(post_regions.items()):
         src_layout = _staging_layout(local.layout, recv_order)
         permuted = src_layout != local.layout
+        if not permuted and local.layout[0] == "T":
+            # Tokens outermost in the block (no layer / K slabs): the sender-sized sub-blocks
+            # staged one after another are already the merged block; nothing to rewrite.
+            continue
         kind = "merge" if not permuted else ("permute" if ratio == 1 else "merge_permute")
         post.append(
             dict(
