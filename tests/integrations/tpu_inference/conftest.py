@@ -1,8 +1,11 @@
 """Environment of the tpu-inference integration tests, set before JAX, vLLM or tpu-inference
-is imported: JAX on CPU devices (tpu-inference's platform is TPU, its code runs on CPU), and
-the same offline Hugging Face cache as the vLLM tests (tests/integrations/conftest.py)."""
+is imported: JAX on CPU devices (tpu-inference's platform is TPU, its code runs on CPU here),
+UCX over TCP/shared memory for NIXL. Only where tpu-inference is installed: elsewhere these
+tests skip and the rest of the suite keeps its own platform."""
 
+import importlib.util
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+if importlib.util.find_spec("tpu_inference") is not None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
