@@ -7,7 +7,7 @@
 #   --integrations[=vllm|=tpu-inference]: set up the integration environments (large, ~10 GB
 #   each) and run tests/integrations with them: vLLM 0.33 in .venv-vllm
 #   (scripts/setup_integrations.sh), then vllm-tpu/tpu-inference 0.32 on Python 3.12 in
-#   .venv-tpui (scripts/setup_tpu_inference.sh) for tests/integrations/tpu_inference.
+#   .venv-tpui (scripts/setup_tpu_inference.sh) for tests/integrations/tpui.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ "${1:-}" == --integrations* ]]; then
@@ -23,12 +23,12 @@ if [[ "${1:-}" == --integrations* ]]; then
   if [[ -z "$WHICH" || "$WHICH" == vllm ]]; then
     bash "$ROOT/scripts/setup_integrations.sh"
     "$ROOT/.venv-vllm/bin/python" -P -m pytest -p no:cacheprovider tests/integrations \
-      --ignore=tests/integrations/tpu_inference "$@" || STATUS=$?
+      --ignore=tests/integrations/tpui "$@" || STATUS=$?
   fi
   if [[ -z "$WHICH" || "$WHICH" == tpu-inference ]]; then
     bash "$ROOT/scripts/setup_tpu_inference.sh"
     JAX_PLATFORMS=cpu "$ROOT/.venv-tpui/bin/python" -P -m pytest -p no:cacheprovider \
-      tests/integrations/tpu_inference "$@" || STATUS=$?
+      tests/integrations/tpui "$@" || STATUS=$?
   fi
   exit "$STATUS"
 fi
