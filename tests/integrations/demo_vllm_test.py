@@ -1,12 +1,19 @@
 """The demo served by vLLM's schedulers on both sides (`--serve_with=vllm-scheduler`): tokens
 and prompt KV bytes equal the colocated run's."""
 
+import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from jaxkv.demo._engines import DemoSettings
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed: run scripts/test.sh --integrations (sets up .venv-vllm)",
+        allow_module_level=True,
+    )
+
+from jaxkv.demo._engines import DemoSettings  # noqa: E402
 
 
 @pytest.fixture(scope="module")
