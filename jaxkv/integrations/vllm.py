@@ -42,7 +42,6 @@ Example (the configuration of a prefill engine):
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 from collections.abc import Mapping
@@ -393,11 +392,6 @@ class JaxKVConnector(KVConnectorBase_V1):
             s.side_channel[s.process_index] if s.side_channel else ("127.0.0.1", 0)
         )
         options = s.engine_options()
-        if options and "transport" not in inspect.signature(KVTransferEngine).parameters:
-            raise ValueError(
-                f"transport {s.transport!r}: this jaxkv's KVTransferEngine has no transport "
-                "setting (NIXL only); leave transport unset"
-            )
         if self.engine is not None:
             self.engine.close()
             self.engine = None

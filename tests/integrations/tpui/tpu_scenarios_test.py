@@ -372,13 +372,11 @@ def test_worker_other_page_size_fails_at_once():
 
 
 def test_transport_setting_is_passed_to_the_engine():
-    """``transport`` goes to `KVTransferEngine`; an engine without that setting refuses it by
-    name instead of ignoring it."""
-    import inspect
-
-    from jaxkv.transfer import KVTransferEngine
-
-    if "transport" in inspect.signature(KVTransferEngine).parameters:
-        pytest.skip("this engine has a transport setting")
-    with pytest.raises(ValueError, match="transport 'jax'"):
-        _worker("kv_producer", {"engine_id": "p-t", "transport": "jax"})
+    """``transport`` goes to `KVTransferEngine` (an unknown name is refused by name)."""
+    worker, _ = _worker("kv_producer", {"engine_id": "p-t", "transport": "jax"})
+    try:
+        assert worker.engine.transport.name == "jax"
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        _worker("kv_producer", {"engine_id": "p-u", "transport": "carrier-pigeon"})
