@@ -447,15 +447,20 @@ class JaxKVTPUConnector(JaxKVConnector):
         return results
 
     def _start_read(self, recv: Any) -> None:
-        """Starts a read (`JaxKVConnector._start_read`) when the producer's page size is this
-        engine's; else fails it at once (its blocks become load errors, vLLM recomputes):
-        another page size needs rewriting the received blocks, which the transfer view of
-        tpu-inference's cache does not support."""
+        """Starts a read (`JaxKVConnector._start_read`). Over NIXL the producer's page size
+        may differ from this engine's (a multiple of it: the transfer view is token-major,
+        so the received pages already are the merged ones); the JAX transport reads between
+        equal page sizes only, and fails another at once (its blocks become load errors,
+        vLLM recomputes them)."""
         remote = recv.params.get("remote_block_size", self.block_size)
-        if not recv.release_only and int(remote) != self.block_size:
+        if (
+            not recv.release_only
+            and int(remote) != self.block_size
+            and self.settings.transport == "jax"
+        ):
             log.error(
-                "request %s: the producer's page size %s is not this engine's %s (the "
-                "tpu-inference connector reads between equal page sizes)",
+                "request %s: the producer's page size %s is not this engine's %s (over the "
+                "JAX transport the tpu-inference connector reads between equal page sizes)",
                 recv.request_id, remote, self.block_size,
             )
             self._fail_now(recv)

@@ -114,6 +114,23 @@ def test_full_prompts_over_the_jax_transport(remote_jax, decode_tp):
         consumer.close()
 
 
+def test_consumer_pages_twice_the_producers(remote):
+    """Pages of 32 tokens read from the producer's pages of 16 (over NIXL): every row lands
+    bit for bit in the bigger pages, nothing fails."""
+    consumer = consumer_side(1, block_size=32)
+    try:
+        prompts = th.prompts_of([40, 70], seed=61)
+        params = remote.call("add", prompts)
+        assert {p["remote_block_size"] for p in params} == {16}
+        reqs = decode(consumer, prompts, params)
+        finish(consumer, reqs, remote)
+        for r, p in zip(reqs, prompts):
+            th.assert_rows_equal(consumer.received[r.request_id], p, 1, 32)
+        assert not consumer.failed and not consumer.load_errors
+    finally:
+        consumer.close()
+
+
 def test_partial_local_prefix_hit_reads_only_the_rest(remote):
     """A consumer holding the first two blocks of a prompt (from an earlier request) reads
     only the remaining blocks; the whole prompt's rows are exact."""

@@ -352,13 +352,13 @@ def test_worker_failed_read_is_reported_not_inserted():
         producer.shutdown()
 
 
-@needs_nixl
-def test_worker_other_page_size_fails_at_once():
-    """A read from a producer of another page size is refused before any byte moves: its
-    blocks are load errors in the same step (vLLM recomputes them)."""
+def test_worker_other_page_size_over_jax_fails_at_once():
+    """Over the JAX transport a read from a producer of another page size is refused before
+    any byte moves: its blocks are load errors in the same step (vLLM recomputes them)."""
     from jaxkv.integrations.vllm import JaxKVConnectorMetadata, _Recv
 
-    consumer, _ = _worker("kv_consumer", {"engine_id": "d-p"}, block_size=32)
+    consumer, _ = _worker("kv_consumer", {"engine_id": "d-p", "transport": "jax"},
+                          block_size=32)
     try:
         params = _remote_params_at(("127.0.0.1", 5999), "p-p", "r", [3, 4], 20)  # pages of 16
         meta = JaxKVConnectorMetadata(to_recv=[_Recv("d-r", params, [2], 0)])
