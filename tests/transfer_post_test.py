@@ -93,7 +93,7 @@ class PostProcessTest(parameterized.TestCase):
         (1, 2, "KHTD", "KTHD", 1, "permute"),
         (1, 1, "LKTHD", "LKHTD", 1, "permute"),
         (1, 1, "LKHTD", "LKHTD", 2, "merge"),
-        (2, 1, "THD", "THD", 2, "merge"),
+        (2, 1, "KTHD", "KTHD", 2, "merge"),  # (THD -> THD needs none: tokens outermost)
         (1, 2, "KHTD", "KTHD", 2, "merge_permute"),
         (2, 2, "THD", "LKHTD", 2, "merge_permute"),
         (4, 2, "KTHD", "KHTD", 2, "merge_permute"),
@@ -110,7 +110,7 @@ class PostProcessTest(parameterized.TestCase):
         run_case(self, 1, 1, "HTD", "THD", 2, heads=1, dtype="float32")
 
     def test_disagreeing_steps_refused(self):
-        spec = KVCacheSpec(1, 2, 8, 8, dtype="float32", layout="THD")
+        spec = KVCacheSpec(1, 2, 8, 8, dtype="float32", layout="KTHD")
         cfg = EngineConfig(spec, 1)
         meta_d = tt.fake_metadata("decode", cfg, NUM_BLOCKS)
         meta_p = tt.fake_metadata("prefill", EngineConfig(spec.replace(block_size=4), 1),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -211,8 +212,9 @@ def _as_bits(x: Any) -> Any:
     return jax.lax.bitcast_convert_type(x, np.dtype(f"u{width}"))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "keys"))
-def to_canonical(arrays: Sequence[Any], layout: str, keys: tuple) -> Any:
+@functools.partial(jax.jit, static_argnames=("layout", "keys", "block_shape"))
+def to_canonical(arrays: Sequence[Any], layout: str, keys: tuple,
+                 block_shape: tuple[int, ...] | None = None) -> Any:
     """Dense per-array blocks ``[n, *block]`` of a cache (`layout`, array `keys`) as one
     canonical ``[n, L, K, H, T, D]`` array.
 
@@ -229,6 +231,8 @@ def to_canonical(arrays: Sequence[Any], layout: str, keys: tuple) -> Any:
     parts = []
     for x in arrays:
         x = _as_bits(x)
+        if block_shape is not None:
+            x = x.reshape(x.shape[0], *block_shape)
         x = x.reshape(*x.shape, *([1] * len(missing)))
         parts.append(jnp.transpose(x, perm))
     rows: list[Any] = []
@@ -316,6 +320,24 @@ def _shard(array: Any, device: Any) -> Any:
     raise FormatError(f"no shard of the cache lives on {device}")
 
 
+def _layout_block_shape(spec: KVCacheSpec, tp_size: int, array: Any) -> tuple[int, ...] | None:
+    """The spec's block shape on one rank when `array` (blocks first) stores its blocks in
+    other axes of the same bytes (tpu-inference's cache under its word-column view), else
+    None.
+
+    Raises:
+      FormatError: the array's blocks are not the spec's size.
+    """
+    stored = tuple(int(n) for n in array.sharding.shard_shape(array.shape)[1:])
+    if len(stored) == len(spec.layout):
+        return None
+    shape = tuple(int(n) for n in spec.block_shape(tp_size))
+    if math.prod(shape) != math.prod(stored):
+        raise FormatError(f"cache arrays store blocks of shape {stored}; the spec's layout "
+                          f"{spec.layout!r} needs {shape} per rank")
+    return shape
+
+
 def split_request(
     cache: Any,
     producer: EngineConfig,
@@ -353,6 +375,7 @@ def split_request(
     bs = producer.spec.block_size
     canon_p, canon_c = canonical_config(producer, bs), canonical_config(consumer, bs)
     layout, keys = cache.spec.layout, tuple(cache.array_keys)
+    block_shape = _layout_block_shape(cache.spec, producer.tp_size, cache.arrays[0])
     result: dict[tuple[int, int], Any] = {}
     for rank, device in sorted(ranks.items(), key=lambda item: item[0]):
         routes = send_routes(producer, consumer, rank, len(ids))
@@ -364,14 +387,14 @@ def split_request(
         out = None
         if staging is not None:
             out = staging(device, [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))])
-        if layout == CANONICAL_LAYOUT:
+        if layout == CANONICAL_LAYOUT and block_shape is None:
             buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank, out=out)
         elif out is None:
             buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys, canon_p=canon_p,
-                                    canon_c=canon_c, rank=rank)
+                                    canon_c=canon_c, rank=rank, block_shape=block_shape)
         else:
             dense = [gather_blocks(s, dev_ids) for s in shards]
-            canon = to_canonical(dense, layout, keys)
+            canon = to_canonical(dense, layout, keys, block_shape)
             rows = jax.device_put(jnp.arange(len(ids), dtype=jnp.int32), device)
             buffers = split_for_peers(canon, rows, canon_p, canon_c, rank, out=out)
         for route in routes:
@@ -383,22 +406,25 @@ def split_request(
     return result
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank"))
+@functools.partial(jax.jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank",
+                                             "block_shape"))
 def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
-                  canon_p: EngineConfig, canon_c: EngineConfig, rank: int) -> list[Any]:
+                  canon_p: EngineConfig, canon_c: EngineConfig, rank: int,
+                  block_shape: tuple[int, ...] | None = None) -> list[Any]:
     """One rank's gather of every cache array, its canonical arrangement and its split, as
     one program (one dispatch: a small request is dominated by per-op costs)."""
     from jaxkv.ops import gather_blocks, split_for_peers
 
-    canon = to_canonical([gather_blocks(s, ids) for s in shards], layout, keys)
+    canon = to_canonical([gather_blocks(s, ids) for s in shards], layout, keys, block_shape)
     rows = jax.numpy.arange(ids.shape[0], dtype=jax.numpy.int32)
     return split_for_peers(canon, rows, canon_p, canon_c, rank)
 
 
 @functools.partial(jax.jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",
-                                             "canon_p", "rank"))
+                                             "canon_p", "rank", "stored"))
 def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: str, keys: tuple,
-                      canon_c: EngineConfig, canon_p: EngineConfig, rank: int) -> tuple:
+                      canon_c: EngineConfig, canon_p: EngineConfig, rank: int,
+                      stored: tuple[int, ...] | None = None) -> tuple:
     """One rank's concat of its pulled buffers into canonical blocks, merged and rearranged
     into the local layout per cache array, as one program."""
     from jaxkv.ops import concat_from_peers
@@ -407,7 +433,10 @@ def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: s
     zeros = jax.numpy.zeros((n_local * ratio, *local_shape), buffers[0].dtype)
     rows = jax.numpy.arange(buffers[0].shape[0], dtype=jax.numpy.int32)
     canon = concat_from_peers(zeros, buffers, rows, canon_c, canon_p, rank)
-    return from_canonical(canon, layout, keys, ratio)
+    out = from_canonical(canon, layout, keys, ratio)
+    if stored is not None:  # the arrays keep the same bytes in other axes
+        out = tuple(x.reshape(x.shape[0], *stored) for x in out)
+    return out
 
 
 def _assemble(shape: tuple[int, ...], like: Any, pieces: Mapping[Any, Any]) -> Any:
@@ -482,7 +511,11 @@ def concat_request(
         expected[rank] = routes
     first_rank = min(ranks)
     layout, keys = cache.spec.layout, tuple(cache.array_keys)
-    if layout == CANONICAL_LAYOUT and ratio == 1:
+    stored = None
+    if _layout_block_shape(cache.spec, consumer.tp_size, cache.arrays[0]) is not None:
+        a = cache.arrays[0]
+        stored = tuple(int(n) for n in a.sharding.shard_shape(a.shape)[1:])
+    if layout == CANONICAL_LAYOUT and ratio == 1 and stored is None:
         array = cache.arrays[0]
         count = len(expected[first_rank])
         buffers = [
@@ -496,7 +529,7 @@ def concat_request(
     for rank, device in ranks.items():
         dense_parts = _concat_rearrange(list(pulled[rank]), n_local=n_local, ratio=ratio,
                                         layout=layout, keys=keys, canon_c=canon_c,
-                                        canon_p=canon_p, rank=rank)
+                                        canon_p=canon_p, rank=rank, stored=stored)
         for index, dense in enumerate(dense_parts):
             pieces[index][device] = dense
     dense_all = [
