@@ -10,6 +10,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -354,7 +356,9 @@ def test_two_processes_then_producer_killed_mid_transfer():
 
         prompts = prompts_of([24, 40], seed=11)
         params = remote.call("add", prompts)
-        remote.conn.send(("pause", 600))  # stops acknowledging
+        # Stopped outright: the producer's engine acknowledges from its own threads (control
+        # channel, progress thread) even while its scheduler loop pauses.
+        os.kill(remote.process.pid, signal.SIGSTOP)
         reqs = decode(consumer, prompts, params)
         vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 30.0)
         remote.process.kill()
