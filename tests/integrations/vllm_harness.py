@@ -354,7 +354,8 @@ def assert_empty(side: Side) -> None:
 def producer_process(conn, spec_kwargs: dict, num_blocks: int, extra: dict) -> None:
     """A producer `Side` serving commands from `conn` and stepping in between:
     ("add", prompts) -> the consumer params of each, once all were handed over;
-    ("pause", seconds) -> stops stepping (no acknowledgements) that long, then True;
+    ("pause", seconds) -> stops stepping that long (the engine's threads still answer), then
+    True;
     ("state",) -> (busy, pinned, expired leases, leak report or None); ("exit",)."""
     tt.child_env(1)
     import os
