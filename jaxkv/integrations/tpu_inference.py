@@ -330,11 +330,20 @@ class JaxKVTPUConnector(JaxKVConnector):
 
         Raises:
           ValueError: the arrays are not tpu-inference's cache for the model (see
-            `describe_runner_caches`), or the settings' ``tp_size`` is not the mesh's.
+            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or the
+            settings ask for the JAX transport.
         """
         from jaxkv import EngineConfig
 
         s = self.settings
+        if s.transport == "jax":
+            # Its consumer writes the pulled blocks with new arrays, which this connector's
+            # buffer tracking takes for a runner that moved its cache (reads fail, vLLM
+            # recomputes): refused until the connector follows them.
+            raise ValueError(
+                "the tpu-inference connector does not support transport 'jax' yet (use "
+                "'nixl' or 'auto' with NIXL installed)"
+            )
         model = self._vllm_config.model_config
         heads = s.num_kv_heads or model.get_total_num_kv_heads()
         head_dim = s.head_dim or model.get_head_size()
@@ -445,27 +454,6 @@ class JaxKVTPUConnector(JaxKVConnector):
         results = super().get_transfer_results(finished_req_ids)
         self._write_back()
         return results
-
-    def _start_read(self, recv: Any) -> None:
-        """Starts a read (`JaxKVConnector._start_read`). Over NIXL the producer's page size
-        may differ from this engine's (a multiple of it: the transfer view is token-major,
-        so the received pages already are the merged ones); the JAX transport reads between
-        equal page sizes only, and fails another at once (its blocks become load errors,
-        vLLM recomputes them)."""
-        remote = recv.params.get("remote_block_size", self.block_size)
-        if (
-            not recv.release_only
-            and int(remote) != self.block_size
-            and self.settings.transport == "jax"
-        ):
-            log.error(
-                "request %s: the producer's page size %s is not this engine's %s (over the "
-                "JAX transport the tpu-inference connector reads between equal page sizes)",
-                recv.request_id, remote, self.block_size,
-            )
-            self._fail_now(recv)
-            return
-        super()._start_read(recv)
 
     def _poll_engine(self) -> Any:
         polled = self._engine().poll()

@@ -84,36 +84,6 @@ def test_full_prompts_bytes_exact(remote, decode_tp):
         consumer.close()
 
 
-@pytest.fixture(scope="module")
-def remote_jax():
-    """A producer engine (TP 2) moving the KV over JAX's transfer server instead of NIXL."""
-    producer = th.Remote(
-        PRODUCER_TP, 256, {"engine_id": "prefill-jax", "lease_s": LEASE_S, "transport": "jax"}
-    )
-    yield producer
-    producer.close()
-
-
-@pytest.mark.parametrize("decode_tp", [1, 2])
-def test_full_prompts_over_the_jax_transport(remote_jax, decode_tp):
-    """``transport: "jax"`` on both sides (tpu-inference's own transport): the producer
-    formats each request per consumer rank and the consumer pulls it; the rows land bit for
-    bit at the interleaved positions, both engines end empty."""
-    consumer = consumer_side(decode_tp, extra={"engine_id": "decode-jax", "transport": "jax"})
-    try:
-        assert consumer.worker.engine.transport.name == "jax"
-        prompts = th.prompts_of([7, 40, 70], seed=40 + decode_tp)
-        params = remote_jax.call("add", prompts)
-        reqs = decode(consumer, prompts, params)
-        finish(consumer, reqs, remote_jax)
-        for r, p in zip(reqs, prompts):
-            th.assert_rows_equal(consumer.received[r.request_id], p, decode_tp, 16)
-        assert not consumer.failed and not consumer.load_errors
-        assert consumer.stats.data["transfers"] == len(prompts)
-    finally:
-        consumer.close()
-
-
 def test_consumer_pages_twice_the_producers(remote):
     """Pages of 32 tokens read from the producer's pages of 16 (over NIXL): every row lands
     bit for bit in the bigger pages, nothing fails."""
