@@ -506,7 +506,9 @@ class JaxProducerKilledTest(absltest.TestCase):
         small = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=2048)
         producers.call(conn2, "setup", _kwargs(small), 1, 1, 0, len(REMOTE_IDS) * 2048, {})
         params2 = producers.call(conn2, "pin", "next", REMOTE_IDS, 30.0)
-        engine.start_read(params2, [0, 1, 2, 3, 4, 5])
+        # (its own deadline: the engine's 10 s is for the doomed read; compiling the new
+        # producer's formatting on a loaded machine may take longer than that)
+        engine.start_read(params2, [0, 1, 2, 3, 4, 5], timeout_s=WAIT_S)
         self.assertEqual(JaxEngineTest.wait(engine, ["next"]), (["next"], []))
         g = tt.global_cache(small, len(REMOTE_IDS) * 2048, seed=G_SEED)
         want = tt.expected_arrays(config, 0, g, [0, 1, 2, 3, 4, 5])
