@@ -134,6 +134,9 @@ def main(argv) -> int:
     check_compiled_modules()
     if FLAGS.prefill_tp < 1 or FLAGS.decode_tp < 1:
         raise app.UsageError("TP sizes must be >= 1")
+    if FLAGS.serve_with == "vllm-scheduler" and FLAGS.prefill_processes != 1:
+        raise app.UsageError("--serve_with=vllm-scheduler runs a one-process prefill engine: "
+                             "leave --prefill_processes at 1")
     if FLAGS.serve_with == "vllm-scheduler" and importlib.util.find_spec("vllm") is None:
         print("jaxkv demo: --serve_with=vllm-scheduler needs vLLM installed (the environment "
               "scripts/setup_integrations.sh builds has it)", file=sys.stderr)

@@ -620,6 +620,45 @@ def _start_prefill(ctx, settings: DemoSettings):
     return parent, _ProcessGroup(processes)
 
 
+def await_prefill_ready(parent, process, timeout_s: float) -> Any:
+    """Waits for the prefill side's ``("ready", address)``; returns its address.
+
+    Raises:
+      RuntimeError: it did not start in time, exited, or said something else.
+    """
+    if not parent.poll(max(1.0, timeout_s)):
+        raise RuntimeError("the prefill process did not start in time")
+    try:
+        message = parent.recv()
+    except EOFError:
+        process.join(timeout=10)
+        raise RuntimeError(
+            f"the prefill process exited during start-up (code {process.exitcode})"
+        ) from None
+    if message[0] != "ready":
+        raise RuntimeError(f"prefill process: unexpected {message!r}")
+    return message[1]
+
+
+def stop_prefill(parent, process) -> None:
+    """Asks the prefill side to exit, kills it if it does not, closes the pipe."""
+    with contextlib.suppress(OSError, BrokenPipeError):
+        parent.send(("exit",))
+    process.join(timeout=10)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=5)
+    parent.close()
+
+
+def send_arrived(conn, process, unsent: list[str], arrival: dict[str, float],
+                 prompts: list[list[int]], now: float) -> None:
+    """Hands the prefill side every unsent request whose arrival time has come (in order)."""
+    while unsent and arrival[unsent[0]] <= now and process.is_alive():
+        rid = unsent.pop(0)
+        conn.send(("request", rid, prompts[int(rid.split("-")[1])]))
+
+
 # -- the decode process ------------------------------------------------------------------------
 
 
@@ -791,17 +830,7 @@ def run_disaggregated(
         )
         transfer.register_cache(engine.runner.cache)
         timings["decode_ready_s"] = time.monotonic() - t_begin
-        if not parent.poll(max(1.0, settings.timeout_s)):
-            raise RuntimeError("the prefill process did not start in time")
-        try:
-            message = parent.recv()
-        except EOFError:
-            process.join(timeout=10)
-            raise RuntimeError(
-                f"the prefill process exited during start-up (code {process.exitcode})"
-            ) from None
-        if message[0] != "ready":
-            raise RuntimeError(f"prefill process: unexpected {message!r}")
+        await_prefill_ready(parent, process, settings.timeout_s)
         timings["prefill_ready_s"] = time.monotonic() - t_begin
         prompts = make_prompts(settings)
         t_serve = time.monotonic()
@@ -817,13 +846,7 @@ def run_disaggregated(
             bare = _bare_reads(transfer, peer_meta, _sample_read(results, samples))
         stats = transfer.stats.summary()
     finally:
-        with contextlib.suppress(OSError, BrokenPipeError):
-            parent.send(("exit",))
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
-        parent.close()
+        stop_prefill(parent, process)
         if transfer is not None:
             transfer.close()
     timings["total_s"] = time.monotonic() - t_begin
@@ -891,9 +914,7 @@ def _serve(settings, engine, transfer, conn, process, prompts, results, arrival,
     unsent = list(results)
     while any(r.status == "pending" for r in results.values()):
         now = time.monotonic()
-        while unsent and arrival[unsent[0]] <= now and process.is_alive():
-            rid = unsent.pop(0)
-            conn.send(("request", rid, prompts[int(rid.split("-")[1])]))
+        send_arrived(conn, process, unsent, arrival, prompts, now)
         if now > deadline:
             for rid in results:
                 fail(rid, f"timed out after {settings.timeout_s:.0f}s")

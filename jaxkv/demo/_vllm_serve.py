@@ -37,8 +37,11 @@ from jaxkv.demo._engines import (
     _child_env,
     _chunk,
     _devices,
+    await_prefill_ready,
     make_prompts,
     run_colocated,
+    send_arrived,
+    stop_prefill,
     wait_ready,
 )
 
@@ -352,8 +355,12 @@ def run_with_vllm_scheduler(
 
     Raises:
       RuntimeError: vLLM is not installed, or the prefill process did not start.
+      ValueError: ``prefill_processes`` other than 1.
     """
     _check_vllm()
+    if settings.prefill_processes != 1:
+        raise ValueError("--serve_with=vllm-scheduler runs a one-process prefill engine "
+                         f"(prefill_processes={settings.prefill_processes})")
     _vllm_env()
     t_begin = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
@@ -375,17 +382,7 @@ def run_with_vllm_scheduler(
         engine = _VllmEngine(settings, "kv_consumer", settings.decode_layout,
                              settings.decode_block_size, devices, "decode")
         timings["decode_ready_s"] = time.monotonic() - t_begin
-        if not parent.poll(max(1.0, settings.timeout_s)):
-            raise RuntimeError("the prefill process did not start in time")
-        try:
-            message = parent.recv()
-        except EOFError:
-            process.join(timeout=10)
-            raise RuntimeError(
-                f"the prefill process exited during start-up (code {process.exitcode})"
-            ) from None
-        if message[0] != "ready":
-            raise RuntimeError(f"prefill process: unexpected {message!r}")
+        await_prefill_ready(parent, process, settings.timeout_s)
         timings["prefill_ready_s"] = time.monotonic() - t_begin
         t_serve = time.monotonic()
         _serve(settings, engine, parent, process, make_prompts(settings), results, reference,
@@ -393,13 +390,7 @@ def run_with_vllm_scheduler(
         timings["serve_s"] = time.monotonic() - t_serve
         stats = engine.worker.engine.stats.summary() if engine.worker.engine else {}
     finally:
-        with contextlib.suppress(OSError, BrokenPipeError):
-            parent.send(("exit",))
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
-        parent.close()
+        stop_prefill(parent, process)
         if engine is not None:
             engine.close()
     timings["total_s"] = time.monotonic() - t_begin
@@ -449,9 +440,7 @@ def _serve(settings, engine: _VllmEngine, conn, process, prompts, results, refer
 
     while any(r.status == "pending" for r in results.values()):
         now = time.monotonic()
-        while unsent and arrival[unsent[0]] <= now and process.is_alive():
-            rid = unsent.pop(0)
-            conn.send(("request", rid, prompts[int(rid.split("-")[1])]))
+        send_arrived(conn, process, unsent, arrival, prompts, now)
         if now > deadline:
             for rid in results:
                 fail(rid, f"timed out after {settings.timeout_s:.0f}s")
