@@ -299,12 +299,6 @@ def _side(meta: EngineMetadata, rank: int) -> _Side:
 
 
 def _build_side(meta: EngineMetadata, rank: int) -> _Side:
-    if meta.padded:
-        raise PlanError(
-            f"engine {meta.engine_id!r}: packed / interleaved / padded storage (stored layout "
-            f"{meta.stored_layout}, packing {meta.packing}, head dim {meta.head_dim} stored as "
-            f"{meta.stored_head_dim}) is not planned by this planner"
-        )
     config = meta.config()
     tp_rank, pp_rank = config.coordinates(rank)
     layer_start, layer_stop = config.layer_range(pp_rank)
@@ -343,7 +337,9 @@ def _build_side(meta: EngineMetadata, rank: int) -> _Side:
     )
 
 
-def _source_ranks(local: _Side, remote_meta: EngineMetadata, layer: int) -> list[tuple[int, int]]:
+def _source_ranks(
+    local: _Side | _RowSide, remote_meta: EngineMetadata, layer: int
+) -> list[tuple[int, int]]:
     """For each local head of `layer`: ``(remote rank, remote head start)``."""
     config = remote_meta.config()
     pp = config.layer_owner(layer)
@@ -458,7 +454,10 @@ def _templates(
     key = (_geometry_key(local), local_rank, _geometry_key(remote), layers)
     cached = _TEMPLATE_CACHE.get(key)
     if cached is None:
-        cached = _build_templates(local, local_rank, remote, layers)
+        if local.padded or remote.padded:
+            cached = _build_row_templates(local, local_rank, remote, layers)
+        else:
+            cached = _build_templates(local, local_rank, remote, layers)
         if len(_TEMPLATE_CACHE) >= _TEMPLATE_CACHE_SIZE:
             _TEMPLATE_CACHE.pop(next(iter(_TEMPLATE_CACHE)))
         _TEMPLATE_CACHE[key] = cached
@@ -584,6 +583,243 @@ def _build_templates(
             )
         )
     return _Templates(rows, rbl, loc.block_len, tuple(sorted(remote_sides)), tuple(post))
+
+
+# -- padded storage (packed / interleaved / head-dim-aligned caches): value rows ------------
+#
+# A block of such a cache stores padding (phantom heads or tokens, head-dim lanes past
+# `head_dim`) and may interleave K and V on the head axis, so a run of heads is not a run of
+# bytes. The planner then works on *value rows*: the `head_dim` values of one (layer, kv,
+# head, token), contiguous on every layout (D is innermost and its padding trails it). Each
+# local row is matched with its remote row (TP / PP owner, sender block and token inside it)
+# and read straight into its final place: no padding byte is read or written, no rearranging
+# step follows. Rows adjacent on both sides coalesce into one descriptor, runs of equal length
+# at constant strides on both sides into one strided descriptor (whichever of four orders
+# yields the fewest), so an unpadded pair coalesces to the runs the slab planner makes.
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowSide:
+    """Byte geometry of one rank's blocks, value row by value row."""
+
+    meta: EngineMetadata
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layer_start: int
+    layer_stop: int
+    head_start: int
+    heads: int  # KV heads per rank (not the combined K/V heads)
+    block_len: int
+    axes: tuple[str, ...]  # stored block axes (`KVCacheSpec.block_axes`)
+    strides: tuple[int, ...]  # byte stride of each stored axis
+    interleaved: bool
+    packing: int | None
+    packed_axis: str
+    region_of: np.ndarray  # int64 [local layers, kv_factor]: region index of a row
+
+    def rows(
+        self, layer: np.ndarray, kv: np.ndarray, head: np.ndarray, token: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(region, byte offset in the block)`` of the value rows of (global layer, kv,
+        rank-local head, token), elementwise (int64 arrays of one shape)."""
+        local_layer = layer - self.layer_start
+        index = {
+            "L": local_layer,
+            "K": kv,
+            "H": 2 * head + kv if self.interleaved else head,
+            "T": token,
+        }
+        if self.packing is not None:
+            entry = index[self.packed_axis]
+            index[self.packed_axis], index[self.packed_axis.lower()] = np.divmod(
+                entry, self.packing
+            )
+        offset = np.zeros(np.shape(layer), np.int64)
+        for axis, stride in zip(self.axes, self.strides):
+            if axis != "D":
+                offset += index[axis] * stride
+        return self.region_of[local_layer, kv], offset
+
+
+def _row_side(meta: EngineMetadata, rank: int) -> _RowSide:
+    config = meta.config()
+    tp_rank, pp_rank = config.coordinates(rank)
+    layer_start, layer_stop = config.layer_range(pp_rank)
+    head_start, head_stop = config.head_range(tp_rank)
+    spec = config.local_spec(pp_rank)
+    shape = spec.block_shape(config.tp_size)
+    item = spec.itemsize
+    strides = [item * int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+    region_of = np.full((layer_stop - layer_start, spec.kv_factor), -1, np.int64)
+    for index, (layer, kv) in enumerate(spec.array_keys()):
+        region_of[slice(None) if layer is None else layer,
+                  slice(None) if kv is None else kv] = index
+    if (region_of < 0).any():  # array_keys cover every (layer, kv): a broken spec
+        raise PlanError(f"engine {meta.engine_id!r}: a (layer, kv) without a cache array")
+    regions = meta.rank_info(rank).regions
+    if len(regions) != spec.num_arrays:
+        raise PlanError(
+            f"rank {rank} of {meta.engine_id!r} publishes {len(regions)} regions, its layout "
+            f"needs {spec.num_arrays}"
+        )
+    return _RowSide(
+        meta=meta,
+        rank=rank,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        layer_start=layer_start,
+        layer_stop=layer_stop,
+        head_start=head_start,
+        heads=head_stop - head_start,
+        block_len=spec.block_nbytes(config.tp_size),
+        axes=spec.block_axes(),
+        strides=tuple(strides),
+        interleaved=spec.kv_interleaved,
+        packing=spec.packing,
+        packed_axis=spec.packed_axis,
+        region_of=region_of,
+    )
+
+
+def _build_row_templates(
+    local: EngineMetadata,
+    local_rank: int,
+    remote: EngineMetadata,
+    layers: tuple[int, int] | None = None,
+) -> _Templates:
+    """`_Templates` for a pair where either side stores padding: one descriptor per
+    coalesced run of value rows, every row read into its final place (no `post`)."""
+    loc = _row_side(local, local_rank)
+    first, stop = loc.layer_start, loc.layer_stop
+    if layers is not None:
+        first, stop = max(first, layers[0]), min(stop, layers[1])
+    if local.block_size % remote.block_size:  # check_compatible refuses it first
+        raise PlanError(
+            f"block size {local.block_size} is not a multiple of the remote {remote.block_size}"
+        )
+    t_local, t_remote = local.block_size, remote.block_size
+    row_len = local.head_dim * local.dtype_itemsize
+    # Every local value row: [layers, kv, heads, tokens] flattened.
+    grid = np.meshgrid(
+        np.arange(first, stop, dtype=np.int64),
+        np.arange(local.kv_factor, dtype=np.int64),
+        np.arange(loc.heads, dtype=np.int64),
+        np.arange(t_local, dtype=np.int64),
+        indexing="ij",
+    )
+    layer, kv, head, token = (g.reshape(-1) for g in grid)
+    if not len(layer):
+        return _Templates(np.zeros((0, 10), np.int64), np.zeros(0, np.int64), loc.block_len,
+                          (), ())
+    lg, lo = loc.rows(layer, kv, head, token)
+    # The remote rank of each (layer, local head), and the head's index on that rank.
+    source_rank = np.empty((stop - first, loc.heads), np.int64)
+    source_head = np.empty((stop - first, loc.heads), np.int64)
+    for i, lay in enumerate(range(first, stop)):
+        for h, (rr, rh0) in enumerate(_source_ranks(loc, remote, lay)):
+            source_rank[i, h] = rr
+            source_head[i, h] = loc.head_start + h - rh0
+    rr_rows = source_rank[layer - first, head]
+    rh_rows = source_head[layer - first, head]
+    sub, r_token = np.divmod(token, t_remote)
+    rg = np.empty_like(lg)
+    ro = np.empty_like(lo)
+    remote_sides: dict[int, _RowSide] = {}
+    for rr in np.unique(rr_rows).tolist():
+        side = remote_sides[rr] = _row_side(remote, rr)
+        sel = rr_rows == rr
+        rg[sel], ro[sel] = side.rows(layer[sel], kv[sel], rh_rows[sel], r_token[sel])
+    # (layer, kv, head, token) of each row: tie-breakers of the coalescing orders.
+    rows = _coalesce_rows(rr_rows, rg, ro, lg, lo, sub, row_len,
+                          np.stack([layer, kv, head, token], axis=1))
+    rows = rows[np.argsort(rows[:, _RR], kind="stable")]
+    rbl = np.array([remote_sides[int(r)].block_len for r in rows[:, _RR]], dtype=np.int64)
+    return _Templates(rows, rbl, loc.block_len, tuple(sorted(remote_sides)), ())
+
+
+def _coalesce_rows(
+    rr: np.ndarray,
+    rg: np.ndarray,
+    ro: np.ndarray,
+    lg: np.ndarray,
+    lo: np.ndarray,
+    sub: np.ndarray,
+    row_len: int,
+    coords: np.ndarray,
+) -> np.ndarray:
+    """Template rows (`COPY_COLUMNS` + sub-block) for value rows of `row_len` bytes: rows
+    adjacent on both sides merged, then equal runs at constant strides on both sides
+    grouped into strided descriptors, in whichever order makes the fewest."""
+    # 1. Contiguous runs: in local order, a row continues the previous one when both its
+    # offsets follow the previous row's on both sides (same remote rank, regions, sub-block).
+    order = np.lexsort((lo, lg, rg, rr, sub))
+    key = np.stack([sub, rr, rg, lg], axis=1)[order]
+    r_off, l_off = ro[order], lo[order]
+    cont = np.ones(len(order), bool)
+    cont[0] = False
+    cont[1:] = (
+        (key[1:] == key[:-1]).all(axis=1)
+        & (r_off[1:] - r_off[:-1] == row_len)
+        & (l_off[1:] - l_off[:-1] == row_len)
+    )
+    starts = np.flatnonzero(~cont)
+    lengths = np.diff(np.append(starts, len(order))) * row_len
+    run_key, run_r, run_l = key[starts], r_off[starts], l_off[starts]
+    run_coords = coords[order][starts]
+    # 2. Strided groups: try four orders of the runs (local bytes, remote bytes, head-major,
+    # token-major) and keep the one with the fewest descriptors.
+    base = [run_key[:, 3], run_key[:, 2], run_key[:, 1], run_key[:, 0]]  # lexsort: last first
+    layer_, kv_, head_, token_ = (run_coords[:, i] for i in range(4))
+    candidates = [
+        np.lexsort((run_l, lengths, *base)),
+        np.lexsort((run_r, lengths, *base)),
+        np.lexsort((token_, head_, kv_, layer_, lengths, *base)),
+        np.lexsort((head_, token_, kv_, layer_, lengths, *base)),
+    ]
+    best: list[tuple[int, ...]] | None = None
+    for perm in candidates:
+        groups = _stride_groups(run_key[perm], run_r[perm], run_l[perm], lengths[perm])
+        if best is None or len(groups) < len(best):
+            best = groups
+    assert best is not None
+    return np.array(best, dtype=np.int64).reshape(-1, 10)
+
+
+def _stride_groups(
+    key: np.ndarray, r_off: np.ndarray, l_off: np.ndarray, lengths: np.ndarray
+) -> list[tuple[int, ...]]:
+    """Greedy grouping of consecutive runs (same key and length) whose offsets advance by
+    the same positive, non-overlapping strides on both sides; one template row per group."""
+    keys = [tuple(k) for k in key.tolist()]
+    rs, ls, ns = r_off.tolist(), l_off.tolist(), lengths.tolist()
+    out: list[tuple[int, ...]] = []
+    i, total = 0, len(ns)
+    while i < total:
+        k, n = keys[i], ns[i]
+        j = i + 1
+        count = 1
+        r_stride = l_stride = n
+        if j < total and keys[j] == k and ns[j] == n:
+            dr, dl = rs[j] - rs[i], ls[j] - ls[i]
+            if dr >= n and dl >= n:
+                r_stride, l_stride = dr, dl
+                while (
+                    j < total
+                    and keys[j] == k
+                    and ns[j] == n
+                    and rs[j] - rs[j - 1] == dr
+                    and ls[j] - ls[j - 1] == dl
+                ):
+                    j += 1
+                count = j - i
+        sub, rr, rg, lg = k
+        if count > 1 and r_stride == n and l_stride == n:  # dense on both sides: one chunk
+            out.append((rr, rg, rs[i], lg, ls[i], n * count, 1, n * count, n * count, sub))
+        else:
+            out.append((rr, rg, rs[i], lg, ls[i], n, count, r_stride, l_stride, sub))
+        i += count
+    return out
 
 
 def _coalesce_templates(rows: np.ndarray) -> np.ndarray:
@@ -735,7 +971,10 @@ class ReadPlanner:
         self.local_rank, self.layers = local_rank, layers
         self.generations = (local.generation, remote.generation)
         self.ratio = local.block_size // remote.block_size
-        _side(local, local_rank)  # checks the local layout
+        if local.padded or remote.padded:
+            _row_side(local, local_rank)  # checks the local rank
+        else:
+            _side(local, local_rank)  # checks the local layout
         regions = local.rank_info(local_rank).regions
         self._local_regions = regions
         self._local_blocks = regions[0].num_blocks
