@@ -45,7 +45,8 @@ def fill_rank(
 ) -> list[np.ndarray]:
     """Writes the request's tokens (from `first_token`) into `block_ids` of one rank's
     arrays (``[num_blocks, *block_shape(tp)]``, unsigned ints of the dtype's width, written in
-    place); tokens past G are left as they were (a partly filled last block). Returns the boolean payload mask of each array's block."""
+    place); tokens past G are left as they were (a partly filled last block). Returns the
+    boolean payload mask of each array's block."""
     tp_rank, pp_rank = config.coordinates(rank)
     l0, _ = config.layer_range(pp_rank)
     h0, h1 = config.head_range(tp_rank)
