@@ -126,3 +126,77 @@ class PackedNumpyEngine:
 
     def copy(self) -> dict[int, list[np.ndarray]]:
         return {r: [a.copy() for a in arrays] for r, arrays in self.arrays.items()}
+
+
+def expected_rank_arrays(config: EngineConfig, rank: int, num_blocks: int, fill, g, block_ids,
+                         first_token: int = 0) -> list[np.ndarray]:
+    """One rank's arrays filled with `fill`, the request's tokens written into `block_ids`."""
+    arrays = rank_arrays(config, rank, num_blocks, fill)
+    fill_rank(config, rank, g, arrays, block_ids, first_token)
+    return arrays
+
+
+def make_cache(config: EngineConfig, num_blocks: int, fill, g=None, block_ids=(), mesh=None):
+    """A `PagedKVCache` of pipeline rank 0 over `mesh` (TP ranks in mesh order), every rank's
+    shard as `expected_rank_arrays` builds it."""
+    from jaxkv import PagedKVCache
+
+    spec = config.local_spec(0)
+    arrays = global_arrays(
+        config, 0,
+        lambda r: (expected_rank_arrays(config, r, num_blocks, fill, g, block_ids)
+                   if g is not None else rank_arrays(config, r, num_blocks, fill)),
+    )
+    return PagedKVCache.from_arrays(spec, [a.view(spec.dtype) for a in arrays], mesh=mesh)
+
+
+def producer_main(conn, num_devices: int) -> None:
+    """One process holding any number of producer engines, each on the first `tp` of
+    `num_devices` CPU devices, its cache random bytes with G's tokens in the request's
+    blocks. Commands: ("engine", name, spec, tp, g_seed, num_tokens, num_blocks, block_ids)
+    -> side-channel address; ("pin", name, request_id, block_ids, lease_s) ->
+    TransferParams; ("state", name) -> (pinned, freed); ("close", name); ("exit",)."""
+    import time
+
+    from transfer_testing import child_env
+
+    child_env(num_devices)
+    import jax
+
+    from jaxkv.transfer import KVTransferEngine
+
+    engines: dict = {}
+    freed: dict[str, list[str]] = {}
+    conn.send("ready")
+    try:
+        while True:
+            if conn.poll(0.0005):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "engine":
+                    _, name, spec, tp, g_seed, num_tokens, num_blocks, block_ids = command
+                    config = EngineConfig(spec, tp)
+                    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+                    g = g_cache(spec, num_tokens, g_seed)
+                    cache = make_cache(config, num_blocks, ("random", g_seed), g, block_ids,
+                                       mesh)
+                    engine = KVTransferEngine(name, config)
+                    engine.register_cache(cache)
+                    engines[name], freed[name] = engine, []
+                    conn.send(engine.address)
+                elif command[0] == "pin":
+                    _, name, request_id, block_ids, lease = command
+                    conn.send(engines[name].publish_request(request_id, block_ids, lease))
+                elif command[0] == "state":
+                    conn.send((engines[command[1]].num_pinned, list(freed[command[1]])))
+                elif command[0] == "close":
+                    engines.pop(command[1]).close()
+                    conn.send(True)
+            for name, engine in engines.items():
+                freed[name].extend(engine.poll().freeable)
+            if not engines:
+                time.sleep(0.001)
+    finally:
+        for engine in engines.values():
+            engine.close()

@@ -6,15 +6,27 @@ descriptors between byte buffers; the real ones read between engines in two proc
 
 from __future__ import annotations
 
-import itertools
+import os
 
-import numpy as np
-import packed_testing as pt
-import transfer_testing as tt
-from absl.testing import absltest, parameterized
+os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 
-from jaxkv import EngineConfig, KVCacheSpec
-from jaxkv.transfer import plan_read
+import contextlib  # noqa: E402
+import itertools  # noqa: E402
+import multiprocessing  # noqa: E402
+import time  # noqa: E402
+
+import kv_testing  # noqa: E402
+
+kv_testing.force_cpu_devices()
+
+import numpy as np  # noqa: E402
+import packed_testing as pt  # noqa: E402
+import pytest  # noqa: E402
+import transfer_testing as tt  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+
+from jaxkv import EngineConfig, KVCacheSpec  # noqa: E402
+from jaxkv.transfer import PlanError, nixl_available, plan_read  # noqa: E402
 
 NUM_BLOCKS = 10
 REMOTE_IDS = [3, 4, 5, 9, 2, 0]  # a run of consecutive ids and breaks
@@ -113,6 +125,153 @@ class PackedPlanTest(parameterized.TestCase):
         plan_case(self, other.replace(block_size=6), mla.replace(block_size=6 * ratio), *tp)
         plans = plan_case(self, mla, mla, *tp)
         self.assertLen(plans[0].read_ranks, 1)  # replicated: one remote rank read
+
+    @parameterized.product(tp=TP_PAIRS, dtype=["bfloat16", "float32", "float8_e4m3fn"])
+    def test_unpadded_runs_coalesce_like_word_columns(self, tp, dtype):
+        # head_dim 128: no padding lanes, whole words of heads per rank. The descriptors are
+        # exactly those of the byte-identical "word column" view (one THD "head" per word
+        # column, K and V together) that the tpu-inference connector registered before.
+        spec = packed(8, 128, 16, dtype)
+        packing = spec.packing
+
+        def view(tp_size):
+            return KVCacheSpec(LAYERS, 2 * 8 // packing, packing * 128, 16, dtype,
+                               layout="THD", kv_factor=1)
+
+        ids = np.arange(20, 36)
+        local = np.concatenate([np.arange(0, 8), np.arange(40, 48)])
+        for p_tp, d_tp in (tp, tp[::-1]):
+            real = plan_read(tt.fake_metadata("d", EngineConfig(spec, d_tp), 64), 0,
+                             tt.fake_metadata("p", EngineConfig(spec, p_tp), 64), local, ids)
+            word = plan_read(tt.fake_metadata("d", EngineConfig(view(d_tp), d_tp), 64), 0,
+                             tt.fake_metadata("p", EngineConfig(view(p_tp), p_tp), 64), local,
+                             ids)
+            np.testing.assert_array_equal(real.copies, word.copies)
+
+    def test_padded_rows_read_between_padding(self):
+        # head_dim 96 of 128 lanes, same TP: one strided descriptor per layer and run of
+        # blocks, 96 of every 128 lanes; never the padding.
+        spec = packed(4, 96, 4, "bfloat16")
+        meta = tt.fake_metadata("p", EngineConfig(spec, 1), NUM_BLOCKS)
+        plan = plan_read(tt.fake_metadata("d", EngineConfig(spec, 1), NUM_BLOCKS), 0, meta,
+                         [1, 2, 3], [5, 6, 7])
+        self.assertEqual(plan.num_descriptors, LAYERS)
+        row = plan.copies[0]
+        self.assertEqual((row[5], row[6], row[7], row[8]), (96 * 2, 3 * 4 * 8, 256, 256))
+
+    def test_unplannable_block_sizes_refused(self):
+        spec = packed(4, 96, 4, "bfloat16")
+        meta_p = tt.fake_metadata("p", EngineConfig(spec, 1), NUM_BLOCKS)
+        meta_d = tt.fake_metadata("d", EngineConfig(spec.replace(block_size=6), 1), NUM_BLOCKS)
+        with self.assertRaisesRegex(PlanError, "block size 6 is not a multiple of the remote 4"):
+            plan_read(meta_d, 0, meta_p, [1], [1], check=False)
+
+
+# -- real engines: producers in one child process, consumers here ------------------------------
+
+REAL_REMOTE = [3, 4, 5, 9, 2, 0]
+REAL_LOCAL = [6, 7, 8, 1, 0, 5]
+G_SEED = 13
+WAIT_S = 60.0
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+class PackedTransferTest(parameterized.TestCase):
+    """Reads over NIXL between real engines: the producers live in one child process (4
+    CPU devices) shared by every case, each consumer in this process."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        ctx = multiprocessing.get_context("spawn")
+        cls.conn, child = ctx.Pipe()
+        cls.process = ctx.Process(target=pt.producer_main, args=(child, 4), daemon=True)
+        cls.process.start()
+        child.close()
+        if not cls.conn.poll(WAIT_S):
+            raise TimeoutError("producer process did not start")
+        assert cls.conn.recv() == "ready"
+
+    @classmethod
+    def tearDownClass(cls):
+        with contextlib.suppress(OSError, BrokenPipeError):
+            cls.conn.send(("exit",))
+        cls.process.join(timeout=10)
+        if cls.process.is_alive():
+            cls.process.kill()
+            cls.process.join(timeout=5)
+        cls.conn.close()
+        super().tearDownClass()
+
+    def call(self, *command):
+        self.conn.send(command)
+        if not self.conn.poll(WAIT_S):
+            raise TimeoutError(f"producer did not answer {command[0]!r}")
+        return self.conn.recv()
+
+    def read(self, name, spec_p, p_tp, spec_d, d_tp):
+        """Producer `spec_p` over `p_tp` ranks -> consumer `spec_d` over `d_tp` ranks (its
+        cache all sentinel bytes); checks every shard of the consumer bit for bit."""
+        import jax
+
+        from jaxkv.transfer import KVTransferEngine
+
+        num_tokens = len(REAL_REMOTE) * spec_p.block_size
+        self.call("engine", name, spec_p, p_tp, G_SEED, num_tokens, NUM_BLOCKS, REAL_REMOTE)
+        self.addCleanup(self.call, "close", name)
+        params = self.call("pin", name, "req", REAL_REMOTE, 30.0)
+        config = EngineConfig(spec_d, d_tp)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:d_tp]), ("tp",))
+        cache = pt.make_cache(config, NUM_BLOCKS, pt.SENTINEL, mesh=mesh)
+        engine = KVTransferEngine(f"decode-{name}", config)
+        self.addCleanup(engine.close)
+        engine.register_cache(cache)
+        ratio = spec_d.block_size // spec_p.block_size
+        local_ids = REAL_LOCAL[: len(REAL_REMOTE) // ratio]
+        engine.start_read(params, local_ids)
+        finished, failed = tt.TransferTestBase.wait(engine, ["req"], WAIT_S)
+        self.assertEqual((finished, failed), (["req"], []))
+        g = pt.g_cache(spec_p, num_tokens, G_SEED)
+        devices = {d.id: tp for tp, d in enumerate(mesh.devices.reshape(-1))}
+        payload = 0
+        for index, array in enumerate(cache.arrays):
+            for shard in array.addressable_shards:
+                rank = devices[shard.device.id]
+                want = pt.expected_rank_arrays(config, rank, NUM_BLOCKS, pt.SENTINEL, g,
+                                               local_ids)[index]
+                got = kv_testing.bits(np.asarray(shard.data))
+                np.testing.assert_array_equal(got, want, err_msg=f"array {index} rank {rank}")
+            payload += sum(spec_d.payload_nbytes(d_tp) for _ in range(d_tp))
+        self.assertEqual(engine.stats.records[-1].bytes, payload * len(local_ids))
+        self.assertEqual(engine.stats.records[-1].post_s, 0.0)  # nothing rewritten after
+        engine.check_registrations(cache)
+        deadline = time.monotonic() + WAIT_S
+        while self.call("state", name)[1] != ["req"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.call("state", name), (0, ["req"]))
+
+    @parameterized.named_parameters(
+        # (name, producer spec, producer TP, consumer spec, consumer TP)
+        ("bf16_tp2_to_tp1", packed(4, 96, 4, "bfloat16"), 2, packed(4, 96, 4, "bfloat16"), 1),
+        ("bf16_tp2_to_tp4_ratio2", packed(4, 96, 4, "bfloat16"), 2,
+         packed(4, 96, 8, "bfloat16"), 4),
+        # fp8: one head per consumer rank = 2 combined heads in a word of 4 (2 phantoms)
+        ("fp8_tp1_to_tp4", packed(4, 96, 4, "float8_e4m3fn"), 1,
+         packed(4, 96, 4, "float8_e4m3fn"), 4),
+        ("fp32_packed_to_nhd", packed(4, 96, 4, "float32"), 2, plain(4, 96, 4, "float32", "THD"),
+         1),
+        ("bf16_hnd_to_packed_ratio2", plain(4, 96, 4, "bfloat16", "KHTD"), 2,
+         packed(4, 96, 8, "bfloat16"), 1),
+        ("fp8_packed_to_hnd_tp4", packed(4, 128, 4, "float8_e4m3fn"), 4,
+         plain(4, 128, 4, "float8_e4m3fn", "HTD"), 2),
+        # MLA: fp8 tokens packed 4 per word, page 6 -> 2 phantom tokens per page
+        ("mla_fp8_to_plain", KVCacheSpec.for_tpu_inference_mla(LAYERS, 72, 6, "float8_e4m3fn"),
+         1, KVCacheSpec.for_mla(LAYERS, 72, 6, "float8_e4m3fn", layout="LKTD"), 2),
+        ("mla_plain_to_bf16_ratio2", KVCacheSpec.for_mla(LAYERS, 72, 6, "bfloat16"), 2,
+         KVCacheSpec.for_tpu_inference_mla(LAYERS, 72, 12, "bfloat16"), 1),
+    )
+    def test_read(self, spec_p, p_tp, spec_d, d_tp):
+        self.read(self._testMethodName.replace("test_read_", ""), spec_p, p_tp, spec_d, d_tp)
 
 
 if __name__ == "__main__":
