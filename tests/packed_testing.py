@@ -42,8 +42,10 @@ def fill_rank(
     arrays: list[np.ndarray],
     block_ids,
     first_token: int = 0,
+    layers: tuple[int, int] | None = None,
 ) -> list[np.ndarray]:
-    """Writes the request's tokens (from `first_token`) into `block_ids` of one rank's
+    """Writes the request's tokens (from `first_token`; only the global `layers`, if given)
+    into `block_ids` of one rank's
     arrays (``[num_blocks, *block_shape(tp)]``, unsigned ints of the dtype's width, written in
     place); tokens past G are left as they were (a partly filled last block). Returns the
     boolean payload mask of each array's block."""
@@ -55,9 +57,11 @@ def fill_rank(
     masks = []
     for (layer_key, kv_key), array in zip(spec.array_keys(), arrays):
         mask = np.zeros(array.shape[1:], bool)
-        layers = range(spec.num_layers) if layer_key is None else [layer_key]
+        layer_range = range(spec.num_layers) if layer_key is None else [layer_key]
         kvs = range(spec.kv_factor) if kv_key is None else [kv_key]
-        for layer in layers:
+        for layer in layer_range:
+            if layers is not None and not layers[0] <= l0 + layer < layers[1]:
+                continue
             for kv in kvs:
                 for h in range(h1 - h0):
                     for tok in range(t):
@@ -153,8 +157,8 @@ def make_cache(config: EngineConfig, num_blocks: int, fill, g=None, block_ids=()
 def producer_main(conn, num_devices: int) -> None:
     """One process holding any number of producer engines, each on the first `tp` of
     `num_devices` CPU devices, its cache random bytes with G's tokens in the request's
-    blocks. Commands: ("engine", name, spec, tp, g_seed, num_tokens, num_blocks, block_ids)
-    -> side-channel address; ("pin", name, request_id, block_ids, lease_s) ->
+    blocks. Commands: ("engine", name, spec, tp, g_seed, num_tokens, num_blocks, block_ids,
+    engine_kwargs) -> side-channel address; ("pin", name, request_id, block_ids, lease_s) ->
     TransferParams; ("state", name) -> (pinned, freed); ("close", name); ("exit",)."""
     import time
 
@@ -175,13 +179,13 @@ def producer_main(conn, num_devices: int) -> None:
                 if command[0] == "exit":
                     break
                 if command[0] == "engine":
-                    _, name, spec, tp, g_seed, num_tokens, num_blocks, block_ids = command
+                    _, name, spec, tp, g_seed, num_tokens, num_blocks, block_ids, kwargs = command
                     config = EngineConfig(spec, tp)
                     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
                     g = g_cache(spec, num_tokens, g_seed)
                     cache = make_cache(config, num_blocks, ("random", g_seed), g, block_ids,
                                        mesh)
-                    engine = KVTransferEngine(name, config)
+                    engine = KVTransferEngine(name, config, **kwargs)
                     engine.register_cache(cache)
                     engines[name], freed[name] = engine, []
                     conn.send(engine.address)

@@ -9,7 +9,10 @@ cache and the read planner works unchanged on the mirror's addresses:
   the mirror rows (only the published layers' bytes for a layer-wise publication);
 * the consumer's READs land in its mirror; the received rows go mirror -> device with the
   scatter custom call (``scatter_blocks``), in place in the registered cache, before the
-  post-processing and before the request is reported finished.
+  post-processing and before the request is reported finished. A cache whose blocks store
+  padding (`KVCacheSpec.payload_mask`: packed phantom heads or tokens, padded head-dim lanes)
+  keeps its own padding: the received blocks are merged with the cache's current blocks on
+  the device (only the payload positions taken from the mirror) before the scatter.
 
 The mirror is plain page-aligned numpy memory registered as NIXL "DRAM". The copy to host is
 ``np.asarray`` of the gathered shard (zero-copy on CPU devices, one device-to-host copy
@@ -80,6 +83,10 @@ class HostMirror:
         self.buffers: dict[tuple[int, int], np.ndarray] = {}
         for b in cache.shard_buffers():
             self.buffers[(b.array_index, b.device.id)] = _aligned(b.nbytes)
+        # The payload positions of one shard's block, where the blocks store padding (else
+        # None): `stage_in` writes only those (the mirror's padding bytes are not the cache's).
+        payload = cache.spec.payload_mask(cache.tp_size)
+        self._payload = None if payload.all() else payload
         self._dense: dict[int, tuple] = {}  # padded length -> reusable gather output
         # (array, device, padded length) -> reusable host rows for `stage_in` (fresh pages
         # on every call cost more than the copies themselves)
@@ -161,6 +168,7 @@ class HostMirror:
             return cache
         padded = pad_block_ids(ids)
         dense = []
+        current = cache.gather_blocks(padded) if self._payload is not None else None
         for index, array in enumerate(cache.arrays):
             pieces = []
             for shard in array.addressable_shards:
@@ -185,6 +193,24 @@ class HostMirror:
                 (len(padded), *array.shape[1:]), sharding, pieces)
             if self.memory_kind is not None:  # pinned host -> device memory
                 staged = jax.device_put(staged, array.sharding)
+            if current is not None and self._payload is not None:
+                staged = _keep_padding(staged, current[index], self._payload)
             dense.append(staged)
         # Wait: the next call refills the same host rows, which a pending copy may still read.
         return cache.scatter_blocks(dense, padded).block_until_ready()
+
+
+def _keep_padding(received: Any, current: Any, payload: np.ndarray) -> Any:
+    """`received` blocks where a shard's block holds values, `current` ones on its padding
+    (both ``[n, *global block shape]``, sharded alike; `payload` is one shard's block)."""
+    import jax
+    import jax.numpy as jnp
+
+    mask = np.zeros(received.shape[1:], bool)
+    for shard in received.addressable_shards:  # each shard's block at its place
+        mask[shard.index[1:]] = payload
+    # Selected as unsigned ints of the same width: a float select may canonicalize NaNs.
+    width = jnp.dtype(f"uint{8 * received.dtype.itemsize}")
+    bits = jnp.where(mask, jax.lax.bitcast_convert_type(received, width),
+                     jax.lax.bitcast_convert_type(current, width))
+    return jax.lax.bitcast_convert_type(bits, received.dtype)
