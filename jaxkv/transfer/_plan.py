@@ -730,6 +730,18 @@ def _build_row_templates(
         side = remote_sides[rr] = _row_side(remote, rr)
         sel = rr_rows == rr
         rg[sel], ro[sel] = side.rows(layer[sel], kv[sel], rh_rows[sel], r_token[sel])
+    # Every row inside its block on both sides (the strides come from the stored shapes, so
+    # this holds by construction; checked because a wrong offset would write another block).
+    r_len = np.zeros_like(ro)
+    for rr, side in remote_sides.items():
+        r_len[rr_rows == rr] = side.block_len
+    if (lo + row_len > loc.block_len).any() or (ro + row_len > r_len).any() or (
+        (lo < 0).any() or (ro < 0).any()
+    ):
+        raise PlanError(
+            f"value rows of {local.engine_id!r} rank {local_rank} fall outside a block "
+            f"(stored layouts {local.stored_layout} / {remote.stored_layout}): not planned"
+        )
     # (layer, kv, head, token) of each row: tie-breakers of the coalescing orders.
     rows = _coalesce_rows(rr_rows, rg, ro, lg, lo, sub, row_len,
                           np.stack([layer, kv, head, token], axis=1))
