@@ -188,6 +188,29 @@ class PackedPlanTest(parameterized.TestCase):
             plan_read(meta_d, 0, meta_p, [1], [1], check=False)
 
 
+class PackedMirrorTest(absltest.TestCase):
+    """Host mirrors of packed caches (no NIXL needed)."""
+
+    def test_layerwise_stage_out_selects_the_stored_layer_axis(self):
+        # The packed head axis is stored as two axes before L: a layer-wise copy into the
+        # mirror must select L among the stored axes (H, h, L, T, D), not the layout letters.
+        from jaxkv import PagedKVCache
+        from jaxkv.transfer import HostMirror
+
+        spec = KVCacheSpec(2, 2, 8, 4, "bfloat16", layout="HLTD", kv_interleaved=True,
+                           packing=2, head_dim_alignment=16)
+        self.assertEqual(spec.block_axes(), ("H", "h", "L", "T", "D"))
+        host = kv_testing.random_bits(np.random.default_rng(0), spec.array_shape(6),
+                                      spec.dtype)
+        cache = PagedKVCache.from_arrays(spec, [host])
+        mirror = HostMirror(cache)
+        mirror.stage_out(cache, [1, 4], layers=(1, 2))
+        got = next(iter(mirror.buffers.values())).view(np.uint16).reshape(6, *spec.block_shape())
+        want = np.zeros_like(got)
+        want[[1, 4], :, :, 1] = kv_testing.bits(host)[[1, 4], :, :, 1]
+        np.testing.assert_array_equal(got, want)
+
+
 # -- real engines: producers in one child process, consumers here ------------------------------
 
 REAL_REMOTE = [3, 4, 5, 9, 2, 0]

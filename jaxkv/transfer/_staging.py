@@ -127,7 +127,7 @@ class HostMirror:
         dense = cache.gather_blocks(padded, out=out) if out is not None else None
         if dense is None:
             dense = cache.gather_blocks(padded)
-        layout = self.spec.layout
+        layout = self.spec.block_axes()  # stored axes: a packed axis is two of them
         source = tuple(dense)
         if self.memory_kind is not None:
             import jax
