@@ -106,6 +106,16 @@ class PackedPlanTest(parameterized.TestCase):
         plan_case(self, spec_p, other, *tp)
         plan_case(self, other.replace(block_size=4), spec_p.replace(block_size=4 * ratio), *tp)
 
+    @parameterized.parameters(itertools.product(TP_PAIRS, ["HLTD", "LTHD", "THLD"]))
+    def test_other_stored_layouts(self, tp, layout):
+        # packed storage with the layer axis inside the block, anywhere (the slab planner
+        # for plain caches needs L and K outside H and T; value rows do not)
+        spec_p = packed(4, 96, 4, "float8_e4m3fn")
+        other = KVCacheSpec(LAYERS, 4, 96, 4, "float8_e4m3fn", layout=layout,
+                            kv_interleaved=True, packing=4, head_dim_alignment=32)
+        plan_case(self, spec_p, other, *tp)
+        plan_case(self, other, spec_p, *tp)
+
     @parameterized.parameters(itertools.product([(1, 1), (3, 1), (1, 3), (3, 3)], [1, 2]))
     def test_phantom_heads(self, tp, ratio):
         # 3 heads: 6 combined K/V heads in 2 words of 4 fp8 values (2 phantoms); one head
