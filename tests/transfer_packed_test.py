@@ -221,6 +221,26 @@ class PackedMirrorTest(absltest.TestCase):
         np.testing.assert_array_equal(got, want)
 
 
+class PackedJitTest(absltest.TestCase):
+    def test_written_token_depends_on_every_head_shard(self):
+        # Tokens packed before the head axis (stored T, t, H, D): the token must read the
+        # stored H axis (every TP shard), not the layout's third letter.
+        import jax
+
+        from jaxkv import PagedKVCache
+        from jaxkv.transfer import written_token
+
+        spec = KVCacheSpec(1, 2, 8, 4, "bfloat16", layout="THD", packing=2, packed_axis="T")
+        self.assertEqual(spec.block_axes(), ("T", "t", "H", "D"))
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+        host = np.zeros(spec.array_shape(4, tp_size=1), spec.dtype)
+        zero = PagedKVCache.from_arrays(spec, [host, host], mesh=mesh)
+        host = host.copy()
+        host[0, 0, 0, 1, 0] = 1  # head 1: the second TP shard
+        one = PagedKVCache.from_arrays(spec, [host, host], mesh=mesh)
+        self.assertNotEqual(int(written_token(zero)), int(written_token(one)))
+
+
 # -- real engines: producers in one child process, consumers here ------------------------------
 
 REAL_REMOTE = [3, 4, 5, 9, 2, 0]

@@ -72,8 +72,8 @@ def written_token(written: Any) -> Any:
 
     head_axis = None
     if hasattr(written, "spec") and hasattr(written, "arrays"):
-        layout = written.spec.layout
-        head_axis = 1 + layout.index("H") if "H" in layout else None
+        axes = written.spec.block_axes()  # stored axes: a packed axis is two of them
+        head_axis = 1 + axes.index("H") if "H" in axes else None
         leaves = list(written.arrays)
     else:
         leaves = jax.tree.leaves(written)
