@@ -213,8 +213,9 @@ def split_for_peers(
 
     Args:
       cache: this rank's cross-layer cache ``[num_blocks, L_local, K, H_rank, T, D]``
-        (``self_cfg.spec.layout == "LKHTD"``); not modified. A head-sharded array runs per
-        shard and returns buffers sharded the same way.
+        (``self_cfg.spec.layout == "LKHTD"``, unpadded and unpacked); not modified. Also the
+        array of several TP ranks of the stage, their heads side by side (``H = m * H_rank``),
+        sharded or not; see "Shardings" below.
       block_ids: int32 ids of the blocks to send, shape ``[n]``; rows of negative ids are zero.
       self_cfg, peer_cfg: this engine and the peer engine.
       rank: this rank (``pp_rank * tp_size + tp_rank``). Only its PP rank changes the data
@@ -223,12 +224,28 @@ def split_for_peers(
         allocating new ones: a staging area reused every step.
       validate_ids: see `jaxkv.ops.copy_blocks`.
 
+    Shardings (eagerly, or traced inside the caller's jit; no collective either way):
+
+    * heads over a TP mesh axis or a tuple of axes (``P(None, None, None, ("model",
+      "expert"))``): each shard holding whole ranks splits its own heads; buffer ``k``'s
+      head axis holds each rank's buffer ``k`` side by side (``m * Hn`` heads) and is sharded
+      like the cache's, so a shard's piece of it is its rank's buffer ``k``.
+    * the block axis over a data axis (``P("data", None, None, "model")``, data parallelism:
+      shard ``s`` of ``S`` owns blocks ``[s * B / S, (s + 1) * B / S)``): ids stay global and
+      come in ``S`` equal segments, segment ``s`` naming blocks of shard ``s`` (or -1); the
+      buffers' rows are sharded like the block axis, row ``i`` written by the shard of
+      segment ``i // (n / S)`` (concrete ids in another shard's segment raise; traced ones
+      give zero rows). In your jit give the outputs the cache's sharding (``out_shardings``)
+      or pass `out`, or XLA gathers them.
+    * replicated (``P()``): every device computes the same buffers, replicated.
+
     Returns:
-      ``plan.num_buffers`` dense buffers, in buffer order.
+      ``plan.num_buffers`` dense buffers, in buffer order, sharded like the cache.
 
     Raises:
       ValueError: incompatible engines (see `plan_peers`), a cache of the wrong shape, dtype or
-        layout, wrong `out` buffers.
+        layout, a packed or padded spec, wrong `out` buffers, ids that do not come in equal
+        segments of their data shards, a sharding of another axis than blocks and heads.
       IndexError: an id out of range (concrete ids).
 
     Example (docs/data-movement.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
@@ -284,21 +301,29 @@ def concat_from_peers(
     (``plan.kept_ranks`` for ``plan = jaxkv.ops.plan_peers(self_cfg, peer_cfg, rank)``).
 
     Args:
-      cache: this rank's cross-layer cache ``[num_blocks, L_local, K, H_rank, T, D]``.
+      cache: this rank's cross-layer cache ``[num_blocks, L_local, K, H_rank, T, D]``, or
+        several TP ranks' heads side by side, sharded as `split_for_peers` describes.
         Consumed (donated) outside jit.
-      buffers: ``plan.num_buffers`` dense buffers of ``plan.buffer_shapes(n)``.
+      buffers: ``plan.num_buffers`` dense buffers of ``plan.buffer_shapes(n)`` (per rank
+        held: ``m`` ranks' buffers side by side on the head axis), sharded like the cache
+        (rows in segments over a sharded block axis, see `split_for_peers`).
       block_ids: int32 ids of the blocks to fill, shape ``[n]``; negative ids are skipped;
         unique.
       self_cfg, peer_cfg: this (receiving) engine and the sending engine.
       rank: this rank; see `split_for_peers`.
       validate_ids: see `jaxkv.ops.copy_blocks`.
 
+    On a sharded block axis the ids come in one segment per data shard like
+    `split_for_peers`' rows: shard ``s`` writes the blocks it owns named in segment ``s``
+    from its rows of the buffers (concrete ids elsewhere raise; traced ones are skipped).
+
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: incompatible engines, a cache or buffers of the wrong shape or dtype, the
-        wrong number of buffers, repeated ids.
+      ValueError: incompatible engines, a cache or buffers of the wrong shape or dtype, a
+        packed or padded spec, the wrong number of buffers, repeated ids, ids outside their
+        data shard's segment.
       IndexError: an id out of range (concrete ids).
 
     Example (docs/data-movement.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2
