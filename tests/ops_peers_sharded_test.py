@@ -220,6 +220,25 @@ class ShardedPeerOpsTest(parameterized.TestCase):
             jax.jit(lambda c, i: ops.split_for_peers(c, i, tp1, peer, 0)).lower(
                 jax.device_put(host, tokens), jnp.zeros(2, jnp.int32)).compile()
 
+    def test_explicit_mesh(self):
+        # jax.make_mesh's Explicit axes: eagerly the ops run per shard; inside jit they are
+        # refused clearly (the buffers' types would come out unsharded and be gathered).
+        _, me, peer, host, buffers = self._setup("data_model_tp2", seed=2)
+        sharding = NamedSharding(jax.make_mesh((2, 2), ("data", "model")),
+                                 P("data", None, None, "model"))
+        ids = _owned(SPLIT_IDS, 2)
+        split = ops.split_for_peers(jax.device_put(host, sharding), ids, me, peer, 0)
+        for k, (got, want) in enumerate(zip(split, want_split(host, ids, me, peer, 2))):
+            self._assert(got, want, sharding, f"split buffer {k}")
+        targets = _owned(CONCAT_IDS, 2)
+        merged = ops.concat_from_peers(jax.device_put(host, sharding),
+                                       [jax.device_put(b, sharding) for b in buffers], targets,
+                                       me, peer, 0)
+        self._assert(merged, want_concat(host, buffers, targets, me, peer, 2), sharding, "concat")
+        with self.assertRaisesRegex(NotImplementedError, "Explicit mesh axes"):
+            jax.jit(lambda c, i: ops.split_for_peers(c, i, me, peer, 0)).lower(
+                jax.device_put(host, sharding), ids)
+
     def test_traced_ids_on_one_device(self):
         # The whole engine's array on one device (4 TP ranks side by side): padding rows are
         # zero, and a bad traced id raises from the handler.

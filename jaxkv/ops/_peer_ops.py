@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._partition import block_axes
 from jaxkv.ops._reshape_ops import run_per_shard
 
 __all__ = ["concat_from_peers", "split_for_peers"]
@@ -74,6 +75,25 @@ def _plan_for_cache(cache: Any, self_cfg: EngineConfig, peer_cfg: EngineConfig,
     if np.dtype(cache.dtype) != spec.dtype:
         raise ValueError(f"cache dtype {cache.dtype} differs from the spec's {spec.dtype}")
     return plan, tuple(expected)
+
+
+def _check_not_explicit(cache: Any, op: str) -> None:
+    """Refuses a traced cache that an Explicit mesh axis shards (sharding in types): there the
+    buffers' types would come out unsharded and XLA would gather them."""
+    if not isinstance(cache, jax.core.Tracer):
+        return
+    sharding = getattr(jax.typeof(cache), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if sharding is None or mesh is None or getattr(mesh, "empty", True):
+        return
+    explicit = set(getattr(mesh, "explicit_axes", ()))
+    used = {axis for entry in tuple(sharding.spec) for axis in block_axes(entry)}
+    if used & explicit:
+        raise NotImplementedError(
+            f"jaxkv.ops.{op}: inside jit, a cache sharded over Explicit mesh axes "
+            f"({sorted(used & explicit)}; jax.make_mesh's default) is not supported: use an "
+            "Auto mesh (jax.sharding.Mesh, or make_mesh(..., axis_types=(AxisType.Auto, ...))), "
+            "call the op eagerly, or call it under your own shard_map")
 
 
 def _ranks_held(block: tuple[int, ...], expected: tuple[int, ...],
@@ -257,6 +277,7 @@ def split_for_peers(
       ([(1, 2, 2, 2, 1, 1), (1, 2, 2, 2, 1, 1)], [24.0, 25.0, 26.0, 27.0, 28.0, 29.0, 30.0, 31.0])
     """
     plan, rank_block = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
+    _check_not_explicit(cache, "split_for_peers")
     unit = rank_block[_HEAD_AXIS - 1]
     ids = as_id_array(block_ids, "block_ids")
     host = concrete_ids(ids)
@@ -337,6 +358,7 @@ def concat_from_peers(
       [1.0, 1.0, 2.0, 2.0]
     """
     plan, rank_block = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
+    _check_not_explicit(cache, "concat_from_peers")
     unit = rank_block[_HEAD_AXIS - 1]
     ids = as_id_array(block_ids, "block_ids")
     buffers = tuple(
