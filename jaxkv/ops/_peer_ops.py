@@ -257,6 +257,8 @@ def split_for_peers(
       segment ``i // (n / S)`` (concrete ids in another shard's segment raise; traced ones
       give zero rows). In your jit give the outputs the cache's sharding (``out_shardings``)
       or pass `out`, or XLA gathers them.
+    * inside jit the mesh must have Auto axes (``jax.sharding.Mesh``); a cache sharded over
+      Explicit axes (``jax.make_mesh``'s default) is refused there, and runs eagerly.
     * replicated (``P()``): every device computes the same buffers, replicated.
 
     Returns:
@@ -267,6 +269,7 @@ def split_for_peers(
         layout, a packed or padded spec, wrong `out` buffers, ids that do not come in equal
         segments of their data shards, a sharding of another axis than blocks and heads.
       IndexError: an id out of range (concrete ids).
+      NotImplementedError: inside jit, a cache sharded over Explicit mesh axes.
 
     Example (docs/data-movement.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
       >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
@@ -345,6 +348,7 @@ def concat_from_peers(
       ValueError: incompatible engines, a cache or buffers of the wrong shape or dtype, a
         packed or padded spec, the wrong number of buffers, repeated ids, ids outside their
         data shard's segment.
+      NotImplementedError: inside jit, a cache sharded over Explicit mesh axes.
       IndexError: an id out of range (concrete ids).
 
     Example (docs/data-movement.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2
