@@ -162,6 +162,32 @@ class ShardedPeerOpsTest(parameterized.TestCase):
         self._assert(merged, want_concat(host, buffers, targets, me, peer, shards), sharding,
                      "concat")
 
+    def test_split_into_reused_buffers(self):
+        # `out=`: staging buffers sharded like the cache, donated and written in place, in the
+        # caller's jit (no collective) and eagerly.
+        sharding, me, peer, host, _ = self._setup("data_model_tp2", seed=3)
+        shapes = ops.plan_peers(me, peer, 0).buffer_shapes(len(SPLIT_IDS))
+        staging = [jax.device_put(np.zeros((*s[:3], s[3] * 2, *s[4:]), np.float32), sharding)
+                   for s in shapes]
+        addresses = [[x.data.unsafe_buffer_pointer() for x in b.addressable_shards]
+                     for b in staging]
+        step = jax.jit(lambda c, i, o: ops.split_for_peers(c, i, me, peer, 0, out=o,
+                                                           validate_ids=False),
+                       donate_argnums=2)
+        cache = jax.device_put(host, sharding)
+        compiled = step.lower(cache, SPLIT_IDS, staging).compile()
+        self.assertEqual([c for c in COLLECTIVES if c in compiled.as_text()], [])
+        staging = compiled(cache, SPLIT_IDS, staging)
+        for k, (got, want) in enumerate(zip(staging, want_split(host, SPLIT_IDS, me, peer, 2))):
+            self._assert(got, want, sharding, f"buffer {k}")
+            self.assertEqual([x.data.unsafe_buffer_pointer() for x in got.addressable_shards],
+                             addresses[k])
+        ids = np.array([3, 2, -1, 0, -1, -1, 5, 4], np.int32)
+        again = ops.split_for_peers(cache, ids, me, peer, 0, out=staging)
+        for k, (got, want) in enumerate(zip(again, want_split(host, ids, me, peer, 2))):
+            self._assert(got, want, sharding, f"eager buffer {k}")
+        self.assertTrue(all(b.is_deleted() for b in staging))
+
     def test_pallas_under_shard_map_in_jit(self):
         # Pallas's interpret mode runs without a sharding rule: inside the caller's shard_map
         # each device runs its rank's kernels, still without a collective.
