@@ -40,6 +40,9 @@ CASES = {
                             P("data", None, None, ("model", "expert")), 2, "tp4"),
     # two heads per rank, each rank's buffers hold one head: other head counts per shard.
     "data_model_tp2": ((2, 2), ("data", "model"), P("data", None, None, "model"), 2, "tp4"),
+    # four ranks' heads over two shards: each shard holds two whole ranks.
+    "two_ranks_per_shard": ((2, 2), ("data", "model"), P("data", None, None, "model"), 4,
+                            "tp1_pp2"),
     # blocks over 4 data shards, heads unsharded: every shard holds both TP ranks' heads.
     "data_only": ((4,), ("data",), P("data"), 2, "tp4"),
     "heads_only": ((4,), ("model",), P(None, None, None, "model"), 4, "tp1_pp2"),
