@@ -8,6 +8,8 @@ import kv_testing
 kv_testing.force_cpu_devices()
 
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import jax
@@ -405,6 +407,35 @@ class SwitchTest(absltest.TestCase):
             self.assertIn("stablehlo.scatter", text)
         with ops.implementation("pallas"):
             self.assertNotIn("jaxkv_copy_blocks", lowered())
+
+    def test_the_environment_variable_changes_what_is_lowered(self):
+        # JAXKV_OPS_IMPL set when the process starts (how CI or a user forces one), in a
+        # fresh process: what each op lowers to, and a wrong name refused by the op.
+        script = (
+            "import jax, jax.numpy as jnp\n"
+            "from jaxkv import ops\n"
+            "c = jnp.arange(8.0).reshape(4, 2)\n"
+            "f = jax.jit(lambda c: ops.copy_blocks(c, jnp.array([0]), jnp.array([1]),\n"
+            "                                      validate_ids=False))\n"
+            "text = f.lower(c).as_text()\n"
+            "print(ops.current_implementation(), 'jaxkv_copy_blocks' in text,\n"
+            "      'callback' in text, f(c)[1].tolist())\n"
+        )
+        # The custom call; jnp (no callback); Pallas's interpret mode (host callbacks).
+        runs = {"ffi": "ffi True False [0.0, 1.0]",
+                "reference": "reference False False [0.0, 1.0]",
+                "pallas": "pallas False True [0.0, 1.0]"}
+        for name, want in runs.items():
+            env = dict(os.environ, JAXKV_OPS_IMPL=name, JAX_PLATFORMS="cpu")
+            done = subprocess.run([sys.executable, "-P", "-c", script], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+            self.assertEqual(done.stdout.strip().splitlines()[-1], want, name)
+        env = dict(os.environ, JAXKV_OPS_IMPL="tpu", JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-P", "-c", script], env=env,
+                              capture_output=True, text=True, timeout=120)
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("JAXKV_OPS_IMPL must be one of", done.stderr)
 
     def test_pallas_lowers_for_tpu(self):
         # Lowering for a TPU from this CPU-only machine with the Pallas implementation gives

@@ -1,7 +1,7 @@
 """Raw ops inside the caller's own jit on a sharded cache: local per shard (no collective in
 the compiled HLO), the result keeps the cache's sharding, values exact. A sharded block axis
 (data parallelism): each shard handles the global ids it owns, dense rows in segments, against
-a numpy model of that rule; ops without that rule (peer split/concat) refuse it."""
+a numpy model of that rule (peer split/concat: ops_peers_sharded_test.py)."""
 
 import kv_testing
 
@@ -150,18 +150,6 @@ class ShardedInJitTest(parameterized.TestCase):
                                            "KHTD")
         self._check(lambda c, s, d: ops.copy_block_prefix(c, c, s, d, 3, "KHTD"),
                     (cache, src, dst), 0, want, sharding)
-
-    def test_peer_ops_refuse_a_sharded_block_axis(self):
-        from jaxkv import EngineConfig, KVCacheSpec
-
-        spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4,
-                           dtype="float32", layout="LKHTD")
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
-        cache = jax.device_put(np.zeros((8, 1, 2, 2, 4, 8), np.float32),
-                               NamedSharding(mesh, P("dp")))
-        me, peer = EngineConfig(spec, tp_size=1), EngineConfig(spec, tp_size=2)
-        with self.assertRaisesRegex(Exception, "block axis"):
-            ops.split_for_peers(cache, [0], me, peer, 0)
 
     def test_donated_sharded_cache_is_updated_in_place(self):
         sharding = NamedSharding(_mesh("2d"), P(None, "dp", "tp"))

@@ -41,7 +41,7 @@ try:  # private, but the only way to tell a vmap tracer; without it, vmap is not
 except ImportError:  # pragma: no cover
     _BATCH_TRACERS = ()
 
-__all__ = ["IdRoles", "ShardingError", "localize_ids", "partitioned_call"]
+__all__ = ["GroupedAxes", "IdRoles", "ShardingError", "localize_ids", "partitioned_call"]
 
 IdRoles = tuple[tuple[int, str, int], ...]
 """How an op's ids find their shard on a sharded block axis: ``(operand index of the ids,
@@ -54,49 +54,92 @@ class ShardingError(ValueError):
     """A sharding under which an op cannot run shard-locally (raised while compiling)."""
 
 
+GroupedAxes = tuple[tuple[int, int], ...]
+"""Axes of the cache made of whole units side by side: ``(axis, unit)``, the cache's axis
+holding ``size // unit`` units of `unit` entries (e.g. the heads of several TP ranks), every
+other block array holding as many units of its own along that axis (a rank's buffer heads).
+A shard holds whole units: a sharding of the cache's axis carries over to the others' axes."""
+
+
 def _rule(shapes: Sequence[tuple[int, ...]], kinds: Sequence[str], reference: int,
-          result_shapes: Sequence[tuple[int, ...]]) -> tuple[str, tuple[str, ...], tuple[int, ...]]:
-    """The einsum-like Shardy rule, the factors that need replication, and the per-block axes
-    of the reference operand that other block arrays do not share (must stay unsharded)."""
+          result_shapes: Sequence[tuple[int, ...]], grouped: GroupedAxes = (),
+          ) -> tuple[str, tuple[str, ...], tuple[int, ...], dict[str, int]]:
+    """The einsum-like Shardy rule, the factors that need replication, the per-block axes
+    of the reference operand that other block arrays do not share (must stay unsharded) and
+    the sizes of the factors used only inside compound factors."""
     ref_shape = shapes[reference]
     block_factors = [f"a{d}" for d in range(1, len(ref_shape))]
     unique = iter(f"u{i}" for i in range(10_000))
     replicated: list[str] = []
     unshared: set[int] = set()
+    sizes: dict[str, int] = {}
+    whole: set[str] = set()  # factors that are a whole dimension somewhere
+    # Grouped axes: the reference's axis is (g, a) with g = the number of units.
+    groups = {d: ref_shape[d] // unit for d, unit in grouped
+              if 0 < d < len(ref_shape) and unit > 0 and ref_shape[d] % unit == 0
+              and ref_shape[d] // unit > 1}
+
+    def factor(name: str, size: int) -> str:
+        sizes[name] = size
+        return name
+
+    def grouped_dim(d: int, size: int, inner: str) -> str:
+        """Dimension `d` of `size` entries as units ``g{d}`` times `inner`."""
+        outer = factor(f"g{d}", groups[d])
+        if size == groups[d]:
+            whole.add(outer)
+            return outer
+        return f"({outer} {factor(inner, size // groups[d])})"
+
+    def reference_dim(d: int) -> str:
+        if d in groups:
+            return grouped_dim(d, ref_shape[d], block_factors[d - 1])
+        whole.add(block_factors[d - 1])
+        return block_factors[d - 1]
+
+    def plain(name: str) -> str:
+        whole.add(name)
+        return name
 
     def blocks_mapping(shape: tuple[int, ...], leading: str) -> str:
-        factors = [leading]
+        factors = [plain(leading)]
         for d in range(1, len(shape)):
             if len(shape) == len(ref_shape) and shape[d] == ref_shape[d]:
-                factors.append(block_factors[d - 1])
+                factors.append(reference_dim(d))
+            elif len(shape) == len(ref_shape) and d in groups and shape[d] % groups[d] == 0:
+                factors.append(grouped_dim(d, shape[d], next(unique)))
             else:
-                factors.append(next(unique))
+                factors.append(plain(next(unique)))
                 if d < len(ref_shape):
                     unshared.add(d)
         return " ".join(factors)
+
+    def reference_mapping() -> str:
+        return " ".join([plain("n"), *(reference_dim(d) for d in range(1, len(ref_shape)))])
 
     operands = []
     dense: dict[tuple[int, ...], str] = {}
     for i, (shape, kind) in enumerate(zip(shapes, kinds)):
         if i == reference:
-            operands.append(" ".join(["n", *block_factors]))
+            operands.append(reference_mapping())
         elif kind == "blocks":
             operands.append(blocks_mapping(shape, next(unique)))
             dense.setdefault(tuple(shape), operands[-1])
         else:
-            factors = [next(unique) for _ in shape]
+            factors = [plain(next(unique)) for _ in shape]
             replicated.extend(factors)
             operands.append(" ".join(factors))
     results = []
     for shape in result_shapes:
         if tuple(shape) == tuple(ref_shape):
-            results.append(" ".join(["n", *block_factors]))
+            results.append(reference_mapping())
         elif tuple(shape) in dense:  # written into that operand (gather's `out`)
             results.append(dense[tuple(shape)])
         else:
             results.append(blocks_mapping(shape, next(unique)))
     rule = ", ".join(operands) + " -> " + ", ".join(results)
-    return rule, tuple(replicated), tuple(sorted(unshared))
+    compound_only = {name: size for name, size in sizes.items() if name not in whole}
+    return rule, tuple(replicated), tuple(sorted(unshared)), compound_only
 
 
 def localize_ids(operands: Sequence[Any], roles: IdRoles, axes: tuple[str, ...],
@@ -164,9 +207,11 @@ def _partitioned(
     multiple_results: bool,
     unsharded_axes: tuple[tuple[int, str], ...],
     roles: IdRoles = (),
+    grouped: GroupedAxes = (),
 ) -> Callable[..., Any]:
     kwargs = dict(static)
-    rule, need_replication, unshared = _rule(shapes, kinds, reference, result_shapes)
+    rule, need_replication, unshared, factor_sizes = _rule(shapes, kinds, reference,
+                                                           result_shapes, grouped)
 
     def run(*operands):
         return local(*operands, **kwargs)
@@ -205,6 +250,14 @@ def _partitioned(
                     f"jaxkv.ops.{op}: axis {axis} of the cache is sharded ({sharding}), but "
                     f"{why}; shard another axis."
                 )
+        local = sharding.shard_shape(tuple(ref.shape))
+        for axis, unit in grouped:
+            if axis in sharded and local[axis] % unit:
+                raise ShardingError(
+                    f"jaxkv.ops.{op}: axis {axis} of the cache is sharded ({sharding}) into "
+                    f"pieces of {local[axis]}, which do not hold whole units of {unit} (one "
+                    "rank's entries); shard it over at most as many devices as it has units."
+                )
         bad = [d for d in sharded if d in unshared]
         if bad:
             raise ShardingError(
@@ -238,6 +291,7 @@ def _partitioned(
         infer_sharding_from_operands=infer,
         sharding_rule=rule,
         need_replication_factors=need_replication,
+        **factor_sizes,
     )
     return wrapped
 
@@ -262,6 +316,7 @@ def partitioned_call(
     reference: int = 0,
     unsharded_axes: Sequence[tuple[int, str]] = (),
     roles: IdRoles = (),
+    grouped_axes: GroupedAxes = (),
 ):
     """Calls ``local(*operands, **static)`` under a sharding rule (see the module docstring).
 
@@ -276,6 +331,8 @@ def partitioned_call(
         (a shard-local run would compute something else); a sharding of one is refused.
       roles: how ids find their shard when the block axis is sharded (see `IdRoles`); none:
         a sharded block axis is refused.
+      grouped_axes: axes of the cache made of whole units whose sharding the other block
+        arrays follow with units of their own size (see `GroupedAxes`).
 
     Returns:
       What `local` returns.
@@ -302,7 +359,7 @@ def partitioned_call(
     wrapped = _partitioned(
         local, op, tuple(sorted(static.items())), tuple(kinds),
         tuple(tuple(x.shape) for x in operands), result_shapes, reference, multiple,
-        tuple(unsharded_axes), tuple(roles),
+        tuple(unsharded_axes), tuple(roles), tuple(grouped_axes),
     )
     result = wrapped(*operands)
     return tuple(result) if multiple else result

@@ -11,31 +11,54 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._partition import block_axes
 from jaxkv.ops._reshape_ops import run_per_shard
 
 __all__ = ["concat_from_peers", "split_for_peers"]
 
 
+# The head axis of an LKHTD cache array ([num_blocks, L, K, H, T, D]).
+_HEAD_AXIS = 3
+# What runs per shard is one rank's split or concat of whole blocks: only the block axis
+# (data parallelism) and the head axis (TP ranks) may be sharded.
+_WHOLE_BLOCK_AXES = tuple(
+    (axis, f"split/concat cut whole {name} of a rank's blocks by the peer plan; only the "
+     "block and head axes may be sharded")
+    for axis, name in ((1, "layers"), (2, "K/V halves"), (4, "tokens"), (5, "head dims"))
+)
+_SEGMENT_ROLES = ((1, "segment", 0),)
+
+
 def _local_block_shape(cache: Any) -> tuple[int, ...]:
-    """Per-block shape of the cache as each shard sees it."""
+    """Per-block shape of the cache as each shard sees it (the whole shape for a tracer)."""
     if isinstance(cache, jax.core.Tracer) or len(cache.sharding.device_set) == 1:
         return tuple(cache.shape[1:])
     return tuple(cache.sharding.shard_shape(cache.shape)[1:])
 
 
 def _plan_for_cache(cache: Any, self_cfg: EngineConfig, peer_cfg: EngineConfig,
-                    rank: int) -> PeerPlan:
+                    rank: int) -> tuple[PeerPlan, tuple[int, ...]]:
+    """The plan and the block shape of one rank (the cache may hold several ranks' heads)."""
     for name, cfg in (("self_cfg", self_cfg), ("peer_cfg", peer_cfg)):
         if not isinstance(cfg, EngineConfig):
             raise TypeError(f"{name} must be a jaxkv.EngineConfig, got {type(cfg).__name__}")
-    if self_cfg.spec.layout != "LKHTD":
+    spec = self_cfg.spec
+    if spec.layout != "LKHTD":
         raise ValueError(
             f"split/concat work on cross-layer LKHTD caches; self_cfg.spec.layout is "
-            f"{self_cfg.spec.layout!r} (permute the blocks first, see permute_blocks)"
+            f"{spec.layout!r} (permute the blocks first, see permute_blocks)"
+        )
+    if spec.padded or spec.packing is not None or spec.kv_interleaved:
+        raise ValueError(
+            "split/concat move unpadded LKHTD blocks with separate K/V heads; this spec has "
+            f"packing {spec.packing}, head_dim_alignment {spec.head_dim_alignment}, "
+            f"kv_interleaved {spec.kv_interleaved} (stored layout {spec.stored_layout!r}). "
+            "Packed or padded TPU layouts are not supported by split/concat"
         )
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an integer, got {rank!r}")
@@ -43,31 +66,121 @@ def _plan_for_cache(cache: Any, self_cfg: EngineConfig, peer_cfg: EngineConfig,
     _check_blocks_first(cache, "cache")
     expected = self_cfg.local_block_shape(plan.pp_rank)
     local = _local_block_shape(cache)
-    if local != expected:
+    if _ranks_held(local, expected, self_cfg) is None:
         raise ValueError(
             f"cache blocks are {local} per shard; rank {rank} of {self_cfg.tp_size} TP x "
-            f"{self_cfg.pp_size} PP holds blocks of {expected} ([L_local, K, H_rank, T, D])"
+            f"{self_cfg.pp_size} PP holds blocks of {expected} ([L_local, K, H_rank, T, D]), "
+            "or the heads of several TP ranks of its stage side by side"
         )
-    if np.dtype(cache.dtype) != self_cfg.spec.dtype:
-        raise ValueError(f"cache dtype {cache.dtype} differs from the spec's {self_cfg.spec.dtype}")
-    return plan
+    if np.dtype(cache.dtype) != spec.dtype:
+        raise ValueError(f"cache dtype {cache.dtype} differs from the spec's {spec.dtype}")
+    return plan, tuple(expected)
 
 
-def _global_buffer_shape(cache: Any, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A buffer's shape as a global array sharded like `cache` (equal to `local_shape` for an
-    unsharded cache or inside shard_map)."""
-    if isinstance(cache, jax.core.Tracer) or len(cache.sharding.device_set) == 1:
-        return local_shape
-    global_block = cache.shape[1:]
-    shard_block = cache.sharding.shard_shape(cache.shape)[1:]
-    return (local_shape[0],) + tuple(
-        size * (g // s) for size, g, s in zip(local_shape[1:], global_block, shard_block)
-    )
+def _check_not_explicit(cache: Any, op: str) -> None:
+    """Refuses a traced cache that an Explicit mesh axis shards (sharding in types): there the
+    buffers' types would come out unsharded and XLA would gather them."""
+    if not isinstance(cache, jax.core.Tracer):
+        return
+    sharding = getattr(jax.typeof(cache), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if sharding is None or mesh is None or getattr(mesh, "empty", True):
+        return
+    explicit = set(getattr(mesh, "explicit_axes", ()))
+    used = {axis for entry in tuple(sharding.spec) for axis in block_axes(entry)}
+    if used & explicit:
+        raise NotImplementedError(
+            f"jaxkv.ops.{op}: inside jit, a cache sharded over Explicit mesh axes "
+            f"({sorted(used & explicit)}; jax.make_mesh's default) is not supported: use an "
+            "Auto mesh (jax.sharding.Mesh, or make_mesh(..., axis_types=(AxisType.Auto, ...))), "
+            "call the op eagerly, or call it under your own shard_map")
+
+
+def _ranks_held(block: tuple[int, ...], expected: tuple[int, ...],
+                cfg: EngineConfig) -> int | None:
+    """How many TP ranks' heads a block of shape `block` holds side by side (None: not a
+    whole number of ranks of `cfg` of the expected shape)."""
+    h = _HEAD_AXIS - 1
+    if len(block) != len(expected) or any(
+        a != b for d, (a, b) in enumerate(zip(block, expected)) if d != h
+    ):
+        return None
+    if block[h] % expected[h]:
+        return None
+    ranks = block[h] // expected[h]
+    if ranks < 1 or cfg.tp_size % ranks or (
+        ranks > 1 and ranks * expected[h] > cfg.spec.num_kv_heads
+    ):
+        return None
+    return ranks
+
+
+def _global_buffer_shape(cache: Any, rank_shape: tuple[int, ...],
+                         unit: int) -> tuple[int, ...]:
+    """A buffer's shape next to `cache` (a global array, or one shard's piece inside
+    shard_map): one rank's buffer `rank_shape` (``[n, layers, K, heads, T, D]``) with the
+    heads of as many ranks side by side as the cache holds (`unit`: heads of one rank)."""
+    ranks = cache.shape[_HEAD_AXIS] // unit
+    return (*rank_shape[:_HEAD_AXIS], rank_shape[_HEAD_AXIS] * ranks,
+            *rank_shape[_HEAD_AXIS + 1:])
+
+
+def _rank_slice(x: Any, rank: int, heads: int) -> Any:
+    return jax.lax.slice_in_dim(x, rank * heads, (rank + 1) * heads, axis=_HEAD_AXIS)
+
+
+def _data_shards(cache: Any) -> int:
+    """How many shards split the block axis of a concrete cache (1 when none)."""
+    if isinstance(cache, jax.core.Tracer):
+        return 1
+    sharding = cache.sharding
+    if len(sharding.device_set) == 1 or not isinstance(sharding, NamedSharding):
+        return 1
+    spec = tuple(sharding.spec)
+    if not spec or spec[0] is None:
+        return 1
+    axes = spec[0] if isinstance(spec[0], (tuple, list)) else (spec[0],)
+    return int(np.prod([sharding.mesh.shape[axis] for axis in axes]))
+
+
+def _check_segments(host: np.ndarray, shards: int, num_blocks: int, op: str) -> None:
+    """On a block axis split in `shards`: the ids come in equal segments, segment ``s``
+    naming blocks of shard ``s`` (or padding)."""
+    if shards == 1:
+        return
+    if host.shape[0] % shards:
+        raise ValueError(
+            f"jaxkv.ops.{op}: {host.shape[0]} block_ids for a block axis split in {shards} "
+            f"shards: the buffers' rows come in {shards} equal segments, one per shard (pad "
+            "the ids with -1)")
+    segment, per_shard = host.shape[0] // shards, num_blocks // shards
+    rows = np.arange(host.shape[0])
+    wrong = np.flatnonzero((host >= 0) & (host // per_shard != rows // segment))
+    if wrong.size:
+        i = int(wrong[0])
+        raise ValueError(
+            f"jaxkv.ops.{op}: block_ids[{i}] = {int(host[i])} is in segment {i // segment} but "
+            f"block {int(host[i])} belongs to data shard {int(host[i]) // per_shard} (each of "
+            f"{shards} shards owns {per_shard} blocks and handles segment s of {segment} ids); "
+            "moving a block between shards needs a collective")
 
 
 def _split_local(cache, ids, *into, box_starts: tuple[int, ...],
-                 shapes: tuple[tuple[int, ...], ...], validate_ids: bool):
+                 shapes: tuple[tuple[int, ...], ...], unit: int, validate_ids: bool):
     from jaxkv.ops._dispatch import dispatch
+
+    ranks = cache.shape[_HEAD_AXIS] // unit
+    if ranks > 1:  # several ranks' heads in one piece (one device, or a coarser sharding)
+        heads = [shape[_HEAD_AXIS - 1] for shape in shapes]
+        parts = [
+            _split_local(_rank_slice(cache, r, unit), ids,
+                         *(_rank_slice(b, r, h) for b, h in zip(into, heads)),
+                         box_starts=box_starts, shapes=shapes, unit=unit,
+                         validate_ids=validate_ids)
+            for r in range(ranks)
+        ]
+        return tuple(jnp.concatenate([part[k] for part in parts], axis=_HEAD_AXIS)
+                     for k in range(len(shapes)))
 
     def ffi(cache, ids, *into):
         results = tuple(jax.ShapeDtypeStruct((ids.shape[0], *shape), cache.dtype)
@@ -81,8 +194,19 @@ def _split_local(cache, ids, *into, box_starts: tuple[int, ...],
                     validate_ids=validate_ids)
 
 
-def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], validate_ids: bool):
+def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], unit: int,
+                  validate_ids: bool):
     from jaxkv.ops._dispatch import dispatch
+
+    ranks = cache.shape[_HEAD_AXIS] // unit
+    if ranks > 1:  # several ranks' heads in one piece (one device, or a coarser sharding)
+        heads = [b.shape[_HEAD_AXIS] // ranks for b in buffers]
+        return jnp.concatenate([
+            _concat_local(_rank_slice(cache, r, unit), ids,
+                          *(_rank_slice(b, r, h) for b, h in zip(buffers, heads)),
+                          box_starts=box_starts, unit=unit, validate_ids=validate_ids)
+            for r in range(ranks)
+        ], axis=_HEAD_AXIS)
 
     def ffi(cache, ids, *buffers):
         call = _ffi_call("jaxkv_concat_blocks", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
@@ -109,8 +233,9 @@ def split_for_peers(
 
     Args:
       cache: this rank's cross-layer cache ``[num_blocks, L_local, K, H_rank, T, D]``
-        (``self_cfg.spec.layout == "LKHTD"``); not modified. A head-sharded array runs per
-        shard and returns buffers sharded the same way.
+        (``self_cfg.spec.layout == "LKHTD"``, unpadded and unpacked); not modified. Also the
+        array of several TP ranks of the stage, their heads side by side (``H = m * H_rank``),
+        sharded or not; see "Shardings" below.
       block_ids: int32 ids of the blocks to send, shape ``[n]``; rows of negative ids are zero.
       self_cfg, peer_cfg: this engine and the peer engine.
       rank: this rank (``pp_rank * tp_size + tp_rank``). Only its PP rank changes the data
@@ -119,13 +244,32 @@ def split_for_peers(
         allocating new ones: a staging area reused every step.
       validate_ids: see `jaxkv.ops.copy_blocks`.
 
+    Shardings (eagerly, or traced inside the caller's jit; no collective either way):
+
+    * heads over a TP mesh axis or a tuple of axes (``P(None, None, None, ("model",
+      "expert"))``): each shard holding whole ranks splits its own heads; buffer ``k``'s
+      head axis holds each rank's buffer ``k`` side by side (``m * Hn`` heads) and is sharded
+      like the cache's, so a shard's piece of it is its rank's buffer ``k``.
+    * the block axis over a data axis (``P("data", None, None, "model")``, data parallelism:
+      shard ``s`` of ``S`` owns blocks ``[s * B / S, (s + 1) * B / S)``): ids stay global and
+      come in ``S`` equal segments, segment ``s`` naming blocks of shard ``s`` (or -1); the
+      buffers' rows are sharded like the block axis, row ``i`` written by the shard of
+      segment ``i // (n / S)`` (concrete ids in another shard's segment raise; traced ones
+      give zero rows). In your jit give the outputs the cache's sharding (``out_shardings``)
+      or pass `out`, or XLA gathers them.
+    * inside jit the mesh must have Auto axes (``jax.sharding.Mesh``); a cache sharded over
+      Explicit axes (``jax.make_mesh``'s default) is refused there, and runs eagerly.
+    * replicated (``P()``): every device computes the same buffers, replicated.
+
     Returns:
-      ``plan.num_buffers`` dense buffers, in buffer order.
+      ``plan.num_buffers`` dense buffers, in buffer order, sharded like the cache.
 
     Raises:
       ValueError: incompatible engines (see `plan_peers`), a cache of the wrong shape, dtype or
-        layout, wrong `out` buffers.
+        layout, a packed or padded spec, wrong `out` buffers, ids that do not come in equal
+        segments of their data shards, a sharding of another axis than blocks and heads.
       IndexError: an id out of range (concrete ids).
+      NotImplementedError: inside jit, a cache sharded over Explicit mesh axes.
 
     Example (docs/data-movement.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
       >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
@@ -135,11 +279,14 @@ def split_for_peers(
       >>> [b.shape for b in bufs], bufs[1].ravel().tolist()
       ([(1, 2, 2, 2, 1, 1), (1, 2, 2, 2, 1, 1)], [24.0, 25.0, 26.0, 27.0, 28.0, 29.0, 30.0, 31.0])
     """
-    plan = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
+    plan, rank_block = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
+    _check_not_explicit(cache, "split_for_peers")
+    unit = rank_block[_HEAD_AXIS - 1]
     ids = as_id_array(block_ids, "block_ids")
     host = concrete_ids(ids)
     if host is not None:
         check_ids(host, "block_ids", cache.shape[0])
+        _check_segments(host, _data_shards(cache), cache.shape[0], "split_for_peers")
     local_shapes = tuple(shape[1:] for shape in plan.buffer_shapes(ids.shape[0]))
     into: tuple[Any, ...] = ()
     if out is not None:
@@ -148,7 +295,7 @@ def split_for_peers(
             raise ValueError(f"out has {len(into)} buffers; the plan has {plan.num_buffers}")
         for i, (buffer, shape) in enumerate(zip(into, local_shapes)):
             _check_blocks_first(buffer, f"out[{i}]")
-            expected = _global_buffer_shape(cache, (ids.shape[0], *shape))
+            expected = _global_buffer_shape(cache, (ids.shape[0], *shape), unit)
             if tuple(buffer.shape) != expected or buffer.dtype != cache.dtype:
                 raise ValueError(
                     f"out[{i}] has shape {tuple(buffer.shape)} and dtype {buffer.dtype}; "
@@ -157,9 +304,11 @@ def split_for_peers(
     count = len(into)
     result = run_per_shard(
         _split_local, (cache, ids, *into), ("blocks", "replicated") + ("blocks",) * count,
-        dict(box_starts=plan.box_starts(), shapes=local_shapes, validate_ids=validate_ids),
+        dict(box_starts=plan.box_starts(), shapes=local_shapes, unit=unit,
+             validate_ids=validate_ids),
         donate_argnums=tuple(range(2, 2 + count)), num_outputs=plan.num_buffers,
-        op="split_for_peers",
+        op="split_for_peers", unsharded_axes=_WHOLE_BLOCK_AXES, roles=_SEGMENT_ROLES,
+        grouped_axes=((_HEAD_AXIS, unit),),
     )
     return list(result)
 
@@ -176,21 +325,30 @@ def concat_from_peers(
     (``plan.kept_ranks`` for ``plan = jaxkv.ops.plan_peers(self_cfg, peer_cfg, rank)``).
 
     Args:
-      cache: this rank's cross-layer cache ``[num_blocks, L_local, K, H_rank, T, D]``.
+      cache: this rank's cross-layer cache ``[num_blocks, L_local, K, H_rank, T, D]``, or
+        several TP ranks' heads side by side, sharded as `split_for_peers` describes.
         Consumed (donated) outside jit.
-      buffers: ``plan.num_buffers`` dense buffers of ``plan.buffer_shapes(n)``.
+      buffers: ``plan.num_buffers`` dense buffers of ``plan.buffer_shapes(n)`` (per rank
+        held: ``m`` ranks' buffers side by side on the head axis), sharded like the cache
+        (rows in segments over a sharded block axis, see `split_for_peers`).
       block_ids: int32 ids of the blocks to fill, shape ``[n]``; negative ids are skipped;
         unique.
       self_cfg, peer_cfg: this (receiving) engine and the sending engine.
       rank: this rank; see `split_for_peers`.
       validate_ids: see `jaxkv.ops.copy_blocks`.
 
+    On a sharded block axis the ids come in one segment per data shard like
+    `split_for_peers`' rows: shard ``s`` writes the blocks it owns named in segment ``s``
+    from its rows of the buffers (concrete ids elsewhere raise; traced ones are skipped).
+
     Returns:
       The updated cache.
 
     Raises:
-      ValueError: incompatible engines, a cache or buffers of the wrong shape or dtype, the
-        wrong number of buffers, repeated ids.
+      ValueError: incompatible engines, a cache or buffers of the wrong shape or dtype, a
+        packed or padded spec, the wrong number of buffers, repeated ids, ids outside their
+        data shard's segment.
+      NotImplementedError: inside jit, a cache sharded over Explicit mesh axes.
       IndexError: an id out of range (concrete ids).
 
     Example (docs/data-movement.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2
@@ -203,7 +361,9 @@ def concat_from_peers(
       >>> cache[0, 0, 0].ravel().tolist()
       [1.0, 1.0, 2.0, 2.0]
     """
-    plan = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
+    plan, rank_block = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
+    _check_not_explicit(cache, "concat_from_peers")
+    unit = rank_block[_HEAD_AXIS - 1]
     ids = as_id_array(block_ids, "block_ids")
     buffers = tuple(
         b if isinstance(b, (jax.Array, jax.core.Tracer)) else jnp.asarray(b) for b in buffers
@@ -215,7 +375,7 @@ def concat_from_peers(
         )
     for i, (buffer, shape) in enumerate(zip(buffers, plan.buffer_shapes(ids.shape[0]))):
         _check_blocks_first(buffer, f"buffers[{i}]")
-        expected = _global_buffer_shape(cache, shape)
+        expected = _global_buffer_shape(cache, shape, unit)
         if tuple(buffer.shape) != expected or buffer.dtype != cache.dtype:
             raise ValueError(
                 f"buffers[{i}] has shape {tuple(buffer.shape)} and dtype {buffer.dtype}; "
@@ -224,11 +384,13 @@ def concat_from_peers(
     host = concrete_ids(ids)
     if host is not None:
         check_ids(host, "block_ids", cache.shape[0], unique=True)
+        _check_segments(host, _data_shards(cache), cache.shape[0], "concat_from_peers")
     if ids.shape[0] == 0:
         return cache
     return run_per_shard(
         _concat_local, (cache, ids, *buffers),
         ("blocks", "replicated") + ("blocks",) * len(buffers),
-        dict(box_starts=plan.box_starts(), validate_ids=validate_ids), donate_argnums=(0,),
-        op="concat_from_peers",
+        dict(box_starts=plan.box_starts(), unit=unit, validate_ids=validate_ids),
+        donate_argnums=(0,), op="concat_from_peers", unsharded_axes=_WHOLE_BLOCK_AXES,
+        roles=_SEGMENT_ROLES, grouped_axes=((_HEAD_AXIS, unit),),
     )

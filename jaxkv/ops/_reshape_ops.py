@@ -28,7 +28,7 @@ from jaxkv.ops._block_ops import (
 )
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
 from jaxkv.ops._layouts import check_ratio, one_layout, packed_layout_pair
-from jaxkv.ops._partition import IdRoles, ShardingError, partitioned_call
+from jaxkv.ops._partition import GroupedAxes, IdRoles, ShardingError, partitioned_call
 
 __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 
@@ -87,18 +87,21 @@ def run_per_shard(
     op: str | None = None,
     unsharded_axes: Sequence[tuple[int, str]] = (),
     roles: IdRoles = (),
+    grouped_axes: GroupedAxes = (),
 ):
     """Runs `local` on `operands` (traced: under the sharding rule of `_partition`, local to
     each shard; concrete: a cached donating program, per shard of operand `partition_of`'s
     sharding). `static` values must be hashable; `op` names the public op in errors; `roles`
-    say how ids find their shard on a sharded block axis (none: such a sharding is refused).
+    say how ids find their shard on a sharded block axis (none: such a sharding is refused);
+    `grouped_axes` (see `_partition.GroupedAxes`) are axes the other block arrays follow in
+    units of their own size, inside the caller's jit.
     """
     static_items = tuple(sorted(static.items()))
     if any(isinstance(x, jax.core.Tracer) for x in operands):
         # Inside the caller's jit: a sharding rule keeps the op local to each shard.
         return partitioned_call(local, operands, kinds, static, op=op or local.__name__,
                                 reference=partition_of, unsharded_axes=unsharded_axes,
-                                roles=roles)
+                                roles=roles, grouped_axes=grouped_axes)
     partition = _block_partition(operands[partition_of])
     check_data_parallel(partition, roles, operands, operands[partition_of].shape[0],
                         op or local.__name__)
