@@ -274,12 +274,21 @@ class GroupedTransferEngine:
         """The group whose registered cache has `cache`'s arrays and devices.
 
         Raises:
-          ValueError: no group registered such a cache.
+          ValueError: no group registered a cache with these buffers.
         """
+        # The groups' caches may have equal shapes on the same devices: a cache is known by
+        # its buffers' addresses (an in-place update keeps them).
+        where = {(b.array_index, b.device.id, b.address) for b in cache.shard_buffers()}
         for group, engine in self.engines.items():
-            if engine._registry.entry_of(cache) is not None:
-                return group
-        raise ValueError("no group registered a cache with these arrays and devices")
+            for entry in engine._registry.caches:
+                if entry.cache is cache or where == {
+                    (b.array_index, b.device.id, b.address) for b in entry.buffers
+                }:
+                    return group
+        raise ValueError(
+            "no group registered a cache with these buffers (was the cache donated to every "
+            "update?)"
+        )
 
     @property
     def caches(self) -> dict[str, Any]:
