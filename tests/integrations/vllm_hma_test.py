@@ -376,6 +376,40 @@ def test_abort_before_transfer_releases_producer(pair):
     assert producer.expired_leases() == 0
 
 
+def test_abort_during_transfer(pair):
+    """A consumer request aborted while its reads (both groups) wait for the producer: they
+    are stopped, vLLM frees the blocks, the producer is released without lease expiry."""
+    producer, consumer = pair
+    prompts = prompts_of([30, 17], seed=12)
+    params = prefill(producer, prompts)
+    reqs = decode(consumer, prompts, params)
+    # only the consumer steps: the producer does not confirm, the reads stay in flight
+    vh.run_until([consumer], lambda: consumer.worker.group_engine.num_reading == 2, 20.0)
+    from vllm.v1.request import RequestStatus
+
+    consumer.scheduler.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
+    finish(pair, reqs[1:], timeout_s=15.0)
+    consumer.check_received(reqs[1], prompts[1])
+    assert reqs[0].request_id not in consumer.received
+    assert not consumer.failed and not consumer.group_errors
+    assert producer.expired_leases() == 0
+
+
+def test_producer_abort_after_publish(pair):
+    producer, _ = pair
+    (prompt,) = prompts_of([30], seed=6)
+    req = vh.request(prompt, BLOCK, {"do_remote_decode": True}, 4)  # not finished by prefill
+    producer.add(req)
+    engine = producer.worker.group_engine
+    vh.run_until([producer], lambda: engine.num_pinned == 1)
+    from vllm.v1.request import RequestStatus
+
+    producer.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+    vh.run_until([producer], lambda: not producer.busy() and not engine.num_pinned)
+    producer.assert_empty()
+    assert req.request_id not in producer.sent_params
+
+
 def test_failure_in_one_group_is_a_failed_read_vllm_recomputes():
     """One group's read fails (its remote ids are out of the producer's range): the other
     group is stopped, the read is reported in ``failed_recving`` with every group's blocks
@@ -397,8 +431,9 @@ def test_failure_in_one_group_is_a_failed_read_vllm_recomputes():
         finish((producer, consumer), reqs)
         assert consumer.failed == {reqs[0].request_id}
         assert not consumer.flat_errors  # vLLM raises on block-level errors with 2 groups
-        assert set(consumer.group_errors) == {FULL, SWA}
-        assert all(consumer.group_errors[g] for g in (FULL, SWA))
+        # every group's blocks of the failed read: 4 full-attention ones, the window's
+        assert {g: len(ids) for g, ids in consumer.group_errors.items()} == {
+            FULL: math.ceil(30 / BLOCK), SWA: window_blocks(30)}
         assert reqs[0].request_id not in consumer.received
         consumer.check_received(reqs[1], prompts[1])
         assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)
@@ -433,3 +468,97 @@ def test_many_requests_leave_both_schedulers_empty(pair):
     for index, prompt in enumerate(prompts):
         consumer.check_received(reqs[index], prompt)
     assert producer.expired_leases() == 0
+
+
+# -- the producer engine in another process --------------------------------------------------
+
+
+def producer_process(conn, extra: dict) -> None:
+    """A hybrid producer `HybridSide` serving commands from `conn`, stepping in between:
+    ("add", prompts) -> the consumer params of each once all were handed over;
+    ("state",) -> (busy, pinned, expired leases, leak report or None); ("exit",)."""
+    import time
+
+    import transfer_testing as tt
+
+    tt.child_env(1)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    side = HybridSide("kv_producer", ("LKHTD", "KHTD"), extra)
+    waiting: list[str] = []
+    conn.send(("ready",))
+    try:
+        while True:
+            if conn.poll(0.0):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "add":
+                    waiting = []
+                    for prompt in command[1]:
+                        r = vh.request(prompt, BLOCK, {"do_remote_decode": True}, 1)
+                        side.add(r)
+                        waiting.append(r.request_id)
+                elif command[0] == "state":
+                    try:
+                        side.assert_empty()
+                        leak = None
+                    except AssertionError as error:
+                        leak = str(error) or "leak"
+                    assert side.worker.group_engine is not None
+                    conn.send((side.busy(), side.worker.group_engine.num_pinned,
+                               side.expired_leases(), leak))
+            side.step()
+            if waiting and all(r in side.sent_params for r in waiting):
+                conn.send([side.sent_params[r] for r in waiting])
+                waiting = []
+            time.sleep(0.001)
+    finally:
+        side.close()
+
+
+def test_producer_in_another_process():
+    """The hybrid producer runs in its own process (its groups' engines on their own side
+    channels): the consumer's reads of both groups are bit exact and the producer ends with
+    nothing pinned, its blocks freed by the consumer's confirmations."""
+    import contextlib
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=producer_process,
+                          args=(child, {"engine_id": "prefill", "lease_s": 30.0}), daemon=True)
+    process.start()
+    consumer = HybridSide("kv_consumer", ("KTHD", "LKTHD"),
+                          {"engine_id": "decode", "read_timeout_s": 20.0})
+
+    def call(*command, timeout_s=120.0):
+        conn.send(command)
+        assert conn.poll(timeout_s), f"no answer to {command[0]}"
+        return conn.recv()
+
+    try:
+        assert conn.poll(180), "the producer process did not start"
+        assert conn.recv() == ("ready",)
+        prompts = prompts_of([7, 32, 50], seed=10)
+        params = call("add", prompts)
+        reqs = decode(consumer, prompts, params)
+        vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
+        consumer.assert_empty()
+        for r, p in zip(reqs, prompts):
+            assert consumer.check_received(r, p) == [math.ceil(len(p) / BLOCK),
+                                                     window_blocks(len(p))]
+        deadline = time.monotonic() + 30
+        state = call("state")
+        while (state[0] or state[1]) and time.monotonic() < deadline:
+            state = call("state")
+        assert state == (False, 0, 0, None)
+    finally:
+        consumer.close()
+        if process.is_alive():
+            with contextlib.suppress(OSError):
+                conn.send(("exit",))
+            process.join(20)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
