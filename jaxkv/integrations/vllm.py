@@ -513,13 +513,13 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                         "vLLM's kv_cache_config"
                     )
                 found[group_of[layer]][id(value)] = value
-            for g, values in enumerate(found):
-                if len(values) != 1:
+            for g, by_id in enumerate(found):
+                if len(by_id) != 1:
                     raise ValueError(
-                        f"register_kv_caches: KV cache group {g} got {len(values)} caches; "
+                        f"register_kv_caches: KV cache group {g} got {len(by_id)} caches; "
                         "one jaxkv.PagedKVCache per group holds all of its layers"
                     )
-            return [_adopt_cache(next(iter(values.values())), kv_caches) for values in found]
+            return [_adopt_cache(next(iter(by_id.values())), kv_caches) for by_id in found]
         if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == self.num_groups:
             return [_adopt_cache(cache, kv_caches) for cache in kv_caches]
         raise TypeError(
