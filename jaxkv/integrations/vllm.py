@@ -788,6 +788,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         for failure in polled.failed:
             consumer_id = failure.request_id
             known = self._reading.pop(consumer_id, None) is not None
+            group_invalid = self._group_invalid.pop(consumer_id, {})
             if consumer_id in self._releasing:
                 self._releasing.discard(consumer_id)
                 continue
@@ -798,7 +799,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                 continue
             log.warning("read of %s failed: %s", consumer_id, failure.reason)
             if self.group_engine is not None:
-                for name, ids in self._group_invalid.pop(consumer_id, {}).items():
+                for name, ids in group_invalid.items():
                     self._group_load_errors.setdefault(int(name), set()).update(ids)
             else:
                 self._load_errors.update(failure.invalid_block_ids)

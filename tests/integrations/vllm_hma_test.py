@@ -237,6 +237,7 @@ class HybridSide:
         assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
         w = self.worker
         assert not w._reading and not w._awaiting_send and not w._freeable, "connector state"
+        assert not w._group_invalid and not w._cancelled and not w._releasing, "connector state"
         engine = w.group_engine
         assert engine is not None
         assert engine.num_pinned == 0 and engine.num_reading == 0, "engine state left"
@@ -562,3 +563,36 @@ def test_producer_in_another_process():
         if process.is_alive():
             process.kill()
             process.join(5)
+
+
+def test_register_kv_caches_of_several_groups():
+    """A worker of the hybrid model takes one cache per group (by layer name or in group
+    order) and names what is wrong otherwise."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from jaxkv.integrations.vllm import JaxKVConnector
+
+    config = vh.vllm_config("kv_consumer", BLOCK, {"engine_id": "d"}, NUM_BLOCKS)
+    kv_config = kv_cache_config(config, NUM_BLOCKS)
+    names = [g.layer_names for g in kv_config.kv_cache_groups]
+    spec = KVCacheSpec(num_layers=2, block_size=BLOCK, layout="LKHTD", **LAYER)
+    full, swa = (PagedKVCache.allocate(spec, NUM_BLOCKS) for _ in range(2))
+    worker = JaxKVConnector(config, KVConnectorRole.WORKER, kv_config)
+    try:
+        worker.register_kv_caches([full, swa])  # in group order
+        assert worker.caches == [full, swa] and len(set(worker.addresses)) == 2
+        worker.register_kv_caches({names[0][0]: full, names[1][1]: swa})  # one layer each
+        assert worker.caches == [full, swa]
+        with pytest.raises(ValueError, match="layer 'lm_head' is in no KV cache group"):
+            worker.register_kv_caches({names[0][0]: full, "lm_head": swa})
+        with pytest.raises(ValueError, match="group 1 got 0 caches"):
+            worker.register_kv_caches({names[0][0]: full})
+        with pytest.raises(ValueError, match="group 0 got 2 caches"):
+            worker.register_kv_caches({names[0][0]: full, names[0][1]: swa, names[1][0]: swa})
+        with pytest.raises(TypeError, match="2 KV cache groups"):
+            worker.register_kv_caches(full)
+        with pytest.raises(ValueError, match="block size 16 of KV cache group 1"):
+            worker.register_kv_caches(
+                [full, PagedKVCache.allocate(spec.replace(block_size=16), NUM_BLOCKS)])
+    finally:
+        worker.shutdown()
