@@ -27,6 +27,14 @@ Flow of one request:
 The worker side registers a `jaxkv.PagedKVCache` (JAX serving frameworks): `register_kv_caches`
 takes the cache, or a one-entry mapping of it. Torch tensors (GPU vLLM) are not adopted yet.
 
+Hybrid models (vLLM's hybrid allocator: full-attention and sliding-window KV cache groups, each
+with its own block ids per request): `JaxKVConnector` is `SupportsHMA`. Each group has its own
+cache and transfer engine (`jaxkv.transfer.GroupedTransferEngine`, group ``g`` on its own side
+channel: ``side_channel`` port + ``g`` or ``group_ports``); a sliding-window group moves only
+the blocks of the last window (`jaxkv.integrations.GroupedTransfer` carries, per group, the
+blocks the producer keeps and the position of the first). A read that fails in any group fails
+the request (``failed_recving``; vLLM recomputes it).
+
 Settings come from ``kv_connector_extra_config`` (`jaxkv.integrations.ConnectorSettings`).
 
 Example (the configuration of a prefill engine):
@@ -494,13 +502,25 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             engine.register_cache(group_name(g), cache, tp_rank=s.tp_rank)
 
     def _group_caches(self, kv_caches: Any) -> list[Any]:
-        """Per KV cache group, the `PagedKVCache` of its layers (see `register_kv_caches`)."""
+        """Per KV cache group, the `PagedKVCache` of its layers (see `register_kv_caches`):
+        what vLLM hands over, split by group, each group's part adopted by `_adopt_group`."""
+        groups = self._split_by_group(kv_caches)
         if not self.grouped:
-            cache = kv_caches
+            return [_adopt_group(groups[0], kv_caches, None)]
+        return [_adopt_group(values, kv_caches, g) for g, values in enumerate(groups)]
+
+    def _split_by_group(self, kv_caches: Any) -> list[list[Any]]:
+        """Per KV cache group, the values handed over for its layers (in the order given; an
+        object given for several layers once).
+
+        Raises:
+          ValueError: a layer name of no group, or a group without any value.
+          TypeError: neither a mapping nor one value per group.
+        """
+        if not self.grouped:
             if isinstance(kv_caches, Mapping):
-                values = list(kv_caches.values())
-                cache = values[0] if len(values) == 1 else None
-            return [_adopt_cache(cache, kv_caches)]
+                return [list(kv_caches.values())]
+            return [[kv_caches]]
         if isinstance(kv_caches, Mapping):
             group_of = {
                 layer: g for g, layers in enumerate(self._group_layers) for layer in layers
@@ -512,16 +532,16 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                         f"register_kv_caches: layer {layer!r} is in no KV cache group of "
                         "vLLM's kv_cache_config"
                     )
-                found[group_of[layer]][id(value)] = value
+                found[group_of[layer]].setdefault(id(value), value)
             for g, by_id in enumerate(found):
-                if len(by_id) != 1:
+                if not by_id:
                     raise ValueError(
-                        f"register_kv_caches: KV cache group {g} got {len(by_id)} caches; "
-                        "one jaxkv.PagedKVCache per group holds all of its layers"
+                        f"register_kv_caches: KV cache group {g} got 0 caches (none of its "
+                        f"layers {self._group_layers[g]} was given)"
                     )
-            return [_adopt_cache(next(iter(by_id.values())), kv_caches) for by_id in found]
+            return [list(by_id.values()) for by_id in found]
         if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == self.num_groups:
-            return [_adopt_cache(cache, kv_caches) for cache in kv_caches]
+            return [[cache] for cache in kv_caches]
         raise TypeError(
             f"JaxKVConnector.register_kv_caches takes, for {self.num_groups} KV cache groups, a "
             f"mapping of layer names to caches or {self.num_groups} caches, got "
@@ -949,19 +969,31 @@ def _blocks_to_fill(group: Any) -> tuple[int, tuple[int, ...]]:
     return len(group) - len(ids), tuple(ids)
 
 
-def _adopt_cache(value: Any, given: Any) -> Any:
-    """What vLLM's ``register_kv_caches`` hands over for one KV cache group, as the
-    `jaxkv.PagedKVCache` (arrays and spec) the transfer engine registers.
+def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
+    """What vLLM's ``register_kv_caches`` hands over for the layers of one KV cache group,
+    as the `jaxkv.PagedKVCache` (arrays and spec) the transfer engine registers: today one
+    `PagedKVCache` that holds all of the group's layers.
+
+    Args:
+      values: the distinct values given for the group's layers, in the order given.
+      given: everything `register_kv_caches` got (named in errors).
+      group: the group's index (None: the only group).
 
     Raises:
-      TypeError: not a `PagedKVCache` (torch tensors are not adopted yet).
+      TypeError: anything else (torch tensors are not adopted yet).
     """
     from jaxkv import PagedKVCache
 
-    if not isinstance(value, PagedKVCache):
+    if len(values) == 1 and isinstance(values[0], PagedKVCache):
+        return values[0]
+    if group is None:
         raise TypeError(
             "JaxKVConnector.register_kv_caches takes a jaxkv.PagedKVCache (or a mapping "
             f"with one), got {type(given).__name__}"
         )
-    return value
-
+    kinds = sorted({type(v).__name__ for v in values})
+    raise TypeError(
+        f"register_kv_caches: KV cache group {group} got {len(values)} distinct value(s) of "
+        f"type {kinds} for its layers; it takes one jaxkv.PagedKVCache holding all of the "
+        "group's layers"
+    )
