@@ -243,6 +243,8 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                 f"{type(self).__name__} supports one KV cache group (disable vLLM's hybrid "
                 "allocator)"
             )
+        if len(groups) > 1:
+            _check_groups(groups)
         # hybrid models (vLLM's hybrid allocator): one jaxkv transfer engine per group
         self.grouped = len(groups) > 1
         self.num_groups = max(1, len(groups))
@@ -954,6 +956,24 @@ class JaxKVConnector(JaxKVConnectorBase, SupportsHMA):
         if not self.grouped:
             return self.request_finished(request, block_ids[0])
         return self._request_finished_groups(request, block_ids)
+
+
+def _check_groups(groups: list[Any]) -> None:
+    """Refuses KV cache groups the connector cannot move: groups vLLM excludes from KV
+    transfer (scratch buffers) and groups of no attention layers (e.g. Mamba state)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    for g, group in enumerate(groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            raise ValueError(
+                f"KV cache group {g} ({group.layer_names[:2]}...) is excluded from KV transfer "
+                "by vLLM: JaxKVConnector moves every group of a hybrid model"
+            )
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            raise ValueError(
+                f"KV cache group {g} holds {type(group.kv_cache_spec).__name__}: JaxKVConnector "
+                "moves attention KV groups only (full attention, sliding window)"
+            )
 
 
 def _blocks_to_fill(group: Any) -> tuple[int, tuple[int, ...]]:

@@ -600,3 +600,19 @@ def test_register_kv_caches_of_several_groups():
                 [full, PagedKVCache.allocate(spec.replace(block_size=16), NUM_BLOCKS)])
     finally:
         worker.shutdown()
+
+
+def test_groups_it_cannot_move_are_refused_by_name():
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from jaxkv.integrations.vllm import JaxKVConnector
+
+    config = vh.vllm_config("kv_consumer", BLOCK, {"engine_id": "d"}, NUM_BLOCKS)
+    kv_config = kv_cache_config(config, NUM_BLOCKS)
+    groups = list(kv_config.kv_cache_groups)
+    groups[SWA] = dataclasses.replace(groups[SWA], enable_kv_transfer=False)
+    excluded = dataclasses.replace(kv_config, kv_cache_groups=groups)
+    with pytest.raises(ValueError, match="group 1 .* is excluded from KV transfer"):
+        JaxKVConnector(config, KVConnectorRole.SCHEDULER, excluded)
