@@ -708,6 +708,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         """`_start_read` of a hybrid model: one read per KV cache group."""
         engine = self.group_engine
         assert engine is not None
+        transfer: GroupedTransfer | None = None
         try:
             transfer = GroupedTransfer.from_dict(recv.params)
             if transfer.num_groups != self.num_groups:
@@ -737,6 +738,19 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         except (ValueError, IndexError) as error:
             log.error("request %s: %s", recv.request_id, error)
             self._fail_now(recv)
+            if (
+                transfer is not None
+                and transfer.num_groups == self.num_groups
+                and recv.request_id not in self._reading
+            ):
+                # the producer's blocks are released at once (an empty read of every group
+                # notifies it) rather than held until their lease expires
+                self._reading[recv.request_id] = transfer.params.request_id
+                self._releasing.add(recv.request_id)
+                engine.start_read(
+                    transfer.params, {name: [] for name in transfer.params.groups},
+                    read_id=recv.request_id,
+                )
             return
         if recv.request_id in self._reading:
             log.error("request %s: its read is already in flight", recv.request_id)

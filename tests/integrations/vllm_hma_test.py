@@ -40,14 +40,14 @@ LAYER = dict(num_kv_heads=4, head_dim=8, dtype="bfloat16")
 FULL, SWA = 0, 1
 
 
-def kv_cache_config(config, num_blocks: int):
+def kv_cache_config(config, num_blocks: int, block: int = BLOCK):
     """vLLM's cache config of the hybrid model, as its engine core plans it."""
     import torch
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    common = dict(block_size=BLOCK, num_kv_heads=4, head_size=8, dtype=torch.bfloat16)
+    common = dict(block_size=block, num_kv_heads=4, head_size=8, dtype=torch.bfloat16)
     specs = {
         f"model.layers.{i}.self_attn.attn": (
             FullAttentionSpec(**common)
@@ -72,28 +72,33 @@ def group_kv(spec: KVCacheSpec, prompt: list[int], group: int) -> np.ndarray:
 
 class HybridSide:
     """One vLLM engine of the hybrid model: its scheduler, a worker connector and one jaxkv
-    cache per KV cache group."""
+    cache per KV cache group (``tp`` TP ranks as devices of the worker)."""
 
-    def __init__(self, role: str, layouts: tuple[str, str], extra: dict[str, Any]):
+    def __init__(self, role: str, layouts: tuple[str, str], extra: dict[str, Any],
+                 block: int = BLOCK, tp: int = 1):
+        import jax
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         from jaxkv.integrations.vllm import JaxKVConnector
 
-        self.role = role
-        worker_config = vh.vllm_config(role, BLOCK, dict(extra), NUM_BLOCKS)
-        self.kv_config = kv_cache_config(worker_config, NUM_BLOCKS)
+        self.role, self.block = role, block
+        extra = {**extra, "tp_size": tp}
+        worker_config = vh.vllm_config(role, block, dict(extra), NUM_BLOCKS)
+        self.kv_config = kv_cache_config(worker_config, NUM_BLOCKS, block)
         groups = self.kv_config.kv_cache_groups
         assert len(groups) == 2, groups
         self.kinds = [type(g.kv_cache_spec).__name__ for g in groups]
         assert self.kinds == ["FullAttentionSpec", "SlidingWindowSpec"], self.kinds
         self.specs = [
-            KVCacheSpec(num_layers=len(g.layer_names), block_size=BLOCK, layout=layout, **LAYER)
+            KVCacheSpec(num_layers=len(g.layer_names), block_size=block, layout=layout, **LAYER)
             for g, layout in zip(groups, layouts)
         ]
         self.worker = JaxKVConnector(worker_config, KVConnectorRole.WORKER, self.kv_config)
-        caches = [PagedKVCache.allocate(spec, self.kv_config.num_blocks) for spec in self.specs]
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",)) if tp > 1 else None
+        caches = [PagedKVCache.allocate(spec, self.kv_config.num_blocks, mesh=mesh)
+                  for spec in self.specs]
         # what a JAX framework hands over: every layer name -> the cache of its group
         self.worker.register_kv_caches(
             {name: caches[g] for g, group in enumerate(groups) for name in group.layer_names}
@@ -103,14 +108,14 @@ class HybridSide:
             addresses = self.worker.addresses
             sched_extra["side_channel"] = [list(addresses[0])]
             sched_extra["group_ports"] = [[port for _, port in addresses]]
-        self.config = vh.vllm_config(role, BLOCK, sched_extra, NUM_BLOCKS)
+        self.config = vh.vllm_config(role, block, sched_extra, NUM_BLOCKS)
         assert not self.config.scheduler_config.disable_hybrid_kv_cache_manager
         self.scheduler = Scheduler(
             vllm_config=self.config,
-            kv_cache_config=kv_cache_config(self.config, NUM_BLOCKS),
+            kv_cache_config=kv_cache_config(self.config, NUM_BLOCKS, block),
             log_stats=True,
             structured_output_manager=StructuredOutputManager(self.config),
-            block_size=BLOCK,
+            block_size=block,
         )
         self.connector = self.scheduler.connector
         self.null = self.scheduler.kv_cache_manager.block_pool.null_block.block_id
@@ -157,7 +162,7 @@ class HybridSide:
         for request_id in recving - failed:
             if self.scheduler.requests[request_id].is_finished():
                 continue  # aborted while reading
-            n = math.ceil(self.scheduler.requests[request_id].num_prompt_tokens / BLOCK)
+            n = math.ceil(self.scheduler.requests[request_id].num_prompt_tokens / self.block)
             self.received[request_id] = [
                 (first, [np.asarray(a) for a in cache.gather_blocks(np.asarray(ids[:n - first],
                                                                                np.int32))])
@@ -198,13 +203,13 @@ class HybridSide:
             upto = min(req.num_computed_tokens, req.num_prompt_tokens)
             if upto == 0:
                 continue
-            n = math.ceil(upto / BLOCK)
+            n = math.ceil(upto / self.block)
             for g, (first, ids) in enumerate(self.kept(request_id)):
                 if first >= n:
                     continue
                 spec = self.specs[g]
                 kv = group_kv(spec, req.prompt_token_ids, g)[:, :, :, :upto]
-                dense = vh.dense_blocks(spec, kv, n - first, first * BLOCK)
+                dense = vh.dense_blocks(spec, kv, n - first, first * self.block)
                 cache = self.worker.caches[g].scatter_blocks(
                     dense, np.asarray(ids[: n - first], np.int32)
                 )
@@ -217,8 +222,8 @@ class HybridSide:
         for g, (first, got) in enumerate(self.received[req.request_id]):
             spec = self.specs[g]
             n = len(got[0])
-            assert first + n == math.ceil(len(prompt) / BLOCK)
-            expected = vh.dense_blocks(spec, group_kv(spec, prompt, g), n, first * BLOCK)
+            assert first + n == math.ceil(len(prompt) / self.block)
+            expected = vh.dense_blocks(spec, group_kv(spec, prompt, g), n, first * self.block)
             for a, b in zip(got, expected, strict=True):
                 np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
             counts.append(n)
@@ -256,11 +261,13 @@ class HybridSide:
 
 
 @pytest.fixture
-def pair():
+def pair(request):
+    """(producer, consumer); parameter: the consumer's TP size (devices of its worker)."""
     producer = HybridSide("kv_producer", ("LKHTD", "LKHTD"),
                           {"engine_id": "prefill", "lease_s": 20.0})
     consumer = HybridSide("kv_consumer", ("KTHD", "LKTHD"),
-                          {"engine_id": "decode", "read_timeout_s": 20.0})
+                          {"engine_id": "decode", "read_timeout_s": 20.0},
+                          tp=getattr(request, "param", 1))
     yield producer, consumer
     consumer.close()
     producer.close()
@@ -275,7 +282,8 @@ def prefill(producer, prompts):
 
 
 def decode(consumer, prompts, params, max_tokens=2):
-    reqs = [vh.request(p, BLOCK, dict(kv), max_tokens) for p, kv in zip(prompts, params)]
+    reqs = [vh.request(p, consumer.block, dict(kv), max_tokens)
+            for p, kv in zip(prompts, params)]
     for r in reqs:
         consumer.add(r)
     return reqs
@@ -304,13 +312,14 @@ def block_nbytes(spec: KVCacheSpec) -> int:
     return spec.block_nbytes() * spec.num_arrays
 
 
-def window_blocks(num_tokens: int) -> int:
+def window_blocks(num_tokens: int, block: int = BLOCK) -> int:
     """Blocks a sliding-window group keeps of a prompt (vLLM: the window of the next
     token)."""
     skipped = max(0, num_tokens - WINDOW + 1)
-    return math.ceil(num_tokens / BLOCK) - skipped // BLOCK
+    return math.ceil(num_tokens / block) - skipped // block
 
 
+@pytest.mark.parametrize("pair", [1, 2], indirect=True)  # decode TP 1 and 2 from TP 1
 def test_full_prompts_every_group_exact(pair):
     producer, consumer = pair
     prompts = prompts_of([5, 8, 21, 40], seed=1)
@@ -616,3 +625,31 @@ def test_groups_it_cannot_move_are_refused_by_name():
     excluded = dataclasses.replace(kv_config, kv_cache_groups=groups)
     with pytest.raises(ValueError, match="group 1 .* is excluded from KV transfer"):
         JaxKVConnector(config, KVConnectorRole.SCHEDULER, excluded)
+
+
+def test_consumer_blocks_twice_the_producers():
+    """Decode blocks of 16 from prefill blocks of 8: the full-attention group merges pairs of
+    producer blocks. A sliding-window group whose window starts in the second half of the
+    consumer's first block cannot be read (the producer freed the first half): that request
+    fails, vLLM recomputes it, the producer is released at once (no lease expiry)."""
+    producer = HybridSide("kv_producer", ("LKHTD", "LKHTD"),
+                          {"engine_id": "prefill", "lease_s": 20.0})
+    consumer = HybridSide("kv_consumer", ("KTHD", "LKHTD"),
+                          {"engine_id": "decode", "read_timeout_s": 20.0}, block=16)
+    try:
+        # window start (N - 7) modulo 16: 1, 7, 0 readable; 14, 11 not
+        lengths = [40, 30, 23, 21, 50]
+        prompts = prompts_of(lengths, seed=14)
+        params = prefill(producer, prompts)
+        reqs = decode(consumer, prompts, params)
+        finish((producer, consumer), reqs, timeout_s=15.0)  # well before the 20 s lease
+        unreadable = {reqs[3].request_id, reqs[4].request_id}
+        assert consumer.failed == unreadable
+        for r, p in zip(reqs[:3], prompts[:3]):
+            assert consumer.check_received(r, p) == [math.ceil(len(p) / 16),
+                                                     window_blocks(len(p), 16)]
+        assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)
+        assert producer.expired_leases() == 0
+    finally:
+        consumer.close()
+        producer.close()
