@@ -136,6 +136,80 @@ class TransferGroupsTest(tt.TransferTestBase):
             engine.register_cache("swa", None)
 
 
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+class GroupedEngineBookkeepingTest(absltest.TestCase):
+    """One process: per-group options, aborts, a group failing to start, `group_of`."""
+
+    def engine(self, name="e", **kwargs):
+        specs = {g: KVCacheSpec(**kw) for g, kw in GROUPS.items()}
+        engine = GroupedTransferEngine(name, {g: EngineConfig(s, 1) for g, s in specs.items()},
+                                       **kwargs)
+        self.addCleanup(engine.close)
+        caches = {g: PagedKVCache.allocate(s, NUM_BLOCKS) for g, s in specs.items()}
+        for g, cache in caches.items():
+            engine.register_cache(g, cache)
+        return engine, caches
+
+    def test_group_options_override_the_common_ones(self):
+        engine, _ = self.engine(group_options={"swa": {"lease_s": 1.5}}, lease_s=9.0)
+        self.assertEqual((engine.engines["full"].lease_s, engine.engines["swa"].lease_s),
+                         (9.0, 1.5))
+        self.assertNotEqual(engine.addresses["full"], engine.addresses["swa"])
+        with self.assertRaisesRegex(ValueError, r"unknown groups \['mamba'\]"):
+            GroupedTransferEngine("x", {"full": EngineConfig(KVCacheSpec(**GROUPS["full"]), 1)},
+                                  group_options={"mamba": {}})
+
+    def test_producer_abort_frees_once_every_group_released(self):
+        engine, _ = self.engine()
+        engine.publish_request("r", {"full": [1, 2], "swa": [3]})
+        self.assertEqual(engine.num_pinned, 1)
+        engine.abort_request("r")
+        freed = []
+        deadline = time.monotonic() + WAIT_S
+        while not freed and time.monotonic() < deadline:
+            freed += engine.poll().freeable
+        self.assertEqual(freed, ["r"])
+        self.assertEqual(engine.num_pinned, 0)
+
+    def test_a_group_failing_to_start_fails_the_read_with_every_groups_blocks(self):
+        producer, _ = self.engine("p")
+        params = producer.publish_request("r", {"full": [1, 2], "swa": [3]})
+        consumer, _ = self.engine("d")
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("transport refused the post")
+
+        consumer.engines["swa"].start_read = refuse
+        consumer.start_read(params, {"full": [5, 6], "swa": [7]}, read_id="c")
+        failed = []
+        deadline = time.monotonic() + WAIT_S
+        while not failed and time.monotonic() < deadline:
+            result = consumer.poll()
+            self.assertEqual(result.finished, [])
+            failed += result.failed
+        ((read_id, reason, invalid),) = failed
+        self.assertEqual(read_id, "c")
+        self.assertIn("group 'swa': starting the read failed: transport refused", reason)
+        self.assertEqual(invalid, {"full": (5, 6), "swa": (7,)})
+        self.assertEqual(consumer.num_reading, 0)
+
+    def test_group_of_finds_equal_shaped_caches_by_their_buffers(self):
+        spec = KVCacheSpec(**GROUPS["full"])
+        engine = GroupedTransferEngine(
+            "e", {"a": EngineConfig(spec, 1), "b": EngineConfig(spec, 1)})
+        self.addCleanup(engine.close)
+        caches = {g: PagedKVCache.allocate(spec, NUM_BLOCKS) for g in ("a", "b")}
+        for g, cache in caches.items():
+            engine.register_cache(g, cache)
+        blocks = [np.ones((1, *a.shape[1:]), a.dtype) for a in caches["b"].arrays]
+        updated = caches["b"].scatter_blocks(blocks, np.asarray([3], np.int32))  # in place
+        self.assertEqual(engine.group_of(updated), "b")
+        engine.update_cache("b", updated)
+        self.assertIs(engine.caches["b"], updated)
+        with self.assertRaisesRegex(ValueError, "no group registered"):
+            engine.group_of(PagedKVCache.allocate(spec, NUM_BLOCKS))
+
+
 class RecommendLayoutTest(parameterized.TestCase):
     @parameterized.parameters(
         # (self layout, self tp, [(peer layout, peer tp)], layout, post-processing left)

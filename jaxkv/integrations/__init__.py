@@ -17,6 +17,8 @@ travel through the framework's router.
 
 from jaxkv.integrations._params import (
     ConnectorSettings,
+    GroupedTransfer,
+    group_read_plan_ids,
     read_plan_ids,
     transfer_params_from_dict,
     transfer_params_to_dict,
@@ -24,6 +26,8 @@ from jaxkv.integrations._params import (
 
 __all__ = [
     "ConnectorSettings",
+    "GroupedTransfer",
+    "group_read_plan_ids",
     "read_plan_ids",
     "transfer_params_from_dict",
     "transfer_params_to_dict",

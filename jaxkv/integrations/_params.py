@@ -8,10 +8,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxkv.transfer import TransferParams
+from jaxkv.transfer import GroupedParams, TransferParams, make_transfer_params
 
 __all__ = [
     "ConnectorSettings",
+    "GroupedTransfer",
+    "group_read_plan_ids",
     "read_plan_ids",
     "transfer_params_from_dict",
     "transfer_params_to_dict",
@@ -56,6 +58,10 @@ class ConnectorSettings:
         None: the model config's.
       transport: the transfer engine's transport, passed to `KVTransferEngine` as its
         ``transport`` argument; None: the engine's default (NIXL).
+      group_ports: hybrid models (several KV-cache groups, one transfer engine each): per
+        entry of `side_channel`, the side-channel port of each group's engine, in group order.
+        None: group ``g`` listens on the entry's port + ``g`` (port 0: every group picks a
+        free port).
 
     Example:
       >>> ConnectorSettings.from_dict({"engine_id": "p", "side_channel": [["127.0.0.1", 5600]]})
@@ -77,6 +83,39 @@ class ConnectorSettings:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     transport: str | None = None
+    group_ports: tuple[tuple[int, ...], ...] | None = None
+
+    def group_addresses(self, num_groups: int) -> list[list[tuple[str, int]]]:
+        """Per KV-cache group, the side-channel address of each of this engine's processes
+        (`side_channel` order): `group_ports` when set, else each process's port + group.
+
+        Raises:
+          ValueError: `group_ports` does not name one port per group for every process.
+
+        Example:
+          >>> s = ConnectorSettings("p", side_channel=(("h", 5600), ("h", 5700)))
+          >>> s.group_addresses(2)
+          [[('h', 5600), ('h', 5700)], [('h', 5601), ('h', 5701)]]
+        """
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        ports = self.group_ports
+        if ports is not None:
+            if len(ports) != len(self.side_channel) or any(
+                len(p) != num_groups for p in ports
+            ):
+                raise ValueError(
+                    f"group_ports must list {num_groups} port(s) (one per KV cache group) for "
+                    f"each of the {len(self.side_channel)} side_channel entries, got {ports!r}"
+                )
+            return [
+                [(host, int(ports[p][g])) for p, (host, _) in enumerate(self.side_channel)]
+                for g in range(num_groups)
+            ]
+        return [
+            [(host, port + g if port else 0) for host, port in self.side_channel]
+            for g in range(num_groups)
+        ]
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments for `KVTransferEngine` beyond the timeouts: the transport when
@@ -106,6 +145,16 @@ class ConnectorSettings:
             raise ValueError(
                 f"side_channel must be a list of [host, port], got {extra.get('side_channel')!r}"
             ) from error
+        if values.get("group_ports") is not None:
+            try:
+                values["group_ports"] = tuple(
+                    tuple(int(port) for port in ports) for ports in values["group_ports"]
+                )
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    "group_ports must be a list (per side_channel entry) of lists of ports, "
+                    f"got {extra.get('group_ports')!r}"
+                ) from error
         settings = cls(**values)
         for name in ("tp_size", "pp_size", "reads_per_request"):
             if int(getattr(settings, name)) < 1:
@@ -156,6 +205,11 @@ def transfer_params_from_dict(params: Mapping[str, Any]) -> TransferParams:
     Raises:
       ValueError: a key is missing or malformed (named in the message).
     """
+    if "remote_groups" in params:
+        raise ValueError(
+            f"kv_transfer_params carry {len(params['remote_groups'])} KV cache groups (a hybrid "
+            "model's producer): the consumer needs the same groups (GroupedTransfer.from_dict)"
+        )
     missing = [key for key in _PARAM_KEYS if key not in params]
     if missing:
         raise ValueError(f"kv_transfer_params lack {missing}")
@@ -222,3 +276,240 @@ def read_plan_ids(
     return [int(b) for b in remote_block_ids[:n_remote]], [
         int(b) for b in local_block_ids[:needed]
     ]
+
+
+# Keys of a hybrid model's kv_transfer_params (one entry of "remote_groups" per KV cache group).
+_GROUPED_KEYS = ("remote_engine_id", "remote_request_id", "remote_lease_s", "remote_num_tokens",
+                 "remote_groups")
+_GROUP_KEYS = ("addresses", "block_ids", "first_block", "block_size")
+
+
+def group_name(group: int) -> str:
+    """The `jaxkv.transfer.GroupedTransferEngine` group name of KV cache group `group`."""
+    return str(int(group))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTransfer:
+    """A hybrid model's request as its producer hands it over: per KV cache group, the blocks
+    it keeps of the request's first `num_tokens` tokens.
+
+    A sliding-window group keeps only the blocks of the last window: group ``g``'s ids are
+    those of the block positions ``[first_blocks[g], ceil(num_tokens / block_sizes[g]))``
+    (a full-attention group starts at 0). Group ``g`` is transfer engine
+    ``f"{engine_id}.{g}"`` (`jaxkv.transfer.GroupedTransferEngine`).
+
+    Attributes:
+      params: the `GroupedParams` (per group name ``"0"``, ``"1"``, ...: its `TransferParams`).
+      num_tokens: the tokens the blocks hold.
+      block_sizes: per group, the producer's block size in tokens.
+      first_blocks: per group, the token-order position of its first block id.
+
+    Example:
+      >>> t = GroupedTransfer.make("prefill", [[("h", 5600)], [("h", 5601)]], "r1",
+      ...                          [[4, 7, 9], [8, 2]], 30.0, num_tokens=20,
+      ...                          block_sizes=[8, 8], first_blocks=[0, 1])
+      >>> t.params.groups["1"].engine_id, t.params.groups["1"].block_ids
+      ('prefill.1', [8, 2])
+      >>> GroupedTransfer.from_dict(t.to_dict()) == t
+      True
+    """
+
+    params: GroupedParams
+    num_tokens: int
+    block_sizes: tuple[int, ...]
+    first_blocks: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.block_sizes)
+
+    @classmethod
+    def make(
+        cls,
+        engine_id: str,
+        group_addresses: Sequence[Sequence[tuple[str, int]]],
+        request_id: str,
+        group_block_ids: Sequence[Sequence[int]],
+        lease_s: float,
+        *,
+        num_tokens: int,
+        block_sizes: Sequence[int],
+        first_blocks: Sequence[int],
+    ) -> GroupedTransfer:
+        """Builds a request's grouped params where no transfer engine runs (a scheduler),
+        as `jaxkv.transfer.make_transfer_params` does for one group.
+
+        Args:
+          engine_id: the producer engine's id (group ``g`` is engine ``f"{engine_id}.{g}"``).
+          group_addresses: per group, every producer process's side-channel address.
+          request_id: the producer's request id.
+          group_block_ids: per group, the ids of its block positions from
+            ``first_blocks[g]`` on (cut to the blocks holding `num_tokens`).
+          lease_s: the lease the producer's workers pin the blocks with.
+          num_tokens: how many tokens the request's blocks hold.
+          block_sizes, first_blocks: per group, as the attributes.
+
+        Raises:
+          ValueError: the per-group lists differ in length, a group has too few ids for its
+            positions, or what `make_transfer_params` refuses.
+        """
+        n = len(block_sizes)
+        if n < 1 or len(group_addresses) != n or len(group_block_ids) != n or len(
+            first_blocks
+        ) != n:
+            raise ValueError(
+                f"per-group lists differ: {len(group_addresses)} addresses, "
+                f"{len(group_block_ids)} block id lists, {len(block_sizes)} block sizes, "
+                f"{len(first_blocks)} first blocks"
+            )
+        if int(num_tokens) < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        groups = {}
+        for g in range(n):
+            size, first = int(block_sizes[g]), int(first_blocks[g])
+            if size < 1 or first < 0:
+                raise ValueError(f"group {g}: bad block size {size} / first block {first}")
+            needed = max(0, math.ceil(int(num_tokens) / size) - first)
+            ids = list(group_block_ids[g])
+            if len(ids) < needed:
+                raise ValueError(
+                    f"group {g}: {num_tokens} tokens from block {first} on need {needed} "
+                    f"blocks of {size}, got {len(ids)}"
+                )
+            groups[group_name(g)] = make_transfer_params(
+                f"{engine_id}.{g}", list(group_addresses[g]), request_id, ids[:needed],
+                lease_s,
+            )
+        return cls(
+            GroupedParams(request_id, groups),
+            int(num_tokens),
+            tuple(int(b) for b in block_sizes),
+            tuple(int(f) for f in first_blocks),
+        )
+
+    @property
+    def engine_id(self) -> str:
+        """The producer engine's id (its groups' engines are ``f"{engine_id}.{g}"``)."""
+        return self.params.groups[group_name(0)].engine_id.rsplit(".", 1)[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able dict a consumer request carries (``remote_groups``: one entry per
+        group)."""
+        first = self.params.groups[group_name(0)]
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.params.request_id,
+            "remote_lease_s": float(first.lease_s),
+            "remote_num_tokens": self.num_tokens,
+            "remote_groups": [
+                {
+                    "addresses": [
+                        [host, int(port)] for host, port in self.params.groups[group_name(g)]
+                        .addresses
+                    ],
+                    "block_ids": [int(b) for b in self.params.groups[group_name(g)].block_ids],
+                    "first_block": self.first_blocks[g],
+                    "block_size": self.block_sizes[g],
+                }
+                for g in range(self.num_groups)
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> GroupedTransfer:
+        """The `GroupedTransfer` of a consumer request's dict (`to_dict`).
+
+        Raises:
+          ValueError: a key is missing or malformed (named in the message), or the dict is a
+            single-group one.
+        """
+        if "remote_groups" not in params and "remote_block_ids" in params:
+            raise ValueError(
+                "kv_transfer_params carry one KV cache group (a producer without the hybrid "
+                "allocator): the consumer has several"
+            )
+        missing = [key for key in _GROUPED_KEYS if key not in params]
+        if missing:
+            raise ValueError(f"kv_transfer_params lack {missing}")
+        groups = params["remote_groups"]
+        if not isinstance(groups, Sequence) or not groups:
+            raise ValueError(f"remote_groups must be a non-empty list, got {groups!r}")
+        try:
+            addresses, ids, sizes, firsts = [], [], [], []
+            for g, entry in enumerate(groups):
+                lacking = [key for key in _GROUP_KEYS if key not in entry]
+                if lacking:
+                    raise ValueError(f"remote_groups[{g}] lacks {lacking}")
+                addresses.append([(str(h), int(p)) for h, p in entry["addresses"]])
+                ids.append([int(b) for b in entry["block_ids"]])
+                sizes.append(int(entry["block_size"]))
+                firsts.append(int(entry["first_block"]))
+            return cls.make(
+                str(params["remote_engine_id"]), addresses, str(params["remote_request_id"]),
+                ids, float(params["remote_lease_s"]),
+                num_tokens=int(params["remote_num_tokens"]), block_sizes=sizes,
+                first_blocks=firsts,
+            )
+        except (TypeError, AttributeError) as error:
+            raise ValueError(f"malformed kv_transfer_params: {error}") from error
+
+
+def group_read_plan_ids(
+    remote_block_ids: Sequence[int],
+    remote_first_block: int,
+    num_tokens: int,
+    remote_block_size: int,
+    local_block_ids: Sequence[int],
+    local_first_block: int,
+    local_block_size: int,
+) -> tuple[list[int], list[int]]:
+    """Which blocks a consumer reads in one KV cache group: the remote blocks its local ones
+    cover, and the local blocks to fill, in token order.
+
+    The producer kept the group's block positions ``[remote_first_block, ...)`` (a sliding
+    window keeps the last window's); the consumer fills its positions
+    ``[local_first_block, ceil(num_tokens / local_block_size))`` (after its local prefix hit
+    and its own out-of-window blocks) with `local_block_ids`, cut to that count.
+
+    Raises:
+      ValueError: the block sizes do not divide, too few ids, or the consumer needs blocks
+        the producer no longer holds (a sliding window cut on the producer's finer blocks).
+
+    Example:
+      >>> # a sliding window group: the producer kept positions 2..4, the consumer fills 3..4
+      >>> group_read_plan_ids([6, 7, 8], 2, 40, 8, [11, 12], 3, 8)
+      ([7, 8], [11, 12])
+    """
+    if remote_block_size < 1 or local_block_size % remote_block_size:
+        raise ValueError(
+            f"the consumer's block size {local_block_size} is not a multiple of the "
+            f"producer's {remote_block_size}"
+        )
+    ratio = local_block_size // remote_block_size
+    n_remote = math.ceil(num_tokens / remote_block_size)
+    n_local = math.ceil(num_tokens / local_block_size)
+    if len(remote_block_ids) < n_remote - remote_first_block:
+        raise ValueError(
+            f"{num_tokens} tokens from remote block {remote_first_block} on need "
+            f"{n_remote - remote_first_block} remote blocks, got {len(remote_block_ids)}"
+        )
+    needed = n_local - local_first_block
+    if needed < 0 or needed > len(local_block_ids):
+        raise ValueError(
+            f"{num_tokens} tokens from local block {local_first_block} on need {needed} local "
+            f"blocks of {local_block_size}, got {len(local_block_ids)}"
+        )
+    if needed == 0:
+        return [], []
+    start = local_first_block * ratio
+    if start < remote_first_block:
+        raise ValueError(
+            f"the consumer fills from token {local_first_block * local_block_size}, the "
+            f"producer kept its blocks from token {remote_first_block * remote_block_size} "
+            "(sliding window): the blocks in between are gone"
+        )
+    remote = remote_block_ids[start - remote_first_block : n_remote - remote_first_block]
+    return [int(b) for b in remote], [int(b) for b in local_block_ids[:needed]]

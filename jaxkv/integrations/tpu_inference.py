@@ -59,7 +59,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxkv.integrations.vllm import JaxKVConnector, JaxKVConnectorMetadata
+from jaxkv.integrations.vllm import JaxKVConnectorBase, JaxKVConnectorMetadata
 
 if TYPE_CHECKING:
     import jax
@@ -285,7 +285,7 @@ def describe_runner_caches(
     return RunnerCacheLayout(spec, transfer_view(spec, tp_size), mesh, tp_axis, data_axis, tp_size)
 
 
-class JaxKVTPUConnector(JaxKVConnector):
+class JaxKVTPUConnector(JaxKVConnectorBase):
     """tpu-inference KV connector moving KV blocks with jaxkv (see the module docstring).
 
     Args:

@@ -27,6 +27,14 @@ Flow of one request:
 The worker side registers a `jaxkv.PagedKVCache` (JAX serving frameworks): `register_kv_caches`
 takes the cache, or a one-entry mapping of it. Torch tensors (GPU vLLM) are not adopted yet.
 
+Hybrid models (vLLM's hybrid allocator: full-attention and sliding-window KV cache groups, each
+with its own block ids per request): `JaxKVConnector` is `SupportsHMA`. Each group has its own
+cache and transfer engine (`jaxkv.transfer.GroupedTransferEngine`, group ``g`` on its own side
+channel: ``side_channel`` port + ``g`` or ``group_ports``); a sliding-window group moves only
+the blocks of the last window (`jaxkv.integrations.GroupedTransfer` carries, per group, the
+blocks the producer keeps and the position of the first). A read that fails in any group fails
+the request (``failed_recving``; vLLM recomputes it).
+
 Settings come from ``kv_connector_extra_config`` (`jaxkv.integrations.ConnectorSettings`).
 
 Example (the configuration of a prefill engine):
@@ -55,6 +63,7 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorTransferResults,
+        SupportsHMA,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
@@ -68,11 +77,14 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 
 from jaxkv.integrations._params import (
     ConnectorSettings,
+    GroupedTransfer,
+    group_name,
+    group_read_plan_ids,
     read_plan_ids,
     transfer_params_from_dict,
     transfer_params_to_dict,
 )
-from jaxkv.transfer import make_transfer_params
+from jaxkv.transfer import FailedRead, GroupedParams, PollResult, make_transfer_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,10 +94,11 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import GroupedTransferEngine, KVTransferEngine
 
 __all__ = [
     "JaxKVConnector",
+    "JaxKVConnectorBase",
     "JaxKVConnectorMetadata",
     "JaxKVConnectorStats",
     "JaxKVPromMetrics",
@@ -101,6 +114,8 @@ class _Recv:
     local_block_ids: list[int]  # blocks to fill (after the local prefix hit); [] = release
     num_local_hit_blocks: int
     release_only: bool = False  # the request was aborted: only release the producer's blocks
+    # hybrid models: per KV cache group, (position of the first block to fill, its blocks)
+    local_groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclasses.dataclass
@@ -109,6 +124,8 @@ class JaxKVConnectorMetadata(KVConnectorMetadata):
 
     Attributes:
       to_publish: producer requests whose prefill completes this step -> their block ids.
+      to_publish_groups: the same for a hybrid model: per KV cache group, the ids of the
+        blocks it keeps (a sliding-window group: the last window's).
       to_send: producer requests handed to consumers (vLLM holds their blocks until
         `get_finished` reports them).
       to_abort: producer requests published but not handed off (aborted): release them.
@@ -118,6 +135,7 @@ class JaxKVConnectorMetadata(KVConnectorMetadata):
     """
 
     to_publish: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    to_publish_groups: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
     to_send: set[str] = dataclasses.field(default_factory=set)
     to_abort: set[str] = dataclasses.field(default_factory=set)
     to_recv: list[_Recv] = dataclasses.field(default_factory=list)
@@ -191,17 +209,21 @@ class JaxKVPromMetrics(KVConnectorPromMetrics):
                 counters[engine_idx].inc(value)
 
 
-class JaxKVConnector(KVConnectorBase_V1):
-    """vLLM KV connector moving KV blocks with jaxkv (see the module docstring).
+class JaxKVConnectorBase(KVConnectorBase_V1):
+    """The connector's logic (`JaxKVConnector` without vLLM's `SupportsHMA` mark).
+
+    Several KV cache groups (vLLM's hybrid allocator) are served only by subclasses that are
+    `SupportsHMA` (vLLM keeps the hybrid allocator off for the others): `JaxKVConnector`.
 
     Args:
       vllm_config: the engine's config; its ``kv_transfer_config.kv_connector_extra_config``
         holds the `ConnectorSettings`.
       role: `KVConnectorRole.SCHEDULER` or `KVConnectorRole.WORKER`.
-      kv_cache_config: vLLM's cache config (one KV cache group is supported).
+      kv_cache_config: vLLM's cache config: its KV cache groups (None: one group).
 
     Raises:
-      ValueError: bad settings, or several KV cache groups.
+      ValueError: bad settings, or several KV cache groups for a class that is not
+        `SupportsHMA`.
     """
 
     def __init__(
@@ -215,15 +237,25 @@ class JaxKVConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_dict(
             transfer.kv_connector_extra_config or {}, transfer.engine_id
         )
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+        groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+        if len(groups) > 1 and not isinstance(self, SupportsHMA):
             raise ValueError(
-                "JaxKVConnector supports one KV cache group (disable vLLM's hybrid allocator)"
+                f"{type(self).__name__} supports one KV cache group (disable vLLM's hybrid "
+                "allocator)"
             )
+        if len(groups) > 1:
+            _check_groups(groups)
+        # hybrid models (vLLM's hybrid allocator): one jaxkv transfer engine per group
+        self.grouped = len(groups) > 1
+        self.num_groups = max(1, len(groups))
+        self._group_layers = [list(g.layer_names) for g in groups]
+        self._group_block_sizes = [int(g.kv_cache_spec.block_size) for g in groups]
         self.block_size = vllm_config.cache_config.block_size
         self.is_producer = transfer.is_kv_producer
         # scheduler side
         self._requests: dict[str, Request] = {}  # producer requests not yet published
         self._published: set[str] = set()
+        self._published_first: dict[str, list[int]] = {}  # hybrid: first block per group
         self._loading: set[str] = set()  # consumer requests whose read is in flight
         self._meta = JaxKVConnectorMetadata()
         # worker side
@@ -237,6 +269,11 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._failed_now: set[str] = set()  # reads refused before they started
         self._cancelled: set[str] = set()  # consumer ids of reads stopped by an abort
         self._stats_seen = (0, 0, 0)  # engine totals at the last stats call
+        # hybrid models
+        self.group_engine: GroupedTransferEngine | None = None
+        self._group_load_errors: dict[int, set[int]] = {}
+        self._group_stats_seen: dict[str, tuple[int, int, int]] = {}
+        self._group_invalid: dict[str, dict[str, tuple[int, ...]]] = {}  # read id -> ids
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -264,7 +301,14 @@ class JaxKVConnector(KVConnectorBase_V1):
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
-        if num_external_tokens > 0:
+        if num_external_tokens > 0 and self.grouped:
+            local_groups = tuple(_blocks_to_fill(group) for group in blocks.blocks)
+            flat = [b for _, ids in local_groups for b in ids]
+            self._meta.to_recv.append(
+                _Recv(request.request_id, dict(params), flat, 0, local_groups=local_groups)
+            )
+            self._loading.add(request.request_id)
+        elif num_external_tokens > 0:
             group = blocks.blocks[0]
             hit = sum(1 for block in group if block.block_hash is not None)
             local = [block.block_id for block in group if block.block_hash is None]
@@ -287,50 +331,47 @@ class JaxKVConnector(KVConnectorBase_V1):
                 # forward wrote them.
                 if self._kv_cache_manager is None:
                     raise RuntimeError("vLLM did not bind its KV cache manager to the connector")
-                ids = self._kv_cache_manager.get_block_ids(request_id)[0]
-                needed = math.ceil(request.num_prompt_tokens / self.block_size)
-                meta.to_publish[request_id] = list(ids[:needed])
+                if self.grouped:
+                    firsts = self._window_firsts(request.num_prompt_tokens)
+                    all_ids = self._kv_cache_manager.get_block_ids(request_id)
+                    meta.to_publish_groups[request_id] = [
+                        list(ids[first : math.ceil(request.num_prompt_tokens / size)])
+                        for ids, first, size in zip(all_ids, firsts, self._group_block_sizes)
+                    ]
+                    self._published_first[request_id] = firsts
+                else:
+                    ids = self._kv_cache_manager.get_block_ids(request_id)[0]
+                    needed = math.ceil(request.num_prompt_tokens / self.block_size)
+                    meta.to_publish[request_id] = list(ids[:needed])
                 self._published.add(request_id)
                 del self._requests[request_id]
         return meta
+
+    def _window_firsts(self, num_tokens: int) -> list[int]:
+        """Per KV cache group, the first block position a request of `num_tokens` computed
+        tokens keeps (its sliding window's; 0 for full attention), as vLLM's managers cut."""
+        assert self._kv_cache_manager is not None
+        managers = self._kv_cache_manager.coordinator.single_type_managers
+        return [
+            manager.get_num_skipped_tokens(num_tokens) // size
+            for manager, size in zip(managers, self._group_block_sizes)
+        ]
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Hybrid models: a read fills every KV cache group (vLLM skips zeroing them)."""
+        if not self.grouped:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return tuple(range(self.num_groups))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Producer: keeps a finished prefill's blocks and returns the consumer's params."""
-        from vllm.v1.request import RequestStatus
-
-        params = request.kv_transfer_params
-        request_id = request.request_id
-        self._requests.pop(request_id, None)
-        if not params:
-            return False, None
-        if params.get("do_remote_prefill"):
-            # A consumer request finished (aborted) before its read was scheduled: release
-            # the producer's blocks now rather than at the end of their lease.
-            params["do_remote_prefill"] = False
-            self._meta.to_recv.append(_Recv(request_id, dict(params), [], 0, True))
-            return False, None
-        if not params.get("do_remote_decode"):
-            if request_id in self._loading:  # aborted while reading: stop the read
-                self._loading.discard(request_id)
-                self._meta.to_cancel.add(request_id)
-            return False, None
-        published = request_id in self._published
-        self._published.discard(request_id)
-        done = request.status in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        )
-        if not done or not block_ids:
-            if published:
-                self._meta.to_abort.add(request_id)
-            return False, None
-        if not published:
-            log.error("request %s finished before its prefill completed: not sent", request_id)
+        if not self._to_send(request, bool(block_ids)):
             return False, None
         if not self.settings.side_channel:
             raise ValueError("a kv_producer needs side_channel addresses in its settings")
+        request_id = request.request_id
         num_tokens = request.num_prompt_tokens
         transfer = make_transfer_params(
             self.settings.engine_id,
@@ -344,6 +385,76 @@ class JaxKVConnector(KVConnectorBase_V1):
         self._meta.to_send.add(request_id)
         return True, transfer_params_to_dict(transfer, num_tokens, self.block_size)
 
+    def _request_finished_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` of a hybrid model: block ids per KV cache group."""
+        request_id = request.request_id
+        firsts = self._published_first.pop(request_id, None)
+        if not self._to_send(request, any(block_ids)):
+            return False, None
+        if not self.settings.side_channel:
+            raise ValueError("a kv_producer needs side_channel addresses in its settings")
+        assert firsts is not None and self._kv_cache_manager is not None
+        null = self._kv_cache_manager.block_pool.null_block.block_id
+        num_tokens = request.num_prompt_tokens
+        kept, starts = [], []
+        for ids, first, size in zip(block_ids, firsts, self._group_block_sizes):
+            ids = list(ids[: math.ceil(num_tokens / size)])
+            # vLLM freed the blocks below the window (null now): they were published but
+            # must not be read (another request may own them by now)
+            gone = max((i + 1 for i, b in enumerate(ids) if b == null), default=0)
+            start = max(first, gone)
+            kept.append(ids[start:])
+            starts.append(start)
+        transfer = GroupedTransfer.make(
+            self.settings.engine_id,
+            self.settings.group_addresses(self.num_groups),
+            request_id,
+            kept,
+            self.settings.lease_s,
+            num_tokens=num_tokens,
+            block_sizes=self._group_block_sizes,
+            first_blocks=starts,
+        )
+        self._meta.to_send.add(request_id)
+        return True, transfer.to_dict()
+
+    def _to_send(self, request: Request, has_blocks: bool) -> bool:
+        """The bookkeeping of a finished request; True when the producer hands it over."""
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        request_id = request.request_id
+        self._requests.pop(request_id, None)
+        if not params:
+            return False
+        if params.get("do_remote_prefill"):
+            # A consumer request finished (aborted) before its read was scheduled: release
+            # the producer's blocks now rather than at the end of their lease.
+            params["do_remote_prefill"] = False
+            self._meta.to_recv.append(_Recv(request_id, dict(params), [], 0, True))
+            return False
+        if not params.get("do_remote_decode"):
+            if request_id in self._loading:  # aborted while reading: stop the read
+                self._loading.discard(request_id)
+                self._meta.to_cancel.add(request_id)
+            return False
+        published = request_id in self._published
+        self._published.discard(request_id)
+        done = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        if not done or not has_blocks:
+            if published:
+                self._meta.to_abort.add(request_id)
+            return False
+        if not published:
+            log.error("request %s finished before its prefill completed: not sent", request_id)
+            return False
+        return True
+
     def update_connector_output(self, connector_output: Any) -> None:
         """Forgets the consumer reads the workers reported over."""
         self._loading -= set(connector_output.finished_recving or ())
@@ -351,36 +462,119 @@ class JaxKVConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        """Registers this worker's cache with a new `KVTransferEngine`.
+        """Registers this worker's cache with a new `KVTransferEngine` (a hybrid model: one
+        cache per KV cache group with a `jaxkv.transfer.GroupedTransferEngine`).
 
         Args:
           kv_caches: a `jaxkv.PagedKVCache`, or a mapping with one `PagedKVCache` value.
+            Several KV cache groups: a mapping of layer names (those of vLLM's
+            ``kv_cache_config``) to the `PagedKVCache` of their group, which holds all of
+            the group's layers (one entry per group suffices), or a sequence of one
+            `PagedKVCache` per group, in group order.
 
         Raises:
           TypeError: anything else (torch tensors are not adopted yet).
+          ValueError: a cache's block size is not its group's, a layer name of no group, or a
+            group without (or with several) caches.
         """
-        from jaxkv import EngineConfig, PagedKVCache
+        from jaxkv import EngineConfig
 
-        cache = kv_caches
-        if isinstance(kv_caches, Mapping):
-            values = list(kv_caches.values())
-            cache = values[0] if len(values) == 1 else None
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(
-                "JaxKVConnector.register_kv_caches takes a jaxkv.PagedKVCache (or a mapping "
-                f"with one), got {type(kv_caches).__name__}"
-            )
-        if cache.spec.block_size != self.block_size:
-            raise ValueError(
-                f"the cache's block size {cache.spec.block_size} is not vLLM's {self.block_size}"
-            )
+        caches = self._group_caches(kv_caches)
         s = self.settings
-        spec = cache.spec
-        if s.tp_rank is not None and not spec.mla:
-            # one TP rank's cache holds its heads only; the engine describes the model's
-            spec = spec.replace(num_kv_heads=s.num_kv_heads or spec.num_kv_heads * s.tp_size)
-        self._new_engine(EngineConfig(spec, s.tp_size, s.pp_size))
-        self._engine().register_cache(cache, tp_rank=s.tp_rank)
+        configs = {}
+        for g, cache in enumerate(caches):
+            block_size = self._group_block_sizes[g] if self.grouped else self.block_size
+            if cache.spec.block_size != block_size:
+                where = f" of KV cache group {g}" if self.grouped else ""
+                raise ValueError(
+                    f"the cache's block size {cache.spec.block_size}{where} is not vLLM's "
+                    f"{block_size}"
+                )
+            spec = cache.spec
+            if s.tp_rank is not None and not spec.mla:
+                # one TP rank's cache holds its heads only; the engine describes the model's
+                spec = spec.replace(num_kv_heads=s.num_kv_heads or spec.num_kv_heads * s.tp_size)
+            configs[group_name(g)] = EngineConfig(spec, s.tp_size, s.pp_size)
+        if not self.grouped:
+            self._new_engine(configs[group_name(0)])
+            self._engine().register_cache(caches[0], tp_rank=s.tp_rank)
+            return
+        engine = self._new_group_engine(configs)
+        for g, cache in enumerate(caches):
+            engine.register_cache(group_name(g), cache, tp_rank=s.tp_rank)
+
+    def _group_caches(self, kv_caches: Any) -> list[Any]:
+        """Per KV cache group, the `PagedKVCache` of its layers (see `register_kv_caches`):
+        what vLLM hands over, split by group, each group's part adopted by `_adopt_group`."""
+        groups = self._split_by_group(kv_caches)
+        if not self.grouped:
+            return [_adopt_group(groups[0], kv_caches, None)]
+        return [_adopt_group(values, kv_caches, g) for g, values in enumerate(groups)]
+
+    def _split_by_group(self, kv_caches: Any) -> list[list[Any]]:
+        """Per KV cache group, the values handed over for its layers (in the order given; an
+        object given for several layers once).
+
+        Raises:
+          ValueError: a layer name of no group, or a group without any value.
+          TypeError: neither a mapping nor one value per group.
+        """
+        if not self.grouped:
+            if isinstance(kv_caches, Mapping):
+                return [list(kv_caches.values())]
+            return [[kv_caches]]
+        if isinstance(kv_caches, Mapping):
+            group_of = {
+                layer: g for g, layers in enumerate(self._group_layers) for layer in layers
+            }
+            found: list[dict[int, Any]] = [{} for _ in range(self.num_groups)]
+            for layer, value in kv_caches.items():
+                if layer not in group_of:
+                    raise ValueError(
+                        f"register_kv_caches: layer {layer!r} is in no KV cache group of "
+                        "vLLM's kv_cache_config"
+                    )
+                found[group_of[layer]].setdefault(id(value), value)
+            for g, by_id in enumerate(found):
+                if not by_id:
+                    raise ValueError(
+                        f"register_kv_caches: KV cache group {g} got 0 caches (none of its "
+                        f"layers {self._group_layers[g]} was given)"
+                    )
+            return [list(by_id.values()) for by_id in found]
+        if isinstance(kv_caches, (list, tuple)) and len(kv_caches) == self.num_groups:
+            return [[cache] for cache in kv_caches]
+        raise TypeError(
+            f"JaxKVConnector.register_kv_caches takes, for {self.num_groups} KV cache groups, a "
+            f"mapping of layer names to caches or {self.num_groups} caches, got "
+            f"{type(kv_caches).__name__}"
+        )
+
+    def _new_group_engine(self, configs: dict[str, Any]) -> GroupedTransferEngine:
+        """Closes the current transfer engines, if any, and starts a `GroupedTransferEngine`
+        for `configs` (per group name), each group on its side-channel address."""
+        from jaxkv.transfer import GroupedTransferEngine
+
+        s = self.settings
+        if s.side_channel:
+            addresses = [a[s.process_index] for a in s.group_addresses(self.num_groups)]
+        else:
+            addresses = [("127.0.0.1", 0)] * self.num_groups
+        self.shutdown()
+        self.group_engine = GroupedTransferEngine(
+            s.engine_id,
+            configs,
+            group_options={
+                group_name(g): {"host": host, "port": port}
+                for g, (host, port) in enumerate(addresses)
+            },
+            lease_s=s.lease_s,
+            read_timeout_s=s.read_timeout_s,
+            handshake_timeout_s=s.handshake_timeout_s,
+            early_read_grace_s=s.early_read_grace_s,
+            **s.engine_options(),
+        )
+        return self.group_engine
 
     def _new_engine(self, config: Any) -> KVTransferEngine:
         """Closes the current transfer engine, if any, and starts one for `config` on this
@@ -414,12 +608,31 @@ class JaxKVConnector(KVConnectorBase_V1):
         return self._engine().address
 
     @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Per KV cache group, this worker's side-channel address (after
+        `register_kv_caches`)."""
+        if self.group_engine is not None:
+            return list(self.group_engine.addresses.values())
+        return [self.address]
+
+    @property
     def cache(self) -> Any:
         """The registered cache, current version (reads rewrite it in place)."""
         return self._engine().caches[0]
 
+    @property
+    def caches(self) -> list[Any]:
+        """Per KV cache group, the registered cache, current version."""
+        if self.group_engine is not None:
+            return list(self.group_engine.caches.values())
+        return [self.cache]
+
     def update_cache(self, cache: Any) -> None:
-        """Hands the cache's new version (after a donated update) to the transfer engine."""
+        """Hands the cache's new version (after a donated update) to the transfer engine
+        (hybrid models: to that of the group that registered it)."""
+        if self.group_engine is not None:
+            self.group_engine.update_cache(self.group_engine.group_of(cache), cache)
+            return
         self._engine().update_cache(cache)
 
     def _engine(self):
@@ -427,11 +640,18 @@ class JaxKVConnector(KVConnectorBase_V1):
             raise RuntimeError("register_kv_caches first")
         return self.engine
 
+    def _any_engine(self) -> Any:
+        """The transfer engine: the `GroupedTransferEngine` of a hybrid model, else the
+        `KVTransferEngine`."""
+        if self.group_engine is not None:
+            return self.group_engine
+        return self._engine()
+
     def start_load_kv(self, forward_context: ForwardContext | None = None, **kwargs: Any) -> None:
         """Starts this step's reads (consumer) and releases aborted requests (producer)."""
         if not self.has_connector_metadata():
             return
-        engine = self._engine()
+        engine = self._any_engine()
         meta: JaxKVConnectorMetadata = self._get_connector_metadata()
         for request_id in meta.to_abort:
             engine.abort_request(request_id)
@@ -445,6 +665,9 @@ class JaxKVConnector(KVConnectorBase_V1):
             self._start_read(recv)
 
     def _start_read(self, recv: _Recv) -> None:
+        if self.group_engine is not None:
+            self._start_group_read(recv)
+            return
         engine = self._engine()
         try:
             params = transfer_params_from_dict(recv.params)
@@ -481,10 +704,74 @@ class JaxKVConnector(KVConnectorBase_V1):
             log.error("request %s: starting its read failed: %s", recv.request_id, error)
             engine.abort_request(recv.request_id)
 
+    def _start_group_read(self, recv: _Recv) -> None:
+        """`_start_read` of a hybrid model: one read per KV cache group."""
+        engine = self.group_engine
+        assert engine is not None
+        transfer: GroupedTransfer | None = None
+        try:
+            transfer = GroupedTransfer.from_dict(recv.params)
+            if transfer.num_groups != self.num_groups:
+                raise ValueError(
+                    f"the producer has {transfer.num_groups} KV cache groups, this engine "
+                    f"{self.num_groups}"
+                )
+            groups, local = {}, {}
+            for g in range(self.num_groups):
+                name = group_name(g)
+                remote = transfer.params.groups[name]
+                if recv.release_only:  # an empty read: the producer is only notified
+                    remote_ids, local_ids = list(remote.block_ids), list[int]()
+                else:
+                    first, ids = recv.local_groups[g]
+                    remote_ids, local_ids = group_read_plan_ids(
+                        remote.block_ids,
+                        transfer.first_blocks[g],
+                        transfer.num_tokens,
+                        transfer.block_sizes[g],
+                        ids,
+                        first,
+                        self._group_block_sizes[g],
+                    )
+                groups[name] = msgspec.structs.replace(remote, block_ids=remote_ids)
+                local[name] = local_ids
+        except (ValueError, IndexError) as error:
+            log.error("request %s: %s", recv.request_id, error)
+            self._fail_now(recv)
+            if (
+                transfer is not None
+                and transfer.num_groups == self.num_groups
+                and recv.request_id not in self._reading
+            ):
+                # the producer's blocks are released at once (an empty read of every group
+                # notifies it) rather than held until their lease expires
+                self._reading[recv.request_id] = transfer.params.request_id
+                self._releasing.add(recv.request_id)
+                engine.start_read(
+                    transfer.params, {name: [] for name in transfer.params.groups},
+                    read_id=recv.request_id,
+                )
+            return
+        if recv.request_id in self._reading:
+            log.error("request %s: its read is already in flight", recv.request_id)
+            self._fail_now(recv)
+            return
+        self._reading[recv.request_id] = transfer.params.request_id
+        if recv.release_only:
+            self._releasing.add(recv.request_id)
+        # a group failing to start is reported failed by the next poll (the others stopped)
+        engine.start_read(
+            GroupedParams(transfer.params.request_id, groups), local, read_id=recv.request_id
+        )
+
     def _fail_now(self, recv: _Recv) -> None:
         if recv.release_only:
             return
-        self._load_errors.update(recv.local_block_ids)
+        if self.grouped:
+            for g, (_, ids) in enumerate(recv.local_groups):
+                self._group_load_errors.setdefault(g, set()).update(ids)
+        else:
+            self._load_errors.update(recv.local_block_ids)
         self._failed_now.add(recv.request_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -503,6 +790,13 @@ class JaxKVConnector(KVConnectorBase_V1):
             self._engine().publish_request(
                 request_id, block_ids, expected_reads=self.settings.reads_per_request
             )
+        for request_id, group_ids in meta.to_publish_groups.items():
+            assert self.group_engine is not None, "register_kv_caches first"
+            self.group_engine.publish_request(
+                request_id,
+                {group_name(g): ids for g, ids in enumerate(group_ids)},
+                expected_reads=self.settings.reads_per_request,
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """Polls the transfer engine: (requests whose blocks may be freed, reads finished or
@@ -517,7 +811,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         results.finished_recving |= self._failed_now
         results.failed_recving |= self._failed_now
         self._failed_now = set()
-        if self.engine is None:
+        if self.engine is None and self.group_engine is None:
             return results
         polled = self._poll_engine()
         for consumer_id in polled.finished:  # read ids: the consumer's request ids
@@ -530,6 +824,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         for failure in polled.failed:
             consumer_id = failure.request_id
             known = self._reading.pop(consumer_id, None) is not None
+            group_invalid = self._group_invalid.pop(consumer_id, {})
             if consumer_id in self._releasing:
                 self._releasing.discard(consumer_id)
                 continue
@@ -539,7 +834,11 @@ class JaxKVConnector(KVConnectorBase_V1):
                     results.finished_recving.add(consumer_id)
                 continue
             log.warning("read of %s failed: %s", consumer_id, failure.reason)
-            self._load_errors.update(failure.invalid_block_ids)
+            if self.group_engine is not None:
+                for name, ids in group_invalid.items():
+                    self._group_load_errors.setdefault(int(name), set()).update(ids)
+            else:
+                self._load_errors.update(failure.invalid_block_ids)
             if known:
                 results.finished_recving.add(consumer_id)
                 results.failed_recving.add(consumer_id)
@@ -555,15 +854,47 @@ class JaxKVConnector(KVConnectorBase_V1):
 
     def _poll_engine(self) -> Any:
         """One `KVTransferEngine.poll` (subclasses add what they polled earlier)."""
+        if self.group_engine is not None:
+            return self._poll_groups()
         return self._engine().poll()
 
+    def _poll_groups(self) -> PollResult:
+        """One `GroupedTransferEngine.poll`, as a `PollResult` (a failed read's invalid
+        blocks per group are kept aside)."""
+        assert self.group_engine is not None
+        polled = self.group_engine.poll()
+        result = PollResult(finished=polled.finished, freeable=polled.freeable)
+        for request_id, reason, invalid in polled.failed:
+            self._group_invalid.pop(request_id, None)
+            if request_id in self._reading:
+                self._group_invalid[request_id] = invalid
+            ids = tuple(sorted({b for group in invalid.values() for b in group}))
+            result.failed.append(FailedRead(request_id, reason, ids))
+        return result
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Local blocks of failed reads since the last call."""
+        """Local blocks of failed reads since the last call.
+
+        Hybrid models: always empty. vLLM 0.33 refuses block-level load errors with several
+        KV cache groups (it cannot map them to requests); a failed read is reported in
+        ``failed_recving`` (`get_transfer_results`) and vLLM recomputes the request. Its
+        blocks per group: `get_group_block_ids_with_load_errors`.
+        """
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_group_block_ids_with_load_errors(self) -> dict[int, set[int]]:
+        """Hybrid models: per KV cache group, the local blocks of failed reads since the last
+        call (a group that failed, and the groups stopped or finished with it)."""
+        errors, self._group_load_errors = self._group_load_errors, {}
+        return errors
+
     def get_kv_connector_stats(self) -> JaxKVConnectorStats | None:
-        """The reads finished or failed since the last call (None when there were none)."""
+        """The reads finished or failed since the last call (None when there were none).
+
+        Hybrid models: each KV cache group's read counts as one transfer."""
+        if self.group_engine is not None:
+            return self._group_stats()
         if self.engine is None:
             return None
         stats = self.engine.stats
@@ -575,6 +906,23 @@ class JaxKVConnector(KVConnectorBase_V1):
         out.data["bytes"] = stats.bytes_total - seen[1]
         out.data["failed"] = stats.failed_transfers - seen[2]
         out.data["duration_s"] = sum(r.duration_s for r in stats.records[-new:]) if new else 0.0
+        return None if out.is_empty() else out
+
+    def _group_stats(self) -> JaxKVConnectorStats | None:
+        assert self.group_engine is not None
+        out = JaxKVConnectorStats()
+        for name, engine in self.group_engine.engines.items():
+            stats = engine.stats
+            seen = self._group_stats_seen.get(name, (0, 0, 0))
+            self._group_stats_seen[name] = (
+                stats.requests_total, stats.bytes_total, stats.failed_transfers
+            )
+            new = stats.requests_total - seen[0]
+            out.data["transfers"] += new
+            out.data["bytes"] += stats.bytes_total - seen[1]
+            out.data["failed"] += stats.failed_transfers - seen[2]
+            if new:
+                out.data["duration_s"] += sum(r.duration_s for r in stats.records[-new:])
         return None if out.is_empty() else out
 
     @classmethod
@@ -594,4 +942,92 @@ class JaxKVConnector(KVConnectorBase_V1):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.group_engine is not None:
+            self.group_engine.close()
+            self.group_engine = None
 
+
+class JaxKVConnector(JaxKVConnectorBase, SupportsHMA):
+    """vLLM KV connector moving KV blocks with jaxkv (see the module docstring), for one or
+    several KV cache groups (vLLM's hybrid allocator: full attention and sliding window).
+
+    Args:
+      vllm_config: the engine's config; its ``kv_transfer_config.kv_connector_extra_config``
+        holds the `ConnectorSettings`.
+      role: `KVConnectorRole.SCHEDULER` or `KVConnectorRole.WORKER`.
+      kv_cache_config: vLLM's cache config: its KV cache groups (None: one group). The
+        worker side needs it for several groups (which layers form each).
+
+    Raises:
+      ValueError: bad settings.
+    """
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid allocator: `request_finished` with block ids per KV
+        cache group (one group: exactly `request_finished`)."""
+        if not self.grouped:
+            return self.request_finished(request, block_ids[0])
+        return self._request_finished_groups(request, block_ids)
+
+
+def _check_groups(groups: list[Any]) -> None:
+    """Refuses KV cache groups the connector cannot move: groups vLLM excludes from KV
+    transfer (scratch buffers) and groups of no attention layers (e.g. Mamba state)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    for g, group in enumerate(groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            raise ValueError(
+                f"KV cache group {g} ({group.layer_names[:2]}...) is excluded from KV transfer "
+                "by vLLM: JaxKVConnector moves every group of a hybrid model"
+            )
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            raise ValueError(
+                f"KV cache group {g} holds {type(group.kv_cache_spec).__name__}: JaxKVConnector "
+                "moves attention KV groups only (full attention, sliding window)"
+            )
+
+
+def _blocks_to_fill(group: Any) -> tuple[int, tuple[int, ...]]:
+    """A consumer's blocks of one KV cache group that a read fills: the trailing blocks that
+    are neither a local hit (hashed) nor out of the sliding window (vLLM's null block), with
+    the token-order position of the first."""
+    ids: list[int] = []
+    for block in reversed(group):
+        if block.is_null or block.block_hash is not None:
+            break
+        ids.append(block.block_id)
+    ids.reverse()
+    return len(group) - len(ids), tuple(ids)
+
+
+def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
+    """What vLLM's ``register_kv_caches`` hands over for the layers of one KV cache group,
+    as the `jaxkv.PagedKVCache` (arrays and spec) the transfer engine registers: today one
+    `PagedKVCache` that holds all of the group's layers.
+
+    Args:
+      values: the distinct values given for the group's layers, in the order given.
+      given: everything `register_kv_caches` got (named in errors).
+      group: the group's index (None: the only group).
+
+    Raises:
+      TypeError: anything else (torch tensors are not adopted yet).
+    """
+    from jaxkv import PagedKVCache
+
+    if len(values) == 1 and isinstance(values[0], PagedKVCache):
+        return values[0]
+    if group is None:
+        raise TypeError(
+            "JaxKVConnector.register_kv_caches takes a jaxkv.PagedKVCache (or a mapping "
+            f"with one), got {type(given).__name__}"
+        )
+    kinds = sorted({type(v).__name__ for v in values})
+    raise TypeError(
+        f"register_kv_caches: KV cache group {group} got {len(values)} distinct value(s) of "
+        f"type {kinds} for its layers; it takes one jaxkv.PagedKVCache holding all of the "
+        "group's layers"
+    )

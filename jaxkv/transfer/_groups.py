@@ -20,6 +20,7 @@ import msgspec
 
 from jaxkv._parallel import EngineConfig
 from jaxkv.transfer._engine import KVTransferEngine, TransferParams
+from jaxkv.transfer._params import FailedRead
 
 __all__ = ["GroupedParams", "GroupedPollResult", "GroupedTransferEngine", "LayoutAdvice",
            "recommend_layout"]
@@ -143,6 +144,9 @@ class GroupedTransferEngine:
     Args:
       engine_id: the engine's name; group ``g`` is engine ``f"{engine_id}.{g}"``.
       configs: per group name, its `EngineConfig` (the group's layers, layout, block size).
+      group_options: per group name, `KVTransferEngine` keyword arguments for that group's
+        engine only (e.g. ``{"port": 5601}``: each group listens on its own side channel),
+        over `engine_kwargs`.
       **engine_kwargs: passed to every `KVTransferEngine`.
 
     Example:
@@ -153,15 +157,21 @@ class GroupedTransferEngine:
       >>> params = engine.publish_request("r", {"full": [1, 2, 3], "swa": [7]})  # doctest: +SKIP
     """
 
-    def __init__(self, engine_id: str, configs: Mapping[str, EngineConfig], **engine_kwargs: Any):
+    def __init__(self, engine_id: str, configs: Mapping[str, EngineConfig],
+                 group_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 **engine_kwargs: Any):
         if not configs:
             raise ValueError("at least one cache group")
+        unknown = sorted(set(group_options or {}) - set(configs))
+        if unknown:
+            raise ValueError(f"group_options name unknown groups {unknown}")
         self.engine_id = engine_id
         self.engines: dict[str, KVTransferEngine] = {}
         try:
             for group, config in configs.items():
+                options = {**engine_kwargs, **(group_options or {}).get(group, {})}
                 self.engines[group] = KVTransferEngine(
-                    f"{engine_id}.{group}", config, **engine_kwargs
+                    f"{engine_id}.{group}", config, **options
                 )
         except Exception:
             self.close()
@@ -226,13 +236,74 @@ class GroupedTransferEngine:
         key = params.request_id if read_id is None else read_id
         if key in self._reading:
             raise ValueError(f"read {key!r} is already in flight")
-        self._reading[key] = {g: None for g in self.engines}
+        state: dict[str, Any] = {g: None for g in self.engines}
+        self._reading[key] = state
         self._local[key] = {
             g: tuple(sorted(int(b) for b in ids)) for g, ids in local_block_ids.items()
         }
         for group, engine in self.engines.items():
-            engine.start_read(params.groups[group], local_block_ids[group], timeout_s,
-                              read_id=key)
+            try:
+                engine.start_read(params.groups[group], local_block_ids[group], timeout_s,
+                                  read_id=key)
+            except Exception as error:  # noqa: BLE001 - reported by poll, as the engines do
+                # This group never started: it fails here, the groups started before it are
+                # stopped (their engines report them failed), the later ones never start.
+                reason = f"group {group!r}: starting the read failed: {error}"
+                self._failed[key] = (reason, {})
+                started = list(self.engines)[: list(self.engines).index(group)]
+                for other in self.engines:
+                    if other in started:
+                        self.engines[other].abort_request(key)
+                    else:
+                        state[other] = FailedRead(key, reason, self._local[key][other])
+                        self._failed[key][1][other] = self._local[key][other]
+                return
+
+    def abort_request(self, request_id: str) -> None:
+        """Producer: releases a request's blocks in every group (reported freeable once every
+        group released them). Consumer: stops the read of that read id in every group
+        (reported failed). `KVTransferEngine.abort_request` in each group."""
+        for engine in self.engines.values():
+            engine.abort_request(request_id)
+
+    def update_cache(self, group: str, cache: Any) -> None:
+        """`KVTransferEngine.update_cache` of one group's engine."""
+        self._engine(group).update_cache(cache)
+
+    def group_of(self, cache: Any) -> str:
+        """The group whose registered cache has `cache`'s arrays and devices.
+
+        Raises:
+          ValueError: no group registered a cache with these buffers.
+        """
+        # The groups' caches may have equal shapes on the same devices: a cache is known by
+        # its buffers' addresses (an in-place update keeps them).
+        where = {(b.array_index, b.device.id, b.address) for b in cache.shard_buffers()}
+        for group, engine in self.engines.items():
+            for entry in engine._registry.caches:
+                if entry.cache is cache or where == {
+                    (b.array_index, b.device.id, b.address) for b in entry.buffers
+                }:
+                    return group
+        raise ValueError(
+            "no group registered a cache with these buffers (was the cache donated to every "
+            "update?)"
+        )
+
+    @property
+    def caches(self) -> dict[str, Any]:
+        """Per group, its registered cache (current version; one per engine process)."""
+        return {g: e.caches[0] for g, e in self.engines.items()}
+
+    @property
+    def num_pinned(self) -> int:
+        """Producer requests pinned in at least one group."""
+        return len(set().union(*(e.producer.pinned for e in self.engines.values())))
+
+    @property
+    def num_reading(self) -> int:
+        """Consumer reads not yet reported by `poll`."""
+        return len(self._reading)
 
     def poll(self) -> GroupedPollResult:
         """Polls every group; a request is finished when all its groups are."""
