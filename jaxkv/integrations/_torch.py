@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,7 +42,9 @@ from jaxkv._spec import KVCacheSpec, canonical_dtype
 
 __all__ = [
     "AdoptionPlan",
+    "adopt_for_vllm",
     "adopt_torch_kv_caches",
+    "is_torch_caches",
     "physical_order",
     "plan_adoption",
     "vllm_cache_params",
@@ -406,7 +409,8 @@ def _plan_layers(views: Mapping[str, Any], names: Sequence[str], letters: str):
 
     first = views[names[0]]
     try:
-        plans = [plan_adoption(letters, tuple(views[n].shape), tuple(views[n].stride()), n)
+        plans = [plan_adoption(letters, tuple(views[n].shape), tuple(views[n].stride()),
+                               f"layer {n!r}")
                  for n in names]
         per_layer_error = None
     except ValueError as error:
@@ -473,3 +477,30 @@ def _import(name: str, tensor: Any) -> Any:
     if array.unsafe_buffer_pointer() != tensor.data_ptr():
         raise ValueError(f"layer {name!r}: JAX imported a copy, not the torch memory")
     return array
+
+
+def is_torch_caches(kv_caches: Any) -> bool:
+    """Whether `kv_caches` is a mapping whose values are torch tensors (GPU vLLM's
+    `register_kv_caches` argument); never imports torch."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(kv_caches, Mapping) or not kv_caches:
+        return False
+    return any(isinstance(v, torch.Tensor) for v in kv_caches.values())
+
+
+def adopt_for_vllm(kv_caches: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any,
+                   tp_size: int, tp_rank: int | None) -> Any:
+    """The `PagedKVCache` over vLLM's torch caches (`adopt_torch_kv_caches` with the
+    parameters of `vllm_cache_params`), for `JaxKVConnector.register_kv_caches`.
+
+    Raises:
+      ValueError: what `adopt_torch_kv_caches` and `vllm_cache_params` raise, or several TP
+        ranks without this worker's ``tp_rank`` (a vLLM worker's tensors hold its own heads).
+    """
+    if tp_size > 1 and tp_rank is None:
+        raise ValueError(
+            "vLLM's torch KV caches hold one TP rank's heads: set tp_rank (and process_index) "
+            "in kv_connector_extra_config"
+        )
+    cache, _ = adopt_torch_kv_caches(kv_caches, **vllm_cache_params(vllm_config, kv_cache_config))
+    return cache

@@ -25,7 +25,8 @@ Flow of one request:
   confirmed its read, its lease expired or it was aborted; vLLM then frees the blocks.
 
 The worker side registers a `jaxkv.PagedKVCache` (JAX serving frameworks): `register_kv_caches`
-takes the cache, or a one-entry mapping of it. Torch tensors (GPU vLLM) are not adopted yet.
+takes the cache, or a one-entry mapping of it; GPU vLLM's torch tensors are adopted zero-copy
+(DLPack) as one.
 
 Settings come from ``kv_connector_extra_config`` (`jaxkv.integrations.ConnectorSettings`).
 
@@ -354,13 +355,22 @@ class JaxKVConnector(KVConnectorBase_V1):
         """Registers this worker's cache with a new `KVTransferEngine`.
 
         Args:
-          kv_caches: a `jaxkv.PagedKVCache`, or a mapping with one `PagedKVCache` value.
+          kv_caches: a `jaxkv.PagedKVCache`, or a mapping with one `PagedKVCache` value, or
+            GPU vLLM's mapping layer name -> torch tensor, adopted zero-copy (DLPack) with the
+            layout its strides show (`jaxkv.integrations._torch`).
 
         Raises:
-          TypeError: anything else (torch tensors are not adopted yet).
+          TypeError: anything else.
+          ValueError: torch caches jaxkv cannot adopt without a copy (the message says why).
         """
         from jaxkv import EngineConfig, PagedKVCache
+        from jaxkv.integrations import _torch
 
+        if _torch.is_torch_caches(kv_caches):
+            kv_caches = _torch.adopt_for_vllm(
+                kv_caches, self._vllm_config, self._kv_cache_config,
+                self.settings.tp_size, self.settings.tp_rank,
+            )
         cache = kv_caches
         if isinstance(kv_caches, Mapping):
             values = list(kv_caches.values())
@@ -368,7 +378,7 @@ class JaxKVConnector(KVConnectorBase_V1):
         if not isinstance(cache, PagedKVCache):
             raise TypeError(
                 "JaxKVConnector.register_kv_caches takes a jaxkv.PagedKVCache (or a mapping "
-                f"with one), got {type(kv_caches).__name__}"
+                f"with one, or vLLM's torch tensors), got {type(kv_caches).__name__}"
             )
         if cache.spec.block_size != self.block_size:
             raise ValueError(
