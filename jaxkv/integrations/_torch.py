@@ -9,9 +9,11 @@ cross-layer ``BLNHC``, ``BLHNC``, ``BHLNC``, or ``LHBNC``): the strides say it, 
 logical axis order.
 
 Adoption reads each tensor's physical axis order from its strides, checks that the memory is
-dense in that order, and names the storage in jaxkv's layout letters: ``K`` and ``D`` come from
-splitting ``C`` (a free view), the letters after the block axis are the block layout (e.g.
-``LBNHC`` -> ``"THKD"``, ``LBHNC`` -> ``"HTKD"``), and axes stored outside the blocks (the layer
+dense in that order, and names the storage in jaxkv's layout letters: ``C`` becomes ``D``, one
+vector of K then V per head (``kv_factor=1``, ``head_dim = head_size + head_size_v``, as
+vLLM's NIXL connector moves them; ``fuse_kv=False`` splits it into ``K`` and ``D`` instead,
+which jaxkv's transfer planner does not take), the letters after the block axis are the block
+layout (e.g. ``LBNHC`` -> ``"THD"``, ``LBHNC`` -> ``"HTD"``), and axes stored outside the blocks (the layer
 axis of ``LB..`` layouts; a ``K`` axis before the blocks, as older backends'
 ``(2, num_blocks, ...)`` caches) become separate arrays, as jaxkv's layouts describe. Layers
 that share one allocation with the block axis outermost (``BL..``, ``BH..``) are adopted as one
@@ -236,6 +238,7 @@ def adopt_torch_kv_caches(
     head_size_v: int | None = None,
     mla: bool = False,
     letters: str | None = None,
+    fuse_kv: bool = True,
 ) -> tuple[Any, tuple[str, ...]]:
     """Adopts vLLM's per-layer torch KV caches as one `jaxkv.PagedKVCache`, zero-copy.
 
@@ -255,6 +258,13 @@ def adopt_torch_kv_caches(
         holding K then V): e.g. ``"KBTHD"`` for ``(2, num_blocks, block_size, heads,
         head_size)``, ``"BKTHD"`` for ``(num_blocks, 2, ...)``, ``"BTD"`` for
         ``(num_blocks, block_size, latent)``.
+      fuse_kv: with vLLM 0.33's ``C`` axis (K then V of a head), describe each head's K and V
+        as one vector of ``head_size + head_size_v`` elements (``kv_factor=1``, layouts such
+        as ``"THD"``), as vLLM's own NIXL connector moves them: the form jaxkv's transfer
+        planner takes, so the connector uses it (its peers must describe their caches the
+        same way, as the connector does for every vLLM torch cache). False: a ``K`` axis
+        next to ``D`` (``"THKD"``; exact, but the planner refuses K inside the heads and
+        tokens).
 
     Returns:
       ``(cache, layer_names)``: the cache (its arrays are the torch memory: equal
@@ -274,7 +284,7 @@ def adopt_torch_kv_caches(
       >>> cache, names = adopt_torch_kv_caches(  # doctest: +SKIP
       ...     layers, num_kv_heads=4, head_size=64, block_size=16)
       >>> cache.spec.layout, cache.arrays[0].unsafe_buffer_pointer() == raw.data_ptr()
-      ('THKD', True)
+      ('THD', True)
     """
     import torch
 
@@ -289,7 +299,8 @@ def adopt_torch_kv_caches(
         head_size_v = 0 if mla else head_size
     if mla and (num_kv_heads != 1 or head_size_v != 0):
         raise ValueError("an MLA cache has one head and no separate V (head_size_v=0)")
-    if not mla and head_size_v != head_size:
+    fused = fuse_kv and letters is None
+    if not mla and not fused and head_size_v != head_size:
         raise ValueError(
             f"K and V head sizes differ ({head_size} and {head_size_v}): jaxkv stores K and V "
             "with one head dim"
@@ -315,7 +326,8 @@ def adopt_torch_kv_caches(
             seen.add(key)
             unique.append(name)
 
-    kv_factor = 1 if mla else 2
+    kv_factor = 1 if mla or fused else 2
+    head_dim = head_size + head_size_v if fused else head_size
     torch_dtype = first.dtype
     element = canonical_dtype(dtype if dtype is not None else str(torch_dtype).split(".")[-1])
     view_dtype = _torch_dtype(element)
@@ -357,7 +369,9 @@ def adopt_torch_kv_caches(
                 f"should be {want} for num_kv_heads={num_kv_heads}, head_size={head_size}, "
                 f"head_size_v={head_size_v}, block_size={block_size}"
             )
-    if "C" in letters:  # vLLM 0.33: C holds K then V of one head dim
+    if fused:  # K then V of a head: one vector
+        letters = letters.replace("C", "D")
+    elif "C" in letters:  # vLLM 0.33: C holds K then V of one head dim
         c = letters.index("C")
         for name, t in views.items():
             views[name] = t.unflatten(c, (kv_factor, head_size))
@@ -374,7 +388,7 @@ def adopt_torch_kv_caches(
     spec = KVCacheSpec(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
-        head_dim=head_size,
+        head_dim=head_dim,
         block_size=block_size,
         dtype=element,
         layout=layout,

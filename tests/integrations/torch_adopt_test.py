@@ -27,14 +27,15 @@ from jaxkv.integrations._torch import adopt_torch_kv_caches  # noqa: E402
 
 L, H, D, BS, NB = 3, 4, 8, 16, 8
 
-# vLLM 0.33's KVCacheLayout -> (jaxkv block layout, arrays): per-layer arrays when the layer
-# axis is outermost, one array with an L axis when the blocks are (cross-layer layouts).
+# vLLM 0.33's KVCacheLayout -> (jaxkv block layout with K and V of a head as one vector,
+# the same with a K axis, arrays): per-layer arrays when the layer axis is outermost, one
+# array with an L axis when the blocks are (cross-layer layouts).
 EXPECTED = {
-    "LBNHC": ("THKD", L),
-    "LBHNC": ("HTKD", L),
-    "BLNHC": ("LTHKD", 1),
-    "BLHNC": ("LHTKD", 1),
-    "BHLNC": ("HLTKD", 1),
+    "LBNHC": ("THD", "THKD", L),
+    "LBHNC": ("HTD", "HTKD", L),
+    "BLNHC": ("LTHD", "LTHKD", 1),
+    "BLHNC": ("LHTD", "LHTKD", 1),
+    "BHLNC": ("HLTD", "HLTKD", 1),
 }
 
 
@@ -44,10 +45,11 @@ def adopt(caches, **kwargs):
     return adopt_torch_kv_caches(caches, **params)
 
 
-def logical_g(caches, names, mla=False):
-    """``[L, B, H, N, K, D]`` uints of the torch caches, read through torch's own views."""
+def logical_g(caches, names, split=False):
+    """``[L, B, H, N, K, D]`` uints of the torch caches, read through torch's own views (K
+    of size 1 and D of K then V unless `split`)."""
     out = np.stack([th.as_numpy(caches[n]) for n in names])
-    if mla:
+    if not split:
         return out[:, :, :, :, None, :]
     return out.reshape(*out.shape[:4], 2, -1)
 
@@ -72,18 +74,22 @@ def cache_as_g(cache):
     return out
 
 
+@pytest.mark.parametrize("fuse_kv", [True, False])
 @pytest.mark.parametrize("layout_name", sorted(EXPECTED))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "fp8"])
-def test_vllm_layouts_and_dtypes(layout_name, dtype):
+def test_vllm_layouts_and_dtypes(layout_name, dtype, fuse_kv):
     spec = th.attention_spec(H, D, BS, dtype)
     caches = th.vllm_caches(layout_name, spec, L, NB)
     th.fill_random(caches, seed=1)
     names = th.layer_names(L)
     element = "float8_e4m3fn" if dtype == "fp8" else None
-    cache, adopted = adopt(caches, dtype=element)
-    layout, num_arrays = EXPECTED[layout_name]
+    cache, adopted = adopt(caches, dtype=element, fuse_kv=fuse_kv)
+    fused_layout, split_layout, num_arrays = EXPECTED[layout_name]
     assert adopted == tuple(names)
-    assert cache.spec.layout == layout and len(cache.arrays) == num_arrays
+    assert cache.spec.layout == (fused_layout if fuse_kv else split_layout)
+    assert len(cache.arrays) == num_arrays
+    assert cache.spec.kv_factor == (1 if fuse_kv else 2)
+    assert cache.spec.head_dim == (2 * D if fuse_kv else D)
     assert cache.spec.dtype.name == (element or dtype)
     # zero-copy: every array is the torch memory
     if num_arrays == L:
@@ -92,7 +98,7 @@ def test_vllm_layouts_and_dtypes(layout_name, dtype):
         want = [min(caches[n].data_ptr() for n in names)]
     assert [a.unsafe_buffer_pointer() for a in cache.arrays] == want
     # and it holds the values where the layout says (bit for bit)
-    np.testing.assert_array_equal(cache_as_g(cache), logical_g(caches, names))
+    np.testing.assert_array_equal(cache_as_g(cache), logical_g(caches, names, not fuse_kv))
 
 
 @pytest.mark.parametrize("layout_name", ["LBNHC", "LBHNC", "LHBNC", "BLNHC", "BHLNC"])
@@ -103,7 +109,7 @@ def test_vllm_mla(layout_name):
     cache, _ = adopt(caches, num_kv_heads=1, head_size=32, mla=True)
     layer_outer = layout_name.startswith("L")
     assert cache.spec.mla and cache.spec.layout == ("TD" if layer_outer else "LTD")
-    np.testing.assert_array_equal(cache_as_g(cache), logical_g(caches, th.layer_names(L), True))
+    np.testing.assert_array_equal(cache_as_g(cache), logical_g(caches, th.layer_names(L)))
 
 
 def test_lhbnc_is_refused_by_name():
@@ -194,7 +200,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="kernel blocks"):
         adopt({"a": a}, block_size=2 * BS)
     with pytest.raises(ValueError, match="head sizes differ"):
-        adopt({"a": a}, head_size_v=D // 2)
+        adopt({"a": a}, head_size_v=D // 2, fuse_kv=False)
     with pytest.raises(ValueError, match="unsupported KV-cache dtype uint8"):
         adopt({"a": a.view(torch.uint8)[..., :2 * D]})
     # JAX adopts CPU memory only at 64-byte alignment: said, never copied silently
@@ -247,7 +253,8 @@ def test_connector_registers_torch_caches():
                             th.kv_cache_config("LBHNC", spec, L, NB))
     try:
         worker.register_kv_caches(caches)
-        assert worker.cache.spec.layout == "HTKD" and worker.cache.spec.num_layers == L
+        assert worker.cache.spec.layout == "HTD" and worker.cache.spec.num_layers == L
+        assert (worker.cache.spec.kv_factor, worker.cache.spec.head_dim) == (1, 2 * D)
         addresses = sorted(b.address for b in worker.cache.shard_buffers())
         assert addresses == sorted(t.data_ptr() for t in caches.values())
     finally:

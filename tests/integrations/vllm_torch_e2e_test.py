@@ -1,0 +1,113 @@
+"""`JaxKVConnector` with GPU-vLLM-shaped torch KV caches on both sides (vLLM 0.33's allocator,
+adopted zero-copy through DLPack): real vLLM schedulers, real jaxkv engines over NIXL, the
+producer in another process; the consumer's torch tensors hold the producer's bytes exactly."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+    pytest.skip(
+        "vLLM/torch are not installed: run scripts/test.sh --integrations (sets up .venv-vllm)",
+        allow_module_level=True,
+    )
+
+from jaxkv.transfer import nixl_available  # noqa: E402
+
+if not nixl_available():
+    pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
+
+import torch_harness as th  # noqa: E402
+import vllm_harness as vh  # noqa: E402
+
+NUM_BLOCKS = 64
+
+
+class _RemoteProducer:
+    def __init__(self, layout_name: str, side_kwargs: dict):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        extra = {"engine_id": "prefill", "lease_s": 30.0}
+        self.process = ctx.Process(
+            target=th.torch_producer_process,
+            args=(child, layout_name, NUM_BLOCKS, extra, side_kwargs),
+            daemon=True,
+        )
+        self.process.start()
+        assert self.conn.poll(180), "the producer process did not start"
+        assert self.conn.recv()[0] == "ready"
+
+    def call(self, *command, timeout_s=60.0):
+        self.conn.send(command)
+        assert self.conn.poll(timeout_s), f"no answer to {command[0]}"
+        return self.conn.recv()
+
+    def close(self):
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(("exit",))
+            self.process.join(20)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 50000, size=n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "layout_name,side_kwargs",
+    [
+        ("LBNHC", dict(dtype="bfloat16")),  # vLLM's default NHD layout: per-layer arrays
+        ("BLHNC", dict(dtype="fp8")),  # cross-layer: one array; fp8 stored as uint8
+        ("LBHNC", dict(dtype="float16", mla=True, head_size=32)),  # MLA latent cache
+    ],
+)
+def test_torch_caches_between_two_processes(layout_name, side_kwargs):
+    remote = _RemoteProducer(layout_name, side_kwargs)
+    consumer = th.TorchSide("kv_consumer", layout_name, NUM_BLOCKS,
+                            {"engine_id": "decode", "read_timeout_s": 20.0}, **side_kwargs)
+    try:
+        # the transfer engine registered the torch memory itself
+        registered = {b.address for b in consumer.worker.cache.shard_buffers()}
+        assert registered <= {t.data_ptr() for t in consumer.torch_caches.values()}
+        prompts = prompts_of([5, 8, 21, 40], seed=4)
+        params = remote.call("add", prompts)
+        reqs = [vh.request(p, consumer.spec.block_size, dict(kv), 2)
+                for p, kv in zip(prompts, params)]
+        for r in reqs:
+            consumer.add(r)
+        vh.run_until([consumer], lambda: all(r.request_id in consumer.outputs for r in reqs)
+                     and not consumer.busy(), 60.0)
+        assert not consumer.load_errors and not consumer.failed_blocks
+        for r, p in zip(reqs, prompts):
+            got = consumer.torch_received[r.request_id]
+            n = -(-len(p) // consumer.spec.block_size)
+            expected = consumer.expected_torch_blocks(p, n)
+            assert len(got) == len(expected) == consumer.spec.num_layers
+            for a, b in zip(got, expected):
+                np.testing.assert_array_equal(a, b)
+        assert consumer.worker.engine.stats.requests_total == len(prompts)
+        vh.assert_empty(consumer)
+        busy, pinned = remote.call("state")
+        end = time.monotonic() + 30
+        while (busy or pinned) and time.monotonic() < end:
+            busy, pinned = remote.call("state")
+        assert (busy, pinned) == (False, 0)
+    finally:
+        consumer.close()
+        remote.close()
