@@ -103,28 +103,42 @@ def block_cells(g: np.ndarray, layer: int, first_token: int, block_size: int,
 
 
 class TorchSide(vh.Side):
-    """A `vllm_harness.Side` whose one worker registers vLLM-allocated torch caches."""
+    """A `vllm_harness.Side` whose workers register vLLM-allocated torch caches: one worker,
+    or (``tp > 1``) one worker per TP rank, each with the torch caches of its heads, as vLLM
+    runs them."""
 
     def __init__(self, role: str, layout_name: str, num_blocks: int, extra: dict[str, Any],
                  *, num_layers: int = 2, num_kv_heads: int = 4, head_size: int = 8,
-                 block_size: int = 8, dtype: str = "bfloat16", mla: bool = False):
+                 block_size: int = 8, dtype: str = "bfloat16", mla: bool = False,
+                 tp: int = 1):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from jaxkv.integrations.vllm import JaxKVConnector
 
-        self.role, self.num_blocks, self.tp, self.rank_workers = role, num_blocks, 1, False
+        self.role, self.num_blocks, self.tp, self.rank_workers = role, num_blocks, tp, tp > 1
         self.mla = mla
-        vspec = attention_spec(num_kv_heads, head_size, block_size, dtype, mla)
-        self.torch_caches = vllm_caches(layout_name, vspec, num_layers, num_blocks)
+        rank_heads = num_kv_heads if mla else num_kv_heads // tp
+        vspec = attention_spec(rank_heads, head_size, block_size, dtype, mla)
         self.names = layer_names(num_layers)
-        config = vh.vllm_config(role, block_size, extra, num_blocks)
-        if dtype == "fp8":
-            config.cache_config.cache_dtype = "fp8"
-        worker = JaxKVConnector(config, KVConnectorRole.WORKER,
-                                kv_cache_config(layout_name, vspec, num_layers, num_blocks))
-        worker.register_kv_caches(self.torch_caches)
-        self.workers = [worker]
-        self.worker = worker
+        self.rank_caches: list[dict[str, Any]] = []
+        self.workers = []
+        for rank in range(tp):
+            worker_extra = dict(extra)
+            if tp > 1:
+                worker_extra.update(tp_size=tp, tp_rank=rank, process_index=rank,
+                                    num_kv_heads=num_kv_heads)
+            caches = vllm_caches(layout_name, vspec, num_layers, num_blocks)
+            config = vh.vllm_config(role, block_size, worker_extra, num_blocks)
+            if dtype == "fp8":
+                config.cache_config.cache_dtype = "fp8"
+            worker = JaxKVConnector(config, KVConnectorRole.WORKER,
+                                    kv_cache_config(layout_name, vspec, num_layers, num_blocks))
+            worker.register_kv_caches(caches)
+            self.rank_caches.append(caches)
+            self.workers.append(worker)
+        self.torch_caches = self.rank_caches[0]
+        worker = self.worker = self.workers[0]
+        extra = {**extra, "tp_size": tp} if tp > 1 else extra
         # what token_kv needs (layers, K/V, heads, head dim, element width)
         self.spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=1 if mla else num_kv_heads,
                                 head_dim=head_size, block_size=block_size,
@@ -132,7 +146,7 @@ class TorchSide(vh.Side):
                                 mla=mla, layout="TD" if mla else "LKHTD")
         sched_extra = dict(extra)
         if role == "kv_producer":
-            sched_extra["side_channel"] = [list(worker.address)]
+            sched_extra["side_channel"] = [list(w.address) for w in self.workers]
         self.config = vh.vllm_config(role, block_size, sched_extra, num_blocks)
         self.scheduler, _ = vh.scheduler(self.config, num_blocks)
         self.connector = self.scheduler.connector
@@ -142,14 +156,24 @@ class TorchSide(vh.Side):
         self.torch_received: dict[str, list[np.ndarray]] = {}
 
     def torch_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
-        """The blocks as the torch tensors hold them: per layer ``[n, H, N, C]`` uints."""
-        return [as_numpy(self.torch_caches[name][block_ids]) for name in self.names]
+        """The blocks as the torch tensors hold them: per rank and layer ``[n, H, N, C]``
+        uints."""
+        return [as_numpy(caches[name][block_ids]) for caches in self.rank_caches
+                for name in self.names]
+
+    def rank_g(self, prompt: list[int], rank: int) -> np.ndarray:
+        """G of the rank's heads (all heads for MLA, which every rank holds)."""
+        g = vh.token_kv(self.spec, prompt)
+        if self.mla:
+            return g
+        per = self.spec.num_kv_heads // self.tp
+        return g[:, :, rank * per:(rank + 1) * per]
 
     def expected_torch_blocks(self, prompt: list[int], num_blocks: int) -> list[np.ndarray]:
-        g = vh.token_kv(self.spec, prompt)
         bs = self.spec.block_size
-        return [np.stack([block_cells(g, layer, i * bs, bs, self.mla) for i in range(num_blocks)])
-                for layer in range(self.spec.num_layers)]
+        return [np.stack([block_cells(self.rank_g(prompt, rank), layer, i * bs, bs, self.mla)
+                          for i in range(num_blocks)])
+                for rank in range(self.tp) for layer in range(self.spec.num_layers)]
 
     def step(self) -> None:
         before = set(self.received)
@@ -166,10 +190,10 @@ class TorchSide(vh.Side):
             upto = min(req.num_computed_tokens, req.num_prompt_tokens)
             if upto == 0:
                 continue
-            g = vh.token_kv(self.spec, req.prompt_token_ids)[:, :, :, :upto]
+            g = self.rank_g(req.prompt_token_ids, rank)[:, :, :, :upto]
             ids = self._block_ids(request_id)[: -(-upto // bs)]
             for layer, name in enumerate(self.names):
-                t = self.torch_caches[name]
+                t = self.rank_caches[rank][name]
                 ints = t.view(INT_OF_SIZE[t.element_size()])
                 for i, block in enumerate(ids):
                     cells = block_cells(g, layer, i * bs, bs, self.mla)

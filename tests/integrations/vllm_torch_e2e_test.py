@@ -70,17 +70,21 @@ def prompts_of(lengths, seed=0):
 
 
 @pytest.mark.parametrize(
-    "layout_name,side_kwargs",
+    "layout_name,side_kwargs,p_tp,d_tp",
     [
-        ("LBNHC", dict(dtype="bfloat16")),  # vLLM's default NHD layout: per-layer arrays
-        ("BLHNC", dict(dtype="fp8")),  # cross-layer: one array; fp8 stored as uint8
-        ("LBHNC", dict(dtype="float16", mla=True, head_size=32)),  # MLA latent cache
+        ("LBNHC", dict(dtype="bfloat16"), 1, 1),  # vLLM's default NHD layout: per-layer arrays
+        ("BLHNC", dict(dtype="fp8"), 1, 1),  # cross-layer: one array; fp8 stored as uint8
+        ("LBHNC", dict(dtype="float16", mla=True, head_size=32), 1, 1),  # MLA latent cache
+        # heterogeneous TP, one vLLM worker (connector, engine, torch caches) per rank
+        ("LBHNC", dict(dtype="bfloat16"), 1, 2),
+        ("LBNHC", dict(dtype="float32"), 2, 1),
     ],
 )
-def test_torch_caches_between_two_processes(layout_name, side_kwargs):
-    remote = _RemoteProducer(layout_name, side_kwargs)
+def test_torch_caches_between_two_processes(layout_name, side_kwargs, p_tp, d_tp):
+    remote = _RemoteProducer(layout_name, dict(side_kwargs, tp=p_tp))
     consumer = th.TorchSide("kv_consumer", layout_name, NUM_BLOCKS,
-                            {"engine_id": "decode", "read_timeout_s": 20.0}, **side_kwargs)
+                            {"engine_id": "decode", "read_timeout_s": 20.0}, **side_kwargs,
+                            tp=d_tp)
     try:
         # the transfer engine registered the torch memory itself
         registered = {b.address for b in consumer.worker.cache.shard_buffers()}
@@ -98,10 +102,11 @@ def test_torch_caches_between_two_processes(layout_name, side_kwargs):
             got = consumer.torch_received[r.request_id]
             n = -(-len(p) // consumer.spec.block_size)
             expected = consumer.expected_torch_blocks(p, n)
-            assert len(got) == len(expected) == consumer.spec.num_layers
+            assert len(got) == len(expected) == consumer.spec.num_layers * d_tp
             for a, b in zip(got, expected):
                 np.testing.assert_array_equal(a, b)
-        assert consumer.worker.engine.stats.requests_total == len(prompts)
+        for worker in consumer.workers:
+            assert worker.engine.stats.requests_total == len(prompts)
         vh.assert_empty(consumer)
         busy, pinned = remote.call("state")
         end = time.monotonic() + 30
