@@ -395,11 +395,66 @@ def adopt_torch_kv_caches(
         kv_factor=kv_factor,
         mla=mla,
     )
-    arrays = []
-    for key in spec.array_keys():
-        name, tensor = arrays_by_key[key]
-        arrays.append(_import(name, tensor))
-    return PagedKVCache.wrap(arrays, spec), tuple(unique)
+    sources = [arrays_by_key[key] for key in spec.array_keys()]
+    wrapped = PagedKVCache.wrap([_import(name, tensor) for name, tensor in sources], spec)
+    cache = _adopted_class()(wrapped.spec, wrapped.arrays, wrapped.sharding, tuple(sources))
+    return cache, tuple(unique)
+
+
+_ADOPTED: list[type] = []
+
+
+def _adopted_class() -> type:
+    """`AdoptedKVCache`, defined on first use (it subclasses `PagedKVCache`, whose module
+    imports JAX)."""
+    if _ADOPTED:
+        return _ADOPTED[0]
+    import jax
+
+    from jaxkv import PagedKVCache
+
+    @jax.tree_util.register_pytree_node_class
+    class AdoptedKVCache(PagedKVCache):
+        """A `PagedKVCache` over torch memory (`adopt_torch_kv_caches`).
+
+        An update that donates its arrays deletes them without writing the torch memory (JAX
+        does not alias foreign buffers): the result is in new buffers, which the transfer
+        engine refuses, and a read whose blocks needed such a rewrite fails (its blocks are
+        reported invalid). The deleted arrays are then adopted again from the torch tensors
+        (the same memory), so the cache stays usable for the next reads. Through ``jax.jit``
+        (pytree flattening) it comes back as a plain cache of the step's outputs.
+        """
+
+        def __init__(self, spec: Any, arrays: Sequence[Any], sharding: Any,
+                     sources: tuple[tuple[str, Any], ...] = ()):
+            self._sources = sources
+            super().__init__(spec, arrays, sharding)
+
+        @property  # type: ignore[override]
+        def arrays(self) -> tuple[Any, ...]:
+            arrays = self._arrays
+            if self._sources and any(
+                isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+                and a.is_deleted() for a in arrays
+            ):
+                arrays = tuple(
+                    _import(name, tensor) if a.is_deleted() else a
+                    for a, (name, tensor) in zip(arrays, self._sources)
+                )
+                self._arrays = arrays
+            return arrays
+
+        @arrays.setter
+        def arrays(self, value: Sequence[Any]) -> None:
+            self._arrays = tuple(value)
+
+        @classmethod
+        def tree_unflatten(cls, aux, arrays):
+            spec, sharding = aux
+            return PagedKVCache(spec, arrays, sharding)
+
+    _ADOPTED.append(AdoptedKVCache)
+    return AdoptedKVCache
 
 
 def _describe(letters: str) -> str:

@@ -214,7 +214,8 @@ def test_writes_through_torch_and_through_jaxkv_ops():
     """Torch writes are seen through the adopted arrays (one memory). A jaxkv op on the
     adopted cache does not write the torch memory: JAX does not alias a donated foreign
     (DLPack) buffer, so the result lives in a new buffer; the transfer engine refuses it
-    rather than lose writes (`BufferMovedError`)."""
+    rather than lose writes (`BufferMovedError`), and the adopted cache, whose arrays the op
+    consumed, adopts the torch memory again."""
     from jaxkv import EngineConfig
     from jaxkv.transfer import KVTransferEngine
 
@@ -234,6 +235,11 @@ def test_writes_through_torch_and_through_jaxkv_ops():
         assert (caches[names[1]][6] == 0).all()  # the torch memory did not change
         with pytest.raises(BufferMovedError):
             engine.update_cache(updated)
+        # the donated arrays were deleted; the adopted cache takes the torch memory again
+        assert [a.unsafe_buffer_pointer() for a in cache.arrays] == [
+            caches[n].data_ptr() for n in names]
+        assert (np.asarray(cache.arrays[1])[5] == 3.5).all()
+        engine.check_registrations(cache)
     finally:
         engine.close()
 

@@ -116,3 +116,55 @@ def test_torch_caches_between_two_processes(layout_name, side_kwargs, p_tp, d_tp
     finally:
         consumer.close()
         remote.close()
+
+
+def _handoff(producer, consumer, prompts):
+    reqs = [vh.request(p, producer.spec.block_size, {"do_remote_decode": True}, 1)
+            for p in prompts]
+    for r in reqs:
+        producer.add(r)
+    vh.run_until([producer], lambda: all(r.request_id in producer.sent_params for r in reqs))
+    creqs = [vh.request(p, consumer.spec.block_size, dict(producer.sent_params[r.request_id]), 2)
+             for p, r in zip(prompts, reqs)]
+    for r in creqs:
+        consumer.add(r)
+    vh.run_until([producer, consumer],
+                 lambda: all(r.request_id in consumer.outputs for r in creqs)
+                 and not consumer.busy() and not producer.busy(), 60.0)
+    return creqs
+
+
+def test_blocks_needing_a_rewrite_fail_as_load_errors_and_the_cache_stays_usable():
+    """A producer in another layout (HND to NHD: the consumer must rewrite the received
+    blocks, which JAX cannot do in place on torch memory): the read fails, its blocks come
+    back as load errors (vLLM recomputes them), nothing is reported good; the adopted cache is
+    still the torch memory and the next read, from a producer in the consumer's layout, is
+    bytes exact."""
+    other = th.TorchSide("kv_producer", "LBHNC", NUM_BLOCKS,
+                         {"engine_id": "prefill-hnd", "lease_s": 20.0})
+    same = th.TorchSide("kv_producer", "LBNHC", NUM_BLOCKS,
+                        {"engine_id": "prefill-nhd", "lease_s": 20.0})
+    consumer = th.TorchSide("kv_consumer", "LBNHC", NUM_BLOCKS,
+                            {"engine_id": "decode", "read_timeout_s": 20.0})
+    try:
+        (prompt,) = prompts_of([20], seed=5)
+        (bad,) = _handoff(other, consumer, [prompt])
+        assert bad.request_id in consumer.failed_blocks
+        assert consumer.load_errors == consumer.failed_blocks[bad.request_id]
+        assert bad.request_id not in consumer.torch_received
+        cache = consumer.worker.cache
+        assert [a.unsafe_buffer_pointer() for a in cache.arrays] == [
+            consumer.torch_caches[n].data_ptr() for n in consumer.names]
+        # another prompt: the failed one's blocks are a local prefix hit now (vLLM recomputed
+        # them; this fake consumer model writes nothing)
+        (prompt,) = prompts_of([20], seed=6)
+        (good,) = _handoff(same, consumer, [prompt])
+        assert good.request_id not in consumer.failed_blocks
+        got = consumer.torch_received[good.request_id]
+        for a, b in zip(got, consumer.expected_torch_blocks(prompt, len(got[0]))):
+            np.testing.assert_array_equal(a, b)
+        vh.assert_empty(consumer)
+    finally:
+        consumer.close()
+        same.close()
+        other.close()
