@@ -98,6 +98,15 @@ class PlanAdoptionTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "do not fit"):
             plan_adoption("BHT", (B, H, N, D), (1, 1, 1, 1))
 
+    def test_docstring_examples(self):
+        import doctest
+
+        import jaxkv.integrations._torch as module
+
+        result = doctest.testmod(module, verbose=False)
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
+
     def test_module_imports_without_torch(self):
         code = ("import sys, jaxkv.integrations._torch as t; "
                 "assert 'torch' not in sys.modules; "

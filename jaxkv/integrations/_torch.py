@@ -8,23 +8,32 @@ width). Its memory order follows the resolved `KVCacheLayout` (``LBNHC``, ``LBHN
 cross-layer ``BLNHC``, ``BLHNC``, ``BHLNC``, or ``LHBNC``): the strides say it, whatever the
 logical axis order.
 
-Adoption reads each tensor's physical axis order from its strides, checks that the memory is
-dense in that order, and names the storage in jaxkv's layout letters: ``C`` becomes ``D``, one
-vector of K then V per head (``kv_factor=1``, ``head_dim = head_size + head_size_v``, as
-vLLM's NIXL connector moves them; ``fuse_kv=False`` splits it into ``K`` and ``D`` instead,
-which jaxkv's transfer planner does not take), the letters after the block axis are the block
-layout (e.g. ``LBNHC`` -> ``"THD"``, ``LBHNC`` -> ``"HTD"``), and axes stored outside the blocks (the layer
-axis of ``LB..`` layouts; a ``K`` axis before the blocks, as older backends'
-``(2, num_blocks, ...)`` caches) become separate arrays, as jaxkv's layouts describe. Layers
-that share one allocation with the block axis outermost (``BL..``, ``BH..``) are adopted as one
-array with an ``L`` axis. Each array is the torch memory itself, imported with
-`jax.dlpack.from_dlpack` (``copy=False``) after permuting the view into memory order.
+Adoption reads each tensor's memory order from its strides (stride sort), checks that the
+memory is dense in that order, and names it in jaxkv's layout letters:
+
+* ``C`` becomes ``D``: K then V of a head as one vector (``kv_factor=1``, ``head_dim =
+  head_size + head_size_v``), as vLLM's NIXL connector moves them. ``fuse_kv=False`` splits
+  it into ``K`` and ``D`` instead (``"THKD"``), exact but refused by jaxkv's transfer
+  planner, which needs the K/V axis outside the heads and tokens.
+* The letters after the block axis are the block layout: ``LBNHC`` -> ``"THD"``, ``LBHNC``
+  -> ``"HTD"``; MLA -> ``"TD"``.
+* Axes stored outside the blocks become separate arrays, as jaxkv's layouts describe: the
+  layer axis of ``LB..`` layouts, a ``K`` axis before the blocks (older backends'
+  ``(2, num_blocks, ...)`` caches). Layers sharing one allocation with the blocks outermost
+  (``BL..``, ``BH..``) are adopted as one array with an ``L`` axis. ``LHBNC`` (heads outside
+  the blocks) is refused.
+
+Each array is the torch memory itself: the view permuted into memory order (row-major),
+imported with `jax.dlpack.from_dlpack` (``copy=False``).
 
 Writes: the transfer engine's NIXL reads write the registered memory, i.e. the torch tensors.
 JAX does not write donated foreign (DLPack) buffers in place: a jaxkv op on the adopted cache
-(``cache.copy_blocks(...)``, a consumer's layout rewrite) returns arrays in new buffers, which
-the transfer engine refuses (`jaxkv.BufferMovedError`). So peers of an adopted cache must send
-blocks that need no rewrite (same layout and block size, and head ranges that arrive whole).
+(``cache.copy_blocks(...)``, a consumer's rewrite of blocks that arrived in another layout or
+block size) returns arrays in new buffers, which the transfer engine refuses
+(`jaxkv.BufferMovedError`): such a read fails and its blocks are reported invalid (vLLM
+recomputes them). The adopted cache then adopts the torch memory again. So peers of an adopted
+cache must send blocks that need no rewrite: the same layout and block size (heterogeneous TP
+works).
 
 The pure helpers (`physical_order`, `plan_adoption`) work on shapes and strides and need no
 torch.
@@ -199,7 +208,7 @@ def vllm_cache_params(vllm_config: Any, kv_cache_config: Any = None) -> dict[str
         if getattr(spec, "tokens_per_state", 1) != 1:
             raise ValueError("vLLM's KV cache stores several tokens per state: not supported")
         mla = type(spec).__name__.endswith("MLASpec") or type(spec).__name__ == "MLAAttentionSpec"
-        params = dict(
+        params: dict[str, Any] = dict(
             num_kv_heads=int(spec.num_kv_heads),
             head_size=int(spec.head_size),
             head_size_v=int(spec.head_size_v),
@@ -277,13 +286,15 @@ def adopt_torch_kv_caches(
         does not support, or memory JAX cannot import without a copy (CPU needs 64-byte
         alignment); each message names the layer.
 
-    Example:
+    Example (needs torch; vLLM's LBNHC layout: each layer ``[B, N, H, C]`` in memory):
       >>> import torch  # doctest: +SKIP
-      >>> raw = torch.zeros(2, 8, 16, 4, 2 * 64, dtype=torch.bfloat16)  # L, B, N, H, C
-      >>> layers = {f"layers.{i}": raw[i].permute(0, 2, 1, 3) for i in range(2)}  # [B,H,N,C]
+      >>> raw = torch.zeros(2, 8, 16, 4, 2 * 64, dtype=torch.bfloat16)  # doctest: +SKIP
+      >>> layers = {f"layers.{i}": raw[i].permute(0, 2, 1, 3)  # doctest: +SKIP
+      ...           for i in range(2)}  # [B, H, N, C] views
       >>> cache, names = adopt_torch_kv_caches(  # doctest: +SKIP
       ...     layers, num_kv_heads=4, head_size=64, block_size=16)
       >>> cache.spec.layout, cache.arrays[0].unsafe_buffer_pointer() == raw.data_ptr()
+      ... # doctest: +SKIP
       ('THD', True)
     """
     import torch
@@ -331,12 +342,11 @@ def adopt_torch_kv_caches(
     torch_dtype = first.dtype
     element = canonical_dtype(dtype if dtype is not None else str(torch_dtype).split(".")[-1])
     view_dtype = _torch_dtype(element)
-    if torch_dtype != view_dtype:
-        if first.element_size() != element.itemsize:
-            raise ValueError(
-                f"the tensors hold {torch_dtype} ({first.element_size()} bytes), which cannot "
-                f"be read as {element.name} ({element.itemsize} bytes)"
-            )
+    if torch_dtype != view_dtype and first.element_size() != element.itemsize:
+        raise ValueError(
+            f"the tensors hold {torch_dtype} ({first.element_size()} bytes), which cannot "
+            f"be read as {element.name} ({element.itemsize} bytes)"
+        )
     views = {}
     for name in unique:
         t = kv_caches[name]
@@ -425,12 +435,14 @@ def _adopted_class() -> type:
         (pytree flattening) it comes back as a plain cache of the step's outputs.
         """
 
+        _arrays: tuple[Any, ...]
+
         def __init__(self, spec: Any, arrays: Sequence[Any], sharding: Any,
                      sources: tuple[tuple[str, Any], ...] = ()):
             self._sources = sources
             super().__init__(spec, arrays, sharding)
 
-        @property  # type: ignore[override]
+        @property
         def arrays(self) -> tuple[Any, ...]:
             arrays = self._arrays
             if self._sources and any(
@@ -550,7 +562,12 @@ def _import(name: str, tensor: Any) -> Any:
 
 def is_torch_caches(kv_caches: Any) -> bool:
     """Whether `kv_caches` is a mapping whose values are torch tensors (GPU vLLM's
-    `register_kv_caches` argument); never imports torch."""
+    `register_kv_caches` argument); never imports torch.
+
+    Example:
+      >>> is_torch_caches({"layers.0": np.zeros(4)})
+      False
+    """
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(kv_caches, Mapping) or not kv_caches:
         return False
