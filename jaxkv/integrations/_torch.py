@@ -580,8 +580,9 @@ def adopt_for_vllm(kv_caches: Mapping[str, Any], vllm_config: Any, kv_cache_conf
     parameters of `vllm_cache_params`), for `JaxKVConnector.register_kv_caches`.
 
     Raises:
-      ValueError: what `adopt_torch_kv_caches` and `vllm_cache_params` raise, or several TP
-        ranks without this worker's ``tp_rank`` (a vLLM worker's tensors hold its own heads).
+      ValueError: what `adopt_torch_kv_caches` and `vllm_cache_params` raise, several TP
+        ranks without this worker's ``tp_rank`` (a vLLM worker's tensors hold its own heads),
+        or a layout jaxkv's transfer planner does not take (``BHLNC``: layers inside heads).
     """
     if tp_size > 1 and tp_rank is None:
         raise ValueError(
@@ -589,4 +590,13 @@ def adopt_for_vllm(kv_caches: Mapping[str, Any], vllm_config: Any, kv_cache_conf
             "in kv_connector_extra_config"
         )
     cache, _ = adopt_torch_kv_caches(kv_caches, **vllm_cache_params(vllm_config, kv_cache_config))
+    layout = cache.spec.layout
+    inner = min(layout.index(a) for a in "HT" if a in layout)
+    if any(layout.index(a) > inner for a in "LK" if a in layout):
+        # jaxkv's transfer planner moves per-(layer, K/V) slabs of [H, T, D]
+        raise ValueError(
+            f"vLLM's KV cache layout stores the layers inside the heads (jaxkv layout "
+            f"{layout!r}): jaxkv cannot transfer it; use VLLM_KV_CACHE_LAYOUT=LBNHC, LBHNC, "
+            "BLNHC or BLHNC"
+        )
     return cache

@@ -265,6 +265,11 @@ def test_connector_registers_torch_caches():
         assert addresses == sorted(t.data_ptr() for t in caches.values())
     finally:
         worker.shutdown()
+    bhlnc = th.vllm_caches("BHLNC", spec, L, NB)
+    worker = JaxKVConnector(config, KVConnectorRole.WORKER,
+                            th.kv_cache_config("BHLNC", spec, L, NB))
+    with pytest.raises(ValueError, match="layers inside the heads.*'HLTD'"):
+        worker.register_kv_caches(bhlnc)
     tp = vh.vllm_config("kv_consumer", BS, {"engine_id": "d", "tp_size": 2}, NB)
     worker = JaxKVConnector(tp, KVConnectorRole.WORKER, th.kv_cache_config("LBHNC", spec, L, NB))
     with pytest.raises(ValueError, match="set tp_rank"):
