@@ -265,6 +265,17 @@ def test_connector_registers_torch_caches():
         assert addresses == sorted(t.data_ptr() for t in caches.values())
     finally:
         worker.shutdown()
+    # without vLLM's kv_cache_config: the model config's heads, head size and dtype
+    # (facebook/opt-125m: 12 KV heads of 64, float16 in this config)
+    opt = th.attention_spec(12, 64, BS, "float16")
+    worker = JaxKVConnector(config, KVConnectorRole.WORKER)
+    try:
+        worker.register_kv_caches(th.vllm_caches("LBNHC", opt, 2, NB))
+        got = worker.cache.spec
+        assert (got.layout, got.num_kv_heads, got.head_dim, got.dtype.name) == (
+            "THD", 12, 128, "float16")
+    finally:
+        worker.shutdown()
     bhlnc = th.vllm_caches("BHLNC", spec, L, NB)
     worker = JaxKVConnector(config, KVConnectorRole.WORKER,
                             th.kv_cache_config("BHLNC", spec, L, NB))
