@@ -178,9 +178,10 @@ def _natural_key(name: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def vllm_cache_params(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
-    """What `adopt_torch_kv_caches` needs, from vLLM's configs: the attention spec of the
-    (single) KV cache group when known, else the model config.
+def vllm_cache_params(vllm_config: Any, kv_cache_config: Any = None,
+                      group: int = 0) -> dict[str, Any]:
+    """What `adopt_torch_kv_caches` needs, from vLLM's configs: the attention spec of KV
+    cache group `group` when known, else the model config.
 
     Returns:
       ``num_kv_heads`` (this rank's), ``head_size``, ``head_size_v``, ``block_size``,
@@ -194,7 +195,7 @@ def vllm_cache_params(vllm_config: Any, kv_cache_config: Any = None) -> dict[str
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
     spec = None
     if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = kv_cache_config.kv_cache_groups[group].kv_cache_spec
         specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         if specs:
             spec = next(iter(specs.values()))
@@ -575,9 +576,10 @@ def is_torch_caches(kv_caches: Any) -> bool:
 
 
 def adopt_for_vllm(kv_caches: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any,
-                   tp_size: int, tp_rank: int | None) -> Any:
+                   tp_size: int, tp_rank: int | None, group: int = 0) -> Any:
     """The `PagedKVCache` over vLLM's torch caches (`adopt_torch_kv_caches` with the
-    parameters of `vllm_cache_params`), for `JaxKVConnector.register_kv_caches`.
+    parameters of `vllm_cache_params`), for `JaxKVConnector.register_kv_caches`: all of them,
+    or (several KV cache groups) the layers of KV cache group `group`.
 
     Raises:
       ValueError: what `adopt_torch_kv_caches` and `vllm_cache_params` raise, several TP
@@ -589,7 +591,8 @@ def adopt_for_vllm(kv_caches: Mapping[str, Any], vllm_config: Any, kv_cache_conf
             "vLLM's torch KV caches hold one TP rank's heads: set tp_rank (and process_index) "
             "in kv_connector_extra_config"
         )
-    cache, _ = adopt_torch_kv_caches(kv_caches, **vllm_cache_params(vllm_config, kv_cache_config))
+    params = vllm_cache_params(vllm_config, kv_cache_config, group)
+    cache, _ = adopt_torch_kv_caches(kv_caches, **params)
     layout = cache.spec.layout
     inner = min(layout.index(a) for a in "HT" if a in layout)
     if any(layout.index(a) > inner for a in "LK" if a in layout):

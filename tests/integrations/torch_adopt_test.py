@@ -285,3 +285,26 @@ def test_connector_registers_torch_caches():
     worker = JaxKVConnector(tp, KVConnectorRole.WORKER, th.kv_cache_config("LBHNC", spec, L, NB))
     with pytest.raises(ValueError, match="set tp_rank"):
         worker.register_kv_caches(caches)
+
+
+def test_cache_params_of_a_group():
+    """With several KV cache groups, each group's layers are adopted with that group's spec
+    (fp8: the element type vLLM's cache_dtype names)."""
+    import vllm_harness as vh
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from jaxkv.integrations._torch import adopt_for_vllm, vllm_cache_params
+
+    full = th.attention_spec(H, D, BS, "fp8")
+    mla = th.attention_spec(1, 32, BS, "fp8", mla=True)
+    config = KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], mla)])
+    vllm_config = vh.vllm_config("kv_consumer", BS, {"engine_id": "d"}, NB)
+    vllm_config.cache_config.cache_dtype = "fp8_e5m2"
+    assert vllm_cache_params(vllm_config, config, 1) == dict(
+        num_kv_heads=1, head_size=32, head_size_v=0, block_size=BS, mla=True,
+        dtype="float8_e5m2")
+    caches = th.vllm_caches("LBNHC", mla, 2, NB)
+    cache = adopt_for_vllm(caches, vllm_config, config, 1, None, group=1)
+    assert cache.spec.mla and cache.spec.layout == "TD"
+    assert cache.spec.dtype.name == "float8_e5m2"
