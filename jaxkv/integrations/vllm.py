@@ -25,7 +25,8 @@ Flow of one request:
   confirmed its read, its lease expired or it was aborted; vLLM then frees the blocks.
 
 The worker side registers a `jaxkv.PagedKVCache` (JAX serving frameworks): `register_kv_caches`
-takes the cache, or a one-entry mapping of it. Torch tensors (GPU vLLM) are not adopted yet.
+takes the cache, or a one-entry mapping of it; GPU vLLM's torch tensors are adopted zero-copy
+(DLPack) as one.
 
 Hybrid models (vLLM's hybrid allocator: full-attention and sliding-window KV cache groups, each
 with its own block ids per request): `JaxKVConnector` is `SupportsHMA`. Each group has its own
@@ -466,20 +467,27 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         cache per KV cache group with a `jaxkv.transfer.GroupedTransferEngine`).
 
         Args:
-          kv_caches: a `jaxkv.PagedKVCache`, or a mapping with one `PagedKVCache` value.
-            Several KV cache groups: a mapping of layer names (those of vLLM's
-            ``kv_cache_config``) to the `PagedKVCache` of their group, which holds all of
-            the group's layers (one entry per group suffices), or a sequence of one
-            `PagedKVCache` per group, in group order.
+          kv_caches: a `jaxkv.PagedKVCache`, or a mapping with one `PagedKVCache` value, or
+            GPU vLLM's mapping layer name -> torch tensor, adopted zero-copy (DLPack) with the
+            layout its strides show (`jaxkv.integrations._torch`; per KV cache group for a
+            hybrid model). Several KV cache groups and JAX caches: a mapping of layer names
+            (those of vLLM's ``kv_cache_config``) to the `PagedKVCache` of their group, which
+            holds all of the group's layers (one entry per group suffices), or a sequence of
+            one `PagedKVCache` per group, in group order.
 
         Raises:
-          TypeError: anything else (torch tensors are not adopted yet).
-          ValueError: a cache's block size is not its group's, a layer name of no group, or a
-            group without (or with several) caches.
+          TypeError: anything else.
+          ValueError: a cache's block size is not its group's, a layer name of no group, a
+            group without (or with several) caches, or torch caches jaxkv cannot adopt
+            without a copy (the message says why).
         """
         from jaxkv import EngineConfig
+        from jaxkv.integrations import _torch
 
-        caches = self._group_caches(kv_caches)
+        if _torch.is_torch_caches(kv_caches):
+            caches = self._adopt_torch(kv_caches)
+        else:
+            caches = self._group_caches(kv_caches)
         s = self.settings
         configs = {}
         for g, cache in enumerate(caches):
@@ -502,6 +510,29 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         engine = self._new_group_engine(configs)
         for g, cache in enumerate(caches):
             engine.register_cache(group_name(g), cache, tp_rank=s.tp_rank)
+
+    def _adopt_torch(self, kv_caches: Mapping[str, Any]) -> list[Any]:
+        """Per KV cache group, the `PagedKVCache` over GPU vLLM's torch tensors of its layers
+        (zero-copy, `jaxkv.integrations._torch.adopt_for_vllm`)."""
+        from jaxkv.integrations import _torch
+
+        s = self.settings
+        if not self.grouped:
+            return [_torch.adopt_for_vllm(kv_caches, self._vllm_config, self._kv_cache_config,
+                                          s.tp_size, s.tp_rank)]
+        known = {layer for layers in self._group_layers for layer in layers}
+        unknown = sorted(set(kv_caches) - known)
+        if unknown:
+            raise ValueError(
+                f"register_kv_caches: layers {unknown} are in no KV cache group of vLLM's "
+                "kv_cache_config"
+            )
+        return [
+            _torch.adopt_for_vllm(
+                {name: kv_caches[name] for name in layers if name in kv_caches},
+                self._vllm_config, self._kv_cache_config, s.tp_size, s.tp_rank, group=g)
+            for g, layers in enumerate(self._group_layers)
+        ]
 
     def _group_caches(self, kv_caches: Any) -> list[Any]:
         """Per KV cache group, the `PagedKVCache` of its layers (see `register_kv_caches`):
@@ -1014,7 +1045,7 @@ def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
       group: the group's index (None: the only group).
 
     Raises:
-      TypeError: anything else (torch tensors are not adopted yet).
+      TypeError: anything else.
     """
     from jaxkv import PagedKVCache
 

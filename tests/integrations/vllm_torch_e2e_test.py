@@ -1,0 +1,170 @@
+"""`JaxKVConnector` with GPU-vLLM-shaped torch KV caches on both sides (vLLM 0.33's allocator,
+adopted zero-copy through DLPack): real vLLM schedulers, real jaxkv engines over NIXL, the
+producer in another process; the consumer's torch tensors hold the producer's bytes exactly."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+    pytest.skip(
+        "vLLM/torch are not installed: run scripts/test.sh --integrations (sets up .venv-vllm)",
+        allow_module_level=True,
+    )
+
+from jaxkv.transfer import nixl_available  # noqa: E402
+
+if not nixl_available():
+    pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
+
+import torch_harness as th  # noqa: E402
+import vllm_harness as vh  # noqa: E402
+
+NUM_BLOCKS = 64
+
+
+class _RemoteProducer:
+    def __init__(self, layout_name: str, side_kwargs: dict):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        extra = {"engine_id": "prefill", "lease_s": 30.0}
+        self.process = ctx.Process(
+            target=th.torch_producer_process,
+            args=(child, layout_name, NUM_BLOCKS, extra, side_kwargs),
+            daemon=True,
+        )
+        self.process.start()
+        assert self.conn.poll(180), "the producer process did not start"
+        assert self.conn.recv()[0] == "ready"
+
+    def call(self, *command, timeout_s=60.0):
+        self.conn.send(command)
+        assert self.conn.poll(timeout_s), f"no answer to {command[0]}"
+        return self.conn.recv()
+
+    def close(self):
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(("exit",))
+            self.process.join(20)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 50000, size=n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "layout_name,side_kwargs,p_tp,d_tp",
+    [
+        ("LBNHC", dict(dtype="bfloat16"), 1, 1),  # vLLM's default NHD layout: per-layer arrays
+        ("BLHNC", dict(dtype="fp8"), 1, 1),  # cross-layer: one array; fp8 stored as uint8
+        ("LBHNC", dict(dtype="float16", mla=True, head_size=32), 1, 1),  # MLA latent cache
+        # heterogeneous TP, one vLLM worker (connector, engine, torch caches) per rank
+        ("LBHNC", dict(dtype="bfloat16"), 1, 2),
+        ("LBNHC", dict(dtype="float32"), 2, 1),
+    ],
+)
+def test_torch_caches_between_two_processes(layout_name, side_kwargs, p_tp, d_tp):
+    remote = _RemoteProducer(layout_name, dict(side_kwargs, tp=p_tp))
+    consumer = th.TorchSide("kv_consumer", layout_name, NUM_BLOCKS,
+                            {"engine_id": "decode", "read_timeout_s": 20.0}, **side_kwargs,
+                            tp=d_tp)
+    try:
+        # the transfer engine registered the torch memory itself
+        registered = {b.address for b in consumer.worker.cache.shard_buffers()}
+        assert registered <= {t.data_ptr() for t in consumer.torch_caches.values()}
+        prompts = prompts_of([5, 8, 21, 40], seed=4)
+        params = remote.call("add", prompts)
+        reqs = [vh.request(p, consumer.spec.block_size, dict(kv), 2)
+                for p, kv in zip(prompts, params)]
+        for r in reqs:
+            consumer.add(r)
+        vh.run_until([consumer], lambda: all(r.request_id in consumer.outputs for r in reqs)
+                     and not consumer.busy(), 60.0)
+        assert not consumer.load_errors and not consumer.failed_blocks
+        for r, p in zip(reqs, prompts):
+            got = consumer.torch_received[r.request_id]
+            n = -(-len(p) // consumer.spec.block_size)
+            expected = consumer.expected_torch_blocks(p, n)
+            assert len(got) == len(expected) == consumer.spec.num_layers * d_tp
+            for a, b in zip(got, expected):
+                np.testing.assert_array_equal(a, b)
+        for worker in consumer.workers:
+            assert worker.engine.stats.requests_total == len(prompts)
+        vh.assert_empty(consumer)
+        busy, pinned = remote.call("state")
+        end = time.monotonic() + 30
+        while (busy or pinned) and time.monotonic() < end:
+            busy, pinned = remote.call("state")
+        assert (busy, pinned) == (False, 0)
+    finally:
+        consumer.close()
+        remote.close()
+
+
+def _handoff(producer, consumer, prompts):
+    reqs = [vh.request(p, producer.spec.block_size, {"do_remote_decode": True}, 1)
+            for p in prompts]
+    for r in reqs:
+        producer.add(r)
+    vh.run_until([producer], lambda: all(r.request_id in producer.sent_params for r in reqs))
+    creqs = [vh.request(p, consumer.spec.block_size, dict(producer.sent_params[r.request_id]), 2)
+             for p, r in zip(prompts, reqs)]
+    for r in creqs:
+        consumer.add(r)
+    vh.run_until([producer, consumer],
+                 lambda: all(r.request_id in consumer.outputs for r in creqs)
+                 and not consumer.busy() and not producer.busy(), 60.0)
+    return creqs
+
+
+def test_blocks_needing_a_rewrite_fail_as_load_errors_and_the_cache_stays_usable():
+    """A producer in another layout (HND to NHD: the consumer must rewrite the received
+    blocks, which JAX cannot do in place on torch memory): the read fails, its blocks come
+    back as load errors (vLLM recomputes them), nothing is reported good; the adopted cache is
+    still the torch memory and the next read, from a producer in the consumer's layout, is
+    bytes exact."""
+    other = th.TorchSide("kv_producer", "LBHNC", NUM_BLOCKS,
+                         {"engine_id": "prefill-hnd", "lease_s": 20.0})
+    same = th.TorchSide("kv_producer", "LBNHC", NUM_BLOCKS,
+                        {"engine_id": "prefill-nhd", "lease_s": 20.0})
+    consumer = th.TorchSide("kv_consumer", "LBNHC", NUM_BLOCKS,
+                            {"engine_id": "decode", "read_timeout_s": 20.0})
+    try:
+        (prompt,) = prompts_of([20], seed=5)
+        (bad,) = _handoff(other, consumer, [prompt])
+        assert bad.request_id in consumer.failed_blocks
+        assert consumer.load_errors == consumer.failed_blocks[bad.request_id]
+        assert bad.request_id not in consumer.torch_received
+        cache = consumer.worker.cache
+        assert [a.unsafe_buffer_pointer() for a in cache.arrays] == [
+            consumer.torch_caches[n].data_ptr() for n in consumer.names]
+        # another prompt: the failed one's blocks are a local prefix hit now (vLLM recomputed
+        # them; this fake consumer model writes nothing)
+        (prompt,) = prompts_of([20], seed=6)
+        (good,) = _handoff(same, consumer, [prompt])
+        assert good.request_id not in consumer.failed_blocks
+        got = consumer.torch_received[good.request_id]
+        for a, b in zip(got, consumer.expected_torch_blocks(prompt, len(got[0]))):
+            np.testing.assert_array_equal(a, b)
+        vh.assert_empty(consumer)
+    finally:
+        consumer.close()
+        same.close()
+        other.close()
