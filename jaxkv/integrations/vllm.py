@@ -473,9 +473,10 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             `PagedKVCache` per group, in group order.
 
         Raises:
-          TypeError: anything else (torch tensors are not adopted yet).
+          TypeError: anything else, e.g. several caches for one group's layers (torch tensors
+            are not adopted yet).
           ValueError: a cache's block size is not its group's, a layer name of no group, or a
-            group without (or with several) caches.
+            group without a cache.
         """
         from jaxkv import EngineConfig
 
