@@ -12,7 +12,8 @@ framework when it is imported itself:
   it adopts ``runner.kv_caches`` zero-copy and follows them as the runner reassigns them.
 
 The helpers below (no framework needed) convert the transfer parameters that
-travel through the framework's router.
+travel through the framework's router (`GroupedTransfer` and `group_read_plan_ids`: a hybrid
+model's, one entry per KV-cache group).
 """
 
 from jaxkv.integrations._params import (

@@ -476,7 +476,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             one `PagedKVCache` per group, in group order.
 
         Raises:
-          TypeError: anything else.
+          TypeError: anything else, e.g. several caches for one group's layers.
           ValueError: a cache's block size is not its group's, a layer name of no group, a
             group without (or with several) caches, or torch caches jaxkv cannot adopt
             without a copy (the message says why).

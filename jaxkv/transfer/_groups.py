@@ -225,7 +225,9 @@ class GroupedTransferEngine:
         """Starts the reads of every group (local ids per group); returns at once.
 
         `read_id` keys the read (default: the producer's request id), as in
-        `KVTransferEngine.start_read`; `poll` reports it.
+        `KVTransferEngine.start_read`; `poll` reports it. A group whose engine refuses to
+        start its read (an exception) fails the read as any other failure: the groups started
+        before it are stopped, and `poll` reports the read failed with every group's ids.
 
         Raises:
           ValueError: groups that do not match, or the read id is already in flight.

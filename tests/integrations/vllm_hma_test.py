@@ -530,12 +530,15 @@ def producer_process(conn, extra: dict) -> None:
         side.close()
 
 
-def test_producer_in_another_process():
+def test_producer_in_another_process_then_killed_mid_transfer():
     """The hybrid producer runs in its own process (its groups' engines on their own side
     channels): the consumer's reads of both groups are bit exact and the producer ends with
-    nothing pinned, its blocks freed by the consumer's confirmations."""
+    nothing pinned, its blocks freed by the consumer's confirmations. Then the producer is
+    stopped and killed while both groups' reads are in flight: the reads fail, vLLM
+    recomputes the requests, the consumer ends empty."""
     import contextlib
     import multiprocessing
+    import signal
     import time
 
     ctx = multiprocessing.get_context("spawn")
@@ -544,7 +547,7 @@ def test_producer_in_another_process():
                           args=(child, {"engine_id": "prefill", "lease_s": 30.0}), daemon=True)
     process.start()
     consumer = HybridSide("kv_consumer", ("KTHD", "LKTHD"),
-                          {"engine_id": "decode", "read_timeout_s": 20.0})
+                          {"engine_id": "decode", "read_timeout_s": 5.0})
 
     def call(*command, timeout_s=120.0):
         conn.send(command)
@@ -567,6 +570,19 @@ def test_producer_in_another_process():
         while (state[0] or state[1]) and time.monotonic() < deadline:
             state = call("state")
         assert state == (False, 0, 0, None)
+
+        prompts = prompts_of([24, 40], seed=11)
+        params = call("add", prompts)
+        os.kill(process.pid, signal.SIGSTOP)  # its engines' threads stop answering too
+        reqs = decode(consumer, prompts, params)
+        vh.run_until([consumer], lambda: consumer.worker.group_engine.num_reading == 2, 30.0)
+        process.kill()
+        process.join(10)
+        vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
+        consumer.assert_empty()
+        assert consumer.failed == {r.request_id for r in reqs}
+        assert set(consumer.group_errors) == {FULL, SWA} and not consumer.flat_errors
+        assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)  # recomputed
     finally:
         consumer.close()
         if process.is_alive():
