@@ -28,12 +28,11 @@ imported with `jax.dlpack.from_dlpack` (``copy=False``).
 
 Writes: the transfer engine's NIXL reads write the registered memory, i.e. the torch tensors.
 JAX does not write donated foreign (DLPack) buffers in place: a jaxkv op on the adopted cache
-(``cache.copy_blocks(...)``, a consumer's rewrite of blocks that arrived in another layout or
-block size) returns arrays in new buffers, which the transfer engine refuses
-(`jaxkv.BufferMovedError`): such a read fails and its blocks are reported invalid (vLLM
-recomputes them). The adopted cache then adopts the torch memory again. So peers of an adopted
-cache must send blocks that need no rewrite: the same layout and block size (heterogeneous TP
-works).
+(``cache.copy_blocks(...)``) returns arrays in new buffers, which the transfer engine refuses
+(`jaxkv.BufferMovedError`); the adopted cache then adopts the torch memory again. A consumer's
+rewrite of blocks that arrived in another layout or block size goes through
+`AdoptedKVCache.store_blocks`: computed out of place, and exactly the rewritten blocks copied
+back into the torch tensors.
 
 The pure helpers (`physical_order`, `plan_adoption`) work on shapes and strides and need no
 torch.
@@ -430,10 +429,10 @@ def _adopted_class() -> type:
 
         An update that donates its arrays deletes them without writing the torch memory (JAX
         does not alias foreign buffers): the result is in new buffers, which the transfer
-        engine refuses, and a read whose blocks needed such a rewrite fails (its blocks are
-        reported invalid). The deleted arrays are then adopted again from the torch tensors
-        (the same memory), so the cache stays usable for the next reads. Through ``jax.jit``
-        (pytree flattening) it comes back as a plain cache of the step's outputs.
+        engine refuses. The deleted arrays are then adopted again from the torch tensors (the
+        same memory), so the cache stays usable. The transfer engine's rewrite of received
+        blocks calls `store_blocks`, which copies those blocks into the torch memory. Through
+        ``jax.jit`` (pytree flattening) it comes back as a plain cache of the step's outputs.
         """
 
         _arrays: tuple[Any, ...]
@@ -460,6 +459,37 @@ def _adopted_class() -> type:
         @arrays.setter
         def arrays(self, value: Sequence[Any]) -> None:
             self._arrays = tuple(value)
+
+        def store_blocks(self, index: int, ids: Any, rewritten: Any) -> None:
+            """Copies blocks `ids` of `rewritten` (array `index` rewritten out of place, e.g.
+            by the transfer engine's post-processing) into this cache's torch memory, and
+            waits for the copy. Other blocks are not touched: reads of other requests may be
+            landing in them."""
+            import torch
+
+            if not self._sources:
+                raise ValueError("store_blocks: this cache holds no torch memory")
+            _, tensor = self._sources[index]
+            rows = [int(i) for i in np.asarray(ids).reshape(-1) if int(i) >= 0]
+            if not rows:
+                return
+            # Same-width signed integers: every bit kept (NaNs, fp8) and torch indexes them
+            # on every device.
+            width = {1: (torch.int8, "int8"), 2: (torch.int16, "int16"),
+                     4: (torch.int32, "int32"), 8: (torch.int64, "int64")}
+            torch_int, jax_int = width[tensor.element_size()]
+            bits = jax.lax.bitcast_convert_type(rewritten, jax_int).block_until_ready()
+            source = torch.from_dlpack(bits)
+            target = tensor.view(torch_int)
+            if tuple(source.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"store_blocks: rewritten array {index} has shape {tuple(source.shape)}, "
+                    f"the torch memory {tuple(target.shape)}"
+                )
+            at = torch.as_tensor(rows, dtype=torch.long, device=target.device)
+            target.index_copy_(0, at, source.to(target.device).index_select(0, at))
+            if target.device.type == "cuda":
+                torch.cuda.current_stream(target.device).synchronize()
 
         @classmethod
         def tree_unflatten(cls, aux, arrays):

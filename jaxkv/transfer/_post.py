@@ -65,6 +65,10 @@ def apply_post_processing(cache: Any, steps: Iterable[PostProcess], *, wait: boo
     groups = group_post_steps(steps)
     if not groups:
         return cache
+    # A cache over memory JAX does not own (torch tensors adopted through DLPack) cannot be
+    # updated in place: the rewrite lands in new buffers and the cache copies the rewritten
+    # blocks, and only those, back into its own memory.
+    store_blocks = getattr(cache, "store_blocks", None)
     arrays = list(cache.arrays)
     for index, ((src, dst, ratio), ids) in sorted(groups.items()):
         if dst != cache.spec.layout:
@@ -72,9 +76,15 @@ def apply_post_processing(cache: Any, steps: Iterable[PostProcess], *, wait: boo
                              f"{cache.spec.layout!r}")
         padded = pad_block_ids(ids)
         if ratio == 1:
-            arrays[index] = permute_blocks(arrays[index], padded, src, dst)
+            rewritten = permute_blocks(arrays[index], padded, src, dst)
         else:
-            arrays[index] = merge_blocks(arrays[index], padded, ratio, src, dst)
+            rewritten = merge_blocks(arrays[index], padded, ratio, src, dst)
+        if store_blocks is None:
+            arrays[index] = rewritten
+        else:
+            store_blocks(index, ids, rewritten)
+    if store_blocks is not None:
+        arrays = list(cache.arrays)
     updated = cache._with_arrays(arrays)
     if wait:
         updated.block_until_ready()

@@ -154,6 +154,7 @@ class TorchSide(vh.Side):
         self.load_errors, self.stats, self.failed_blocks = set(), None, {}
         self._counts, self.steps = {}, 0
         self.torch_received: dict[str, list[np.ndarray]] = {}
+        self.received_block_ids: dict[str, list[int]] = {}
 
     def torch_blocks(self, block_ids: list[int]) -> list[np.ndarray]:
         """The blocks as the torch tensors hold them: per rank and layer ``[n, H, N, C]``
@@ -179,7 +180,9 @@ class TorchSide(vh.Side):
         before = set(self.received)
         super().step()
         for request_id in set(self.received) - before:
-            self.torch_received[request_id] = self.torch_blocks(self._block_ids(request_id))
+            ids = list(self._block_ids(request_id))
+            self.received_block_ids[request_id] = ids
+            self.torch_received[request_id] = self.torch_blocks(ids)
 
     def _fake_forward(self, out, rank: int, worker) -> None:
         """Writes the KV of the scheduled requests' computed prompt tokens into the torch

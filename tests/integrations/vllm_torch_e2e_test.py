@@ -27,6 +27,7 @@ from jaxkv.transfer import nixl_available  # noqa: E402
 if not nixl_available():
     pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
 
+import torch  # noqa: E402
 import torch_harness as th  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 
@@ -134,37 +135,49 @@ def _handoff(producer, consumer, prompts):
     return creqs
 
 
-def test_blocks_needing_a_rewrite_fail_as_load_errors_and_the_cache_stays_usable():
-    """A producer in another layout (HND to NHD: the consumer must rewrite the received
-    blocks, which JAX cannot do in place on torch memory): the read fails, its blocks come
-    back as load errors (vLLM recomputes them), nothing is reported good; the adopted cache is
-    still the torch memory and the next read, from a producer in the consumer's layout, is
-    bytes exact."""
-    other = th.TorchSide("kv_producer", "LBHNC", NUM_BLOCKS,
-                         {"engine_id": "prefill-hnd", "lease_s": 20.0})
-    same = th.TorchSide("kv_producer", "LBNHC", NUM_BLOCKS,
-                        {"engine_id": "prefill-nhd", "lease_s": 20.0})
+@pytest.mark.parametrize(
+    "producer_layout,producer_block_size,consumer_block_size",
+    [("LBHNC", 8, 8),  # HND blocks into an NHD cache: a permute
+     ("LBNHC", 8, 16),  # two producer blocks per consumer block: a merge
+     ("LBHNC", 8, 16)],  # both
+)
+def test_blocks_needing_a_rewrite_land_in_the_torch_memory(
+        producer_layout, producer_block_size, consumer_block_size):
+    """A producer in another layout or block size: the consumer rewrites the received blocks
+    out of place (JAX does not write torch memory in place) and copies exactly those blocks
+    back into its torch tensors. Bytes exact; the cache is still the torch memory; blocks of
+    no request keep their bytes; the next read is exact too."""
+    producer = th.TorchSide("kv_producer", producer_layout, NUM_BLOCKS,
+                            {"engine_id": "prefill-other", "lease_s": 20.0},
+                            block_size=producer_block_size)
     consumer = th.TorchSide("kv_consumer", "LBNHC", NUM_BLOCKS,
-                            {"engine_id": "decode", "read_timeout_s": 20.0})
+                            {"engine_id": "decode", "read_timeout_s": 20.0},
+                            block_size=consumer_block_size)
     try:
-        (prompt,) = prompts_of([20], seed=5)
-        (bad,) = _handoff(other, consumer, [prompt])
-        assert bad.request_id in consumer.failed_blocks
-        assert consumer.load_errors == consumer.failed_blocks[bad.request_id]
-        assert bad.request_id not in consumer.torch_received
-        cache = consumer.worker.cache
-        assert [a.unsafe_buffer_pointer() for a in cache.arrays] == [
-            consumer.torch_caches[n].data_ptr() for n in consumer.names]
-        # another prompt: the failed one's blocks are a local prefix hit now (vLLM recomputed
-        # them; this fake consumer model writes nothing)
-        (prompt,) = prompts_of([20], seed=6)
-        (good,) = _handoff(same, consumer, [prompt])
-        assert good.request_id not in consumer.failed_blocks
-        got = consumer.torch_received[good.request_id]
-        for a, b in zip(got, consumer.expected_torch_blocks(prompt, len(got[0]))):
-            np.testing.assert_array_equal(a, b)
+        sentinel = {n: t.view(torch.int16).fill_(-7).clone()
+                    for n, t in consumer.torch_caches.items()}
+        used: set[int] = set()
+        for seed in (5, 6):
+            # whole blocks on both sides: a consumer block's tail beyond the prompt keeps its
+            # bytes (no producer block covers it)
+            (prompt,) = prompts_of([48], seed=seed)
+            (req,) = _handoff(producer, consumer, [prompt])
+            assert req.request_id not in consumer.failed_blocks
+            assert not consumer.load_errors
+            got = consumer.torch_received[req.request_id]
+            n = -(-len(prompt) // consumer_block_size)
+            for a, b in zip(got, consumer.expected_torch_blocks(prompt, n)):
+                np.testing.assert_array_equal(a, b)
+            used.update(consumer.received_block_ids[req.request_id])
+            cache = consumer.worker.cache
+            assert [a.unsafe_buffer_pointer() for a in cache.arrays] == [
+                consumer.torch_caches[name].data_ptr() for name in consumer.names]
+        untouched = [i for i in range(NUM_BLOCKS) if i not in used]
+        assert untouched
+        for name, tensor in consumer.torch_caches.items():
+            np.testing.assert_array_equal(tensor.view(torch.int16)[untouched].numpy(),
+                                          sentinel[name][untouched].numpy())
         vh.assert_empty(consumer)
     finally:
         consumer.close()
-        same.close()
-        other.close()
+        producer.close()
