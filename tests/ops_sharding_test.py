@@ -309,22 +309,35 @@ class DataParallelTest(parameterized.TestCase):
                                                      "KHTD", "KHTD"), sharding, "merge")
 
     def test_explicit_mesh(self):
-        # An Explicit mesh: the custom calls run in jit (the gather's rows come out sharded
-        # without out_shardings), the jnp reference refuses clearly there, and both run
-        # eagerly.
-        sharding = NamedSharding(jax.make_mesh((4,), ("dp",)), P("dp"))
-        host = kv_testing.random_bits(np.random.default_rng(6), SHAPE, np.float32)
+        # Explicit meshes (jax.make_mesh's default), 1-D and 2-D (blocks over "dp", heads over
+        # "tp"): inside jit every op runs per shard (a shard_map over the types' shardings)
+        # with no collective, for the custom calls and the jnp reference; eagerly too.
         ids = np.array([1, 0, 3, 2, 5, -1, 7, 6], np.int32)
-        step = jax.jit(lambda c, i: ops.gather_blocks(c, i, validate_ids=False))
-        compiled = step.lower(jax.device_put(host, sharding), ids).compile()
-        self.assertEqual([c for c in COLLECTIVES if c in compiled.as_text()], [])
-        self._assert(compiled(jax.device_put(host, sharding), ids), dp_gather(host, ids, 4),
-                     sharding)
-        with ops.implementation("reference"):
-            with self.assertRaisesRegex(NotImplementedError, "Explicit mesh"):
-                step(jax.device_put(host, sharding), ids)
-            got = ops.gather_blocks(jax.device_put(host, sharding), ids)
-        self._assert(got, dp_gather(host, ids, 4), sharding)
+        host = kv_testing.random_bits(np.random.default_rng(6), SHAPE, np.float32)
+        blocks = kv_testing.random_bits(np.random.default_rng(7), (8, *SHAPE[1:]), np.float32)
+        ops_and_wants = {
+            "gather": (lambda c: ops.gather_blocks(c, ids, validate_ids=False),
+                       dp_gather(host, ids, 4)),
+            "copy": (lambda c: ops.copy_blocks(c, [0, 4, 6], [1, 5, 7], validate_ids=False),
+                     dp_copy(host, [0, 4, 6], [1, 5, 7], 4)),
+            "scatter": (lambda c: ops.scatter_blocks(c, jnp.asarray(blocks), ids,
+                                                     validate_ids=False),
+                        dp_scatter(host, blocks, ids, 4)),
+        }
+        for shape, names, spec in (((4,), ("dp",), P("dp")),
+                                   ((4, 2), ("dp", "tp"), P("dp", None, "tp"))):
+            sharding = NamedSharding(jax.make_mesh(shape, names), spec)
+            for impl in ("ffi", "reference"):
+                with ops.implementation(impl):
+                    for name, (op, want) in ops_and_wants.items():
+                        msg = f"{impl} {spec} {name}"
+                        step = jax.jit(op)
+                        compiled = step.lower(jax.device_put(host, sharding)).compile()
+                        self.assertEqual(
+                            [c for c in COLLECTIVES if c in compiled.as_text()], [], msg)
+                        self._assert(step(jax.device_put(host, sharding)), want, sharding, msg)
+                        self._assert(op(jax.device_put(host, sharding)), want, sharding,
+                                     msg + " eagerly")
 
     def test_concrete_pairs_across_shards_and_uneven_segments_are_refused(self):
         sharding = NamedSharding(_auto_mesh((4,), ("dp",)), P("dp"))

@@ -208,7 +208,7 @@ def _partitioned(
     unsharded_axes: tuple[tuple[int, str], ...],
     roles: IdRoles = (),
     grouped: GroupedAxes = (),
-) -> Callable[..., Any]:
+) -> tuple[Callable[..., Any], Callable[[Any, Any], Callable[..., Any]]]:
     kwargs = dict(static)
     rule, need_replication, unshared, factor_sizes = _rule(shapes, kinds, reference,
                                                            result_shapes, grouped)
@@ -285,6 +285,33 @@ def _partitioned(
         results = tuple(blocks for _ in result_shapes)
         return results if multiple_results else results[0]
 
+    def explicit(mesh, spec):
+        """The op as a `jax.shard_map` over an Explicit mesh (shardings known when tracing)."""
+        blocks, _ = shardings(tuple(
+            jax.ShapeDtypeStruct(shape, jax.numpy.int8, sharding=NamedSharding(mesh, spec))
+            if i == reference else None for i, shape in enumerate(shapes)))
+        lower = run
+        if 0 in _sharded_axes(shapes[reference], blocks):
+            axes, count = data_parallel(blocks)
+
+            def lower(*operands):
+                return local(*localize_ids(operands, roles, axes, count), **kwargs)
+
+        in_specs = tuple(spec if k == "blocks" else PartitionSpec() for k in kinds)
+        out_specs = tuple(spec for _ in result_shapes)
+        program = jax.shard_map(lower, mesh=mesh, in_specs=in_specs,
+                                out_specs=out_specs if multiple_results else out_specs[0])
+
+        def call(*operands):
+            # Other block arrays laid out like the cache (a replicated one is sliced locally),
+            # ids replicated, as the shard_map's types demand.
+            return program(*(
+                x if _spec_of(x) == _trimmed(want)
+                else jax.sharding.reshard(x, NamedSharding(mesh, want))
+                for x, want in zip(operands, in_specs)))
+
+        return call
+
     wrapped = custom_partitioning(run)
     wrapped.def_partition(
         partition=partition,
@@ -293,7 +320,7 @@ def _partitioned(
         need_replication_factors=need_replication,
         **factor_sizes,
     )
-    return wrapped
+    return wrapped, explicit
 
 
 def _without_rule() -> bool:
@@ -339,15 +366,7 @@ def partitioned_call(
     """
     if any(isinstance(x, _BATCH_TRACERS) for x in operands) or _without_rule():
         return local(*operands, **static)
-    from jaxkv.ops._dispatch import current_implementation
-
-    if current_implementation() == "reference" and _explicit_block_sharding(operands[reference]):
-        # jnp's indexing refuses an index into an axis that an Explicit mesh shards (it asks
-        # for an output sharding), already when the op is traced globally.
-        raise NotImplementedError(
-            f"jaxkv.ops.{op}: the jnp reference cannot run inside jit on a cache whose block "
-            "axis an Explicit mesh axis shards; use an Auto mesh (jax.sharding.Mesh), the "
-            "custom calls ('auto' on cpu/cuda) or call the op eagerly")
+    explicit_spec = _explicit_block_sharding(operands[reference])
     operands = tuple(jax.numpy.asarray(x) if not isinstance(x, (jax.Array, jax.core.Tracer))
                      else x for x in operands)
     # Shapes only (no shardings: the abstract evaluation of an op cannot index a block axis
@@ -356,13 +375,36 @@ def partitioned_call(
                          *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
     multiple = isinstance(out, (tuple, list))
     result_shapes = tuple(tuple(o.shape) for o in out) if multiple else (tuple(out.shape),)
-    wrapped = _partitioned(
+    wrapped, explicit = _partitioned(
         local, op, tuple(sorted(static.items())), tuple(kinds),
         tuple(tuple(x.shape) for x in operands), result_shapes, reference, multiple,
         tuple(unsharded_axes), tuple(roles), tuple(grouped_axes),
     )
-    result = wrapped(*operands)
+    if explicit_spec is not None:
+        # Under an Explicit mesh the result's sharding is part of its type, and a
+        # custom_partitioning result comes out with the block axis unsharded (all-gathered);
+        # jnp's indexing refuses such an axis outright. The shardings are known while
+        # tracing: a shard_map over them stays local.
+        ref = operands[reference]
+        mesh = (jax.typeof(ref).sharding.mesh if isinstance(ref, jax.core.Tracer)
+                else ref.sharding.mesh)
+        result = explicit(mesh, explicit_spec)(*operands)
+    else:
+        result = wrapped(*operands)
     return tuple(result) if multiple else result
+
+
+def _trimmed(spec: Any) -> tuple[Any, ...]:
+    """A partition spec as a tuple without trailing Nones (equal specs compare equal)."""
+    entries = list(spec or ())
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def _spec_of(x: Any) -> tuple[Any, ...]:
+    """`x`'s partition spec in its type (`_trimmed`)."""
+    return _trimmed(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
 
 
 def _explicit_block_sharding(x: Any) -> PartitionSpec | None:
