@@ -250,8 +250,8 @@ class ShardedPeerOpsTest(parameterized.TestCase):
                 jax.device_put(host, tokens), jnp.zeros(2, jnp.int32)).compile()
 
     def test_explicit_mesh(self):
-        # jax.make_mesh's Explicit axes: eagerly the ops run per shard; inside jit they are
-        # refused clearly (the buffers' types would come out unsharded and be gathered).
+        # jax.make_mesh's Explicit axes: eagerly the ops run per shard; inside jit too, as a
+        # shard_map over the shardings in the types.
         _, me, peer, host, buffers = self._setup("data_model_tp2", seed=2)
         sharding = NamedSharding(jax.make_mesh((2, 2), ("data", "model")),
                                  P("data", None, None, "model"))
@@ -264,9 +264,22 @@ class ShardedPeerOpsTest(parameterized.TestCase):
                                        [jax.device_put(b, sharding) for b in buffers], targets,
                                        me, peer, 0)
         self._assert(merged, want_concat(host, buffers, targets, me, peer, 2), sharding, "concat")
-        with self.assertRaisesRegex(NotImplementedError, "Explicit mesh axes"):
-            jax.jit(lambda c, i: ops.split_for_peers(c, i, me, peer, 0)).lower(
-                jax.device_put(host, sharding), ids)
+        # inside jit: a shard_map over the types' shardings, no collective
+        step = jax.jit(lambda c, i: ops.split_for_peers(c, i, me, peer, 0))
+        compiled = step.lower(jax.device_put(host, sharding), ids).compile()
+        self.assertEqual([c for c in COLLECTIVES if c in compiled.as_text()], [])
+        split = step(jax.device_put(host, sharding), ids)
+        for k, (got, want) in enumerate(zip(split, want_split(host, ids, me, peer, 2))):
+            self._assert(got, want, sharding, f"jit split buffer {k}")
+        concat = jax.jit(lambda c, bs, t: ops.concat_from_peers(c, bs, t, me, peer, 0))
+        compiled = concat.lower(jax.device_put(host, sharding),
+                                [jax.device_put(b, sharding) for b in buffers],
+                                targets).compile()
+        self.assertEqual([c for c in COLLECTIVES if c in compiled.as_text()], [])
+        merged = concat(jax.device_put(host, sharding),
+                        [jax.device_put(b, sharding) for b in buffers], targets)
+        self._assert(merged, want_concat(host, buffers, targets, me, peer, 2), sharding,
+                     "jit concat")
 
     def test_traced_ids_on_one_device(self):
         # The whole engine's array on one device (4 TP ranks side by side): padding rows are

@@ -366,7 +366,7 @@ def partitioned_call(
     """
     if any(isinstance(x, _BATCH_TRACERS) for x in operands) or _without_rule():
         return local(*operands, **static)
-    explicit_spec = _explicit_block_sharding(operands[reference])
+    explicit_spec = _explicit_sharding(operands[reference])
     operands = tuple(jax.numpy.asarray(x) if not isinstance(x, (jax.Array, jax.core.Tracer))
                      else x for x in operands)
     # Shapes only (no shardings: the abstract evaluation of an op cannot index a block axis
@@ -407,15 +407,15 @@ def _spec_of(x: Any) -> tuple[Any, ...]:
     return _trimmed(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
 
 
-def _explicit_block_sharding(x: Any) -> PartitionSpec | None:
-    """The partition spec of `x` when an Explicit mesh axis shards its block axis."""
+def _explicit_sharding(x: Any) -> PartitionSpec | None:
+    """The partition spec of `x` when Explicit mesh axes shard any of its axes (its sharding
+    is then part of its type)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if sharding is None or mesh is None or getattr(mesh, "empty", True):
         return None
     spec = tuple(sharding.spec)
-    if not spec or spec[0] is None:
-        return None
-    if not set(block_axes(spec[0])) & set(getattr(mesh, "explicit_axes", ())):
+    used = {axis for entry in spec for axis in block_axes(entry)}
+    if not used & set(getattr(mesh, "explicit_axes", ())):
         return None
     return PartitionSpec(*spec)

@@ -16,7 +16,6 @@ from jax.sharding import NamedSharding
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
-from jaxkv.ops._partition import block_axes
 from jaxkv.ops._reshape_ops import run_per_shard
 
 __all__ = ["concat_from_peers", "split_for_peers"]
@@ -75,25 +74,6 @@ def _plan_for_cache(cache: Any, self_cfg: EngineConfig, peer_cfg: EngineConfig,
     if np.dtype(cache.dtype) != spec.dtype:
         raise ValueError(f"cache dtype {cache.dtype} differs from the spec's {spec.dtype}")
     return plan, tuple(expected)
-
-
-def _check_not_explicit(cache: Any, op: str) -> None:
-    """Refuses a traced cache that an Explicit mesh axis shards (sharding in types): there the
-    buffers' types would come out unsharded and XLA would gather them."""
-    if not isinstance(cache, jax.core.Tracer):
-        return
-    sharding = getattr(jax.typeof(cache), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or getattr(mesh, "empty", True):
-        return
-    explicit = set(getattr(mesh, "explicit_axes", ()))
-    used = {axis for entry in tuple(sharding.spec) for axis in block_axes(entry)}
-    if used & explicit:
-        raise NotImplementedError(
-            f"jaxkv.ops.{op}: inside jit, a cache sharded over Explicit mesh axes "
-            f"({sorted(used & explicit)}; jax.make_mesh's default) is not supported: use an "
-            "Auto mesh (jax.sharding.Mesh, or make_mesh(..., axis_types=(AxisType.Auto, ...))), "
-            "call the op eagerly, or call it under your own shard_map")
 
 
 def _ranks_held(block: tuple[int, ...], expected: tuple[int, ...],
@@ -256,9 +236,8 @@ def split_for_peers(
       buffers' rows are sharded like the block axis, row ``i`` written by the shard of
       segment ``i // (n / S)`` (concrete ids in another shard's segment raise; traced ones
       give zero rows). In your jit give the outputs the cache's sharding (``out_shardings``)
-      or pass `out`, or XLA gathers them.
-    * inside jit the mesh must have Auto axes (``jax.sharding.Mesh``); a cache sharded over
-      Explicit axes (``jax.make_mesh``'s default) is refused there, and runs eagerly.
+      or pass `out`, or XLA gathers them (on an Explicit mesh, ``jax.make_mesh``'s default,
+      the outputs' types carry that sharding on their own).
     * replicated (``P()``): every device computes the same buffers, replicated.
 
     Returns:
@@ -269,7 +248,6 @@ def split_for_peers(
         layout, a packed or padded spec, wrong `out` buffers, ids that do not come in equal
         segments of their data shards, a sharding of another axis than blocks and heads.
       IndexError: an id out of range (concrete ids).
-      NotImplementedError: inside jit, a cache sharded over Explicit mesh axes.
 
     Example (docs/data-movement.md: sender TP=2 -> receiver TP=1 PP=2, rank 1 holds heads 2-3):
       >>> spec = KVCacheSpec(num_layers=4, num_kv_heads=4, head_dim=1, block_size=1,
@@ -280,7 +258,6 @@ def split_for_peers(
       ([(1, 2, 2, 2, 1, 1), (1, 2, 2, 2, 1, 1)], [24.0, 25.0, 26.0, 27.0, 28.0, 29.0, 30.0, 31.0])
     """
     plan, rank_block = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
-    _check_not_explicit(cache, "split_for_peers")
     unit = rank_block[_HEAD_AXIS - 1]
     ids = as_id_array(block_ids, "block_ids")
     host = concrete_ids(ids)
@@ -348,7 +325,6 @@ def concat_from_peers(
       ValueError: incompatible engines, a cache or buffers of the wrong shape or dtype, a
         packed or padded spec, the wrong number of buffers, repeated ids, ids outside their
         data shard's segment.
-      NotImplementedError: inside jit, a cache sharded over Explicit mesh axes.
       IndexError: an id out of range (concrete ids).
 
     Example (docs/data-movement.md: receiver rank 0 of TP=1 PP=2 rebuilds layers 0-1 from 2
@@ -362,7 +338,6 @@ def concat_from_peers(
       [1.0, 1.0, 2.0, 2.0]
     """
     plan, rank_block = _plan_for_cache(cache, self_cfg, peer_cfg, rank)
-    _check_not_explicit(cache, "concat_from_peers")
     unit = rank_block[_HEAD_AXIS - 1]
     ids = as_id_array(block_ids, "block_ids")
     buffers = tuple(
