@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
-from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
+from jaxkv import BufferMovedError, EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
 from jaxkv.transfer import KVTransferEngine  # noqa: E402
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 
@@ -235,13 +235,14 @@ class JaxEngineTest(parameterized.TestCase):
         g = tt.global_cache(p_spec, num_tokens, seed=G_SEED)
         for pp_rank in range(d_pp):
             engine, cache, config = self.consumer(d_spec, d_tp, d_pp, pp_rank)
+            before = cache.shard_buffers()
             read_id = f"{params.request_id}-read"  # one read over the consumer's processes
             engine.start_read(params, local_ids, read_id=read_id)
             finished, failed = self.wait(engine, [read_id])
             self.assertEqual((finished, failed), ([read_id], []))
             self.check_cache(cache, config, g, local_ids, pp_rank,
                              first_token=hit * ratio * bs)
-            engine.check_registrations(cache)  # written in place
+            cache.verify_unmoved(before)  # written in place
         for r in range(p_pp):
             state = self.wait_freed(params.request_id, index=r)
             self.assertEqual(state[0], 0, state)
@@ -291,6 +292,28 @@ class JaxEngineTest(parameterized.TestCase):
         summary = engine.stats.summary()
         self.assertEqual(summary["transfers"], 2)
         self.assertEqual(engine.metadata.transport, "jax")
+
+    def test_cache_that_moved_is_adopted_and_read_into(self):
+        """Over the JAX transport nothing is registered by address: `update_cache` adopts a
+        cache whose buffers moved (an update that was not donated) instead of raising
+        `BufferMovedError`, and the next read lands in the new arrays."""
+        import jax.numpy as jnp
+
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 2, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, cache, config = self.consumer(spec, 2)
+        self.assertFalse(engine.registers_memory)
+        moved = PagedKVCache(spec, [jnp.copy(a) for a in cache.arrays], cache.sharding)
+        with self.assertRaises(BufferMovedError):
+            moved.verify_unmoved(cache.shard_buffers())  # other buffers indeed
+        engine.update_cache(moved)
+        self.assertIs(engine.caches[0], moved)
+        params = self.call("pin", "moved", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)
+        self.assertEqual(self.wait(engine, ["moved"]), (["moved"], []))
+        g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(engine.caches[0], config, g, LOCAL_IDS)
+        self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())  # not the old one
 
     def test_consumer_never_pulls_lease_expiry_frees(self):
         spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16)

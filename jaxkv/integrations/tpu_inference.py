@@ -27,9 +27,18 @@ The connector therefore adopts ``runner.kv_caches`` zero-copy as a `jaxkv.PagedK
 (`KVCacheSpec.for_tpu_inference`: ``[pages, page_size, align(2 * heads, packing) / packing,
 packing, align(head_dim, 128)]`` per TP rank, K of head ``h`` at combined head ``2h``, V at
 ``2h + 1``) and, at each hook of a step with transfer work, hands the runner's current arrays to
-the engine (`KVTransferEngine.update_cache`; re-registration when the buffers moved); after each
-poll it writes the engine's arrays back to ``runner.kv_caches`` (a read rewritten in place by
-post-processing replaces them).
+the engine (`KVTransferEngine.update_cache`; over NIXL, re-registration when the buffers moved);
+after each poll it writes the engine's arrays back to ``runner.kv_caches`` when the engine's
+writes replaced them (every read over the JAX transport, reads post-processed over NIXL), with
+the runner's own shardings, in the step that reports the read finished.
+
+Transports (``ConnectorSettings.transport``): ``"nixl"`` reads the producer's pinned blocks
+in place (one-sided READs); ``"jax"`` is the transport of tpu-inference's own connector,
+JAX's transfer server (`jax.experimental.transfer`): the producer formats the pinned blocks
+for each consumer rank into arrays it offers until the consumer confirmed the pull (or the
+lease expired), the consumer pulls them and writes them into its pages with JAX ops, which
+produce the new ``runner.kv_caches``. Nothing registers memory then, so a runner whose
+buffers move costs nothing.
 
 Loading it: tpu-inference's platform accepts only its own connector names, so the class is also
 exported as ``TPUConnector``; vLLM loads the class of that name from
@@ -175,6 +184,28 @@ def transfer_view(spec: KVCacheSpec, tp_size: int) -> KVCacheSpec:
     return view
 
 
+def _with_sharding(array: jax.Array, sharding: Any) -> jax.Array:
+    """`array` with `sharding` over the same device buffers (no copy), or `array` itself when
+    it has that sharding already.
+
+    Raises:
+      ValueError: `sharding` places other shard shapes or devices than `array` has.
+    """
+    import jax
+
+    if array.sharding == sharding:
+        return array
+    by_device = {shard.device: shard.data for shard in array.addressable_shards}
+    try:
+        shards = [by_device[d] for d in sharding.addressable_devices_indices_map(array.shape)]
+    except KeyError as error:
+        raise ValueError(
+            f"the array lives on {sorted(d.id for d in by_device)}, the runner's sharding on "
+            f"other devices ({error})"
+        ) from error
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
+
+
 def _axis_names(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
@@ -311,6 +342,7 @@ class JaxKVTPUConnector(JaxKVConnector):
         self.runner: Any = None
         self.layout: RunnerCacheLayout | None = None
         self._synced: tuple[Any, ...] = ()  # runner arrays the engine holds
+        self._shardings: tuple[Any, ...] = ()  # the runner's shardings of its arrays
         self._stash: Any = None  # a PollResult polled while re-registering
         self.reregistrations = 0  # times the runner's buffers moved under the engine
 
@@ -330,20 +362,11 @@ class JaxKVTPUConnector(JaxKVConnector):
 
         Raises:
           ValueError: the arrays are not tpu-inference's cache for the model (see
-            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or the
-            settings ask for the JAX transport.
+            `describe_runner_caches`), or the settings' ``tp_size`` is not the mesh's.
         """
         from jaxkv import EngineConfig
 
         s = self.settings
-        if s.transport == "jax":
-            # Its consumer writes the pulled blocks with new arrays, which this connector's
-            # buffer tracking takes for a runner that moved its cache (reads fail, vLLM
-            # recomputes): refused until the connector follows them.
-            raise ValueError(
-                "the tpu-inference connector does not support transport 'jax' yet (use "
-                "'nixl' or 'auto' with NIXL installed)"
-            )
         model = self._vllm_config.model_config
         heads = s.num_kv_heads or model.get_total_num_kv_heads()
         head_dim = s.head_dim or model.get_head_size()
@@ -363,6 +386,7 @@ class JaxKVTPUConnector(JaxKVConnector):
         engine = self._new_engine(EngineConfig(layout.view, layout.tp_size, 1))
         engine.register_cache(cache)
         self.runner, self.layout, self._synced = runner, layout, arrays
+        self._shardings = tuple(a.sharding for a in arrays)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -381,13 +405,15 @@ class JaxKVTPUConnector(JaxKVConnector):
     def sync_runner(self) -> None:
         """Hands ``runner.kv_caches`` to the transfer engine when the runner reassigned them:
         `KVTransferEngine.update_cache` when they are the registered buffers (the forward
-        donated them), else a re-registration (below).
+        donated them) or when the transport does not register memory (the JAX transport
+        formats from and writes into whichever arrays are current: moved buffers are simply
+        adopted), else a re-registration (below).
 
-        When the buffers moved (a forward that did not update them in place), reads in flight
-        were writing into the old buffers: they are stopped and reported failed (vLLM
-        recomputes their blocks) before the new buffers are registered; the producer's
-        peers re-fetch its metadata (their reads planned against the old buffers fail the
-        same way).
+        When the buffers registered with NIXL moved (a forward that did not update them in
+        place), reads in flight were writing into the old buffers: they are stopped and
+        reported failed (vLLM recomputes their blocks) before the new buffers are
+        registered; the producer's peers re-fetch its metadata (their reads planned against
+        the old buffers fail the same way).
         """
         from jaxkv import BufferMovedError
 
@@ -415,16 +441,31 @@ class JaxKVTPUConnector(JaxKVConnector):
             engine.register_cache(cache)
             self.reregistrations += 1
         self._synced = arrays
+        self._shardings = tuple(a.sharding for a in arrays)
 
     def _write_back(self) -> None:
-        """Puts the engine's current arrays (post-processed reads replace them) into
-        ``runner.kv_caches``."""
-        if self.runner is None or self.engine is None:
+        """Puts the engine's current arrays into ``runner.kv_caches`` when the engine's own
+        writes replaced them (reads over the JAX transport, post-processed reads), with the
+        runner's shardings, and makes them the engine's current cache.
+
+        The engine's ops return the arrays with the transfer view's sharding (an equivalent
+        one, on its own mesh for a one-device cache): they are handed back as arrays of the
+        runner's exact shardings over the same buffers (no copy), so that the runner's
+        jitted forward takes (and donates) them as it took its own."""
+        if self.runner is None or self.engine is None or self.layout is None:
             return
         arrays = tuple(self.engine.caches[0].arrays)
-        if any(a is not b for a, b in zip(arrays, self._synced)):
-            self.runner.kv_caches = list(arrays)
-            self._synced = arrays
+        if len(arrays) == len(self._synced) and all(
+            a is b for a, b in zip(arrays, self._synced)
+        ):
+            return
+        restored = tuple(
+            _with_sharding(a, sharding) for a, sharding in zip(arrays, self._shardings)
+        )
+        if any(r is not a for r, a in zip(restored, arrays)):
+            self.engine.update_cache(self.layout.wrap(restored))
+        self.runner.kv_caches = list(restored)
+        self._synced = restored
 
     def _bound_meta(self) -> JaxKVConnectorMetadata | None:
         if not self.has_connector_metadata():
