@@ -89,6 +89,62 @@ class MetadataTest(absltest.TestCase):
         check_compatible(_meta(), _meta("decode", spec=SPEC.replace(layout="THD"), tp=4, pp=2))
 
 
+class PackedFieldsTest(absltest.TestCase):
+    """The storage fields of tpu-inference's packed caches travel in the metadata and are
+    validated against one another on decode."""
+
+    PACKED = KVCacheSpec.for_tpu_inference(2, num_kv_heads=3, head_dim=96, page_size=8,
+                                           dtype="float8_e4m3fn")
+
+    def test_round_trip_carries_the_storage(self):
+        meta = _meta(spec=self.PACKED, tp=3)
+        decoded = decode_metadata(encode_metadata(meta))
+        self.assertEqual(decoded, meta)
+        self.assertEqual(
+            (decoded.kv_interleaved, decoded.packing, decoded.packed_axis,
+             decoded.head_dim_alignment, decoded.stored_head_dim, decoded.stored_layout),
+            (True, 4, "H", 128, 128, "THhD"),
+        )
+        self.assertEqual(decoded.spec(), self.PACKED)
+        self.assertTrue(decoded.padded)
+        # each rank's region is its padded block: 1 head -> 2 combined in one 4-value word
+        self.assertEqual(decoded.ranks[0].regions[0].block_len,
+                         self.PACKED.block_nbytes(3))
+        self.assertEqual(self.PACKED.block_shape(3), (8, 1, 4, 128))
+        mla = KVCacheSpec.for_tpu_inference_mla(2, latent_dim=72, page_size=6)
+        decoded = decode_metadata(encode_metadata(_meta(spec=mla, tp=2)))
+        self.assertEqual((decoded.packed_axis, decoded.packing, decoded.stored_layout,
+                          decoded.stored_head_dim), ("T", 2, "TtD", 128))
+        self.assertEqual(decoded.spec(), mla)
+        plain = decode_metadata(encode_metadata(_meta()))
+        self.assertEqual((plain.kv_interleaved, plain.packing, plain.stored_layout,
+                          plain.stored_head_dim, plain.padded), (False, None, "LKHTD", 8, False))
+
+    def test_inconsistent_packed_description_names_the_field(self):
+        raw = msgspec.to_builtins(_meta(spec=self.PACKED, tp=3), builtin_types=(bytes,))
+        for changes, pattern in [
+            (dict(stored_layout="THD"), "stored_layout 'THD'"),
+            (dict(stored_head_dim=96), "stored_head_dim 96"),
+            (dict(head_dim_alignment=256), "stored_head_dim 128 is not head_dim 96 aligned"),
+            (dict(packing=2), "region 0: block_len"),  # the regions are 4-packed
+            (dict(packing=3), "packing"),
+            (dict(packing=0), "packing"),
+            (dict(packed_axis="D"), "packed_axis"),
+            (dict(packed_axis="T", stored_layout="TtHD"), "region 0: block_len"),
+            (dict(kv_interleaved=False), "has 2 regions, its layout THD needs 4"),
+            (dict(layout="KTHD"), "kv_interleaved"),
+            (dict(head_dim_alignment=0), "head_dim_alignment"),
+        ]:
+            with self.subTest(changes=changes), self.assertRaisesRegex(MetadataError, pattern):
+                decode_metadata(msgspec.msgpack.encode(dict(raw, **changes)))
+
+    def test_packed_and_unpacked_engines_are_compatible(self):
+        check_compatible(_meta(spec=self.PACKED, tp=3),
+                         _meta("decode", spec=self.PACKED.replace(
+                             layout="KHTD", kv_interleaved=False, packing=None,
+                             head_dim_alignment=1), tp=1))
+
+
 class TransportFieldTest(absltest.TestCase):
     def test_transport_must_match_and_is_validated(self):
         jax_meta = msgspec.structs.replace(_meta("decode"), transport="jax")

@@ -36,8 +36,10 @@ __all__ = [
     "engine_metadata",
 ]
 
-PROTOCOL_VERSION = 3  # 2: Done names the consumer's read (read_id); 3: metadata names the
-# transport, control connections on the side channel, Want describes the read
+PROTOCOL_VERSION = 4  # 2: Done names the consumer's read (read_id); 3: metadata names the
+# transport, control connections on the side channel, Want describes the read; 4: metadata
+# describes packed / interleaved / padded storage (kv_interleaved, packing, packed_axis,
+# head_dim_alignment, stored_head_dim, stored_layout)
 """Version of the wire format; a peer speaking another version is refused."""
 
 MAX_METADATA_BYTES = 8 << 20
@@ -109,6 +111,14 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       tp_size, pp_size, layers_per_pp: the parallel split.
       num_layers, num_kv_heads, head_dim, kv_factor, mla, dtype: model geometry (must match).
       layout, block_size: per-block arrangement (may differ: converted after the read).
+      kv_interleaved, packing, packed_axis, head_dim_alignment: the storage fields of
+        `KVCacheSpec` (tpu-inference's K/V interleaved on the head axis, sub-32-bit values
+        packed per 32-bit word, head dim padded to the alignment); may differ between the
+        engines (only values are moved, never padding).
+      stored_head_dim: ``D`` as stored (`head_dim` rounded up to `head_dim_alignment`).
+      stored_layout: `KVCacheSpec.stored_layout`: the stored block axes, the packed axis
+        followed by its lowercase position in the word (``"THhD"``); equal to `layout` for
+        an unpacked cache. Both derived fields are checked against the others on decode.
       compat_hash: hex digest over `compat_fields`.
       agents: the transport's entry of each of the engine's processes (NIXL: its agent).
       ranks: per rank, its agent and regions (may be a subset while being assembled).
@@ -139,6 +149,12 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ranks: Annotated[list[RankInfo], msgspec.Meta(max_length=1 << 16)]
     block_hashing: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
     transport: Annotated[str, msgspec.Meta(pattern="^[a-z][a-z0-9_]{0,31}$")] = "nixl"
+    kv_interleaved: bool = False
+    packing: Annotated[int, msgspec.Meta(ge=1, le=4)] | None = None
+    packed_axis: Annotated[str, msgspec.Meta(pattern="^[HT]$")] = "H"
+    head_dim_alignment: _Small = 1
+    stored_head_dim: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    stored_layout: Annotated[str, msgspec.Meta(max_length=6)] = ""
 
     # -- derived --------------------------------------------------------------------------
 
@@ -161,7 +177,18 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             layout=self.layout,
             kv_factor=self.kv_factor,
             mla=self.mla,
+            kv_interleaved=self.kv_interleaved,
+            packing=self.packing,
+            packed_axis=self.packed_axis,
+            head_dim_alignment=self.head_dim_alignment,
         )
+
+    @property
+    def padded(self) -> bool:
+        """Whether the engine's blocks store padding or interleave K/V on the head axis (the
+        planner then moves values row by row: `KVCacheSpec.payload_runs`)."""
+        return self.kv_interleaved or self.packing is not None or (
+            self.stored_head_dim != self.head_dim)
 
     def config(self) -> EngineConfig:
         """The `EngineConfig` (TP/PP split) this metadata describes."""
@@ -234,6 +261,12 @@ def engine_metadata(
         ranks=sorted(ranks, key=lambda r: r.rank),
         block_hashing=block_hashing,
         transport=transport,
+        kv_interleaved=spec.kv_interleaved,
+        packing=spec.packing,
+        packed_axis=spec.packed_axis,
+        head_dim_alignment=spec.head_dim_alignment,
+        stored_head_dim=spec.block_shape()[-1],
+        stored_layout=spec.stored_layout,
     )
     meta = EngineMetadata(**fields)
     meta = msgspec.structs.replace(meta, compat_hash=compute_compat_hash(compat_fields(meta)))
@@ -305,6 +338,19 @@ def validate_metadata(meta: EngineMetadata) -> None:
         raise MetadataError(
             f"engine {meta.engine_id!r}: compat_hash {meta.compat_hash[:12]}... does not match its "
             f"fields ({expected_hash[:12]}...)"
+        )
+    stored_head_dim = config.spec.block_shape()[-1]
+    if meta.stored_head_dim != stored_head_dim:
+        raise MetadataError(
+            f"engine {meta.engine_id!r}: stored_head_dim {meta.stored_head_dim} is not "
+            f"head_dim {meta.head_dim} aligned to head_dim_alignment "
+            f"{meta.head_dim_alignment} ({stored_head_dim})"
+        )
+    if meta.stored_layout != config.spec.stored_layout:
+        raise MetadataError(
+            f"engine {meta.engine_id!r}: stored_layout {meta.stored_layout!r} does not match "
+            f"layout {meta.layout!r} with packing {meta.packing} on packed_axis "
+            f"{meta.packed_axis!r} ({config.spec.stored_layout!r})"
         )
     agent_names = [a.name for a in meta.agents]
     if len(set(agent_names)) != len(agent_names):

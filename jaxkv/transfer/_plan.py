@@ -299,6 +299,12 @@ def _side(meta: EngineMetadata, rank: int) -> _Side:
 
 
 def _build_side(meta: EngineMetadata, rank: int) -> _Side:
+    if meta.padded:
+        raise PlanError(
+            f"engine {meta.engine_id!r}: packed / interleaved / padded storage (stored layout "
+            f"{meta.stored_layout}, packing {meta.packing}, head dim {meta.head_dim} stored as "
+            f"{meta.stored_head_dim}) is not planned by this planner"
+        )
     config = meta.config()
     tp_rank, pp_rank = config.coordinates(rank)
     layer_start, layer_stop = config.layer_range(pp_rank)
@@ -436,6 +442,10 @@ def _geometry_key(meta: EngineMetadata) -> tuple:
         meta.dtype,
         meta.layout,
         meta.block_size,
+        meta.kv_interleaved,
+        meta.packing,
+        meta.packed_axis,
+        meta.stored_head_dim,
     )
 
 
