@@ -641,9 +641,12 @@ class JaxTransport:
 
     def _consumer_config(self, message: Any) -> Any:
         from jaxkv._parallel import EngineConfig
+        from jaxkv.transfer._formatter import values_spec
 
-        spec = self.registry.config.spec.replace(layout=message.layout,
-                                                 block_size=message.block_size)
+        # The consumer's storage (packing, padding) is its own business: the producer
+        # formats values only, planned by the layout and geometry the Want names.
+        spec = values_spec(self.registry.config.spec).replace(layout=message.layout,
+                                                              block_size=message.block_size)
         return EngineConfig(spec, message.tp_size, message.pp_size,
                             tuple(message.layers_per_pp))
 
