@@ -80,6 +80,20 @@ def jax_producer_main(conn) -> None:
                             b=bad_address: [AgentInfo(name=e, metadata=b)]
                     engine.register_cache(cache, pp_rank=pp_rank)
                     conn.send(engine.address)
+                elif kind == "setup_packed":  # tpu-inference's packed cache, TP tp
+                    _, spec_args, tp, num_tokens = command
+                    if engine is not None:
+                        engine.close()
+                    freed.clear()
+                    spec = KVCacheSpec.for_tpu_inference(*spec_args)
+                    g = tt.global_cache(spec, num_tokens, seed=G_SEED)
+                    arrays = tt.packed_arrays(spec, tp, g, REMOTE_IDS, NUM_BLOCKS, seed=11)
+                    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+                    cache = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
+                    engine = KVTransferEngine("prefill", EngineConfig(spec, tp),
+                                              transport="jax")
+                    engine.register_cache(cache)
+                    conn.send(engine.address)
                 elif kind == "pin":
                     _, request_id, block_ids, lease, *reads = command
                     conn.send(engine.publish_request(request_id, block_ids, lease,
@@ -292,6 +306,50 @@ class JaxEngineTest(parameterized.TestCase):
         summary = engine.stats.summary()
         self.assertEqual(summary["transfers"], 2)
         self.assertEqual(engine.metadata.transport, "jax")
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, heads, head_dim, dtype, consumer packed)
+        (2, 1, 4, 96, "bfloat16", True),
+        (1, 2, 2, 64, "float8_e4m3fn", True),  # phantom heads on each consumer rank
+        (2, 2, 4, 100, "float32", False),
+    )
+    def test_packed_caches(self, p_tp, d_tp, heads, head_dim, dtype, packed):
+        """tpu-inference's packed caches (K/V interleaved, packed words, 128-lane head dim)
+        between engines: the values land bit for bit, the consumer's phantom heads and padding
+        lanes keep their bits, the stats count values only."""
+        page = 4
+        num_tokens = len(REMOTE_IDS) * page
+        self.call("setup_packed", (2, heads, head_dim, page, dtype), p_tp, num_tokens)
+        p_spec = KVCacheSpec.for_tpu_inference(2, heads, head_dim, page, dtype)
+        d_spec = p_spec if packed else KVCacheSpec(
+            num_layers=2, num_kv_heads=heads, head_dim=head_dim, block_size=page, dtype=dtype,
+            layout="LKHTD")
+        g = tt.global_cache(p_spec, num_tokens, seed=G_SEED)
+        config = EngineConfig(d_spec, d_tp)
+        engine = KVTransferEngine("decode", config, transport="jax")
+        self._engines.append(engine)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:d_tp]), ("tp",))
+        if packed:
+            initial = tt.packed_arrays(d_spec, d_tp, g, [], NUM_BLOCKS, seed=12)
+            cache = PagedKVCache.from_arrays(d_spec, initial, mesh=mesh)
+        else:
+            cache = PagedKVCache.allocate(d_spec, NUM_BLOCKS, mesh=mesh)
+        engine.register_cache(cache)
+        params = self.call("pin", "packed", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)
+        self.assertEqual(self.wait(engine, ["packed"]), (["packed"], []))
+        got = engine.caches[0]
+        if packed:
+            want = tt.packed_arrays(d_spec, d_tp, g, LOCAL_IDS, NUM_BLOCKS, seed=12)
+            for layer in range(2):  # sentinels everywhere else: unchanged
+                np.testing.assert_array_equal(kv_testing.bits(np.asarray(got.arrays[layer])),
+                                              kv_testing.bits(want[layer]))
+        else:
+            self.check_cache(got, config, g, LOCAL_IDS)
+        values = len(LOCAL_IDS) * 2 * 2 * heads * page * head_dim * p_spec.itemsize
+        self.assertEqual(engine.stats.bytes_total, values)
+        state = self.wait_freed("packed")
+        self.assertEqual((state[0], state[3]), (0, 0))
 
     def test_cache_that_moved_is_adopted_and_read_into(self):
         """Over the JAX transport nothing is registered by address: `update_cache` adopts a

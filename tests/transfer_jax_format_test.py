@@ -67,33 +67,6 @@ def _tpu_spec(heads, head_dim, page, dtype, layout):
                        dtype=dtype, layout=layout)
 
 
-def _packed_arrays(spec, tp, g, block_ids, num_blocks, seed, first_token=0):
-    """A packed (tpu-inference) cache's global arrays, built with numpy from the spec's own
-    `combined_head` map: random sentinel bits everywhere (phantom heads and padded lanes
-    included), the values of G's tokens from `first_token` on in `block_ids`."""
-    width = np.dtype(f"u{spec.itemsize}")
-    rng = np.random.default_rng(seed)
-    shape = (num_blocks, *spec.global_block_shape(tp))
-    per = spec.heads_per_rank(tp)
-    words = spec.block_shape(tp)[1]
-    out = []
-    for layer in range(spec.num_layers):
-        a = rng.integers(0, np.iinfo(width).max, size=shape, dtype=width, endpoint=True)
-        for j, b in enumerate(block_ids):
-            t0 = first_token + j * spec.block_size
-            t1 = min(t0 + spec.block_size, g.shape[3])
-            if t1 <= t0:
-                continue
-            for h in range(spec.num_kv_heads):
-                rank, local = divmod(h, per)
-                for kv in range(2):
-                    word, pos = spec.combined_head(local, kv)
-                    a[b, : t1 - t0, rank * words + word, pos, : spec.head_dim] = (
-                        g[layer, kv, h, t0:t1])
-        out.append(a.view(spec.dtype))
-    return out
-
-
 def _cache(spec, tp, arrays):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
     return PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
@@ -106,13 +79,13 @@ def move_packed(p_cfg, c_cfg, remote_ids, local_ids, g, num_blocks=tt.NUM_BLOCKS
     tail = fmt.remote_tail(c_cfg, p_cfg, len(local_ids), remote_ids)
     p_spec, c_spec = p_cfg.spec, c_cfg.spec
     if p_spec.packing is not None:
-        arrays = _packed_arrays(p_spec, p_cfg.tp_size, g, remote_ids, num_blocks, seed=11)
+        arrays = tt.packed_arrays(p_spec, p_cfg.tp_size, g, remote_ids, num_blocks, seed=11)
     else:
         arrays = tt.global_arrays(p_cfg, 0, g, remote_ids, num_blocks)
     producer = _cache(p_spec, p_cfg.tp_size, arrays)
     wire = fmt.split_request(producer, p_cfg, c_cfg, tail, fmt.rank_devices(producer, p_cfg))
     if c_spec.packing is not None:
-        initial = _packed_arrays(c_spec, c_cfg.tp_size, g, [], num_blocks, seed=12)
+        initial = tt.packed_arrays(c_spec, c_cfg.tp_size, g, [], num_blocks, seed=12)
     else:
         initial = [np.zeros(c_spec.array_shape(num_blocks), c_spec.dtype)
                    for _ in range(c_spec.num_arrays)]
@@ -164,7 +137,7 @@ class PackedFormatterTest(parameterized.TestCase):
             moved = g[:, :, :, first_token:]
             room = len(local_ids) * c_spec.block_size - moved.shape[3]
             moved = np.pad(moved, [(0, 0)] * 3 + [(0, room), (0, 0)])
-            written = _packed_arrays(c_spec, c_tp, moved, local_ids, tt.NUM_BLOCKS, seed=12)
+            written = tt.packed_arrays(c_spec, c_tp, moved, local_ids, tt.NUM_BLOCKS, seed=12)
             mask = np.broadcast_to(
                 np.concatenate([c_spec.payload_mask(c_tp)] * c_tp, axis=1)
                 if c_tp > 1 else c_spec.payload_mask(c_tp),

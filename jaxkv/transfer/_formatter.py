@@ -54,6 +54,7 @@ __all__ = [
     "split_request",
     "to_canonical",
     "unpack_blocks",
+    "values_metadata",
     "values_spec",
 ]
 
@@ -100,6 +101,36 @@ def values_spec(spec: KVCacheSpec) -> KVCacheSpec:
     layout = spec.layout.replace("H", "KH") if spec.kv_interleaved else spec.layout
     return spec.replace(layout=layout, kv_interleaved=False, packing=None, packed_axis="H",
                         head_dim_alignment=1)
+
+
+def values_metadata(meta: Any) -> Any:
+    """A peer's (or this engine's) `EngineMetadata` as the values-only engine `values_spec`
+    describes, its axes in canonical order (regions sized to the values' blocks): what a
+    transport that moves formatted values plans its reads with (which blocks, which ranks,
+    how many bytes, none of which depends on the axis order). Unpadded metadata is returned
+    as is.
+
+    Raises:
+      FormatError: a storage the formatter cannot convert (`check_formattable`).
+    """
+    import msgspec
+
+    if not meta.padded:
+        return meta
+    stored = meta.spec()
+    check_formattable(stored)
+    spec = values_spec(stored)
+    spec = spec.replace(layout="".join(a for a in CANONICAL_LAYOUT if a in spec.layout))
+    block_len = spec.block_nbytes(meta.tp_size)
+    ranks = [
+        msgspec.structs.replace(info, regions=[
+            msgspec.structs.replace(r, block_len=block_len) for r in info.regions])
+        for info in meta.ranks
+    ]
+    return msgspec.structs.replace(
+        meta, layout=spec.layout, kv_interleaved=False, packing=None, packed_axis="H",
+        head_dim_alignment=1, stored_head_dim=spec.head_dim, stored_layout=spec.layout,
+        ranks=ranks)
 
 
 def check_formattable(spec: KVCacheSpec) -> None:
