@@ -38,7 +38,10 @@ JAX's transfer server (`jax.experimental.transfer`): the producer formats the pi
 for each consumer rank into arrays it offers until the consumer confirmed the pull (or the
 lease expired), the consumer pulls them and writes them into its pages with JAX ops, which
 produce the new ``runner.kv_caches``. Nothing registers memory then, so a runner whose
-buffers move costs nothing.
+buffers move costs nothing. Over NIXL the engine is given the word-column view
+(`transfer_view`: padding lanes travel); over the JAX transport the exact packed spec, whose
+values only are moved (no phantom heads, no padding lanes; the consumer's padding is left
+as it was).
 
 Loading it: tpu-inference's platform accepts only its own connector names, so the class is also
 exported as ``TPUConnector``; vLLM loads the class of that name from
@@ -69,6 +72,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxkv.integrations.vllm import JaxKVConnector, JaxKVConnectorMetadata
+from jaxkv.transfer import nixl_available
 
 if TYPE_CHECKING:
     import jax
@@ -99,9 +103,10 @@ class RunnerCacheLayout:
     """How tpu-inference's per-layer cache arrays map onto a jaxkv cache.
 
     Attributes:
-      spec: the model's cache exactly (`KVCacheSpec.for_tpu_inference`, all KV heads).
-      view: the spec the transfer engine is given (`transfer_view`): the same bytes, one
-        "head" per 32-bit word column.
+      spec: the model's cache exactly (`KVCacheSpec.for_tpu_inference`, all KV heads): what
+        a transfer engine over the JAX transport is given.
+      view: the spec a transfer engine over NIXL is given (`transfer_view`): the same bytes,
+        one "head" per 32-bit word column.
       mesh: the mesh the arrays are sharded over (None: one device).
       tp_axis: the mesh axis (or axes) the combined head axis is split over.
       data_axis: the mesh axis the page axis is split over, if any.
@@ -120,10 +125,17 @@ class RunnerCacheLayout:
         the `PagedKVCache` of `view` over the same arrays that the transfer engine registers."""
         from jaxkv import PagedKVCache
 
-        exact = PagedKVCache.wrap(
+        exact = self.wrap_exact(arrays)
+        return PagedKVCache(self.view, exact.arrays, self._view_sharding())
+
+    def wrap_exact(self, arrays: Sequence[jax.Array]) -> Any:
+        """The arrays adopted zero-copy as the `PagedKVCache` of `spec` itself (what the JAX
+        transport, which moves values only, is given)."""
+        from jaxkv import PagedKVCache
+
+        return PagedKVCache.wrap(
             list(arrays), self.spec, self.mesh, tp_axis=self.tp_axis, data_axis=self.data_axis
         )
-        return PagedKVCache(self.view, exact.arrays, self._view_sharding())
 
     def _view_sharding(self) -> Any:
         from jaxkv._sharding import head_sharding
@@ -343,6 +355,7 @@ class JaxKVTPUConnector(JaxKVConnector):
         self.layout: RunnerCacheLayout | None = None
         self._synced: tuple[Any, ...] = ()  # runner arrays the engine holds
         self._shardings: tuple[Any, ...] = ()  # the runner's shardings of its arrays
+        self._exact = False  # the engine holds the exact (packed) spec, not the view
         self._stash: Any = None  # a PollResult polled while re-registering
         self.reregistrations = 0  # times the runner's buffers moved under the engine
 
@@ -382,10 +395,15 @@ class JaxKVTPUConnector(JaxKVConnector):
                 f"settings tp_size {s.tp_size} but the cache is split over {layout.tp_size} "
                 "TP ranks"
             )
-        cache = layout.wrap(arrays)
-        engine = self._new_engine(EngineConfig(layout.view, layout.tp_size, 1))
+        # The JAX transport formats values (real heads and head-dim lanes only) from the
+        # exact description; NIXL reads byte ranges of the word-column view.
+        self._exact = s.transport == "jax" or (s.transport == "auto" and not nixl_available())
+        self.layout = layout
+        cache = self._wrap(arrays)
+        engine = self._new_engine(
+            EngineConfig(layout.spec if self._exact else layout.view, layout.tp_size, 1))
         engine.register_cache(cache)
-        self.runner, self.layout, self._synced = runner, layout, arrays
+        self.runner, self._synced = runner, arrays
         self._shardings = tuple(a.sharding for a in arrays)
 
     @property
@@ -425,7 +443,7 @@ class JaxKVTPUConnector(JaxKVConnector):
         ):
             return
         engine = self._engine()
-        cache = self.layout.wrap(arrays)
+        cache = self._wrap(arrays)
         try:
             engine.update_cache(cache)
         except BufferMovedError as error:
@@ -442,6 +460,10 @@ class JaxKVTPUConnector(JaxKVConnector):
             self.reregistrations += 1
         self._synced = arrays
         self._shardings = tuple(a.sharding for a in arrays)
+
+    def _wrap(self, arrays: Sequence[Any]) -> Any:
+        assert self.layout is not None
+        return self.layout.wrap_exact(arrays) if self._exact else self.layout.wrap(arrays)
 
     def _write_back(self) -> None:
         """Puts the engine's current arrays into ``runner.kv_caches`` when the engine's own
@@ -463,7 +485,7 @@ class JaxKVTPUConnector(JaxKVConnector):
             _with_sharding(a, sharding) for a, sharding in zip(arrays, self._shardings)
         )
         if any(r is not a for r, a in zip(restored, arrays)):
-            self.engine.update_cache(self.layout.wrap(restored))
+            self.engine.update_cache(self._wrap(restored))
         self.runner.kv_caches = list(restored)
         self._synced = restored
 

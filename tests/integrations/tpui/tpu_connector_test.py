@@ -53,6 +53,15 @@ def consumer_side(tp: int = 1, transport: str = "nixl", **kwargs) -> th.Side:
     return side
 
 
+def _block_bytes(transport: str) -> int:
+    """Bytes a read moves per page and layer (all heads): NIXL reads the word-column view
+    (page, words, packing, 128 lanes, bf16); the JAX transport moves values only (page, K/V,
+    heads, the head dim's 96 lanes, bf16)."""
+    if transport == "jax":
+        return 16 * 2 * th.HEADS * th.HEAD_DIM * 2
+    return 16 * 4 * 2 * 128 * 2
+
+
 def decode(consumer, prompts, params, max_tokens=2):
     reqs = [th.request(p, consumer.block_size, dict(kv), max_tokens) for p, kv in
             zip(prompts, params)]
@@ -88,7 +97,7 @@ def test_full_prompts_bytes_exact(remote, decode_tp):
             assert consumer.outputs[r.request_id].new_token_ids
         assert not consumer.failed and not consumer.load_errors
         blocks = sum(-(-len(p) // 16) for p in prompts)
-        block_bytes = 16 * 4 * 2 * 128 * 2  # page, words, packing, lanes, bf16 (all heads)
+        block_bytes = _block_bytes(remote.transport)
         assert consumer.stats.data["transfers"] == len(prompts)
         assert consumer.stats.data["bytes"] == blocks * th.LAYERS * block_bytes
         assert consumer.worker.reregistrations == 0
@@ -128,7 +137,7 @@ def test_partial_local_prefix_hit_reads_only_the_rest(remote):
         (req,) = decode(consumer, [second], params)
         finish(consumer, [req], remote)
         read = consumer.stats.data["bytes"] - bytes_before
-        per_block = th.LAYERS * 16 * 4 * 2 * 128 * 2
+        per_block = th.LAYERS * _block_bytes(remote.transport)
         assert read == 2 * per_block  # blocks 2 and 3 of 4 (62 tokens), not 0 and 1
         rows = consumer.received[req.request_id]
         assert len(rows[0]) == len(second)

@@ -419,6 +419,9 @@ def test_transport_setting_is_passed_to_the_engine():
     try:
         assert worker.engine.transport.name == "jax"
         assert not worker.engine.registers_memory
+        # the exact packed description, not NIXL's word-column view
+        assert worker.engine.config.spec == worker.layout.spec
+        assert worker.engine.caches[0].spec.kv_interleaved
     finally:
         worker.shutdown()
     with pytest.raises(ValueError, match="carrier-pigeon"):
