@@ -106,7 +106,8 @@ class RunnerCacheLayout:
       spec: the model's cache exactly (`KVCacheSpec.for_tpu_inference`, all KV heads): what
         a transfer engine over the JAX transport is given.
       view: the spec a transfer engine over NIXL is given (`transfer_view`): the same bytes,
-        one "head" per 32-bit word column.
+        one "head" per 32-bit word column; None where word columns cannot describe the cache
+        (`view_error` says why; the JAX transport, given `spec`, does not need it).
       mesh: the mesh the arrays are sharded over (None: one device).
       tp_axis: the mesh axis (or axes) the combined head axis is split over.
       data_axis: the mesh axis the page axis is split over, if any.
@@ -114,17 +115,20 @@ class RunnerCacheLayout:
     """
 
     spec: KVCacheSpec
-    view: KVCacheSpec
+    view: KVCacheSpec | None
     mesh: Mesh | None
     tp_axis: str | tuple[str, ...]
     data_axis: str | None
     tp_size: int
+    view_error: str = ""
 
     def wrap(self, arrays: Sequence[jax.Array]) -> Any:
         """The arrays adopted zero-copy (`PagedKVCache.wrap` checks them against `spec`), as
         the `PagedKVCache` of `view` over the same arrays that the transfer engine registers."""
         from jaxkv import PagedKVCache
 
+        if self.view is None:
+            raise ValueError(self.view_error)
         exact = self.wrap_exact(arrays)
         return PagedKVCache(self.view, exact.arrays, self._view_sharding())
 
@@ -142,6 +146,7 @@ class RunnerCacheLayout:
 
         cached = self.__dict__.get("_sharding")
         if cached is None:
+            assert self.view is not None  # wrap() checked it
             cached = head_sharding(self.view, self.mesh, self.tp_axis, self.data_axis)
             object.__setattr__(self, "_sharding", cached)
         return cached
@@ -325,7 +330,11 @@ def describe_runner_caches(
             f"{spec.dtype.name} is {list(expected)} (set num_kv_heads / head_dim in the "
             "connector settings if the model config differs from the cache)"
         )
-    return RunnerCacheLayout(spec, transfer_view(spec, tp_size), mesh, tp_axis, data_axis, tp_size)
+    try:
+        view, view_error = transfer_view(spec, tp_size), ""
+    except ValueError as error:  # only NIXL needs the view (register_runner says so)
+        view, view_error = None, str(error)
+    return RunnerCacheLayout(spec, view, mesh, tp_axis, data_axis, tp_size, view_error)
 
 
 class JaxKVTPUConnector(JaxKVConnector):
@@ -375,7 +384,8 @@ class JaxKVTPUConnector(JaxKVConnector):
 
         Raises:
           ValueError: the arrays are not tpu-inference's cache for the model (see
-            `describe_runner_caches`), or the settings' ``tp_size`` is not the mesh's.
+            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or, over
+            NIXL, a cache whose TP ranks' heads do not fill whole words (`transfer_view`).
         """
         from jaxkv import EngineConfig
 
@@ -398,10 +408,13 @@ class JaxKVTPUConnector(JaxKVConnector):
         # The JAX transport formats values (real heads and head-dim lanes only) from the
         # exact description; NIXL reads byte ranges of the word-column view.
         self._exact = s.transport == "jax" or (s.transport == "auto" and not nixl_available())
+        if not self._exact and layout.view is None:
+            raise ValueError(f"{layout.view_error} (over NIXL; the JAX transport moves it)")
         self.layout = layout
         cache = self._wrap(arrays)
-        engine = self._new_engine(
-            EngineConfig(layout.spec if self._exact else layout.view, layout.tp_size, 1))
+        engine_spec = layout.spec if self._exact else layout.view
+        assert engine_spec is not None
+        engine = self._new_engine(EngineConfig(engine_spec, layout.tp_size, 1))
         engine.register_cache(cache)
         self.runner, self._synced = runner, arrays
         self._shardings = tuple(a.sharding for a in arrays)

@@ -426,3 +426,41 @@ def test_transport_setting_is_passed_to_the_engine():
         worker.shutdown()
     with pytest.raises(ValueError, match="carrier-pigeon"):
         _worker("kv_producer", {"engine_id": "p-u", "transport": "carrier-pigeon"})
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_partial_word_fp8_cache_needs_the_jax_transport(transport):
+    """An fp8 cache of 3 KV heads (6 combined heads in words of 4: phantom entries inside
+    a rank) has no word-column view: refused by name over NIXL, registered exactly (values
+    only) over the JAX transport."""
+    import types
+
+    import jax.numpy as jnp
+    from tpu_inference.runner.kv_cache import create_kv_caches
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from jaxkv.integrations.tpu_inference import describe_runner_caches
+
+    caches = create_kv_caches(8, 16, 3, 128, _mesh(1), ["a", "b"],
+                              cache_dtype=jnp.float8_e4m3fn)
+    layout = describe_runner_caches(caches, 3, 128)
+    assert layout.view is None and "whole" in layout.view_error
+    with pytest.raises(ValueError, match="whole"):
+        layout.wrap(caches)
+    assert all(a is b for a, b in zip(layout.wrap_exact(caches).arrays, caches))
+    extra = {"engine_id": f"d-8-{transport}", "num_kv_heads": 3, "head_dim": 128,
+             "transport": transport}
+    worker = KVConnectorFactory.create_connector(
+        th.vllm_config("kv_consumer", 16, extra), KVConnectorRole.WORKER,
+        th.kv_cache_config(16, 8))
+    try:
+        runner = types.SimpleNamespace(kv_caches=caches)
+        if transport == "nixl":
+            with pytest.raises(ValueError, match="whole"):
+                worker.register_runner(runner)
+        else:
+            worker.register_runner(runner)
+            assert worker.engine.config.spec == layout.spec
+    finally:
+        worker.shutdown()
