@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
-from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
+from jaxkv import BufferMovedError, EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
 from jaxkv.transfer import KVTransferEngine  # noqa: E402
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 
@@ -79,6 +79,20 @@ def jax_producer_main(conn) -> None:
                         engine.transport.describe = lambda e=engine.transport.endpoint, \
                             b=bad_address: [AgentInfo(name=e, metadata=b)]
                     engine.register_cache(cache, pp_rank=pp_rank)
+                    conn.send(engine.address)
+                elif kind == "setup_packed":  # tpu-inference's packed cache, TP tp
+                    _, spec_args, tp, num_tokens = command
+                    if engine is not None:
+                        engine.close()
+                    freed.clear()
+                    spec = KVCacheSpec.for_tpu_inference(*spec_args)
+                    g = tt.global_cache(spec, num_tokens, seed=G_SEED)
+                    arrays = tt.packed_arrays(spec, tp, g, REMOTE_IDS, NUM_BLOCKS, seed=11)
+                    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
+                    cache = PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
+                    engine = KVTransferEngine("prefill", EngineConfig(spec, tp),
+                                              transport="jax")
+                    engine.register_cache(cache)
                     conn.send(engine.address)
                 elif kind == "pin":
                     _, request_id, block_ids, lease, *reads = command
@@ -235,13 +249,14 @@ class JaxEngineTest(parameterized.TestCase):
         g = tt.global_cache(p_spec, num_tokens, seed=G_SEED)
         for pp_rank in range(d_pp):
             engine, cache, config = self.consumer(d_spec, d_tp, d_pp, pp_rank)
+            before = cache.shard_buffers()
             read_id = f"{params.request_id}-read"  # one read over the consumer's processes
             engine.start_read(params, local_ids, read_id=read_id)
             finished, failed = self.wait(engine, [read_id])
             self.assertEqual((finished, failed), ([read_id], []))
             self.check_cache(cache, config, g, local_ids, pp_rank,
                              first_token=hit * ratio * bs)
-            engine.check_registrations(cache)  # written in place
+            cache.verify_unmoved(before)  # written in place
         for r in range(p_pp):
             state = self.wait_freed(params.request_id, index=r)
             self.assertEqual(state[0], 0, state)
@@ -291,6 +306,72 @@ class JaxEngineTest(parameterized.TestCase):
         summary = engine.stats.summary()
         self.assertEqual(summary["transfers"], 2)
         self.assertEqual(engine.metadata.transport, "jax")
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, heads, head_dim, dtype, consumer packed)
+        (2, 1, 4, 96, "bfloat16", True),
+        (1, 2, 2, 64, "float8_e4m3fn", True),  # phantom heads on each consumer rank
+        (2, 2, 4, 100, "float32", False),
+    )
+    def test_packed_caches(self, p_tp, d_tp, heads, head_dim, dtype, packed):
+        """tpu-inference's packed caches (K/V interleaved, packed words, 128-lane head dim)
+        between engines: the values land bit for bit, the consumer's phantom heads and padding
+        lanes keep their bits, the stats count values only."""
+        page = 4
+        num_tokens = len(REMOTE_IDS) * page
+        self.call("setup_packed", (2, heads, head_dim, page, dtype), p_tp, num_tokens)
+        p_spec = KVCacheSpec.for_tpu_inference(2, heads, head_dim, page, dtype)
+        d_spec = p_spec if packed else KVCacheSpec(
+            num_layers=2, num_kv_heads=heads, head_dim=head_dim, block_size=page, dtype=dtype,
+            layout="LKHTD")
+        g = tt.global_cache(p_spec, num_tokens, seed=G_SEED)
+        config = EngineConfig(d_spec, d_tp)
+        engine = KVTransferEngine("decode", config, transport="jax")
+        self._engines.append(engine)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:d_tp]), ("tp",))
+        if packed:
+            initial = tt.packed_arrays(d_spec, d_tp, g, [], NUM_BLOCKS, seed=12)
+            cache = PagedKVCache.from_arrays(d_spec, initial, mesh=mesh)
+        else:
+            cache = PagedKVCache.allocate(d_spec, NUM_BLOCKS, mesh=mesh)
+        engine.register_cache(cache)
+        params = self.call("pin", "packed", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)
+        self.assertEqual(self.wait(engine, ["packed"]), (["packed"], []))
+        got = engine.caches[0]
+        if packed:
+            want = tt.packed_arrays(d_spec, d_tp, g, LOCAL_IDS, NUM_BLOCKS, seed=12)
+            for layer in range(2):  # sentinels everywhere else: unchanged
+                np.testing.assert_array_equal(kv_testing.bits(np.asarray(got.arrays[layer])),
+                                              kv_testing.bits(want[layer]))
+        else:
+            self.check_cache(got, config, g, LOCAL_IDS)
+        values = len(LOCAL_IDS) * 2 * 2 * heads * page * head_dim * p_spec.itemsize
+        self.assertEqual(engine.stats.bytes_total, values)
+        state = self.wait_freed("packed")
+        self.assertEqual((state[0], state[3]), (0, 0))
+
+    def test_cache_that_moved_is_adopted_and_read_into(self):
+        """Over the JAX transport nothing is registered by address: `update_cache` adopts a
+        cache whose buffers moved (an update that was not donated) instead of raising
+        `BufferMovedError`, and the next read lands in the new arrays."""
+        import jax.numpy as jnp
+
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 2, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, cache, config = self.consumer(spec, 2)
+        self.assertFalse(engine.registers_memory)
+        moved = PagedKVCache(spec, [jnp.copy(a) for a in cache.arrays], cache.sharding)
+        with self.assertRaises(BufferMovedError):
+            moved.verify_unmoved(cache.shard_buffers())  # other buffers indeed
+        engine.update_cache(moved)
+        self.assertIs(engine.caches[0], moved)
+        params = self.call("pin", "moved", REMOTE_IDS, 30.0)
+        engine.start_read(params, LOCAL_IDS)
+        self.assertEqual(self.wait(engine, ["moved"]), (["moved"], []))
+        g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(engine.caches[0], config, g, LOCAL_IDS)
+        self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())  # not the old one
 
     def test_consumer_never_pulls_lease_expiry_frees(self):
         spec = KVCacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16)

@@ -203,6 +203,33 @@ def global_arrays(
     ]
 
 
+def packed_arrays(spec, tp, g, block_ids, num_blocks, seed, first_token=0):
+    """A packed (tpu-inference) cache's global arrays, built with numpy from the spec's own
+    `combined_head` map: random sentinel bits everywhere (phantom heads and padded lanes
+    included), the values of G's tokens from `first_token` on in `block_ids`."""
+    width = np.dtype(f"u{spec.itemsize}")
+    rng = np.random.default_rng(seed)
+    shape = (num_blocks, *spec.global_block_shape(tp))
+    per = spec.heads_per_rank(tp)
+    words = spec.block_shape(tp)[1]
+    out = []
+    for layer in range(spec.num_layers):
+        a = rng.integers(0, np.iinfo(width).max, size=shape, dtype=width, endpoint=True)
+        for j, b in enumerate(block_ids):
+            t0 = first_token + j * spec.block_size
+            t1 = min(t0 + spec.block_size, g.shape[3])
+            if t1 <= t0:
+                continue
+            for h in range(spec.num_kv_heads):
+                rank, local = divmod(h, per)
+                for kv in range(2):
+                    word, pos = spec.combined_head(local, kv)
+                    a[b, : t1 - t0, rank * words + word, pos, : spec.head_dim] = (
+                        g[layer, kv, h, t0:t1])
+        out.append(a.view(spec.dtype))
+    return out
+
+
 def expected_arrays(
     config: EngineConfig, pp_rank: int, g: np.ndarray, block_ids, first_token: int = 0
 ) -> list[np.ndarray]:

@@ -27,9 +27,21 @@ The connector therefore adopts ``runner.kv_caches`` zero-copy as a `jaxkv.PagedK
 (`KVCacheSpec.for_tpu_inference`: ``[pages, page_size, align(2 * heads, packing) / packing,
 packing, align(head_dim, 128)]`` per TP rank, K of head ``h`` at combined head ``2h``, V at
 ``2h + 1``) and, at each hook of a step with transfer work, hands the runner's current arrays to
-the engine (`KVTransferEngine.update_cache`; re-registration when the buffers moved); after each
-poll it writes the engine's arrays back to ``runner.kv_caches`` (a read rewritten in place by
-post-processing replaces them).
+the engine (`KVTransferEngine.update_cache`; over NIXL, re-registration when the buffers moved);
+after each poll it writes the engine's arrays back to ``runner.kv_caches`` when the engine's
+writes replaced them (every read over the JAX transport, reads post-processed over NIXL), with
+the runner's own shardings, in the step that reports the read finished.
+
+Transports (``ConnectorSettings.transport``): ``"nixl"`` reads the producer's pinned blocks
+in place (one-sided READs); ``"jax"`` is the transport of tpu-inference's own connector,
+JAX's transfer server (`jax.experimental.transfer`): the producer formats the pinned blocks
+for each consumer rank into arrays it offers until the consumer confirmed the pull (or the
+lease expired), the consumer pulls them and writes them into its pages with JAX ops, which
+produce the new ``runner.kv_caches``. Nothing registers memory then, so a runner whose
+buffers move costs nothing. Over NIXL the engine is given the word-column view
+(`transfer_view`: padding lanes travel); over the JAX transport the exact packed spec, whose
+values only are moved (no phantom heads, no padding lanes; the consumer's padding is left
+as it was).
 
 Loading it: tpu-inference's platform accepts only its own connector names, so the class is also
 exported as ``TPUConnector``; vLLM loads the class of that name from
@@ -60,6 +72,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxkv.integrations.vllm import JaxKVConnectorBase, JaxKVConnectorMetadata
+from jaxkv.transfer import nixl_available
 
 if TYPE_CHECKING:
     import jax
@@ -90,9 +103,11 @@ class RunnerCacheLayout:
     """How tpu-inference's per-layer cache arrays map onto a jaxkv cache.
 
     Attributes:
-      spec: the model's cache exactly (`KVCacheSpec.for_tpu_inference`, all KV heads).
-      view: the spec the transfer engine is given (`transfer_view`): the same bytes, one
-        "head" per 32-bit word column.
+      spec: the model's cache exactly (`KVCacheSpec.for_tpu_inference`, all KV heads): what
+        a transfer engine over the JAX transport is given.
+      view: the spec a transfer engine over NIXL is given (`transfer_view`): the same bytes,
+        one "head" per 32-bit word column; None where word columns cannot describe the cache
+        (`view_error` says why; the JAX transport, given `spec`, does not need it).
       mesh: the mesh the arrays are sharded over (None: one device).
       tp_axis: the mesh axis (or axes) the combined head axis is split over.
       data_axis: the mesh axis the page axis is split over, if any.
@@ -100,27 +115,38 @@ class RunnerCacheLayout:
     """
 
     spec: KVCacheSpec
-    view: KVCacheSpec
+    view: KVCacheSpec | None
     mesh: Mesh | None
     tp_axis: str | tuple[str, ...]
     data_axis: str | None
     tp_size: int
+    view_error: str = ""
 
     def wrap(self, arrays: Sequence[jax.Array]) -> Any:
         """The arrays adopted zero-copy (`PagedKVCache.wrap` checks them against `spec`), as
         the `PagedKVCache` of `view` over the same arrays that the transfer engine registers."""
         from jaxkv import PagedKVCache
 
-        exact = PagedKVCache.wrap(
+        if self.view is None:
+            raise ValueError(self.view_error)
+        exact = self.wrap_exact(arrays)
+        return PagedKVCache(self.view, exact.arrays, self._view_sharding())
+
+    def wrap_exact(self, arrays: Sequence[jax.Array]) -> Any:
+        """The arrays adopted zero-copy as the `PagedKVCache` of `spec` itself (what the JAX
+        transport, which moves values only, is given)."""
+        from jaxkv import PagedKVCache
+
+        return PagedKVCache.wrap(
             list(arrays), self.spec, self.mesh, tp_axis=self.tp_axis, data_axis=self.data_axis
         )
-        return PagedKVCache(self.view, exact.arrays, self._view_sharding())
 
     def _view_sharding(self) -> Any:
         from jaxkv._sharding import head_sharding
 
         cached = self.__dict__.get("_sharding")
         if cached is None:
+            assert self.view is not None  # wrap() checked it
             cached = head_sharding(self.view, self.mesh, self.tp_axis, self.data_axis)
             object.__setattr__(self, "_sharding", cached)
         return cached
@@ -173,6 +199,28 @@ def transfer_view(spec: KVCacheSpec, tp_size: int) -> KVCacheSpec:
             "tpu-inference (replicated heads of a 32-bit cache)"
         )
     return view
+
+
+def _with_sharding(array: jax.Array, sharding: Any) -> jax.Array:
+    """`array` with `sharding` over the same device buffers (no copy), or `array` itself when
+    it has that sharding already.
+
+    Raises:
+      ValueError: `sharding` places other shard shapes or devices than `array` has.
+    """
+    import jax
+
+    if array.sharding == sharding:
+        return array
+    by_device = {shard.device: shard.data for shard in array.addressable_shards}
+    try:
+        shards = [by_device[d] for d in sharding.addressable_devices_indices_map(array.shape)]
+    except KeyError as error:
+        raise ValueError(
+            f"the array lives on {sorted(d.id for d in by_device)}, the runner's sharding on "
+            f"other devices ({error})"
+        ) from error
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
 
 
 def _axis_names(entry: Any) -> tuple[str, ...]:
@@ -282,7 +330,11 @@ def describe_runner_caches(
             f"{spec.dtype.name} is {list(expected)} (set num_kv_heads / head_dim in the "
             "connector settings if the model config differs from the cache)"
         )
-    return RunnerCacheLayout(spec, transfer_view(spec, tp_size), mesh, tp_axis, data_axis, tp_size)
+    try:
+        view, view_error = transfer_view(spec, tp_size), ""
+    except ValueError as error:  # only NIXL needs the view (register_runner says so)
+        view, view_error = None, str(error)
+    return RunnerCacheLayout(spec, view, mesh, tp_axis, data_axis, tp_size, view_error)
 
 
 class JaxKVTPUConnector(JaxKVConnectorBase):
@@ -311,6 +363,8 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
         self.runner: Any = None
         self.layout: RunnerCacheLayout | None = None
         self._synced: tuple[Any, ...] = ()  # runner arrays the engine holds
+        self._shardings: tuple[Any, ...] = ()  # the runner's shardings of its arrays
+        self._exact = False  # the engine holds the exact (packed) spec, not the view
         self._stash: Any = None  # a PollResult polled while re-registering
         self.reregistrations = 0  # times the runner's buffers moved under the engine
 
@@ -330,20 +384,12 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
 
         Raises:
           ValueError: the arrays are not tpu-inference's cache for the model (see
-            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or the
-            settings ask for the JAX transport.
+            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or, over
+            NIXL, a cache whose TP ranks' heads do not fill whole words (`transfer_view`).
         """
         from jaxkv import EngineConfig
 
         s = self.settings
-        if s.transport == "jax":
-            # Its consumer writes the pulled blocks with new arrays, which this connector's
-            # buffer tracking takes for a runner that moved its cache (reads fail, vLLM
-            # recomputes): refused until the connector follows them.
-            raise ValueError(
-                "the tpu-inference connector does not support transport 'jax' yet (use "
-                "'nixl' or 'auto' with NIXL installed)"
-            )
         model = self._vllm_config.model_config
         heads = s.num_kv_heads or model.get_total_num_kv_heads()
         head_dim = s.head_dim or model.get_head_size()
@@ -359,10 +405,19 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
                 f"settings tp_size {s.tp_size} but the cache is split over {layout.tp_size} "
                 "TP ranks"
             )
-        cache = layout.wrap(arrays)
-        engine = self._new_engine(EngineConfig(layout.view, layout.tp_size, 1))
+        # The JAX transport formats values (real heads and head-dim lanes only) from the
+        # exact description; NIXL reads byte ranges of the word-column view.
+        self._exact = s.transport == "jax" or (s.transport == "auto" and not nixl_available())
+        if not self._exact and layout.view is None:
+            raise ValueError(f"{layout.view_error} (over NIXL; the JAX transport moves it)")
+        self.layout = layout
+        cache = self._wrap(arrays)
+        engine_spec = layout.spec if self._exact else layout.view
+        assert engine_spec is not None
+        engine = self._new_engine(EngineConfig(engine_spec, layout.tp_size, 1))
         engine.register_cache(cache)
-        self.runner, self.layout, self._synced = runner, layout, arrays
+        self.runner, self._synced = runner, arrays
+        self._shardings = tuple(a.sharding for a in arrays)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -381,13 +436,15 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
     def sync_runner(self) -> None:
         """Hands ``runner.kv_caches`` to the transfer engine when the runner reassigned them:
         `KVTransferEngine.update_cache` when they are the registered buffers (the forward
-        donated them), else a re-registration (below).
+        donated them) or when the transport does not register memory (the JAX transport
+        formats from and writes into whichever arrays are current: moved buffers are simply
+        adopted), else a re-registration (below).
 
-        When the buffers moved (a forward that did not update them in place), reads in flight
-        were writing into the old buffers: they are stopped and reported failed (vLLM
-        recomputes their blocks) before the new buffers are registered; the producer's
-        peers re-fetch its metadata (their reads planned against the old buffers fail the
-        same way).
+        When the buffers registered with NIXL moved (a forward that did not update them in
+        place), reads in flight were writing into the old buffers: they are stopped and
+        reported failed (vLLM recomputes their blocks) before the new buffers are
+        registered; the producer's peers re-fetch its metadata (their reads planned against
+        the old buffers fail the same way).
         """
         from jaxkv import BufferMovedError
 
@@ -399,7 +456,7 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
         ):
             return
         engine = self._engine()
-        cache = self.layout.wrap(arrays)
+        cache = self._wrap(arrays)
         try:
             engine.update_cache(cache)
         except BufferMovedError as error:
@@ -415,16 +472,35 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
             engine.register_cache(cache)
             self.reregistrations += 1
         self._synced = arrays
+        self._shardings = tuple(a.sharding for a in arrays)
+
+    def _wrap(self, arrays: Sequence[Any]) -> Any:
+        assert self.layout is not None
+        return self.layout.wrap_exact(arrays) if self._exact else self.layout.wrap(arrays)
 
     def _write_back(self) -> None:
-        """Puts the engine's current arrays (post-processed reads replace them) into
-        ``runner.kv_caches``."""
-        if self.runner is None or self.engine is None:
+        """Puts the engine's current arrays into ``runner.kv_caches`` when the engine's own
+        writes replaced them (reads over the JAX transport, post-processed reads), with the
+        runner's shardings, and makes them the engine's current cache.
+
+        The engine's ops return the arrays with the transfer view's sharding (an equivalent
+        one, on its own mesh for a one-device cache): they are handed back as arrays of the
+        runner's exact shardings over the same buffers (no copy), so that the runner's
+        jitted forward takes (and donates) them as it took its own."""
+        if self.runner is None or self.engine is None or self.layout is None:
             return
         arrays = tuple(self.engine.caches[0].arrays)
-        if any(a is not b for a, b in zip(arrays, self._synced)):
-            self.runner.kv_caches = list(arrays)
-            self._synced = arrays
+        if len(arrays) == len(self._synced) and all(
+            a is b for a, b in zip(arrays, self._synced)
+        ):
+            return
+        restored = tuple(
+            _with_sharding(a, sharding) for a, sharding in zip(arrays, self._shardings)
+        )
+        if any(r is not a for r, a in zip(restored, arrays)):
+            self.engine.update_cache(self._wrap(restored))
+        self.runner.kv_caches = list(restored)
+        self._synced = restored
 
     def _bound_meta(self) -> JaxKVConnectorMetadata | None:
         if not self.has_connector_metadata():

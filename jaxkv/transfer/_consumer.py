@@ -266,8 +266,18 @@ class Consumer:
             state.generations = {
                 info.rank: peer.generations.get(info.agent_name, -1) for info in peer.meta.ranks
             }
+            plan_local, plan_peer = meta, peer.meta
+            if getattr(self.transport, "moves_arrays", False):
+                # formatted values move: planned between the values-only engines
+                from jaxkv.transfer._formatter import FormatError, values_metadata
+
+                try:
+                    plan_local, plan_peer = values_metadata(meta), values_metadata(peer.meta)
+                except FormatError as error:
+                    raise PlanError(str(error)) from error
             for rank in registry.local_ranks:
-                plan = plan_read(meta, rank, peer.meta, local_ids, params.block_ids, check=False)
+                plan = plan_read(plan_local, rank, plan_peer, local_ids, params.block_ids,
+                                 check=False)
                 state.plans.append(plan)
             state.needs_jax = len(local_ids) > 0 and (
                 any(p.post for p in state.plans)

@@ -343,13 +343,24 @@ class KVTransferEngine:
         if entry is not None:
             cache.verify_unmoved(entry.buffers)
 
+    @property
+    def registers_memory(self) -> bool:
+        """Whether the transport reads and writes the registered buffers by address (NIXL),
+        so that they must stay in place; False for a transport that moves arrays (``"jax"``:
+        it formats from, and writes into, whatever arrays are current)."""
+        return not getattr(self.transport, "moves_arrays", False)
+
     def update_cache(self, cache: Any) -> None:
         """Makes `cache` the current version of a registered cache (after the caller updated
         it with donated, in-place operations: `cache = step(cache)`). Post-processing of
         received blocks acts on the current version.
 
+        Over a transport that does not register memory (`registers_memory` False: the JAX
+        transport), buffers that moved are adopted as they are: nothing addresses them.
+
         Raises:
-          BufferMovedError: a buffer is not where it was registered (re-register).
+          BufferMovedError: a buffer is not where it was registered (re-register), with a
+            transport that registers memory.
           ValueError: no registered cache has these arrays and devices.
         """
         # Wait outside the lock: the step that produced `cache` may be blocked in a host
@@ -359,7 +370,10 @@ class KVTransferEngine:
             entry = self._registry.entry_of(cache)
             if entry is None:
                 raise ValueError("update_cache: no registered cache has these arrays and devices")
-            cache.verify_unmoved(entry.buffers)
+            if self.registers_memory:
+                cache.verify_unmoved(entry.buffers)
+            elif cache is not entry.cache:
+                entry.buffers = cache.shard_buffers()
             if cache is not entry.cache:
                 entry.cache = cache
                 entry.version += 1

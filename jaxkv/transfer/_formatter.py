@@ -13,6 +13,13 @@ producer's block size: heterogeneous TP (heads split, or replicated when TP exce
 heads; MLA caches replicated on every rank) and PP (layer ranges) follow from the plan; other
 layouts are converted on either side (`to_canonical` / `from_canonical`).
 
+Caches stored with padding (tpu-inference's: K/V interleaved on the head axis, heads packed
+into 32-bit words, head dim aligned to 128 lanes; `KVCacheSpec.for_tpu_inference`) travel as
+their values only: the producer extracts each rank's real heads and real head-dim lanes
+(`unpack_blocks`: no phantom heads, no alignment padding on the wire), the consumer writes
+them into its own storage (`pack_into_blocks`), leaving its phantom heads and padding lanes as
+they were.
+
 Pure planning (`send_routes`, `receive_routes`) needs no devices; `split_request` and
 `concat_request` run the ops on the device shards of a `PagedKVCache`.
 """
@@ -41,10 +48,14 @@ __all__ = [
     "from_canonical",
     "rank_devices",
     "receive_routes",
+    "pack_into_blocks",
     "remote_tail",
     "send_routes",
     "split_request",
     "to_canonical",
+    "unpack_blocks",
+    "values_metadata",
+    "values_spec",
 ]
 
 CANONICAL_LAYOUT = "LKHTD"
@@ -72,26 +83,143 @@ class Route:
     shape: tuple[int, ...]
 
 
+def _stored_with_padding(spec: KVCacheSpec) -> bool:
+    return spec.kv_interleaved or spec.packing is not None or spec.head_dim_alignment > 1
+
+
+def values_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec of a cache's values without its storage details: K/V interleaved on the head
+    axis become a ``K`` axis just before ``H``, packed words and head-dim alignment are
+    dropped. An unpadded spec is returned as is.
+
+    Example:
+      >>> values_spec(KVCacheSpec.for_tpu_inference(2, 4, 96, 16)).block_shape(2)
+      (16, 2, 2, 96)
+    """
+    if not _stored_with_padding(spec):
+        return spec
+    layout = spec.layout.replace("H", "KH") if spec.kv_interleaved else spec.layout
+    return spec.replace(layout=layout, kv_interleaved=False, packing=None, packed_axis="H",
+                        head_dim_alignment=1)
+
+
+def values_metadata(meta: Any) -> Any:
+    """A peer's (or this engine's) `EngineMetadata` as the values-only engine `values_spec`
+    describes, its axes in canonical order (regions sized to the values' blocks): what a
+    transport that moves formatted values plans its reads with (which blocks, which ranks,
+    how many bytes, none of which depends on the axis order). Unpadded metadata is returned
+    as is.
+
+    Raises:
+      FormatError: a storage the formatter cannot convert (`check_formattable`).
+    """
+    import msgspec
+
+    if not meta.padded:
+        return meta
+    stored = meta.spec()
+    check_formattable(stored)
+    spec = values_spec(stored)
+    spec = spec.replace(layout="".join(a for a in CANONICAL_LAYOUT if a in spec.layout))
+    block_len = spec.block_nbytes(meta.tp_size)
+    ranks = [
+        msgspec.structs.replace(info, regions=[
+            msgspec.structs.replace(r, block_len=block_len) for r in info.regions])
+        for info in meta.ranks
+    ]
+    return msgspec.structs.replace(
+        meta, layout=spec.layout, kv_interleaved=False, packing=None, packed_axis="H",
+        head_dim_alignment=1, stored_head_dim=spec.head_dim, stored_layout=spec.layout,
+        ranks=ranks)
+
+
 def check_formattable(spec: KVCacheSpec) -> None:
     """Refuses caches the formatter cannot convert.
 
     Raises:
-      FormatError: a padded or packed cache (head-dim alignment, packed heads) or combined
-        K/V heads, whose stored blocks are not plain ``[.., H, T, D]`` values.
+      FormatError: a cache with tokens packed into words (tpu-inference's MLA cache).
     """
-    if spec.padded or spec.packing is not None or spec.kv_interleaved:
+    if spec.packing is not None and spec.packed_axis != "H":
         raise FormatError(
-            f"the JAX transport's formatter moves unpadded caches with separate K/V heads; "
-            f"this cache has layout {spec.layout!r}, packing {spec.packing}, head_dim_alignment "
-            f"{spec.head_dim_alignment}, kv_interleaved {spec.kv_interleaved}"
+            f"the JAX transport's formatter moves caches packed on the head axis only; this "
+            f"cache packs {spec.packed_axis!r} (layout {spec.layout!r}, packing {spec.packing})"
         )
 
 
 def canonical_config(config: EngineConfig, block_size: int) -> EngineConfig:
-    """`config` with the canonical layout and the given (sender's) block size: what
-    `plan_peers` and the split/concat ops are called with."""
-    spec = config.spec.replace(layout=CANONICAL_LAYOUT, block_size=int(block_size))
+    """`config` with the canonical layout and the given (sender's) block size, values only
+    (`values_spec`): what `plan_peers` and the split/concat ops are called with."""
+    spec = values_spec(config.spec).replace(layout=CANONICAL_LAYOUT, block_size=int(block_size))
     return EngineConfig(spec, config.tp_size, config.pp_size, config.layer_split)
+
+
+def unpack_blocks(x: Any, spec: KVCacheSpec, tp_size: int) -> Any:
+    """One rank's stored blocks ``[n, *spec.block_shape(tp_size)]`` as their values
+    ``[n, *values_spec(spec).block_shape(tp_size)]`` (raw bits of the dtype's width): packed
+    words unfolded and phantom entries dropped, interleaved K/V split onto a ``K`` axis, the
+    head dim cut to its real lanes. Traceable (jnp slices and reshapes).
+
+    Example:
+      >>> spec = KVCacheSpec.for_tpu_inference(1, 1, 2, 1, dtype="float8_e4m3fn")
+      >>> x = (10 * jnp.arange(4)[:, None] + jnp.arange(128)).astype(jnp.uint8)
+      >>> unpack_blocks(x.reshape(1, 1, 1, 4, 128), spec, 1)[0, 0, :, 0].tolist()
+      [[0, 1], [10, 11]]
+    """
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    axes = list(spec.block_axes())
+    sizes = spec.axis_sizes(tp_size)
+    if spec.packing is not None:
+        i = 1 + axes.index(spec.packed_axis)
+        shape = x.shape
+        x = x.reshape(*shape[:i], shape[i] * shape[i + 1], *shape[i + 2:])
+        x = jax.lax.slice_in_dim(x, 0, sizes[spec.packed_axis], axis=i)
+        del axes[i]  # the position-in-word axis (after the packed one)
+    x = jax.lax.slice_in_dim(x, 0, spec.head_dim, axis=1 + axes.index("D"))
+    if spec.kv_interleaved:
+        j = 1 + axes.index("H")
+        shape = x.shape
+        x = x.reshape(*shape[:j], shape[j] // 2, 2, *shape[j + 1:])  # combined 2h + kv
+        x = jnp.moveaxis(x, j + 1, j)
+    return x
+
+
+def pack_into_blocks(old: Any, values: Any, spec: KVCacheSpec, tp_size: int) -> Any:
+    """The inverse of `unpack_blocks`: `values` written into the stored blocks `old` (same
+    bit dtype), every padding entry (phantom heads, padded lanes) kept from `old`.
+
+    Example:
+      >>> spec = KVCacheSpec.for_tpu_inference(1, 1, 2, 1, dtype="float8_e4m3fn")
+      >>> old = jnp.full((1, 1, 1, 4, 128), 7, jnp.uint8)
+      >>> new = pack_into_blocks(old, jnp.ones((1, 1, 2, 1, 2), jnp.uint8), spec, 1)
+      >>> new[0, 0, 0, :, :3].tolist()
+      [[1, 1, 7], [1, 1, 7], [7, 7, 7], [7, 7, 7]]
+    """
+    import jax.numpy as jnp
+
+    x = jnp.asarray(values)
+    stored = spec.block_shape(tp_size)
+    axes = list(spec.layout)
+    if spec.kv_interleaved:
+        j = 1 + axes.index("H")  # the K axis sits at j, H at j + 1 in the values
+        x = jnp.moveaxis(x, j, j + 1)
+        shape = x.shape
+        x = x.reshape(*shape[:j], shape[j] * 2, *shape[j + 2:])
+    d = 1 + axes.index("D")
+    pad = [(0, 0)] * x.ndim
+    pad[d] = (0, stored[spec.block_axes().index("D")] - x.shape[d])
+    x = jnp.pad(x, pad)
+    if spec.packing is not None:
+        i = 1 + axes.index(spec.packed_axis)
+        words = stored[spec.block_axes().index(spec.packed_axis)]
+        pad = [(0, 0)] * x.ndim
+        pad[i] = (0, words * spec.packing - x.shape[i])
+        x = jnp.pad(x, pad)
+        shape = x.shape
+        x = x.reshape(*shape[:i], words, spec.packing, *shape[i + 1:])
+    mask = jnp.asarray(spec.payload_mask(tp_size))
+    return jnp.where(mask[None], x.astype(old.dtype), old)
 
 
 def _check_pair(producer: EngineConfig, consumer: EngineConfig) -> int:
@@ -329,7 +457,7 @@ def _layout_block_shape(spec: KVCacheSpec, tp_size: int, array: Any) -> tuple[in
       FormatError: the array's blocks are not the spec's size.
     """
     stored = tuple(int(n) for n in array.sharding.shard_shape(array.shape)[1:])
-    if len(stored) == len(spec.layout):
+    if len(stored) == len(spec.block_axes()):
         return None
     shape = tuple(int(n) for n in spec.block_shape(tp_size))
     if math.prod(shape) != math.prod(stored):
@@ -374,8 +502,9 @@ def split_request(
     ids = np.asarray(block_ids, dtype=np.int32).reshape(-1)
     bs = producer.spec.block_size
     canon_p, canon_c = canonical_config(producer, bs), canonical_config(consumer, bs)
-    layout, keys = cache.spec.layout, tuple(cache.array_keys)
+    layout, keys = values_spec(cache.spec).layout, tuple(cache.array_keys)
     block_shape = _layout_block_shape(cache.spec, producer.tp_size, cache.arrays[0])
+    packed = (cache.spec, producer.tp_size) if _stored_with_padding(cache.spec) else None
     result: dict[tuple[int, int], Any] = {}
     for rank, device in sorted(ranks.items(), key=lambda item: item[0]):
         routes = send_routes(producer, consumer, rank, len(ids))
@@ -387,13 +516,16 @@ def split_request(
         out = None
         if staging is not None:
             out = staging(device, [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))])
-        if layout == CANONICAL_LAYOUT and block_shape is None:
+        if layout == CANONICAL_LAYOUT and block_shape is None and packed is None:
             buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank, out=out)
         elif out is None:
             buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys, canon_p=canon_p,
-                                    canon_c=canon_c, rank=rank, block_shape=block_shape)
+                                    canon_c=canon_c, rank=rank, block_shape=block_shape,
+                                    packed=packed)
         else:
             dense = [gather_blocks(s, dev_ids) for s in shards]
+            if packed is not None:
+                dense = [_unpacked(d, *packed) for d in dense]
             canon = to_canonical(dense, layout, keys, block_shape)
             rows = jax.device_put(jnp.arange(len(ids), dtype=jnp.int32), device)
             buffers = split_for_peers(canon, rows, canon_p, canon_c, rank, out=out)
@@ -406,27 +538,42 @@ def split_request(
     return result
 
 
+def _unpacked(dense: Any, spec: KVCacheSpec, tp_size: int) -> Any:
+    """`unpack_blocks` in the cache's own dtype (moved as raw bits)."""
+    return jax.lax.bitcast_convert_type(unpack_blocks(_as_bits(dense), spec, tp_size),
+                                        dense.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank",
-                                             "block_shape"))
+                                             "block_shape", "packed"))
 def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
                   canon_p: EngineConfig, canon_c: EngineConfig, rank: int,
-                  block_shape: tuple[int, ...] | None = None) -> list[Any]:
+                  block_shape: tuple[int, ...] | None = None,
+                  packed: tuple[KVCacheSpec, int] | None = None) -> list[Any]:
     """One rank's gather of every cache array, its canonical arrangement and its split, as
-    one program (one dispatch: a small request is dominated by per-op costs)."""
+    one program (one dispatch: a small request is dominated by per-op costs); a padded
+    cache's values are extracted first (`packed`: its stored spec and TP size)."""
     from jaxkv.ops import gather_blocks, split_for_peers
 
-    canon = to_canonical([gather_blocks(s, ids) for s in shards], layout, keys, block_shape)
+    dense = [gather_blocks(s, ids) for s in shards]
+    if packed is not None:
+        dense = [_unpacked(d, *packed) for d in dense]
+    canon = to_canonical(dense, layout, keys, block_shape)
     rows = jax.numpy.arange(ids.shape[0], dtype=jax.numpy.int32)
     return split_for_peers(canon, rows, canon_p, canon_c, rank)
 
 
 @functools.partial(jax.jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",
-                                             "canon_p", "rank", "stored"))
+                                             "canon_p", "rank", "stored", "packed"))
 def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: str, keys: tuple,
                       canon_c: EngineConfig, canon_p: EngineConfig, rank: int,
-                      stored: tuple[int, ...] | None = None) -> tuple:
+                      stored: tuple[int, ...] | None = None,
+                      packed: tuple[KVCacheSpec, int] | None = None,
+                      old: Sequence[Any] = ()) -> tuple:
     """One rank's concat of its pulled buffers into canonical blocks, merged and rearranged
-    into the local layout per cache array, as one program."""
+    into the local layout per cache array, as one program; for a padded cache (`packed`: its
+    stored spec and TP size) the values are written into the blocks' current contents
+    `old` (padding kept)."""
     from jaxkv.ops import concat_from_peers
 
     local_shape = canon_c.local_block_shape(canon_c.coordinates(rank)[1])
@@ -434,7 +581,13 @@ def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: s
     rows = jax.numpy.arange(buffers[0].shape[0], dtype=jax.numpy.int32)
     canon = concat_from_peers(zeros, buffers, rows, canon_c, canon_p, rank)
     out = from_canonical(canon, layout, keys, ratio)
-    if stored is not None:  # the arrays keep the same bytes in other axes
+    if packed is not None:
+        out = tuple(
+            jax.lax.bitcast_convert_type(
+                pack_into_blocks(_as_bits(o), _as_bits(x), *packed), o.dtype)
+            for x, o in zip(out, old)
+        )
+    elif stored is not None:  # the arrays keep the same bytes in other axes
         out = tuple(x.reshape(x.shape[0], *stored) for x in out)
     return out
 
@@ -510,12 +663,13 @@ def concat_request(
                     f"{cache.spec.dtype}")
         expected[rank] = routes
     first_rank = min(ranks)
-    layout, keys = cache.spec.layout, tuple(cache.array_keys)
+    layout, keys = values_spec(cache.spec).layout, tuple(cache.array_keys)
     stored = None
     if _layout_block_shape(cache.spec, consumer.tp_size, cache.arrays[0]) is not None:
         a = cache.arrays[0]
         stored = tuple(int(n) for n in a.sharding.shard_shape(a.shape)[1:])
-    if layout == CANONICAL_LAYOUT and ratio == 1 and stored is None:
+    packed = (cache.spec, consumer.tp_size) if _stored_with_padding(cache.spec) else None
+    if layout == CANONICAL_LAYOUT and ratio == 1 and stored is None and packed is None:
         array = cache.arrays[0]
         count = len(expected[first_rank])
         buffers = [
@@ -527,9 +681,16 @@ def concat_request(
         return cache._with_arrays([new])
     pieces: list[dict[Any, Any]] = [{} for _ in cache.arrays]
     for rank, device in ranks.items():
+        old: list[Any] = []
+        if packed is not None:  # the blocks' current bytes: their padding stays
+            from jaxkv.ops import gather_blocks
+
+            dev_ids = jax.device_put(ids, device)
+            old = [gather_blocks(_shard(a, device), dev_ids) for a in cache.arrays]
         dense_parts = _concat_rearrange(list(pulled[rank]), n_local=n_local, ratio=ratio,
                                         layout=layout, keys=keys, canon_c=canon_c,
-                                        canon_p=canon_p, rank=rank, stored=stored)
+                                        canon_p=canon_p, rank=rank, stored=stored,
+                                        packed=packed, old=old)
         for index, dense in enumerate(dense_parts):
             pieces[index][device] = dense
     dense_all = [

@@ -641,9 +641,12 @@ class JaxTransport:
 
     def _consumer_config(self, message: Any) -> Any:
         from jaxkv._parallel import EngineConfig
+        from jaxkv.transfer._formatter import values_spec
 
-        spec = self.registry.config.spec.replace(layout=message.layout,
-                                                 block_size=message.block_size)
+        # The consumer's storage (packing, padding) is its own business: the producer
+        # formats values only, planned by the layout and geometry the Want names.
+        spec = values_spec(self.registry.config.spec).replace(layout=message.layout,
+                                                              block_size=message.block_size)
         return EngineConfig(spec, message.tp_size, message.pp_size,
                             tuple(message.layers_per_pp))
 
@@ -798,8 +801,11 @@ class JaxTransport:
             updated = concat_request(entry.cache, group.consumer, group.producer,
                                      group.local_ids, group.num_remote, pulled, devices)
             updated.block_until_ready()
-            updated.verify_unmoved(entry.buffers)
+            # Nothing registered these buffers: an update that was not in place (a backend
+            # that copied instead of aliasing) is as good; the caller learns the new arrays
+            # from the engine's current cache (`KVTransferEngine.caches`).
             entry.cache.arrays = updated.arrays  # keep the caller's object current
+            entry.buffers = entry.cache.shard_buffers()
 
     def error_of(self, handle: _Piece) -> str | None:
         """Why a fetch failed (None: it did not)."""

@@ -1,7 +1,8 @@
 """`jaxkv.integrations.tpu_inference` driven by vLLM-TPU 0.32's real `Scheduler` and
 tpu-inference's runner hooks on a producer engine in another process (TP 2) and consumer
-engines in this one, with real jaxkv transfer engines over NIXL; bytes compared exactly with
-what tpu-inference's attention kernel writes (`merge_kv` per TP rank)."""
+engines in this one, with real jaxkv transfer engines over each transport: NIXL and JAX's
+transfer server (``transport: "jax"``, tpu-inference's own); bytes compared exactly with what
+tpu-inference's attention kernel writes (`merge_kv` per TP rank)."""
 
 from __future__ import annotations
 
@@ -17,28 +18,48 @@ if importlib.util.find_spec("tpu_inference") is None:
         allow_module_level=True,
     )
 
-from jaxkv.transfer import nixl_available  # noqa: E402
-
-if not nixl_available():
-    pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
-
 import tpu_harness as th  # noqa: E402
+
+from jaxkv.transfer import nixl_available  # noqa: E402
+from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 
 PRODUCER_TP = 2
 LEASE_S = 30.0
+TRANSPORTS = [
+    pytest.param("nixl", marks=pytest.mark.skipif(
+        not nixl_available(), reason="NIXL (nixl-cu13) is not installed")),
+    pytest.param("jax", marks=pytest.mark.skipif(
+        not jax_transfer_available(), reason="no jax.experimental.transfer")),
+]
 
 
-@pytest.fixture(scope="module")
-def remote():
-    """The producer engine (TP 2) in a spawned process, shared by the tests below."""
-    producer = th.Remote(PRODUCER_TP, 256, {"engine_id": "prefill", "lease_s": LEASE_S})
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def remote(request):
+    """The producer engine (TP 2) in a spawned process over one transport, shared by the
+    tests below (which run once per transport)."""
+    transport = request.param
+    producer = th.Remote(PRODUCER_TP, 256, {"engine_id": f"prefill-{transport}",
+                                            "lease_s": LEASE_S, "transport": transport})
+    producer.transport = transport
     yield producer
     producer.close()
 
 
-def consumer_side(tp: int = 1, **kwargs) -> th.Side:
-    extra = {"engine_id": "decode", "read_timeout_s": 20.0, **kwargs.pop("extra", {})}
-    return th.Side("kv_consumer", tp, 256, extra, **kwargs)
+def consumer_side(tp: int = 1, transport: str = "nixl", **kwargs) -> th.Side:
+    extra = {"engine_id": f"decode-{transport}", "read_timeout_s": 20.0,
+             "transport": transport, **kwargs.pop("extra", {})}
+    side = th.Side("kv_consumer", tp, 256, extra, **kwargs)
+    assert side.worker.engine.transport.name == transport
+    return side
+
+
+def _block_bytes(transport: str) -> int:
+    """Bytes a read moves per page and layer (all heads): NIXL reads the word-column view
+    (page, words, packing, 128 lanes, bf16); the JAX transport moves values only (page, K/V,
+    heads, the head dim's 96 lanes, bf16)."""
+    if transport == "jax":
+        return 16 * 2 * th.HEADS * th.HEAD_DIM * 2
+    return 16 * 4 * 2 * 128 * 2
 
 
 def decode(consumer, prompts, params, max_tokens=2):
@@ -64,7 +85,7 @@ def finish(consumer, reqs, remote, timeout_s=120.0):
 def test_full_prompts_bytes_exact(remote, decode_tp):
     """Prompts of 7 to 70 tokens prefilled at TP 2 land bit for bit at the interleaved K/V
     positions of a TP-`decode_tp` cache; both engines end empty, the stats count the bytes."""
-    consumer = consumer_side(decode_tp)
+    consumer = consumer_side(decode_tp, remote.transport)
     try:
         prompts = th.prompts_of([7, 16, 40, 70], seed=decode_tp)
         params = remote.call("add", prompts)
@@ -76,7 +97,7 @@ def test_full_prompts_bytes_exact(remote, decode_tp):
             assert consumer.outputs[r.request_id].new_token_ids
         assert not consumer.failed and not consumer.load_errors
         blocks = sum(-(-len(p) // 16) for p in prompts)
-        block_bytes = 16 * 4 * 2 * 128 * 2  # page, words, packing, lanes, bf16 (all heads)
+        block_bytes = _block_bytes(remote.transport)
         assert consumer.stats.data["transfers"] == len(prompts)
         assert consumer.stats.data["bytes"] == blocks * th.LAYERS * block_bytes
         assert consumer.worker.reregistrations == 0
@@ -87,7 +108,7 @@ def test_full_prompts_bytes_exact(remote, decode_tp):
 def test_consumer_pages_twice_the_producers(remote):
     """Pages of 32 tokens read from the producer's pages of 16 (over NIXL): every row lands
     bit for bit in the bigger pages, nothing fails."""
-    consumer = consumer_side(1, block_size=32)
+    consumer = consumer_side(1, remote.transport, block_size=32)
     try:
         prompts = th.prompts_of([40, 70], seed=61)
         params = remote.call("add", prompts)
@@ -104,7 +125,7 @@ def test_consumer_pages_twice_the_producers(remote):
 def test_partial_local_prefix_hit_reads_only_the_rest(remote):
     """A consumer holding the first two blocks of a prompt (from an earlier request) reads
     only the remaining blocks; the whole prompt's rows are exact."""
-    consumer = consumer_side(1)
+    consumer = consumer_side(1, remote.transport)
     try:
         (first,) = th.prompts_of([40], seed=21)
         params = remote.call("add", [first])
@@ -116,7 +137,7 @@ def test_partial_local_prefix_hit_reads_only_the_rest(remote):
         (req,) = decode(consumer, [second], params)
         finish(consumer, [req], remote)
         read = consumer.stats.data["bytes"] - bytes_before
-        per_block = th.LAYERS * 16 * 4 * 2 * 128 * 2
+        per_block = th.LAYERS * _block_bytes(remote.transport)
         assert read == 2 * per_block  # blocks 2 and 3 of 4 (62 tokens), not 0 and 1
         rows = consumer.received[req.request_id]
         assert len(rows[0]) == len(second)
@@ -130,7 +151,7 @@ def test_abort_before_read_releases_producer_at_once(remote):
     blocks with an empty read (well before the lease)."""
     from vllm.v1.request import RequestStatus
 
-    consumer = consumer_side(1)
+    consumer = consumer_side(1, remote.transport)
     try:
         prompts = th.prompts_of([33, 50], seed=31)
         params = remote.call("add", prompts)
@@ -153,7 +174,7 @@ def test_abort_during_read(remote):
     frees the blocks once the worker reports it, both engines end empty."""
     from vllm.v1.request import RequestStatus
 
-    consumer = consumer_side(2)
+    consumer = consumer_side(2, remote.transport)
     try:
         prompts = th.prompts_of([70, 64], seed=41)
         params = remote.call("add", prompts)
@@ -172,7 +193,7 @@ def test_abort_during_read(remote):
 def test_200_requests_leave_both_sides_empty(remote):
     """200 requests in batches of 25 (the producer holds blocks until they are read): every
     one read exactly, both schedulers and engines empty at the end."""
-    consumer = consumer_side(1)
+    consumer = consumer_side(1, remote.transport)
     try:
         rng = np.random.default_rng(51)
         prompts = th.prompts_of(rng.integers(1, 60, size=200).tolist(), seed=52)
@@ -196,10 +217,12 @@ def test_200_requests_leave_both_sides_empty(remote):
 
 def test_runner_that_moves_its_buffers(remote):
     """A runner whose forward returns new buffers every step (no donation), with a local
-    request keeping it busy: the connector re-registers them before new reads; reads that
-    were landing in old buffers are reported as load errors (vLLM recomputes them); every
-    request finishes and the rows that were read are exact."""
-    consumer = consumer_side(1, moves=True)
+    request keeping it busy. Over NIXL the connector re-registers them before new reads;
+    reads that were landing in old buffers are reported as load errors (vLLM recomputes
+    them). Over the JAX transport nothing is registered: the moved buffers are adopted, no
+    read fails and none is re-registered. Every request finishes and the rows that were read
+    are exact."""
+    consumer = consumer_side(1, remote.transport, moves=True)
     try:
         local = th.request(th.prompts_of([300], seed=60)[0], 16, None, 40)
         consumer.add(local)  # computed here: a forward every step
@@ -215,19 +238,27 @@ def test_runner_that_moves_its_buffers(remote):
                 if r.request_id in consumer.received:
                     th.assert_rows_equal(consumer.received[r.request_id], p, 1, 16)
         assert consumer.runner.forwards > 2
-        assert consumer.worker.reregistrations >= 1
+        if remote.transport == "jax":
+            assert consumer.worker.reregistrations == 0
+            assert not consumer.failed and not consumer.load_errors
+            assert len(consumer.received) == 6
+        else:
+            assert consumer.worker.reregistrations >= 1
         finish(consumer, [local], remote)
     finally:
         consumer.close()
 
 
-def test_lease_expiry_then_producer_killed():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_lease_expiry_then_producer_killed(transport):
     """A second producer (lease 3 s): a consumer that reads after the lease expired gets its
     blocks reported as load errors and vLLM recomputes; then the producer process is killed
-    and the next reads fail the same way; the consumer ends empty."""
-    short = th.Remote(PRODUCER_TP, 64, {"engine_id": "prefill-short", "lease_s": 3.0,
-                                        "early_read_grace_s": 0.5})
-    consumer = consumer_side(1, extra={"read_timeout_s": 4.0})
+    and the next reads fail the same way, bounded by the read timeout (4 s) rather than
+    waiting on a dead peer; the consumer ends empty."""
+    short = th.Remote(PRODUCER_TP, 64, {"engine_id": f"prefill-short-{transport}",
+                                        "lease_s": 3.0, "early_read_grace_s": 0.5,
+                                        "transport": transport})
+    consumer = consumer_side(1, transport, extra={"read_timeout_s": 4.0})
     try:
         prompts = th.prompts_of([24, 40], seed=71)
         params = short.call("add", prompts)
@@ -245,10 +276,14 @@ def test_lease_expiry_then_producer_killed():
         params = short.call("add", prompts)
         short.process.kill()
         short.process.join(10)
+        consumer.load_errors.clear()
+        start = time.monotonic()
         reqs = decode(consumer, prompts, params)
+        th.run_until([consumer], lambda: {r.request_id for r in reqs} <= consumer.failed, 120.0)
+        assert time.monotonic() - start < 60.0  # the 4 s read timeout, not an endless wait
+        assert consumer.load_errors
         th.run_until([consumer], lambda: all(r.request_id in consumer.outputs for r in reqs)
                      and not consumer.busy() and th.leak_report(consumer) is None, 120.0)
-        assert {r.request_id for r in reqs} <= consumer.failed
         assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)
     finally:
         consumer.close()

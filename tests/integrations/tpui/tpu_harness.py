@@ -176,10 +176,22 @@ def expected_pages(prompt: list[int], tp: int, block_size: int, upto: int | None
 
 
 def page_rows(kv_caches, block_ids, num_tokens: int, block_size: int) -> list[np.ndarray]:
-    """The rows of tokens ``[0, num_tokens)`` stored in `block_ids` (token order), per layer."""
-    pages = np.repeat(np.asarray(block_ids), block_size)[:num_tokens]
-    slots = np.tile(np.arange(block_size), len(block_ids))[:num_tokens]
-    return [np.asarray(c)[pages, slots] for c in kv_caches]
+    """The rows of tokens ``[0, num_tokens)`` stored in `block_ids` (token order), per layer.
+
+    Gathered on the device as raw bits (``np.asarray`` of a live cache array would keep a host
+    view of its buffer, after which the runner's next forward could not donate it and would
+    move the cache: tpu-inference never reads its cache on the host)."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    pages = jnp.asarray(np.repeat(np.asarray(block_ids), block_size)[:num_tokens])
+    slots = jnp.asarray(np.tile(np.arange(block_size), len(block_ids))[:num_tokens])
+    return [
+        np.asarray(jax.lax.bitcast_convert_type(c, jnp.uint16)[pages, slots]).view(
+            ml_dtypes.bfloat16)
+        for c in kv_caches
+    ]
 
 
 def assert_rows_equal(got: list[np.ndarray], prompt, tp: int, block_size: int) -> None:

@@ -315,16 +315,21 @@ def _remote_params_at(address, engine_id, request_id, block_ids, num_tokens):
     return transfer_params_to_dict(params, num_tokens, 16)
 
 
-@needs_nixl
-def test_worker_failed_read_is_reported_not_inserted():
+TRANSPORTS = [pytest.param("nixl", marks=needs_nixl), "jax"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_worker_failed_read_is_reported_not_inserted(transport):
     """tpu-inference's "failed pull is reported" / "failed pull is not inserted": a read of a
     request the producer never pins fails; its local blocks come back through
     get_block_ids_with_load_errors in the step that reports it finished, and the bytes of a
     successful read of the same producer land where expected."""
     from jaxkv.integrations.vllm import JaxKVConnectorMetadata, _Recv
 
-    producer, prunner = _worker("kv_producer", {"engine_id": "p-f", "early_read_grace_s": 0.3})
-    consumer, crunner = _worker("kv_consumer", {"engine_id": "d-f", "read_timeout_s": 10.0})
+    producer, prunner = _worker("kv_producer", {"engine_id": "p-f", "early_read_grace_s": 0.3,
+                                                "transport": transport})
+    consumer, crunner = _worker("kv_consumer", {"engine_id": "d-f", "read_timeout_s": 10.0,
+                                                "transport": transport})
     try:
         prompt = th.prompts_of([20], seed=81)[0]
         prunner.forward([(prompt, [6, 7], 0, 20)])
@@ -354,10 +359,108 @@ def test_worker_failed_read_is_reported_not_inserted():
         producer.shutdown()
 
 
-def test_transport_setting_jax_is_refused_by_name():
-    """The JAX transport is refused with a clear error (its consumer writes would read as a
-    runner that moved its cache); an unknown name is refused by the engine."""
-    with pytest.raises(ValueError, match="does not support transport 'jax'"):
-        _worker("kv_producer", {"engine_id": "p-t", "transport": "jax"})
+def test_worker_jax_read_lands_in_runner_caches_with_runner_sharding():
+    """Over the JAX transport the consumer's engine writes a read with JAX ops (new arrays):
+    in the step that reports it finished, ``runner.kv_caches`` hold the rows, with the
+    runner's own shardings (not the transfer view's mesh) over the same buffers, and are the
+    engine's current cache; the runner's next forward donates them in place (no move, no
+    re-registration) and a second read lands in its output."""
+    from jaxkv.integrations.vllm import JaxKVConnectorMetadata, _Recv
+
+    producer, prunner = _worker("kv_producer", {"engine_id": "p-j", "transport": "jax"})
+    consumer, crunner = _worker("kv_consumer", {"engine_id": "d-j", "read_timeout_s": 20.0,
+                                                "transport": "jax"})
+    try:
+        shardings = [c.sharding for c in crunner.kv_caches]
+        pointers = [c.addressable_shards[0].data.unsafe_buffer_pointer()
+                    for c in crunner.kv_caches]
+        first, second = th.prompts_of([20, 30], seed=91)
+        prunner.forward([(first, [6, 7], 0, 20), (second, [8, 9], 0, 30)])
+        _run_step(producer, JaxKVConnectorMetadata(to_publish={"a": [6, 7], "b": [8, 9]},
+                                                   to_send={"a", "b"}))
+        params = _remote_params_at(producer.address, "p-j", "a", [6, 7], 20)
+        _run_step(consumer, JaxKVConnectorMetadata(to_recv=[_Recv("d-a", params, [2, 3], 0)]))
+        recving: set[str] = set()
+        deadline = time.monotonic() + 30
+        while "d-a" not in recving and time.monotonic() < deadline:
+            _run_step(producer, JaxKVConnectorMetadata())
+            _, r, errors = _run_step(consumer, JaxKVConnectorMetadata())
+            recving |= r
+            assert not errors
+        assert recving == {"d-a"}
+        assert all(a is b for a, b in zip(crunner.kv_caches, consumer.cache.arrays))
+        assert [c.sharding for c in crunner.kv_caches] == shardings
+        assert [c.addressable_shards[0].data.unsafe_buffer_pointer()
+                for c in crunner.kv_caches] == pointers  # written in place on CPU
+        th.assert_rows_equal(th.page_rows(crunner.kv_caches, [2, 3], 20, 16), first, 1, 16)
+        crunner.forward([(first, [2, 3], 19, 20)])  # the runner computes on what it got
+        assert [c.addressable_shards[0].data.unsafe_buffer_pointer()
+                for c in crunner.kv_caches] == pointers
+        params = _remote_params_at(producer.address, "p-j", "b", [8, 9], 30)
+        _run_step(consumer, JaxKVConnectorMetadata(to_recv=[_Recv("d-b", params, [4, 5], 0)]))
+        deadline = time.monotonic() + 30
+        while "d-b" not in recving and time.monotonic() < deadline:
+            _run_step(producer, JaxKVConnectorMetadata())
+            _, r, errors = _run_step(consumer, JaxKVConnectorMetadata())
+            recving |= r
+            assert not errors
+        assert "d-b" in recving and consumer.reregistrations == 0
+        th.assert_rows_equal(th.page_rows(crunner.kv_caches, [4, 5], 30, 16), second, 1, 16)
+        th.assert_rows_equal(th.page_rows(crunner.kv_caches, [2, 3], 20, 16), first, 1, 16)
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+
+
+def test_transport_setting_is_passed_to_the_engine():
+    """``transport`` goes to `KVTransferEngine` ("jax": memory is not registered); an unknown
+    name is refused by name."""
+    worker, _ = _worker("kv_producer", {"engine_id": "p-t", "transport": "jax"})
+    try:
+        assert worker.engine.transport.name == "jax"
+        assert not worker.engine.registers_memory
+        # the exact packed description, not NIXL's word-column view
+        assert worker.engine.config.spec == worker.layout.spec
+        assert worker.engine.caches[0].spec.kv_interleaved
+    finally:
+        worker.shutdown()
     with pytest.raises(ValueError, match="carrier-pigeon"):
         _worker("kv_producer", {"engine_id": "p-u", "transport": "carrier-pigeon"})
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_partial_word_fp8_cache_needs_the_jax_transport(transport):
+    """An fp8 cache of 3 KV heads (6 combined heads in words of 4: phantom entries inside
+    a rank) has no word-column view: refused by name over NIXL, registered exactly (values
+    only) over the JAX transport."""
+    import types
+
+    import jax.numpy as jnp
+    from tpu_inference.runner.kv_cache import create_kv_caches
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from jaxkv.integrations.tpu_inference import describe_runner_caches
+
+    caches = create_kv_caches(8, 16, 3, 128, _mesh(1), ["a", "b"],
+                              cache_dtype=jnp.float8_e4m3fn)
+    layout = describe_runner_caches(caches, 3, 128)
+    assert layout.view is None and "whole" in layout.view_error
+    with pytest.raises(ValueError, match="whole"):
+        layout.wrap(caches)
+    assert all(a is b for a, b in zip(layout.wrap_exact(caches).arrays, caches))
+    extra = {"engine_id": f"d-8-{transport}", "num_kv_heads": 3, "head_dim": 128,
+             "transport": transport}
+    worker = KVConnectorFactory.create_connector(
+        th.vllm_config("kv_consumer", 16, extra), KVConnectorRole.WORKER,
+        th.kv_cache_config(16, 8))
+    try:
+        runner = types.SimpleNamespace(kv_caches=caches)
+        if transport == "nixl":
+            with pytest.raises(ValueError, match="whole"):
+                worker.register_runner(runner)
+        else:
+            worker.register_runner(runner)
+            assert worker.engine.config.spec == layout.spec
+    finally:
+        worker.shutdown()
