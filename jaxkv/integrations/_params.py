@@ -58,6 +58,11 @@ class ConnectorSettings:
         None: the model config's.
       transport: the transfer engine's transport, passed to `KVTransferEngine` as its
         ``transport`` argument; None: the engine's default (NIXL).
+      packed_transfer: tpu-inference's packed caches over NIXL: ``"values"`` (default) moves
+        the real heads and head-dim lanes only, the consumer's padding untouched;
+        ``"words"`` moves whole 32-bit word columns, padding lanes included (fewer, larger
+        NIXL descriptors when the head dim is not a multiple of 128; needs each TP rank's
+        heads to fill whole words). The JAX transport always moves values.
       group_ports: hybrid models (several KV-cache groups, one transfer engine each): per
         entry of `side_channel`, the side-channel port of each group's engine, in group order.
         None: group ``g`` listens on the entry's port + ``g`` (port 0: every group picks a
@@ -83,6 +88,7 @@ class ConnectorSettings:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     transport: str | None = None
+    packed_transfer: str = "values"
     group_ports: tuple[tuple[int, ...], ...] | None = None
 
     def group_addresses(self, num_groups: int) -> list[list[tuple[str, int]]]:
@@ -168,6 +174,10 @@ class ConnectorSettings:
             raise ValueError(f"transport must be a non-empty str, got {settings.transport!r}")
         if not float(settings.early_read_grace_s) >= 0:
             raise ValueError("early_read_grace_s must be >= 0")
+        if settings.packed_transfer not in ("values", "words"):
+            raise ValueError(
+                f"packed_transfer must be 'values' or 'words', got {settings.packed_transfer!r}"
+            )
         return settings
 
 

@@ -38,10 +38,11 @@ JAX's transfer server (`jax.experimental.transfer`): the producer formats the pi
 for each consumer rank into arrays it offers until the consumer confirmed the pull (or the
 lease expired), the consumer pulls them and writes them into its pages with JAX ops, which
 produce the new ``runner.kv_caches``. Nothing registers memory then, so a runner whose
-buffers move costs nothing. Over NIXL the engine is given the word-column view
-(`transfer_view`: padding lanes travel); over the JAX transport the exact packed spec, whose
-values only are moved (no phantom heads, no padding lanes; the consumer's padding is left
-as it was).
+buffers move costs nothing. The engine is given the exact packed spec, whose values only are
+moved (no phantom heads, no padding lanes; the consumer's padding is left as it was). Over
+NIXL, ``packed_transfer="words"`` gives it the word-column view instead (`transfer_view`:
+whole 32-bit word columns, padding lanes included, in fewer and larger descriptors: faster
+when the head dim is not a multiple of 128).
 
 Loading it: tpu-inference's platform accepts only its own connector names, so the class is also
 exported as ``TPUConnector``; vLLM loads the class of that name from
@@ -104,10 +105,10 @@ class RunnerCacheLayout:
 
     Attributes:
       spec: the model's cache exactly (`KVCacheSpec.for_tpu_inference`, all KV heads): what
-        a transfer engine over the JAX transport is given.
-      view: the spec a transfer engine over NIXL is given (`transfer_view`): the same bytes,
-        one "head" per 32-bit word column; None where word columns cannot describe the cache
-        (`view_error` says why; the JAX transport, given `spec`, does not need it).
+        the transfer engine is given by default.
+      view: the spec a transfer engine over NIXL is given with ``packed_transfer="words"``
+        (`transfer_view`): the same bytes, one "head" per 32-bit word column; None where
+        word columns cannot describe the cache (`view_error` says why).
       mesh: the mesh the arrays are sharded over (None: one device).
       tp_axis: the mesh axis (or axes) the combined head axis is split over.
       data_axis: the mesh axis the page axis is split over, if any.
@@ -384,8 +385,9 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
 
         Raises:
           ValueError: the arrays are not tpu-inference's cache for the model (see
-            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or, over
-            NIXL, a cache whose TP ranks' heads do not fill whole words (`transfer_view`).
+            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or, with
+            ``packed_transfer="words"`` over NIXL, a cache whose TP ranks' heads do not fill
+            whole words (`transfer_view`).
         """
         from jaxkv import EngineConfig
 
@@ -405,11 +407,14 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
                 f"settings tp_size {s.tp_size} but the cache is split over {layout.tp_size} "
                 "TP ranks"
             )
-        # The JAX transport formats values (real heads and head-dim lanes only) from the
-        # exact description; NIXL reads byte ranges of the word-column view.
-        self._exact = s.transport == "jax" or (s.transport == "auto" and not nixl_available())
+        # The exact description moves values only (real heads and head-dim lanes); the
+        # word-column view, on request over NIXL, moves whole word columns (padding lanes
+        # included) in fewer, larger descriptors.
+        over_jax = s.transport == "jax" or (s.transport == "auto" and not nixl_available())
+        self._exact = over_jax or s.packed_transfer == "values"
         if not self._exact and layout.view is None:
-            raise ValueError(f"{layout.view_error} (over NIXL; the JAX transport moves it)")
+            raise ValueError(f"{layout.view_error} (packed_transfer 'words' over NIXL; "
+                             "'values' moves it)")
         self.layout = layout
         cache = self._wrap(arrays)
         engine_spec = layout.spec if self._exact else layout.view

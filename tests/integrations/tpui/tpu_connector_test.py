@@ -28,9 +28,18 @@ LEASE_S = 30.0
 TRANSPORTS = [
     pytest.param("nixl", marks=pytest.mark.skipif(
         not nixl_available(), reason="NIXL (nixl-cu13) is not installed")),
+    # NIXL with packed_transfer "words": whole word columns, padding lanes included
+    pytest.param("nixl-words", marks=pytest.mark.skipif(
+        not nixl_available(), reason="NIXL (nixl-cu13) is not installed")),
     pytest.param("jax", marks=pytest.mark.skipif(
         not jax_transfer_available(), reason="no jax.experimental.transfer")),
 ]
+
+
+def _settings(variant: str) -> dict:
+    """The connector settings of a `TRANSPORTS` entry: ``"<transport>[-<packed_transfer>]"``."""
+    transport, _, packed = variant.partition("-")
+    return {"transport": transport, "packed_transfer": packed or "values"}
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -39,7 +48,7 @@ def remote(request):
     tests below (which run once per transport)."""
     transport = request.param
     producer = th.Remote(PRODUCER_TP, 256, {"engine_id": f"prefill-{transport}",
-                                            "lease_s": LEASE_S, "transport": transport})
+                                            "lease_s": LEASE_S, **_settings(transport)})
     producer.transport = transport
     yield producer
     producer.close()
@@ -47,19 +56,19 @@ def remote(request):
 
 def consumer_side(tp: int = 1, transport: str = "nixl", **kwargs) -> th.Side:
     extra = {"engine_id": f"decode-{transport}", "read_timeout_s": 20.0,
-             "transport": transport, **kwargs.pop("extra", {})}
+             **_settings(transport), **kwargs.pop("extra", {})}
     side = th.Side("kv_consumer", tp, 256, extra, **kwargs)
-    assert side.worker.engine.transport.name == transport
+    assert side.worker.engine.transport.name == _settings(transport)["transport"]
     return side
 
 
 def _block_bytes(transport: str) -> int:
-    """Bytes a read moves per page and layer (all heads): NIXL reads the word-column view
-    (page, words, packing, 128 lanes, bf16); the JAX transport moves values only (page, K/V,
-    heads, the head dim's 96 lanes, bf16)."""
-    if transport == "jax":
-        return 16 * 2 * th.HEADS * th.HEAD_DIM * 2
-    return 16 * 4 * 2 * 128 * 2
+    """Bytes a read moves per page and layer (all heads): values only by default (page, K/V,
+    heads, the head dim's 96 lanes, bf16); NIXL with packed_transfer "words" reads whole word
+    columns (page, words, packing, 128 lanes, bf16)."""
+    if transport == "nixl-words":
+        return 16 * 4 * 2 * 128 * 2
+    return 16 * 2 * th.HEADS * th.HEAD_DIM * 2
 
 
 def decode(consumer, prompts, params, max_tokens=2):
@@ -257,7 +266,7 @@ def test_lease_expiry_then_producer_killed(transport):
     waiting on a dead peer; the consumer ends empty."""
     short = th.Remote(PRODUCER_TP, 64, {"engine_id": f"prefill-short-{transport}",
                                         "lease_s": 3.0, "early_read_grace_s": 0.5,
-                                        "transport": transport})
+                                        **_settings(transport)})
     consumer = consumer_side(1, transport, extra={"read_timeout_s": 4.0})
     try:
         prompts = th.prompts_of([24, 40], seed=71)

@@ -429,10 +429,10 @@ def test_transport_setting_is_passed_to_the_engine():
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_partial_word_fp8_cache_needs_the_jax_transport(transport):
+def test_partial_word_fp8_cache_is_moved_as_values(transport):
     """An fp8 cache of 3 KV heads (6 combined heads in words of 4: phantom entries inside
-    a rank) has no word-column view: refused by name over NIXL, registered exactly (values
-    only) over the JAX transport."""
+    a rank) has no word-column view: registered exactly (values only) over either transport;
+    NIXL's packed_transfer "words" refuses it by name."""
     import types
 
     import jax.numpy as jnp
@@ -456,11 +456,17 @@ def test_partial_word_fp8_cache_needs_the_jax_transport(transport):
         th.kv_cache_config(16, 8))
     try:
         runner = types.SimpleNamespace(kv_caches=caches)
-        if transport == "nixl":
-            with pytest.raises(ValueError, match="whole"):
-                worker.register_runner(runner)
-        else:
-            worker.register_runner(runner)
-            assert worker.engine.config.spec == layout.spec
+        worker.register_runner(runner)
+        assert worker.engine.config.spec == layout.spec
     finally:
         worker.shutdown()
+    if transport == "nixl":
+        extra = dict(extra, engine_id="d-8-words", packed_transfer="words")
+        worker = KVConnectorFactory.create_connector(
+            th.vllm_config("kv_consumer", 16, extra), KVConnectorRole.WORKER,
+            th.kv_cache_config(16, 8))
+        try:
+            with pytest.raises(ValueError, match="whole"):
+                worker.register_runner(types.SimpleNamespace(kv_caches=caches))
+        finally:
+            worker.shutdown()
