@@ -180,6 +180,39 @@ def child_env(num_devices: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def serve_scheduler_side(conn, side, make_request, state, *, interval: float = 0.001) -> None:
+    """Serves a producer-side scheduler harness (`side`: ``add``, ``step``, ``sent_params``,
+    ``close``) from `conn`, stepping it in between, until ("exit",):
+    ("add", prompts) -> the consumer params of each, once all were handed over;
+    ("pause", seconds) -> stops stepping that long (the engine's threads still answer), then
+    True; ("state",) -> ``state()``. `make_request(prompt)` builds a producer request."""
+    waiting: list = []
+    try:
+        while True:
+            if conn.poll(0.0):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "add":
+                    waiting = []
+                    for prompt in command[1]:
+                        r = make_request(prompt)
+                        side.add(r)
+                        waiting.append(r.request_id)
+                elif command[0] == "pause":
+                    time.sleep(command[1])
+                    conn.send(True)
+                elif command[0] == "state":
+                    conn.send(state())
+            side.step()
+            if waiting and all(r in side.sent_params for r in waiting):
+                conn.send([side.sent_params[r] for r in waiting])
+                waiting = []
+            time.sleep(interval)
+    finally:
+        side.close()
+
+
 def global_arrays(
     config: EngineConfig,
     pp_rank: int,

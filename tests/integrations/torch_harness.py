@@ -9,7 +9,6 @@ vLLM's attention kernels do), and consumer reads are checked in the torch tensor
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -212,27 +211,8 @@ def torch_producer_process(conn, layout_name: str, num_blocks: int, extra: dict,
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     side = TorchSide("kv_producer", layout_name, num_blocks, extra, **side_kwargs)
-    waiting: list = []
     conn.send(("ready", side.worker.address))
-    try:
-        while True:
-            if conn.poll(0.0):
-                command = conn.recv()
-                if command[0] == "exit":
-                    break
-                if command[0] == "add":
-                    waiting = []
-                    for prompt in command[1]:
-                        r = vh.request(prompt, side.spec.block_size, {"do_remote_decode": True},
-                                       1)
-                        side.add(r)
-                        waiting.append(r.request_id)
-                elif command[0] == "state":
-                    conn.send((side.busy(), side.worker.engine.num_pinned))
-            side.step()
-            if waiting and all(r in side.sent_params for r in waiting):
-                conn.send([side.sent_params[r] for r in waiting])
-                waiting = []
-            time.sleep(0.001)
-    finally:
-        side.close()
+    tt.serve_scheduler_side(
+        conn, side,
+        lambda prompt: vh.request(prompt, side.spec.block_size, {"do_remote_decode": True}, 1),
+        lambda: (side.busy(), side.worker.engine.num_pinned))

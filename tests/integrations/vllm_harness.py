@@ -362,35 +362,18 @@ def producer_process(conn, spec_kwargs: dict, num_blocks: int, extra: dict) -> N
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     side = Side("kv_producer", KVCacheSpec(**spec_kwargs), num_blocks, extra)
-    waiting: list = []
     conn.send(("ready", side.worker.address))
-    try:
-        while True:
-            if conn.poll(0.0):
-                command = conn.recv()
-                if command[0] == "exit":
-                    break
-                if command[0] == "add":
-                    waiting = []
-                    for prompt in command[1]:
-                        r = request(prompt, side.spec.block_size, {"do_remote_decode": True}, 1)
-                        side.add(r)
-                        waiting.append(r.request_id)
-                elif command[0] == "pause":
-                    time.sleep(command[1])
-                    conn.send(True)
-                elif command[0] == "state":
-                    try:
-                        assert_empty(side)
-                        leak = None
-                    except AssertionError as error:
-                        leak = str(error) or "leak"
-                    engine = side.worker.engine
-                    conn.send((side.busy(), engine.num_pinned, engine.stats.expired_leases, leak))
-            side.step()
-            if waiting and all(r in side.sent_params for r in waiting):
-                conn.send([side.sent_params[r] for r in waiting])
-                waiting = []
-            time.sleep(0.001)
-    finally:
-        side.close()
+
+    def state():
+        try:
+            assert_empty(side)
+            leak = None
+        except AssertionError as error:
+            leak = str(error) or "leak"
+        engine = side.worker.engine
+        return side.busy(), engine.num_pinned, engine.stats.expired_leases, leak
+
+    tt.serve_scheduler_side(
+        conn, side,
+        lambda prompt: request(prompt, side.spec.block_size, {"do_remote_decode": True}, 1),
+        state)

@@ -491,43 +491,26 @@ def producer_process(conn, extra: dict) -> None:
     """A hybrid producer `HybridSide` serving commands from `conn`, stepping in between:
     ("add", prompts) -> the consumer params of each once all were handed over;
     ("state",) -> (busy, pinned, expired leases, leak report or None); ("exit",)."""
-    import time
 
     import transfer_testing as tt
 
     tt.child_env(1)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     side = HybridSide("kv_producer", ("LKHTD", "KHTD"), extra)
-    waiting: list[str] = []
     conn.send(("ready",))
-    try:
-        while True:
-            if conn.poll(0.0):
-                command = conn.recv()
-                if command[0] == "exit":
-                    break
-                if command[0] == "add":
-                    waiting = []
-                    for prompt in command[1]:
-                        r = vh.request(prompt, BLOCK, {"do_remote_decode": True}, 1)
-                        side.add(r)
-                        waiting.append(r.request_id)
-                elif command[0] == "state":
-                    try:
-                        side.assert_empty()
-                        leak = None
-                    except AssertionError as error:
-                        leak = str(error) or "leak"
-                    assert side.worker.group_engine is not None
-                    conn.send((side.busy(), side.worker.group_engine.num_pinned,
-                               side.expired_leases(), leak))
-            side.step()
-            if waiting and all(r in side.sent_params for r in waiting):
-                conn.send([side.sent_params[r] for r in waiting])
-                waiting = []
-            time.sleep(0.001)
-    finally:
-        side.close()
+
+    def state():
+        try:
+            side.assert_empty()
+            leak = None
+        except AssertionError as error:
+            leak = str(error) or "leak"
+        assert side.worker.group_engine is not None
+        return (side.busy(), side.worker.group_engine.num_pinned, side.expired_leases(), leak)
+
+    tt.serve_scheduler_side(
+        conn, side, lambda prompt: vh.request(prompt, BLOCK, {"do_remote_decode": True}, 1),
+        state)
 
 
 def test_producer_in_another_process_then_killed_mid_transfer():

@@ -451,7 +451,6 @@ def leak_report(side: Side) -> str | None:
 def producer_process(conn, tp: int, num_blocks: int, extra: dict) -> None:
     """A producer `Side` serving commands from `conn` and stepping in between:
     ("add", prompts) -> the consumer params of each, once all were handed over;
-    ("abort", request_ids) -> aborts them on the producer's scheduler, then True;
     ("pause", seconds) -> stops stepping that long, then True;
     ("state",) -> (busy, pinned, expired leases, leak report or None); ("exit",)."""
     import transfer_testing as tt
@@ -459,34 +458,16 @@ def producer_process(conn, tp: int, num_blocks: int, extra: dict) -> None:
     tt.child_env(4)
     os.environ["JAX_PLATFORMS"] = "cpu"
     side = Side("kv_producer", tp, num_blocks, extra)
-    waiting: list[str] = []
     conn.send(("ready", side.worker.address))
-    try:
-        while True:
-            if conn.poll(0.0):
-                command = conn.recv()
-                if command[0] == "exit":
-                    break
-                if command[0] == "add":
-                    waiting = []
-                    for prompt in command[1]:
-                        r = request(prompt, side.block_size, {"do_remote_decode": True}, 1)
-                        side.add(r)
-                        waiting.append(r.request_id)
-                elif command[0] == "pause":
-                    time.sleep(command[1])
-                    conn.send(True)
-                elif command[0] == "state":
-                    engine = side.worker.engine
-                    conn.send((side.busy(), engine.num_pinned, engine.stats.expired_leases,
-                               leak_report(side)))
-            side.step()
-            if waiting and all(r in side.sent_params for r in waiting):
-                conn.send([side.sent_params[r] for r in waiting])
-                waiting = []
-            time.sleep(0.002)
-    finally:
-        side.close()
+
+    def state():
+        engine = side.worker.engine
+        return side.busy(), engine.num_pinned, engine.stats.expired_leases, leak_report(side)
+
+    tt.serve_scheduler_side(
+        conn, side,
+        lambda prompt: request(prompt, side.block_size, {"do_remote_decode": True}, 1),
+        state, interval=0.002)
 
 
 class Remote:
