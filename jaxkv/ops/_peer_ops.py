@@ -146,14 +146,16 @@ def _check_segments(host: np.ndarray, shards: int, num_blocks: int, op: str) -> 
 
 
 def _split_local(cache, ids, *into, box_starts: tuple[int, ...],
-                 shapes: tuple[tuple[int, ...], ...], unit: int, validate_ids: bool):
+                 shapes: tuple[tuple[int, ...], ...], validate_ids: bool,
+                 unit: int | None = None):
+    """One shard's split; `unit`: the heads of one TP rank in `cache` (None: all of them)."""
     from jaxkv.ops._dispatch import dispatch
 
-    ranks = cache.shape[_HEAD_AXIS] // unit
+    ranks = 1 if unit is None else cache.shape[_HEAD_AXIS] // unit
     if ranks > 1:  # several ranks' heads in one piece (one device, or a coarser sharding)
         heads = [shape[_HEAD_AXIS - 1] for shape in shapes]
         parts = [
-            _split_local(_rank_slice(cache, r, unit), ids,
+            _split_local(_rank_slice(cache, r, unit or 0), ids,
                          *(_rank_slice(b, r, h) for b, h in zip(into, heads)),
                          box_starts=box_starts, shapes=shapes, unit=unit,
                          validate_ids=validate_ids)
@@ -174,15 +176,16 @@ def _split_local(cache, ids, *into, box_starts: tuple[int, ...],
                     validate_ids=validate_ids)
 
 
-def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], unit: int,
-                  validate_ids: bool):
+def _concat_local(cache, ids, *buffers, box_starts: tuple[int, ...], validate_ids: bool,
+                  unit: int | None = None):
+    """One shard's concat; `unit`: the heads of one TP rank in `cache` (None: all of them)."""
     from jaxkv.ops._dispatch import dispatch
 
-    ranks = cache.shape[_HEAD_AXIS] // unit
+    ranks = 1 if unit is None else cache.shape[_HEAD_AXIS] // unit
     if ranks > 1:  # several ranks' heads in one piece (one device, or a coarser sharding)
         heads = [b.shape[_HEAD_AXIS] // ranks for b in buffers]
         return jnp.concatenate([
-            _concat_local(_rank_slice(cache, r, unit), ids,
+            _concat_local(_rank_slice(cache, r, unit or 0), ids,
                           *(_rank_slice(b, r, h) for b, h in zip(buffers, heads)),
                           box_starts=box_starts, unit=unit, validate_ids=validate_ids)
             for r in range(ranks)
