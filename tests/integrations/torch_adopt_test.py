@@ -213,18 +213,21 @@ def test_bad_inputs_raise_clear_errors():
 def test_writes_through_torch_and_through_jaxkv_ops():
     """Torch writes are seen through the adopted arrays (one memory). A jaxkv op on the
     adopted cache does not write the torch memory: JAX does not alias a donated foreign
-    (DLPack) buffer, so the result lives in a new buffer; the transfer engine refuses it
-    rather than lose writes (`BufferMovedError`), and the adopted cache, whose arrays the op
-    consumed, adopts the torch memory again."""
+    (DLPack) buffer, so the result lives in a new buffer; a transfer engine that registered
+    the memory (NIXL) refuses it rather than lose writes (`BufferMovedError`), and the
+    adopted cache, whose arrays the op consumed, adopts the torch memory again."""
     from jaxkv import EngineConfig
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import KVTransferEngine, nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL (nixl-cu13) is not installed")
 
     caches = th.vllm_caches("LBNHC", th.attention_spec(H, D, BS, "float32"), 2, NB)
     names = th.layer_names(2)
     cache, _ = adopt(caches)
     caches[names[1]][5] = 3.5  # a write by vLLM's kernels
     assert (np.asarray(cache.arrays[1])[5] == 3.5).all()
-    engine = KVTransferEngine("e", EngineConfig(cache.spec, 1), transport="jax")
+    engine = KVTransferEngine("e", EngineConfig(cache.spec, 1), transport="nixl")
     try:
         engine.register_cache(cache)
         assert [b.address for b in cache.shard_buffers()] == [
