@@ -180,6 +180,49 @@ def child_env(num_devices: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+class RemoteProcess:
+    """A spawned process answering commands over a pipe (`serve_scheduler_side` and the like):
+    `target(conn, *args)` sends a ("ready", ...) message first."""
+
+    def __init__(self, target, args: tuple, *, start_timeout_s: float = 180.0,
+                 call_timeout_s: float = 60.0):
+        self.call_timeout_s = call_timeout_s
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.process.start()
+        assert self.conn.poll(start_timeout_s), "the remote process did not start"
+        self.ready = self.conn.recv()
+        assert self.ready[0] == "ready", self.ready
+
+    def call(self, *command, timeout_s: float | None = None):
+        """Sends `command` and returns the answer (fails after `timeout_s`, by default the
+        constructor's `call_timeout_s`)."""
+        self.conn.send(command)
+        assert self.conn.poll(timeout_s or self.call_timeout_s), f"no answer to {command[0]}"
+        return self.conn.recv()
+
+    def wait_idle(self, timeout_s: float = 60.0):
+        """Asks for ("state",) until it reports neither busy nor pinned blocks (its first two
+        entries) or `timeout_s` passed; returns the last state."""
+        deadline = time.monotonic() + timeout_s
+        state = self.call("state")
+        while (state[0] or state[1]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            state = self.call("state")
+        return state
+
+    def close(self, join_s: float = 20.0) -> None:
+        """Asks the process to exit; kills it if it does not."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(("exit",))
+            self.process.join(join_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
 def serve_scheduler_side(conn, side, make_request, state, *, interval: float = 0.001) -> None:
     """Serves a producer-side scheduler harness (`side`: ``add``, ``step``, ``sent_params``,
     ``close``) from `conn`, stepping it in between, until ("exit",):

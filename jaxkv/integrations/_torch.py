@@ -478,16 +478,17 @@ def _adopted_class() -> type:
             width = {1: (torch.int8, "int8"), 2: (torch.int16, "int16"),
                      4: (torch.int32, "int32"), 8: (torch.int64, "int64")}
             torch_int, jax_int = width[tensor.element_size()]
-            bits = jax.lax.bitcast_convert_type(rewritten, jax_int).block_until_ready()
-            source = torch.from_dlpack(bits)
             target = tensor.view(torch_int)
-            if tuple(source.shape) != tuple(target.shape):
+            if tuple(rewritten.shape) != tuple(target.shape):
                 raise ValueError(
-                    f"store_blocks: rewritten array {index} has shape {tuple(source.shape)}, "
+                    f"store_blocks: rewritten array {index} has shape {tuple(rewritten.shape)}, "
                     f"the torch memory {tuple(target.shape)}"
                 )
+            # only the rewritten blocks leave JAX (not a copy of the whole array)
+            picked = rewritten[np.asarray(rows, np.int32)]
+            bits = jax.lax.bitcast_convert_type(picked, jax_int).block_until_ready()
             at = torch.as_tensor(rows, dtype=torch.long, device=target.device)
-            target.index_copy_(0, at, source.to(target.device).index_select(0, at))
+            target.index_copy_(0, at, torch.from_dlpack(bits).to(target.device))
             if target.device.type == "cuda":
                 torch.cuda.current_stream(target.device).synchronize()
 

@@ -8,7 +8,6 @@ import os
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
@@ -29,6 +28,7 @@ from jaxkv.transfer import nixl_available  # noqa: E402
 if not nixl_available():
     pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
 
+import transfer_testing as tt  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 
 SPEC = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="bfloat16")
@@ -302,42 +302,13 @@ def test_lease_expiry_is_a_load_error_vllm_recomputes():
         producer.close()
 
 
-class _Remote:
-    """The producer engine in a spawned process (`vllm_harness.producer_process`)."""
-
-    def __init__(self, spec_kwargs, extra):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=vh.producer_process, args=(child, spec_kwargs, 64, extra), daemon=True
-        )
-        self.process.start()
-        assert self.conn.poll(180), "the producer process did not start"
-        assert self.conn.recv()[0] == "ready"
-
-    def call(self, *command, timeout_s=60.0):
-        self.conn.send(command)
-        assert self.conn.poll(timeout_s), f"no answer to {command[0]}"
-        return self.conn.recv()
-
-    def close(self):
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("exit",))
-            self.process.join(20)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-
-
 def test_two_processes_then_producer_killed_mid_transfer():
     """The producer engine runs in another process: reads are bytes exact; then the producer
     stops answering and is killed while the consumer's reads are in flight: their blocks come
     back through get_block_ids_with_load_errors, vLLM recomputes, both ends stay consistent."""
     spec_kwargs = dict(SPEC, block_size=8, layout="LKHTD")
-    remote = _Remote(spec_kwargs, {"engine_id": "prefill", "lease_s": 30.0})
+    remote = tt.RemoteProcess(vh.producer_process,
+                              (spec_kwargs, 64, {"engine_id": "prefill", "lease_s": 30.0}))
     consumer = vh.Side(
         "kv_consumer", spec("KTHD", 16), 64, {"engine_id": "decode", "read_timeout_s": 3.0}
     )

@@ -519,48 +519,33 @@ def test_producer_in_another_process_then_killed_mid_transfer():
     nothing pinned, its blocks freed by the consumer's confirmations. Then the producer is
     stopped and killed while both groups' reads are in flight: the reads fail, vLLM
     recomputes the requests, the consumer ends empty."""
-    import contextlib
-    import multiprocessing
     import signal
-    import time
 
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    process = ctx.Process(target=producer_process,
-                          args=(child, {"engine_id": "prefill", "lease_s": 30.0}), daemon=True)
-    process.start()
+    import transfer_testing as tt
+
+    remote = tt.RemoteProcess(producer_process, ({"engine_id": "prefill", "lease_s": 30.0},),
+                              call_timeout_s=120.0)
     consumer = HybridSide("kv_consumer", ("KTHD", "LKTHD"),
                           {"engine_id": "decode", "read_timeout_s": 5.0})
-
-    def call(*command, timeout_s=120.0):
-        conn.send(command)
-        assert conn.poll(timeout_s), f"no answer to {command[0]}"
-        return conn.recv()
-
     try:
-        assert conn.poll(180), "the producer process did not start"
-        assert conn.recv() == ("ready",)
+        assert remote.ready == ("ready",)
         prompts = prompts_of([7, 32, 50], seed=10)
-        params = call("add", prompts)
+        params = remote.call("add", prompts)
         reqs = decode(consumer, prompts, params)
         vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
         consumer.assert_empty()
         for r, p in zip(reqs, prompts):
             assert consumer.check_received(r, p) == [math.ceil(len(p) / BLOCK),
                                                      window_blocks(len(p))]
-        deadline = time.monotonic() + 30
-        state = call("state")
-        while (state[0] or state[1]) and time.monotonic() < deadline:
-            state = call("state")
-        assert state == (False, 0, 0, None)
+        assert remote.wait_idle(30.0) == (False, 0, 0, None)
 
         prompts = prompts_of([24, 40], seed=11)
-        params = call("add", prompts)
-        os.kill(process.pid, signal.SIGSTOP)  # its engines' threads stop answering too
+        params = remote.call("add", prompts)
+        os.kill(remote.process.pid, signal.SIGSTOP)  # its engines' threads stop answering too
         reqs = decode(consumer, prompts, params)
         vh.run_until([consumer], lambda: consumer.worker.group_engine.num_reading == 2, 30.0)
-        process.kill()
-        process.join(10)
+        remote.process.kill()
+        remote.process.join(10)
         vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
         consumer.assert_empty()
         assert consumer.failed == {r.request_id for r in reqs}
@@ -568,13 +553,7 @@ def test_producer_in_another_process_then_killed_mid_transfer():
         assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)  # recomputed
     finally:
         consumer.close()
-        if process.is_alive():
-            with contextlib.suppress(OSError):
-                conn.send(("exit",))
-            process.join(20)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
+        remote.close()
 
 
 def test_register_kv_caches_of_several_groups():

@@ -9,9 +9,7 @@ import os
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import contextlib  # noqa: E402
 import importlib.util  # noqa: E402
-import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -29,40 +27,10 @@ if not nixl_available():
 
 import torch  # noqa: E402
 import torch_harness as th  # noqa: E402
+import transfer_testing as tt  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 
 NUM_BLOCKS = 64
-
-
-class _RemoteProducer:
-    def __init__(self, layout_name: str, side_kwargs: dict):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        extra = {"engine_id": "prefill", "lease_s": 30.0}
-        self.process = ctx.Process(
-            target=th.torch_producer_process,
-            args=(child, layout_name, NUM_BLOCKS, extra, side_kwargs),
-            daemon=True,
-        )
-        self.process.start()
-        assert self.conn.poll(180), "the producer process did not start"
-        assert self.conn.recv()[0] == "ready"
-
-    def call(self, *command, timeout_s=60.0):
-        self.conn.send(command)
-        assert self.conn.poll(timeout_s), f"no answer to {command[0]}"
-        return self.conn.recv()
-
-    def close(self):
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("exit",))
-            self.process.join(20)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
 
 
 def prompts_of(lengths, seed=0):
@@ -82,7 +50,9 @@ def prompts_of(lengths, seed=0):
     ],
 )
 def test_torch_caches_between_two_processes(layout_name, side_kwargs, p_tp, d_tp):
-    remote = _RemoteProducer(layout_name, dict(side_kwargs, tp=p_tp))
+    remote = tt.RemoteProcess(th.torch_producer_process,
+                              (layout_name, NUM_BLOCKS, {"engine_id": "prefill", "lease_s": 30.0},
+                               dict(side_kwargs, tp=p_tp)))
     consumer = th.TorchSide("kv_consumer", layout_name, NUM_BLOCKS,
                             {"engine_id": "decode", "read_timeout_s": 20.0}, **side_kwargs,
                             tp=d_tp)
@@ -109,11 +79,7 @@ def test_torch_caches_between_two_processes(layout_name, side_kwargs, p_tp, d_tp
         for worker in consumer.workers:
             assert worker.engine.stats.requests_total == len(prompts)
         vh.assert_empty(consumer)
-        busy, pinned = remote.call("state")
-        end = time.monotonic() + 30
-        while (busy or pinned) and time.monotonic() < end:
-            busy, pinned = remote.call("state")
-        assert (busy, pinned) == (False, 0)
+        assert remote.wait_idle(30.0) == (False, 0)
     finally:
         consumer.close()
         remote.close()

@@ -47,7 +47,7 @@ def remote(request):
     """The producer engine (TP 2) in a spawned process over one transport, shared by the
     tests below (which run once per transport)."""
     transport = request.param
-    producer = th.Remote(PRODUCER_TP, 256, {"engine_id": f"prefill-{transport}",
+    producer = th.remote_producer(PRODUCER_TP, 256, {"engine_id": f"prefill-{transport}",
                                             "lease_s": LEASE_S, **_settings(transport)})
     producer.transport = transport
     yield producer
@@ -264,7 +264,7 @@ def test_lease_expiry_then_producer_killed(transport):
     blocks reported as load errors and vLLM recomputes; then the producer process is killed
     and the next reads fail the same way, bounded by the read timeout (4 s) rather than
     waiting on a dead peer; the consumer ends empty."""
-    short = th.Remote(PRODUCER_TP, 64, {"engine_id": f"prefill-short-{transport}",
+    short = th.remote_producer(PRODUCER_TP, 64, {"engine_id": f"prefill-short-{transport}",
                                         "lease_s": 3.0, "early_read_grace_s": 0.5,
                                         **_settings(transport)})
     consumer = consumer_side(1, transport, extra={"read_timeout_s": 4.0})

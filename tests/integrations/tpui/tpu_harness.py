@@ -470,42 +470,10 @@ def producer_process(conn, tp: int, num_blocks: int, extra: dict) -> None:
         state, interval=0.002)
 
 
-class Remote:
-    """The producer engine in a spawned process (`producer_process`)."""
+def remote_producer(tp: int, num_blocks: int, extra: dict):
+    """The producer engine in a spawned process (`producer_process`): a
+    `transfer_testing.RemoteProcess`, whose ``wait_idle`` polls its state."""
+    import transfer_testing as tt
 
-    def __init__(self, tp: int, num_blocks: int, extra: dict):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=producer_process, args=(child, tp, num_blocks, extra), daemon=True
-        )
-        self.process.start()
-        assert self.conn.poll(600), "the producer process did not start"
-        assert self.conn.recv()[0] == "ready"
-
-    def call(self, *command, timeout_s: float = 120.0):
-        self.conn.send(command)
-        assert self.conn.poll(timeout_s), f"no answer to {command[0]}"
-        return self.conn.recv()
-
-    def wait_idle(self, timeout_s: float = 60.0):
-        """Polls the producer's state until it is idle; returns the last state."""
-        deadline = time.monotonic() + timeout_s
-        state = self.call("state")
-        while (state[0] or state[1]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            state = self.call("state")
-        return state
-
-    def close(self) -> None:
-        import contextlib
-
-        if self.process.is_alive():
-            with contextlib.suppress(OSError):
-                self.conn.send(("exit",))
-            self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+    return tt.RemoteProcess(producer_process, (tp, num_blocks, extra), start_timeout_s=600,
+                            call_timeout_s=120.0)
