@@ -46,7 +46,7 @@ class ApiTest(parameterized.TestCase):
                                   f"{name}.{attr} lacks a docstring example")
 
     def test_benchmark_smoke(self):
-        out = os.path.join(absltest.get_default_test_tmpdir(), "bench_blocks.json")
+        out = os.path.join(self.create_tempdir().full_path, "bench_blocks.json")
         script = os.path.join(_REPO, "benchmarks", "bench_blocks.py")
         if not os.path.exists(script):  # e.g. under Bazel, whose runfiles hold only tests/.
             self.skipTest("benchmarks/bench_blocks.py is not available here")
@@ -79,7 +79,7 @@ class ApiTest(parameterized.TestCase):
 
     def test_benchmark_fail_on_target_policy(self):
         """--fail_on_target: exit status 1 exactly when the JSON says a target was missed."""
-        out = os.path.join(absltest.get_default_test_tmpdir(), "bench_blocks_gate.json")
+        out = os.path.join(self.create_tempdir().full_path, "bench_blocks_gate.json")
         script = os.path.join(_REPO, "benchmarks", "bench_blocks.py")
         if not os.path.exists(script):
             self.skipTest("benchmarks/bench_blocks.py is not available here")

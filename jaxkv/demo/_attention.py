@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxkv._spec import KVCacheSpec
 
-__all__ = ["attend", "check_spec", "read_pages", "write_tokens"]
+__all__ = ["attend", "check_spec", "quantize_rows", "read_pages", "write_tokens"]
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -139,12 +139,36 @@ def write_tokens(
     return out
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 quantization of each row (last axis): ``x ~ q * scale``.
+
+    Returns:
+      ``(q, scale)``: int8 values and the float32 ``[..., 1]`` scale of each row (1 for a row of
+      zeros). A row's max is exact, so its values do not depend on the other rows.
+
+    Example:
+      >>> q, scale = quantize_rows(jnp.array([[0.5, -1.0]]))
+      >>> q.tolist(), round(float(scale[0, 0]) * 127, 5)
+      ([[64, -127]], 1.0)
+    """
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
-    """Causal grouped-query attention of queries against gathered pages, in float32.
+    """Causal grouped-query attention of queries against gathered pages, with exact sums.
+
+    A query's output depends only on the query, the visible keys and values and the number of
+    key slots: every reduction is an integer sum (order-free) or a max, so the result does not
+    change with how many queries, rows or heads are computed together. Scores are an int32 dot
+    of int8-quantized queries and keys (per row); the softmax weights are fixed-point integers
+    (their sum exact in int32); values are int8 per key, and the weighted sum of values an int32
+    dot. The fixed-point widths follow from the key count ``S`` so that no sum can overflow.
 
     Args:
       q: ``[B, N, Hq, D]`` queries (``Hq`` a multiple of the KV heads).
-      k, v: ``[B, Hkv, S, D]`` keys and values (pages, token order; any dtype).
+      k, v: ``[B, Hkv, S, D]`` keys and values (pages, token order; any dtype); ``S <= 2**20``.
       q_positions: ``[B, N]`` position of each query; key ``s`` is visible to a query at
         position ``p`` when ``s <= p``. A negative position marks a padding query (its output
         is finite and meaningless).
@@ -154,24 +178,45 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> 
 
     Example:
       >>> q = jnp.ones((1, 1, 2, 4)); kv = jnp.ones((1, 1, 3, 4))
-      >>> attend(q, kv, kv, jnp.array([[1]])).shape
-      (1, 1, 2, 4)
+      >>> attend(q, kv, kv, jnp.array([[1]])).tolist()[0][0][0]
+      [1.0, 1.0, 1.0, 1.0]
     """
     b, n, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
+    if s > 1 << 20:
+        raise ValueError(f"{s} key slots exceed the 2**20 the fixed-point softmax allows")
+    log_s = max(1, (s - 1).bit_length())
+    weight_bits = 30 - log_s  # sum of S weights <= 2**30
+    value_bits = 23 - log_s  # S * 2**value_bits * 127 < 2**31
     group = hq // hkv
-    qf = q.astype(jnp.float32).reshape(b, n, hkv, group, d)
-    kf = k.astype(jnp.float32)
     key_pos = jnp.arange(s, dtype=jnp.int32)
-    # Slots past every query of a row may hold stale bytes (even NaN): zero them so that
-    # 0 * garbage cannot leak into the output.
+    # Slots past every query of a row may hold stale bytes (even NaN): zero them so that no
+    # garbage reaches a quantization scale or a sum.
     last = jnp.max(q_positions, axis=1)  # [B]
-    vf = jnp.where((key_pos[None, :] <= last[:, None])[:, None, :, None], v.astype(jnp.float32), 0)
-    scores = jnp.einsum("bnhgd,bhsd->bhgns", qf, kf) * (1.0 / float(d) ** 0.5)
+    live = (key_pos[None, :] <= last[:, None])[:, None, :, None]  # [B, 1, S, 1]
+    kf = jnp.where(live, k.astype(jnp.float32), 0)
+    vf = jnp.where(live, v.astype(jnp.float32), 0)
+    q_int, q_scale = quantize_rows(q.astype(jnp.float32).reshape(b, n, hkv, group, d))
+    k_int, k_scale = quantize_rows(kf)  # [B, H, S, D], [B, H, S, 1]
+    v_int, v_scale = quantize_rows(vf)
+    dots = jnp.einsum("bnhgd,bhsd->bhgns", q_int, k_int, preferred_element_type=jnp.int32)
+    q_scale = jnp.transpose(q_scale, (0, 2, 3, 1, 4))  # [B, H, G, N, 1]
+    k_scale = k_scale[:, :, None, None, :, 0]  # [B, H, 1, 1, S]
+    scores = dots.astype(jnp.float32) * q_scale * k_scale * (1.0 / float(d) ** 0.5)
     visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, N, S]
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
-    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgns,bhsd->bnhgd", weights, vf)
-    return out.reshape(b, n, hq, d)
+    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # (0, 1], max 1
+    weights = jnp.where(visible[:, None, None], weights, 0)
+    # The normalizer: fixed-point weights summed in int32 (exact).
+    denominator = jnp.sum(jnp.round(weights * (1 << weight_bits)).astype(jnp.int32), axis=-1,
+                          keepdims=True).astype(jnp.float32) / (1 << weight_bits)
+    # The numerator: sum_s w_s * v_scale_s * v_int[s], with w_s * v_scale_s in fixed point
+    # relative to the row's largest, and the sum an int32 dot.
+    scaled = weights * v_scale[:, :, None, None, :, 0]  # [B, H, G, N, S]
+    smax = jnp.max(scaled, axis=-1, keepdims=True)
+    unit = jnp.where(smax > 0, smax, 1.0) / (1 << value_bits)
+    scaled_int = jnp.round(scaled / unit).astype(jnp.int32)
+    numerator = jnp.einsum("bhgns,bhsd->bhgnd", scaled_int, v_int.astype(jnp.int32),
+                           preferred_element_type=jnp.int32)
+    out = numerator.astype(jnp.float32) * unit / jnp.maximum(denominator, 1.0 / (1 << weight_bits))
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, n, hq, d)

@@ -1,13 +1,23 @@
 """A small decoder-only transformer (grouped-query attention, rotary positions, SwiGLU) whose
 attention reads and writes a `PagedKVCache`, tensor-parallel over the KV heads.
 
-Numerics are chosen so that the KV bytes a rank writes do not depend on the TP size: the
-weights are float32 numpy arrays drawn from a seed (identical in every process), each head's
-Q/K/V projection is its own batched matmul (splitting heads over ranks never splits a
-reduction), attention is per head, and everything after attention (output projection, MLP,
-logits) runs replicated on the all-gathered head outputs. An engine with TP=2 thus writes the
-same KV bits as one with TP=4, and a decode engine reading them produces the same tokens as a
-colocated one (verified by the tests).
+The demo checks a disaggregated run against a colocated one bit for bit, so a token's KV and
+logits must not depend on anything but the token, its position and the KV before it: not on
+the TP size, the chunk a prefix hit cut the prompt into, or the other rows of the batch.
+Floating-point sums cannot promise that: XLA:CPU picks its matmul and reduction kernels by
+shape (and by CPU), and a row's sum changes in the last bit with the number of rows. So every
+reduction here is exact:
+
+* matmuls are int8 x int8 with int32 accumulation (weights quantized per output channel once,
+  activations per row at each use, as W8A8 serving does): integer sums do not depend on order;
+* the norm divides by the row's largest magnitude (a max is exact), not by its RMS;
+* attention's scores are an integer dot of int8 queries and keys, and its softmax sums
+  fixed-point weights in int32 (`jaxkv.demo._attention.attend`);
+* everything else is elementwise, and heads are split over ranks, never a reduction.
+
+An engine with TP=2 thus writes the same KV bits as one with TP=4 or a colocated one with any
+chunking (verified by the tests). The promise holds within one machine and software stack:
+elementwise transcendental functions may differ between CPUs or XLA versions.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv import ops
 from jaxkv._cache import PagedKVCache
 from jaxkv._spec import KVCacheSpec
-from jaxkv.demo._attention import attend, check_spec, read_pages, write_tokens
+from jaxkv.demo._attention import attend, check_spec, quantize_rows, read_pages, write_tokens
 
 __all__ = ["ModelConfig", "ModelRunner", "init_params", "make_mesh"]
 
@@ -81,7 +91,8 @@ class ModelConfig:
 
 
 def init_params(config: ModelConfig) -> dict[str, np.ndarray]:
-    """Deterministic random float32 weights (numpy, identical in every process).
+    """Deterministic random float32 weights (numpy, identical in every process). The model
+    runs on their int8 quantization (`quantize_params`).
 
     Returns:
       name -> array; per-layer weights are stacked on a leading layer axis. ``wq``/``wk``/``wv``
@@ -95,31 +106,59 @@ def init_params(config: ModelConfig) -> dict[str, np.ndarray]:
     c = config
     lyr = c.num_layers
 
+    # The norms divide by a row's largest magnitude, about 3x its RMS for a Gaussian row:
+    # weights near 3 keep activations at about unit RMS, as after an RMS norm.
+    gain = np.float32(3.0)
+
     def normal(*shape, scale):
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
 
     return {
         "embed": normal(c.vocab_size, c.d_model, scale=1.0),
-        "attn_norm": 1.0 + normal(lyr, c.d_model, scale=0.1),
+        "attn_norm": gain * (1.0 + normal(lyr, c.d_model, scale=0.1)),
         "wq": normal(lyr, c.num_heads, c.d_model, c.head_dim, scale=c.d_model**-0.5),
         "wk": normal(lyr, c.num_kv_heads, c.d_model, c.head_dim, scale=c.d_model**-0.5),
         "wv": normal(lyr, c.num_kv_heads, c.d_model, c.head_dim, scale=c.d_model**-0.5),
         # A strong output projection makes the tokens depend on the attended KV.
         "wo": normal(lyr, c.num_heads * c.head_dim, c.d_model, scale=2.0 * c.d_model**-0.5),
-        "mlp_norm": 1.0 + normal(lyr, c.d_model, scale=0.1),
+        "mlp_norm": gain * (1.0 + normal(lyr, c.d_model, scale=0.1)),
         "w_gate": normal(lyr, c.d_model, c.ffn_dim, scale=c.d_model**-0.5),
         "w_up": normal(lyr, c.d_model, c.ffn_dim, scale=c.d_model**-0.5),
         "w_down": normal(lyr, c.ffn_dim, c.d_model, scale=c.ffn_dim**-0.5),
-        "final_norm": np.ones((c.d_model,), np.float32),
+        "final_norm": np.full((c.d_model,), gain, np.float32),
         "unembed": normal(c.d_model, c.vocab_size, scale=c.d_model**-0.5),
     }
 
 
-_HEAD_SHARDED = ("wq", "wk", "wv")
+_MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "unembed")
+_HEAD_SHARDED = ("wq", "wk", "wv", "wq_scale", "wk_scale", "wv_scale")
+_INT8_MAX = 127
+
+
+def quantize_params(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights the model runs on: each matmul weight ``w [..., K, N]`` as int8 ``w`` and a
+    float32 ``w_scale [..., N]`` (symmetric, per output channel, ``w ~ w_int8 * w_scale``); the
+    other parameters unchanged. Numpy, so every process computes the same bytes.
+
+    Example:
+      >>> q = quantize_params(init_params(ModelConfig(num_layers=1)))
+      >>> q["wk"].dtype, q["wk_scale"].shape
+      (dtype('int8'), (1, 4, 32))
+    """
+    out = dict(params)
+    for name in _MATMUL_WEIGHTS:
+        w = params[name]
+        amax = np.max(np.abs(w), axis=-2)
+        scale = np.where(amax > 0, amax / np.float32(_INT8_MAX), 1).astype(np.float32)
+        out[name] = np.clip(np.rint(w / scale[..., None, :]), -_INT8_MAX, _INT8_MAX).astype(np.int8)
+        out[name + "_scale"] = scale
+    return out
 
 
 def _param_spec(name: str) -> P:
-    return P(None, "tp", None, None) if name in _HEAD_SHARDED else P()
+    if name in _HEAD_SHARDED:
+        return P(None, "tp", None, None) if not name.endswith("_scale") else P(None, "tp", None)
+    return P()
 
 
 def make_mesh(devices: Any) -> Mesh:
@@ -132,8 +171,18 @@ def make_mesh(devices: Any) -> Mesh:
     return Mesh(np.asarray(list(devices)), ("tp",))
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * weight
+def _linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``[M, K] x int8 [K, N] -> [M, N]`` float32, an exact int32 sum per output."""
+    q, scale = quantize_rows(x)
+    acc = jnp.dot(q, w, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * scale * w_scale
+
+
+def _norm(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """Divides each row by its largest magnitude, times `weight` (a max is exact; a mean of
+    squares is a float sum, whose last bit depends on the kernel XLA picks)."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    return x / jnp.where(amax > 0, amax, 1.0) * weight
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -146,10 +195,17 @@ def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``[M, D] x [H, D, E] -> [H, M, E]`` as H separate matmuls (batch axis H), so a head's
-    result does not depend on how many heads the rank holds."""
-    return jnp.einsum("hmd,hde->hme", jnp.broadcast_to(x, (w.shape[0], *x.shape)), w)
+def _per_head(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """``[M, D] x int8 [H, D, E] -> [H, M, E]`` float32 (exact int32 sums, as `_linear`)."""
+    q, scale = quantize_rows(x)
+    acc = jnp.einsum("md,hde->hme", q, w, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * scale[None] * w_scale[:, None, :]
+
+
+def _weights(params: dict[str, Any], name: str, layer: int | None = None):
+    if layer is None:
+        return params[name], params[name + "_scale"]
+    return params[name][layer], params[name + "_scale"][layer]
 
 
 def _forward_local(config, spec, params, arrays, tokens, positions, block_tables, write_blocks,
@@ -172,10 +228,10 @@ def _forward_local(config, spec, params, arrays, tokens, positions, block_tables
     arrays = list(arrays)
     keys = spec.array_keys()
     for layer in range(config.num_layers):
-        h = _rms_norm(x, params["attn_norm"][layer])
-        q = _rope(_per_head(h, params["wq"][layer]), rope_pos, config.rope_theta)
-        k = _rope(_per_head(h, params["wk"][layer]), rope_pos, config.rope_theta)
-        v = _per_head(h, params["wv"][layer])
+        h = _norm(x, params["attn_norm"][layer])
+        q = _rope(_per_head(h, *_weights(params, "wq", layer)), rope_pos, config.rope_theta)
+        k = _rope(_per_head(h, *_weights(params, "wk", layer)), rope_pos, config.rope_theta)
+        v = _per_head(h, *_weights(params, "wv", layer))
         for kv, values in ((0, k), (1, v)):
             dense = write_tokens(
                 dense, spec, layer, kv, jnp.transpose(values, (1, 0, 2)), write_index,
@@ -189,11 +245,13 @@ def _forward_local(config, spec, params, arrays, tokens, positions, block_tables
         q = jnp.transpose(q, (1, 0, 2)).reshape(b, n, q.shape[0], config.head_dim)
         out = attend(q, k_pages, v_pages, positions)  # [B, N, Hq_local, D]
         out = jax.lax.all_gather(out, "tp", axis=2, tiled=True)  # every head, on every rank
-        x = x + out.reshape(m, config.num_heads * config.head_dim) @ params["wo"][layer]
-        h = _rms_norm(x, params["mlp_norm"][layer])
-        gate = h @ params["w_gate"][layer]
-        x = x + (jax.nn.silu(gate) * (h @ params["w_up"][layer])) @ params["w_down"][layer]
-    logits = _rms_norm(x, params["final_norm"]) @ params["unembed"]
+        out = out.reshape(m, config.num_heads * config.head_dim)
+        x = x + _linear(out, *_weights(params, "wo", layer))
+        h = _norm(x, params["mlp_norm"][layer])
+        gate = _linear(h, *_weights(params, "w_gate", layer))
+        up = _linear(h, *_weights(params, "w_up", layer))
+        x = x + _linear(jax.nn.silu(gate) * up, *_weights(params, "w_down", layer))
+    logits = _linear(_norm(x, params["final_norm"]), *_weights(params, "unembed"))
     return tuple(arrays), logits.reshape(b, n, config.vocab_size)
 
 
@@ -252,7 +310,7 @@ def _step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P)
 
 _NAMES = (
     "embed", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
-    "final_norm", "unembed",
+    "final_norm", "unembed", *(name + "_scale" for name in _MATMUL_WEIGHTS),
 )
 
 
@@ -298,7 +356,7 @@ class ModelRunner:
         self.max_len = max_len
         self.max_pages = max_len // spec.block_size
         self.cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
-        host = init_params(config)
+        host = quantize_params(init_params(config))
         self.params = {
             name: jax.device_put(host[name], NamedSharding(mesh, _param_spec(name)))
             for name in _NAMES
