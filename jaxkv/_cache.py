@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxkv._context import jit as own_jit
 from jaxkv._placement import place_exactly
 from jaxkv._sharding import HeadSharding, head_sharding
 from jaxkv._spec import ArrayKey, KVCacheSpec
@@ -163,7 +164,7 @@ class PagedKVCache:
         shape = (num_blocks, *spec.global_block_shape(layout.tp_size))
         named = layout.named_sharding(spec)
         count = spec.num_arrays
-        zeros = jax.jit(
+        zeros = own_jit(
             lambda: tuple(jnp.zeros(shape, spec.dtype) for _ in range(count)),
             out_shardings=(named,) * count,
         )()
@@ -619,4 +620,4 @@ def _cache_program(
 
 @functools.lru_cache(maxsize=256)
 def _jitted(program: Callable[..., Any], donate_argnums: tuple[int, ...]) -> Callable[..., Any]:
-    return jax.jit(program, donate_argnums=donate_argnums)
+    return own_jit(program, donate_argnums=donate_argnums)

@@ -107,6 +107,30 @@ class ShardedInJitTest(parameterized.TestCase):
                                       kv_testing.numpy_gather_blocks(np.asarray(out), [6, -1])
                                       .view(np.uint32))
 
+    @parameterized.parameters(("1d", P(None, None, "tp"), 1), ("2d", P(None, "dp", "tp"), 2),
+                              ("2d_auto", P(None, "dp", "tp"), 8))
+    def test_eager_calls_under_a_foreign_context_mesh(self, mesh_name, spec, model):
+        # A serving engine's own mesh as context (tpu-inference's runner sets ('data', 'model')
+        # for its whole loop): eager ops on a cache sharded over another mesh still run on the
+        # cache's mesh, exact (before: "The context mesh ... should match the mesh passed to
+        # shard_map").
+        sharding = NamedSharding(_mesh(mesh_name), spec)
+        host, cache = self._cache(8, sharding)
+        devices = np.array(jax.devices()[-model:]).reshape(1, model)
+        with jax.set_mesh(jax.sharding.Mesh(devices, ("data", "model"))):
+            out = ops.copy_blocks(cache, [0, 3], [5, 6])
+            gathered = ops.gather_blocks(out, [6, -1])
+            permuted = ops.permute_blocks(out, [5], "KHTD", "KTHD")
+        want = kv_testing.numpy_copy_blocks(host, [0, 3], [5, 6])
+        self.assertEqual(_spec(permuted.sharding, permuted.ndim), _spec(sharding, out.ndim))
+        np.testing.assert_array_equal(np.asarray(gathered).view(np.uint32),
+                                      kv_testing.numpy_gather_blocks(want, [6, -1])
+                                      .view(np.uint32))
+        want = _per_shard(want, sharding, lambda block: reference.permute_blocks(
+            jnp.asarray(block), jnp.asarray([5], jnp.int32), "KHTD", "KTHD"))
+        np.testing.assert_array_equal(np.asarray(permuted).view(np.uint32),
+                                      want.view(np.uint32))
+
     @parameterized.parameters(*CASES)
     def test_permute_and_merge_rewrite_each_shard(self, mesh_name, spec):
         sharding = NamedSharding(_mesh(mesh_name), spec)

@@ -36,6 +36,13 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
+def _foreign_mesh(model: int) -> jax.sharding.Mesh:
+    """A mesh like tpu-inference's runner sets as context: ``('data', 'model')`` over the
+    last `model` devices (other devices and axis names than the caches' own meshes)."""
+    return jax.sharding.Mesh(np.array(jax.devices()[-model:]).reshape(1, model),
+                             ("data", "model"))
+
+
 def jax_producer_main(conn) -> None:
     """A producer process (transport="jax"), re-set-up per case:
     ("setup", spec kwargs, tp, pp, pp_rank, num_tokens, engine kwargs) -> side-channel address
@@ -94,6 +101,10 @@ def jax_producer_main(conn) -> None:
                                               transport="jax")
                     engine.register_cache(cache)
                     conn.send(engine.address)
+                elif kind == "context_mesh":  # a serving engine's mesh as context, as
+                    _, model = command  # tpu-inference's runner sets it for its whole loop
+                    jax.set_mesh(_foreign_mesh(model) if model else None)
+                    conn.send(None)
                 elif kind == "pin":
                     _, request_id, block_ids, lease, *reads = command
                     conn.send(engine.publish_request(request_id, block_ids, lease,
@@ -317,6 +328,9 @@ class JaxEngineTest(parameterized.TestCase):
         """tpu-inference's packed caches (K/V interleaved, packed words, 128-lane head dim)
         between engines: the values land bit for bit, the consumer's phantom heads and padding
         lanes keep their bits, the stats count values only."""
+        self.packed_case(p_tp, d_tp, heads, head_dim, dtype, packed)
+
+    def packed_case(self, p_tp, d_tp, heads, head_dim, dtype, packed):
         page = 4
         num_tokens = len(REMOTE_IDS) * page
         self.call("setup_packed", (2, heads, head_dim, page, dtype), p_tp, num_tokens)
@@ -350,6 +364,27 @@ class JaxEngineTest(parameterized.TestCase):
         self.assertEqual(engine.stats.bytes_total, values)
         state = self.wait_freed("packed")
         self.assertEqual((state[0], state[3]), (0, 0))
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, packed, context mesh size)
+        (2, 1, False, 1),
+        (1, 2, False, 2),
+        (2, 1, True, 1),
+        (2, 2, True, 2),
+    )
+    def test_engines_under_a_foreign_context_mesh(self, p_tp, d_tp, packed, model):
+        """A serving engine sets its own mesh as JAX's context for its whole loop
+        (tpu-inference's runner: ('data', 'model')); jaxkv's programs on the caches' own meshes
+        (the producer's split, the consumer's write of the pulled buffers) still run, exact.
+        Before the fix every such read failed: "The context mesh ... should match the mesh
+        passed to shard_map"."""
+        self.call("context_mesh", model)
+        self.addCleanup(self.call, "context_mesh", 0)
+        with jax.set_mesh(_foreign_mesh(model)):
+            if packed:
+                self.packed_case(p_tp, d_tp, 4, 96, "bfloat16", True)
+            else:
+                self.read_case(p_tp, d_tp, "LKHTD", "HTD")
 
     def test_cache_that_moved_is_adopted_and_read_into(self):
         """Over the JAX transport nothing is registered by address: `update_cache` adopts a

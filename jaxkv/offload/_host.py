@@ -26,6 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv._cache import PagedKVCache
+from jaxkv._context import jit as own_jit
+from jaxkv._context import no_context_mesh
 from jaxkv._sharding import HeadSharding
 from jaxkv._spec import KVCacheSpec
 from jaxkv.ops._block_ops import _gather_local
@@ -107,7 +109,7 @@ class HostPool:
         shape = spec.array_shape(int(num_slots))
         named = _pool_sharding(spec, cache.sharding, memory_kind)
         count = spec.num_arrays
-        arrays = jax.jit(
+        arrays = own_jit(
             lambda: tuple(jnp.zeros(shape, spec.dtype) for _ in range(count)),
             out_shardings=(named,) * count,
         )()
@@ -383,27 +385,27 @@ def _program(direction: str, memory_kind: str | None, validate_ids: bool):
 @functools.lru_cache(maxsize=64)
 def _programs(direction: str, memory_kind: str | None, validate_ids: bool, split: bool):
     if direction == "offload" and split:
-        stage = jax.jit(lambda cache, ids: _stage_on_device(cache, ids, validate_ids))
+        stage = own_jit(lambda cache, ids: _stage_on_device(cache, ids, validate_ids))
 
         def update(pool, staged, device_ids, host_slots):
             arrays = _update_pool(pool, staged, device_ids, host_slots)
             return arrays, _completion_token(arrays[0], pool.sharding, pool.spec,
                                              pool.memory_kind)
 
-        update_jit = jax.jit(update, donate_argnums=(0,))
+        update_jit = own_jit(update, donate_argnums=(0,))
 
         def offload_in_two(cache, pool, device_ids, host_slots):
             return update_jit(pool, stage(cache, device_ids), device_ids, host_slots)
 
         return offload_in_two
     if split:
-        read = jax.jit(lambda pool, slots: _rows_from_pool(pool, slots))
+        read = own_jit(lambda pool, slots: _rows_from_pool(pool, slots))
 
         def write(cache, rows, host_slots, device_ids, num_tokens):
             arrays = _write_rows(cache, rows, host_slots, device_ids, num_tokens, validate_ids)
             return arrays, _completion_token(arrays[0], cache.sharding, cache.spec, None)
 
-        write_jit = jax.jit(write, donate_argnums=(0,))
+        write_jit = own_jit(write, donate_argnums=(0,))
 
         def onboard_in_two(pool, cache, host_slots, device_ids, num_tokens):
             return write_jit(cache, read(pool, host_slots), host_slots, device_ids, num_tokens)
@@ -416,13 +418,13 @@ def _programs(direction: str, memory_kind: str | None, validate_ids: bool, split
             return arrays, _completion_token(arrays[0], pool.sharding, pool.spec,
                                              pool.memory_kind)
 
-        return jax.jit(offload, donate_argnums=(1,))
+        return own_jit(offload, donate_argnums=(1,))
 
     def onboard(pool, cache, host_slots, device_ids, num_tokens):
         arrays = _onboard_traced(pool, cache, host_slots, device_ids, num_tokens, validate_ids)
         return arrays, _completion_token(arrays[0], cache.sharding, cache.spec, None)
 
-    return jax.jit(onboard, donate_argnums=(1,))
+    return own_jit(onboard, donate_argnums=(1,))
 
 
 def _completion_token(array: jax.Array, sharding: HeadSharding, spec: KVCacheSpec,
@@ -431,12 +433,13 @@ def _completion_token(array: jax.Array, sharding: HeadSharding, spec: KVCacheSpe
     the program), as a small array that is ready when the whole copy is done."""
     mesh = sharding.mesh
     array_spec = sharding.partition_spec(spec)
-    if memory_kind is not None:
-        array = jax.device_put(array[:1], NamedSharding(mesh, array_spec))  # Pinned pool.
-    return jax.shard_map(
-        lambda a: _bits(a.reshape(-1)[:1]), mesh=mesh, in_specs=(array_spec,),
-        out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False,
-    )(array)
+    with no_context_mesh():
+        if memory_kind is not None:
+            array = jax.device_put(array[:1], NamedSharding(mesh, array_spec))  # Pinned pool.
+        return jax.shard_map(
+            lambda a: _bits(a.reshape(-1)[:1]), mesh=mesh, in_specs=(array_spec,),
+            out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False,
+        )(array)
 
 
 def run_offload(cache: PagedKVCache, pool: HostPool, device_ids: np.ndarray,

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _ffi
+from jaxkv._context import jit as own_jit
 from jaxkv._placement import place_exactly
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
 from jaxkv.ops._partition import IdRoles, block_axes, localize_ids, partitioned_call
@@ -228,7 +229,7 @@ def _eager_program(
         program = jax.shard_map(
             program, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False
         )
-    return jax.jit(program, donate_argnums=donate_argnums)
+    return own_jit(program, donate_argnums=donate_argnums)
 
 
 def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_ids: bool):

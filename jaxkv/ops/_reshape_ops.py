@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv._context import jit as own_jit
 from jaxkv._placement import place_exactly
 from jaxkv.ops._block_ops import (
     _block_partition,
@@ -72,7 +73,7 @@ def _program(
         program = jax.shard_map(
             program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
-    return jax.jit(program, donate_argnums=donate_argnums)
+    return own_jit(program, donate_argnums=donate_argnums)
 
 
 def run_per_shard(

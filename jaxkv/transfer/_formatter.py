@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxkv._context import jit as own_jit
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv._spec import KVCacheSpec
 
@@ -340,7 +341,7 @@ def _as_bits(x: Any) -> Any:
     return jax.lax.bitcast_convert_type(x, np.dtype(f"u{width}"))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "keys", "block_shape"))
+@functools.partial(own_jit, static_argnames=("layout", "keys", "block_shape"))
 def to_canonical(arrays: Sequence[Any], layout: str, keys: tuple,
                  block_shape: tuple[int, ...] | None = None) -> Any:
     """Dense per-array blocks ``[n, *block]`` of a cache (`layout`, array `keys`) as one
@@ -374,7 +375,7 @@ def to_canonical(arrays: Sequence[Any], layout: str, keys: tuple,
     return jax.lax.bitcast_convert_type(out, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "keys", "ratio"))
+@functools.partial(own_jit, static_argnames=("layout", "keys", "ratio"))
 def from_canonical(canon: Any, layout: str, keys: tuple, ratio: int = 1) -> tuple[Any, ...]:
     """The inverse of `to_canonical`, merging `ratio` consecutive sender blocks into one:
     ``[n * ratio, L, K, H, T, D]`` -> per array ``[n, *block]`` with ``T * ratio`` tokens
@@ -544,7 +545,7 @@ def _unpacked(dense: Any, spec: KVCacheSpec, tp_size: int) -> Any:
                                         dense.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank",
+@functools.partial(own_jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank",
                                              "block_shape", "packed"))
 def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
                   canon_p: EngineConfig, canon_c: EngineConfig, rank: int,
@@ -563,7 +564,7 @@ def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
     return split_for_peers(canon, rows, canon_p, canon_c, rank)
 
 
-@functools.partial(jax.jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",
+@functools.partial(own_jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",
                                              "canon_p", "rank", "stored", "packed"))
 def _concat_rearrange(buffers: list[Any], *, n_local: int, ratio: int, layout: str, keys: tuple,
                       canon_c: EngineConfig, canon_p: EngineConfig, rank: int,
