@@ -258,6 +258,11 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         self._published: set[str] = set()
         self._published_first: dict[str, list[int]] = {}  # hybrid: first block per group
         self._loading: set[str] = set()  # consumer requests whose read is in flight
+        # consumer requests: what their read did, until `request_finished` reports it
+        self._load_outcomes: dict[str, dict[str, Any]] = {}
+        self._local_hits: dict[str, int] = {}  # consumer requests: local prefix hit tokens
+        self._refused: dict[str, str] = {}  # consumer requests whose params were refused
+        self.block_format = _block_format()
         self._meta = JaxKVConnectorMetadata()
         # worker side
         self.engine: KVTransferEngine | None = None
@@ -285,8 +290,19 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        remote_format = params.get(BLOCK_FORMAT_KEY)
+        if remote_format != self.block_format:
+            # Blocks of another format would land as bytes that mean other tokens.
+            reason = (f"the producer's blocks are {remote_format or 'token-major'}, this "
+                      f"engine's {self.block_format or 'token-major'}: not read")
+            if request.request_id not in self._refused:
+                log.error("request %s: %s; vLLM computes its prompt", request.request_id, reason)
+            self._refused[request.request_id] = reason
+            self._local_hits[request.request_id] = num_computed_tokens
+            return 0, False
         remote_tokens = min(int(params.get("remote_num_tokens", 0)), request.num_prompt_tokens)
         count = remote_tokens - num_computed_tokens
+        self._local_hits[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -302,6 +318,15 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        refused = self._refused.pop(request.request_id, None)
+        self._load_outcomes[request.request_id] = {
+            "status": "refused" if refused else "reading" if num_external_tokens > 0
+            else "local_hit",
+            "remote_tokens": int(num_external_tokens),
+            "local_hit_tokens": int(self._local_hits.pop(request.request_id, 0)),
+        }
+        if refused:
+            self._load_outcomes[request.request_id]["reason"] = refused
         if num_external_tokens > 0 and self.grouped:
             local_groups = tuple(_blocks_to_fill(group) for group in blocks.blocks)
             flat = [b for _, ids in local_groups for b in ids]
@@ -367,9 +392,11 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Producer: keeps a finished prefill's blocks and returns the consumer's params."""
+        """Producer: keeps a finished prefill's blocks and returns the consumer's params.
+        Consumer: returns ``{"jaxkv_load": outcome}``, what the request's read did (see
+        `load_outcome`), so that vLLM's output shows it."""
         if not self._to_send(request, bool(block_ids)):
-            return False, None
+            return False, self._load_outcome_params(request.request_id)
         if not self.settings.side_channel:
             raise ValueError("a kv_producer needs side_channel addresses in its settings")
         request_id = request.request_id
@@ -384,7 +411,10 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             block_size=self.block_size,
         )
         self._meta.to_send.add(request_id)
-        return True, transfer_params_to_dict(transfer, num_tokens, self.block_size)
+        params = transfer_params_to_dict(transfer, num_tokens, self.block_size)
+        if self.block_format is not None:
+            params[BLOCK_FORMAT_KEY] = self.block_format
+        return True, params
 
     def _request_finished_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -393,7 +423,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         request_id = request.request_id
         firsts = self._published_first.pop(request_id, None)
         if not self._to_send(request, any(block_ids)):
-            return False, None
+            return False, self._load_outcome_params(request_id)
         if not self.settings.side_channel:
             raise ValueError("a kv_producer needs side_channel addresses in its settings")
         assert firsts is not None and self._kv_cache_manager is not None
@@ -419,7 +449,22 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             first_blocks=starts,
         )
         self._meta.to_send.add(request_id)
-        return True, transfer.to_dict()
+        params = transfer.to_dict()
+        if self.block_format is not None:
+            params[BLOCK_FORMAT_KEY] = self.block_format
+        return True, params
+
+    def _load_outcome_params(self, request_id: str) -> dict[str, Any] | None:
+        """A consumer request's read outcome as output ``kv_transfer_params`` (None for a
+        request that read nothing)."""
+        self._local_hits.pop(request_id, None)
+        self._refused.pop(request_id, None)
+        outcome = self._load_outcomes.pop(request_id, None)
+        if outcome is None:
+            return None
+        if outcome["status"] == "reading":  # finished (aborted) before the read ended
+            outcome["status"] = "aborted"
+        return {"jaxkv_load": outcome}
 
     def _to_send(self, request: Request, has_blocks: bool) -> bool:
         """The bookkeeping of a finished request; True when the producer hands it over."""
@@ -457,8 +502,23 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         return True
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Forgets the consumer reads the workers reported over."""
-        self._loading -= set(connector_output.finished_recving or ())
+        """Forgets the consumer reads the workers reported over, noting each one's outcome
+        (reported in the request's output by `request_finished`)."""
+        finished = set(connector_output.finished_recving or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        self._loading -= finished
+        for request_id in finished:
+            outcome = self._load_outcomes.get(request_id)
+            if outcome is None or outcome["status"] != "reading":
+                continue
+            if request_id in failed:
+                outcome["status"] = "failed"
+                log.warning(
+                    "request %s: reading its %d prompt tokens from the prefill engine failed; "
+                    "vLLM recomputes them (kv_load_failure_policy)", request_id,
+                    outcome["remote_tokens"])
+            else:
+                outcome["status"] = "loaded"
 
     # -- worker side ----------------------------------------------------------------------
 
@@ -1062,3 +1122,22 @@ def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
         f"type {kinds} for its layers; it takes one jaxkv.PagedKVCache holding all of the "
         "group's layers"
     )
+
+
+BLOCK_FORMAT_KEY = "jaxkv_block_format"
+"""The key of a producer's params that names how its blocks hold tokens (see
+`_block_format`)."""
+
+
+def _block_format() -> str | None:
+    """How this engine's vLLM blocks hold their tokens, when it is not vLLM's token-major
+    paged layout: ``"vllm-cpu-attention"`` on vLLM's CPU platform, whose attention stores each
+    (block, head) as a K region in an instruction-set-specific order (one token's K spread over
+    the region) followed by V as ``[tokens, head_size]`` rows. Such blocks are exact only when
+    moved whole between engines of the same format; jaxkv cannot split them into tokens
+    (another block size, layout or backend). None: the token-major layout."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - vLLM is imported by this module already
+        return None
+    return "vllm-cpu-attention" if current_platform.is_cpu() else None

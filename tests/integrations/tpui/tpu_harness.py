@@ -336,6 +336,7 @@ class Side:
         return list(self.scheduler.kv_cache_manager.get_block_ids(request_id)[0])
 
     def step(self) -> None:
+        import jax
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
@@ -352,13 +353,16 @@ class Side:
             stop = min(req.num_computed_tokens, req.num_prompt_tokens)
             start = min(req.num_computed_tokens - n, stop)
             writes.append((req.prompt_token_ids, self.block_ids(request_id), start, stop))
-        if out.total_num_scheduled_tokens:
-            with set_forward_context(None, self.config), Mixin.maybe_get_kv_connector_output(
-                out
-            ) as kv_out:
-                self.runner.forward(writes)
-        else:
-            kv_out = Mixin.kv_connector_no_forward(out, self.config).kv_connector_output
+        # tpu-inference's execute_model runs the forward and every connector hook with the
+        # runner's ('data', 'model') mesh as JAX's context mesh
+        with jax.set_mesh(self.runner.mesh):
+            if out.total_num_scheduled_tokens:
+                with set_forward_context(None, self.config), Mixin.maybe_get_kv_connector_output(
+                    out
+                ) as kv_out:
+                    self.runner.forward(writes)
+            else:
+                kv_out = Mixin.kv_connector_no_forward(out, self.config).kv_connector_output
         if kv_out is not None:
             self._collect(kv_out)
         req_ids = list(out.num_scheduled_tokens)

