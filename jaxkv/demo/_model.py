@@ -10,7 +10,10 @@ reduction here is exact:
 
 * matmuls are int8 x int8 with int32 accumulation (weights quantized per output channel once,
   activations per row at each use, as W8A8 serving does): integer sums do not depend on order;
-* the norm divides by the row's largest magnitude (a max is exact), not by its RMS;
+* the norm scales a row by the power of two that brings its largest magnitude into [0.5, 1)
+  (a max is exact), not by its RMS;
+* every quantization scale is a power of two, so no scaling rounds (a compiler may order
+  or rewrite a division by ``amax / 127`` differently in two programs);
 * attention's scores are an integer dot of int8 queries and keys, and its softmax sums
   fixed-point weights in int32 (`jaxkv.demo._attention.attend`);
 * everything else is elementwise, and heads are split over ranks, never a reduction.
@@ -35,7 +38,14 @@ from jax.sharding import PartitionSpec as P
 from jaxkv import ops
 from jaxkv._cache import PagedKVCache
 from jaxkv._spec import KVCacheSpec
-from jaxkv.demo._attention import attend, check_spec, quantize_rows, read_pages, write_tokens
+from jaxkv.demo._attention import (
+    attend,
+    check_spec,
+    pow2,
+    quantize_rows,
+    read_pages,
+    write_tokens,
+)
 
 __all__ = ["ModelConfig", "ModelRunner", "init_params", "make_mesh"]
 
@@ -106,9 +116,9 @@ def init_params(config: ModelConfig) -> dict[str, np.ndarray]:
     c = config
     lyr = c.num_layers
 
-    # The norms divide by a row's largest magnitude, about 3x its RMS for a Gaussian row:
-    # weights near 3 keep activations at about unit RMS, as after an RMS norm.
-    gain = np.float32(3.0)
+    # The norms bring a row's largest magnitude into [0.5, 1), about 4x its RMS for a
+    # Gaussian row: weights near 4 keep activations at about unit RMS, as an RMS norm does.
+    gain = np.float32(4.0)
 
     def normal(*shape, scale):
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
@@ -179,10 +189,11 @@ def _linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
 
 
 def _norm(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """Divides each row by its largest magnitude, times `weight` (a max is exact; a mean of
-    squares is a float sum, whose last bit depends on the kernel XLA picks)."""
+    """Scales each row by the power of two that brings its largest magnitude into [0.5, 1)
+    (exact; an RMS is a float sum, whose last bit depends on the kernel XLA picks), times
+    `weight`."""
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    return x / jnp.where(amax > 0, amax, 1.0) * weight
+    return x * pow2(-jnp.frexp(amax)[1].astype(jnp.int32)) * weight
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
