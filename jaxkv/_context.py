@@ -34,7 +34,9 @@ def outside_trace() -> bool:
 
 @contextlib.contextmanager
 def no_context_mesh() -> Iterator[None]:
-    """Clears the caller's context mesh for an eager call (a no-op inside a trace).
+    """Clears the caller's context mesh for an eager call (a no-op inside a trace). Also a
+    decorator (``@no_context_mesh()``): the transfer engine's entry points use it, since any
+    eager JAX op on arrays outside the context mesh's devices fails under it.
 
     Example:
       >>> with no_context_mesh():

@@ -38,9 +38,10 @@ def _rss_mb() -> float:
 
 def _foreign_mesh(model: int) -> jax.sharding.Mesh:
     """A mesh like tpu-inference's runner sets as context: ``('data', 'model')`` over the
-    last `model` devices (other devices and axis names than the caches' own meshes)."""
-    return jax.sharding.Mesh(np.array(jax.devices()[-model:]).reshape(1, model),
-                             ("data", "model"))
+    last `model` devices (other devices and axis names than the caches' own meshes), or over
+    the first ``-model`` devices (the caches' devices, as the runner's mesh is)."""
+    devices = jax.devices()[-model:] if model > 0 else jax.devices()[:-model]
+    return jax.sharding.Mesh(np.array(devices).reshape(1, len(devices)), ("data", "model"))
 
 
 def jax_producer_main(conn) -> None:
@@ -371,6 +372,8 @@ class JaxEngineTest(parameterized.TestCase):
         (1, 2, False, 2),
         (2, 1, True, 1),
         (2, 2, True, 2),
+        (2, 2, False, -2),  # the runner's own devices: a rank's piece lies on one of them
+        (2, 2, True, -2),
     )
     def test_engines_under_a_foreign_context_mesh(self, p_tp, d_tp, packed, model):
         """A serving engine sets its own mesh as JAX's context for its whole loop

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -77,9 +78,16 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_float("timeout_s", 300.0, "Deadline of the whole serving phase.")
 flags.DEFINE_enum(
-    "serve_with", "jaxkv", ["jaxkv", "vllm-scheduler"],
+    "serve_with", "jaxkv", ["jaxkv", "vllm-scheduler", "vllm-cpu", "tpu-inference"],
     "jaxkv: the demo's own loop over jaxkv's block manager; vllm-scheduler: vLLM's Scheduler "
-    "on both sides with jaxkv's vLLM KV connector (needs vLLM installed).",
+    "on both sides with jaxkv's vLLM KV connector (needs vLLM installed); vllm-cpu / "
+    "tpu-inference: real engines of vLLM's CPU build / tpu-inference on JAX CPU serving a "
+    "tiny Llama (prefill + decode with jaxkv's connector, against a single instance; the "
+    "environments of scripts/setup_vllm_cpu.sh / scripts/setup_tpu_inference.sh).",
+)
+flags.DEFINE_enum(
+    "transport", "nixl", ["nixl", "jax"],
+    "--serve_with=tpu-inference: the connector's transport (jax: JAX's transfer server).",
 )
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
 flags.DEFINE_string(
@@ -128,9 +136,40 @@ def _progress(total: int, enabled: bool):
     return update
 
 
+def _serve_real_engines() -> int:
+    """--serve_with=vllm-cpu / tpu-inference: real engines, P/D against a single instance."""
+    backend = FLAGS.serve_with
+    package = "vllm-cpu" if backend == "vllm-cpu" else "tpu-inference"
+    try:
+        importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        script = "setup_vllm_cpu.sh" if backend == "vllm-cpu" else "setup_tpu_inference.sh"
+        print(f"jaxkv demo: --serve_with={backend} needs {package} installed (the environment "
+              f"scripts/{script} builds has it)", file=sys.stderr)
+        return 2
+    from jaxkv.demo._real_engines import BLOCK_SIZE, format_real_report, run_real_engines
+
+    blocks = ((BLOCK_SIZE, BLOCK_SIZE) if backend == "vllm-cpu"
+              else (FLAGS.prefill_block_size, FLAGS.decode_block_size))
+    print(f"jaxkv demo: {backend} engines (prefill, decode and a single instance, each a "
+          "vllm.LLM process) serving a tiny Llama; building them takes ~1 min", flush=True)
+    report = run_real_engines(
+        backend, num_requests=FLAGS.num_requests, prompt_len=FLAGS.prompt_len,
+        shared_prefix_len=FLAGS.shared_prefix_len, max_new_tokens=FLAGS.max_new_tokens,
+        prefill_block_size=blocks[0], decode_block_size=blocks[1],
+        transport=FLAGS.transport if backend == "tpu-inference" else None, seed=FLAGS.seed)
+    print(format_real_report(report))
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if report["tokens_match"] and report["kv_exact"] else 1
+
+
 def main(argv) -> int:
     del argv
     quiet_startup_logging(bool(FLAGS["verbosity"].present))
+    if FLAGS.serve_with in ("vllm-cpu", "tpu-inference"):
+        return _serve_real_engines()
     check_compiled_modules()
     if FLAGS.prefill_tp < 1 or FLAGS.decode_tp < 1:
         raise app.UsageError("TP sizes must be >= 1")

@@ -33,14 +33,24 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
+import socket
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TINY_LLAMA", "block_values", "serve_engine", "write_model"]
+__all__ = [
+    "TINY_LLAMA",
+    "EngineProcess",
+    "block_values",
+    "run_real_engines",
+    "serve_engine",
+    "write_model",
+]
 
 BACKENDS = ("vllm-cpu", "tpu-inference")
 
@@ -297,3 +307,185 @@ def serve_engine(conn: Any, backend: str, model_dir: str, seed: int, role: str |
                 conn.send(("error", "ValueError", f"unknown command {command[0]!r}"))
         except Exception as error:  # noqa: BLE001 - the parent sees the reason
             conn.send(("error", type(error).__name__, str(error)))
+
+
+class EngineProcess:
+    """A `vllm.LLM` of `backend` in a spawned process, answering `serve_engine`'s commands.
+
+    Args:
+      backend: ``"vllm-cpu"`` or ``"tpu-inference"``.
+      model_dir: the model (`write_model`).
+      seed: the weights' seed.
+      role: ``"kv_producer"``, ``"kv_consumer"`` or None (no connector).
+      engine_id, port: the connector's engine name and side-channel port (with a role).
+      block_size: tokens per block.
+      wait_s: the bound of the start and of each command.
+      settings: more connector settings (e.g. ``transport="jax"``).
+    """
+
+    def __init__(self, backend: str, model_dir: str, seed: int, role: str | None,
+                 engine_id: str = "", port: int = 0, block_size: int = BLOCK_SIZE,
+                 *, wait_s: float = 300.0, **settings: Any):
+        if role:
+            settings = {"engine_id": engine_id, "side_channel": [["127.0.0.1", port]],
+                        "read_timeout_s": 20.0, **settings}
+        self.wait_s = wait_s
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=serve_engine,
+            args=(child, backend, model_dir, seed, role, settings, block_size), daemon=True)
+        self.process.start()
+        self.build_s: float | None = None
+
+    def wait_ready(self) -> float:
+        """Waits for the engine; returns how long it took to build."""
+        if not self.conn.poll(self.wait_s):
+            raise TimeoutError(f"the engine did not start within {self.wait_s:.0f}s")
+        ready = self.conn.recv()
+        if ready[0] != "ready":
+            raise RuntimeError(f"the engine did not start: {ready}")
+        self.build_s = float(ready[1])
+        return self.build_s
+
+    def call(self, *command: Any) -> Any:
+        """Sends a command; returns the answer (raises the engine's error)."""
+        self.conn.send(command)
+        if not self.conn.poll(self.wait_s):
+            raise TimeoutError(f"no answer to {command[0]!r} within {self.wait_s:.0f}s")
+        answer = self.conn.recv()
+        if isinstance(answer, tuple) and answer and answer[0] == "error":
+            raise RuntimeError(f"engine: {answer[1]}: {answer[2]}")
+        return answer
+
+    def close(self) -> None:
+        """Asks the process to exit; kills it if it does not."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.conn.send(("exit",))
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the first of a few consecutive ones to use)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return min(int(s.getsockname()[1]), 60000)
+
+
+def run_real_engines(backend: str, *, num_requests: int = 8, prompt_len: int = 96,
+                     shared_prefix_len: int = 64, max_new_tokens: int = 16,
+                     prefill_block_size: int = BLOCK_SIZE,
+                     decode_block_size: int = BLOCK_SIZE, transport: str | None = None,
+                     seed: int = 0) -> dict[str, Any]:
+    """Serves the same prompts by a prefill + decode pair of real engines of `backend` and by
+    a single instance, all at once; compares tokens and the decode side's prompt KV with the
+    producer's, and times both.
+
+    Returns:
+      A report: ``tokens_match``, ``kv_exact`` (every request), per request its tokens,
+      read outcome and TTFT, and ``timings``: build seconds, P/D and single medians of TTFT,
+      decode tokens/s.
+    """
+    model_dir = write_model(tempfile.mkdtemp(prefix="jaxkv-tiny-llama-"))
+    extra: dict[str, Any] = {"transport": transport} if transport else {}
+    port = free_port()
+    producer = EngineProcess(backend, model_dir, seed + 1, "kv_producer", "prefill", port,
+                             prefill_block_size, **extra)
+    consumer = EngineProcess(backend, model_dir, seed + 1, "kv_consumer", "decode", port + 1,
+                             decode_block_size, **extra)
+    single = EngineProcess(backend, model_dir, seed + 1, None, block_size=decode_block_size)
+    engines = [producer, consumer, single]
+    try:
+        build_s = [engine.wait_ready() for engine in engines]
+        rng = np.random.default_rng(seed)
+        prefix = rng.integers(3, TINY_LLAMA["vocab_size"], shared_prefix_len).tolist()
+        prompts = [prefix + rng.integers(3, TINY_LLAMA["vocab_size"],
+                                         prompt_len - shared_prefix_len).tolist()
+                   for _ in range(num_requests)]
+        started = time.monotonic()
+        reference = single.call("generate", prompts, None, max_new_tokens)
+        single_s = time.monotonic() - started
+        started = time.monotonic()
+        prefilled = producer.call("prefill", prompts)
+        prefill_s = time.monotonic() - started
+        results = consumer.call("generate", prompts, [p for p, _ in prefilled], max_new_tokens)
+        pd_s = time.monotonic() - started
+    finally:
+        for engine in engines:
+            engine.close()
+    requests = []
+    for prompt, want, got, (_, kv) in zip(prompts, reference, results, prefilled):
+        n = len(prompt)
+        if backend == "vllm-cpu":  # whole blocks (the last one's V rows) compare exactly
+            last = (n - 1) // BLOCK_SIZE
+            exact = bool(np.array_equal(got["prompt_kv"][:, :last].view(np.uint32),
+                                        kv[:, :last].view(np.uint32)))
+            exact &= bool(np.array_equal(block_values(got["prompt_kv"])[1][:, last * 32:n - 1]
+                                         .view(np.uint32),
+                                         block_values(kv)[1][:, last * 32:n - 1]
+                                         .view(np.uint32)))
+        else:
+            exact = bool(np.array_equal(got["prompt_kv"][:, : n - 1].view(np.uint8),
+                                        kv[:, : n - 1].view(np.uint8)))
+        requests.append({
+            "tokens": got["tokens"], "tokens_match": got["tokens"] == want["tokens"],
+            "kv_exact": exact, "read": (got.get("kv_transfer_params") or {}).get("jaxkv_load"),
+            "pd_ttft_s": prefill_s + got["ttft_s"], "single_ttft_s": want["ttft_s"],
+        })
+    generated = num_requests * max_new_tokens
+
+    def rate(results_: list[dict[str, Any]]) -> float:
+        span = max(r["done_s"] for r in results_) - min(r["ttft_s"] for r in results_)
+        return (generated - num_requests) / span if span > 0 else float("nan")
+
+    return {
+        "backend": backend, "transport": transport or "nixl",
+        "num_requests": num_requests, "prompt_len": prompt_len,
+        "shared_prefix_len": shared_prefix_len, "max_new_tokens": max_new_tokens,
+        "prefill_block_size": prefill_block_size, "decode_block_size": decode_block_size,
+        "tokens_match": all(r["tokens_match"] for r in requests),
+        "kv_exact": all(r["kv_exact"] for r in requests),
+        "requests": requests,
+        "timings": {
+            "build_s": build_s,
+            "single_ttft_median_s": float(np.median([r["single_ttft_s"] for r in requests])),
+            "pd_ttft_median_s": float(np.median([r["pd_ttft_s"] for r in requests])),
+            "pd_prefill_s": prefill_s,
+            "single_decode_tokens_per_s": rate(reference),
+            "pd_decode_tokens_per_s": rate(results),
+            "single_total_s": single_s, "pd_total_s": pd_s,
+        },
+    }
+
+
+def format_real_report(report: dict[str, Any]) -> str:
+    """`run_real_engines`'s report as text."""
+    t = report["timings"]
+    lines = [
+        f"{report['backend']} engines over {report['transport']}: {report['num_requests']} "
+        f"requests of {report['prompt_len']} tokens ({report['shared_prefix_len']} shared), "
+        f"{report['max_new_tokens']} new tokens; blocks {report['prefill_block_size']} -> "
+        f"{report['decode_block_size']}",
+        f"{'request':<8} {'read':<8} {'remote':>6} {'hit':>4}  {'tokens':<7} {'KV':<6} "
+        f"{'TTFT P/D':>9} {'single':>7}",
+    ]
+    for i, r in enumerate(report["requests"]):
+        read = r["read"] or {}
+        lines.append(
+            f"req-{i:<4} {read.get('status', '-'):<8} {read.get('remote_tokens', 0):>6} "
+            f"{read.get('local_hit_tokens', 0):>4}  {'same' if r['tokens_match'] else 'DIFFER':<7}"
+            f" {'exact' if r['kv_exact'] else 'DIFFER':<6} {r['pd_ttft_s'] * 1e3:>7.1f}ms "
+            f"{r['single_ttft_s'] * 1e3:>5.1f}ms")
+    lines.append(
+        f"TTFT median: P/D {t['pd_ttft_median_s'] * 1e3:.1f} ms (prefill engine "
+        f"{t['pd_prefill_s'] * 1e3:.1f} ms of it), single instance "
+        f"{t['single_ttft_median_s'] * 1e3:.1f} ms; decode tokens/s: P/D "
+        f"{t['pd_decode_tokens_per_s']:.1f}, single {t['single_decode_tokens_per_s']:.1f} "
+        f"(CPU numbers: for regressions, not claims)")
+    lines.append(f"tokens match the single instance: {report['tokens_match']}; prompt KV on "
+                 f"the decode side exact: {report['kv_exact']}")
+    return "\n".join(lines)

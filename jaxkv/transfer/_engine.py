@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv._context import no_context_mesh
 from jaxkv._parallel import EngineConfig
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, nixl_available
 from jaxkv.transfer._consumer import Consumer, Reading
@@ -319,6 +320,7 @@ class KVTransferEngine:
             raise AttributeError(f"transport {self.transport.name!r} has no NIXL agent")
         return agent
 
+    @no_context_mesh()
     def register_cache(self, cache: Any, pp_rank: int = 0, tp_rank: int | None = None) -> None:
         """Registers every shard of a `PagedKVCache` and publishes the metadata.
 
@@ -350,6 +352,7 @@ class KVTransferEngine:
         it formats from, and writes into, whatever arrays are current)."""
         return not getattr(self.transport, "moves_arrays", False)
 
+    @no_context_mesh()
     def update_cache(self, cache: Any) -> None:
         """Makes `cache` the current version of a registered cache (after the caller updated
         it with donated, in-place operations: `cache = step(cache)`). Post-processing of
@@ -421,6 +424,7 @@ class KVTransferEngine:
 
     # -- producer -------------------------------------------------------------------------
 
+    @no_context_mesh()
     def publish_request(
         self,
         request_id: str,
@@ -455,6 +459,7 @@ class KVTransferEngine:
                 address_tuple(self.address),
             )
 
+    @no_context_mesh()
     def publish_layers(self, request_id: str, layer_stop: int | None = None) -> None:
         """Declares the global layers ``[0, layer_stop)`` of a layer-wise request written.
 
@@ -519,6 +524,7 @@ class KVTransferEngine:
 
     # -- consumer -------------------------------------------------------------------------
 
+    @no_context_mesh()
     def start_read(
         self,
         params: TransferParams,
@@ -553,6 +559,7 @@ class KVTransferEngine:
 
     # -- polling --------------------------------------------------------------------------
 
+    @no_context_mesh()
     def poll(self) -> PollResult:
         """Makes progress on everything in flight; returns what changed since the last poll."""
         with self._lock:

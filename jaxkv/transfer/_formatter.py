@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from jaxkv._context import jit as own_jit
+from jaxkv._context import no_context_mesh
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv._spec import KVCacheSpec
 
@@ -467,6 +468,7 @@ def _layout_block_shape(spec: KVCacheSpec, tp_size: int, array: Any) -> tuple[in
     return shape
 
 
+@no_context_mesh()
 def split_request(
     cache: Any,
     producer: EngineConfig,
@@ -609,6 +611,7 @@ def _assemble(shape: tuple[int, ...], like: Any, pieces: Mapping[Any, Any]) -> A
     return jax.make_array_from_single_device_arrays(global_shape, like.sharding, arrays)
 
 
+@no_context_mesh()
 def concat_request(
     cache: Any,
     consumer: EngineConfig,
