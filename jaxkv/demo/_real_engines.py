@@ -119,17 +119,21 @@ def _seed_dummy_weights(seed: int) -> None:
 
 
 def _build(backend: str, model_dir: str, seed: int, role: str | None,
-           settings: dict[str, Any], block_size: int) -> Any:
+           settings: dict[str, Any], block_size: int, tp: int = 1) -> Any:
     if backend == "tpu-inference":
         from jaxkv.demo import _tpu_inference_cpu
 
         _tpu_inference_cpu.apply(seed)
         connector = ("TPUConnector", "jaxkv.integrations.tpu_inference")
-        extra: dict[str, Any] = {"num_gpu_blocks_override": 128}
+        extra: dict[str, Any] = {"num_gpu_blocks_override": 128, "tensor_parallel_size": tp}
+        if role is not None:
+            settings = {"tp_size": tp, **settings}  # one process holds every TP rank
     elif backend == "vllm-cpu":
         _seed_dummy_weights(seed)
         connector = ("JaxKVConnector", "jaxkv.integrations.vllm")
         extra = {}
+        if tp != 1:
+            raise ValueError("the vllm-cpu engines here run TP 1")
         if block_size != BLOCK_SIZE:
             raise ValueError(f"vLLM's CPU attention needs {BLOCK_SIZE}-token blocks")
     else:
@@ -251,7 +255,7 @@ def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any],
 
 
 def serve_engine(conn: Any, backend: str, model_dir: str, seed: int, role: str | None,
-                 settings: dict[str, Any], block_size: int = BLOCK_SIZE) -> None:
+                 settings: dict[str, Any], block_size: int = BLOCK_SIZE, tp: int = 1) -> None:
     """A spawned process's main: builds the engine, sends ("ready", build seconds), then
     answers commands (module docstring) until ("exit",), stepping the engine in between.
 
@@ -263,14 +267,19 @@ def serve_engine(conn: Any, backend: str, model_dir: str, seed: int, role: str |
       role: ``"kv_producer"``, ``"kv_consumer"`` or None (a single instance, no connector).
       settings: the connector's ``kv_connector_extra_config``.
       block_size: tokens per block (vLLM's CPU attention: 32 only).
+      tp: tensor-parallel size (tpu-inference: that many JAX CPU devices in this process).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if backend == "vllm-cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    if tp > 1:  # before JAX starts: one CPU device per TP rank
+        xla = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                       if "xla_force_host_platform_device_count" not in f)
+        os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={tp}".strip()
     started = time.monotonic()
-    llm = _build(backend, model_dir, seed, role, settings, block_size)
+    llm = _build(backend, model_dir, seed, role, settings, block_size, tp)
     conn.send(("ready", time.monotonic() - started))
     while True:
         if not conn.poll(0.005):
@@ -319,13 +328,14 @@ class EngineProcess:
       role: ``"kv_producer"``, ``"kv_consumer"`` or None (no connector).
       engine_id, port: the connector's engine name and side-channel port (with a role).
       block_size: tokens per block.
+      tp: tensor-parallel size (one process holds every rank).
       wait_s: the bound of the start and of each command.
       settings: more connector settings (e.g. ``transport="jax"``).
     """
 
     def __init__(self, backend: str, model_dir: str, seed: int, role: str | None,
                  engine_id: str = "", port: int = 0, block_size: int = BLOCK_SIZE,
-                 *, wait_s: float = 300.0, **settings: Any):
+                 *, tp: int = 1, wait_s: float = 300.0, **settings: Any):
         if role:
             settings = {"engine_id": engine_id, "side_channel": [["127.0.0.1", port]],
                         "read_timeout_s": 20.0, **settings}
@@ -334,7 +344,7 @@ class EngineProcess:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=serve_engine,
-            args=(child, backend, model_dir, seed, role, settings, block_size), daemon=True)
+            args=(child, backend, model_dir, seed, role, settings, block_size, tp), daemon=True)
         self.process.start()
         self.build_s: float | None = None
 

@@ -1,9 +1,10 @@
 """P/D end to end through real tpu-inference engines (vllm-tpu / tpu-inference 0.32 on JAX's
 CPU devices, `jaxkv.demo._tpu_inference_cpu`) serving a real model forward (a tiny Llama with
 seeded random weights, float32), jaxkv's ``TPUConnector`` moving the prompt KV between a
-prefill engine with 16-token pages and a decode engine with 32-token pages, over NIXL and
-over the JAX transport (`jax.experimental.transfer`, whose reads all failed inside
-tpu-inference's runner before jaxkv's programs ignored the runner's context mesh).
+prefill engine at TP 2 (two JAX CPU devices) with 16-token pages and a decode engine at TP 1
+with 32-token pages, over NIXL and over the JAX transport (`jax.experimental.transfer`,
+whose reads all failed inside tpu-inference's runner before jaxkv's programs ignored the
+runner's context mesh).
 
 Every P/D run is compared with a single instance (tokens equal) and the decode side's cache
 with the producer's (every prompt row bit for bit, K/V interleaved and packed as tpu-inference
@@ -47,7 +48,7 @@ class TpuInferenceEngineTest(parameterized.TestCase):
         engines = []
         for i, transport in enumerate(TRANSPORTS):
             producer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_producer", f"prefill-{transport}",
-                                 port + 2 * i, 16, transport=transport)
+                                 port + 2 * i, 16, tp=2, transport=transport)
             consumer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_consumer", f"decode-{transport}",
                                  port + 2 * i + 1, 32, transport=transport)
             cls.pairs[transport] = (producer, consumer)
