@@ -843,7 +843,19 @@ def run_disaggregated(
         timings["serve_s"] = time.monotonic() - t_serve
         bare = None
         if process.is_alive():
-            bare = _bare_reads(transfer, peer_meta, _sample_read(results, samples))
+            sample = _sample_read(results, samples)
+            bare = _bare_reads(transfer, peer_meta, sample)
+            if bare is not None and settings.prefill_processes == 1:
+                replay = _engine_reads(transfer, parent, process,
+                                       prompts[int(sample["request_id"].split("-")[1])],
+                                       sample["local_ids"])
+                if replay is not None:
+                    replay_bare = _bare_reads(transfer, peer_meta, replay.pop("sample"))
+                    if replay_bare is not None and "same_descriptors" in replay_bare:
+                        replay["bare_same_descriptors_ms"] = round(
+                            replay_bare["same_descriptors"]["median_s"] * 1e3, 3)
+                        replay["descriptors"] = replay_bare["same_descriptors"]["descriptors"]
+                    bare["engine_alone"] = replay
         stats = transfer.stats.summary()
     finally:
         stop_prefill(parent, process)
@@ -872,6 +884,50 @@ def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> Non
         cache = apply_post_processing(engine.runner.cache, steps)
         engine.runner.cache = cache
         transfer.update_cache(cache)
+
+
+def _engine_reads(transfer, conn, process, prompt: list[int], local_ids: list[int],
+                  repeats: int = 5, timeout_s: float = 30.0) -> dict[str, Any] | None:
+    """The engine alone, without the decode loop's cadence: the prefill process publishes
+    `prompt` again (a prefix-cache hit there) `repeats` times, and each time this process
+    reads it into `local_ids` (the same bytes again) while polling the engine back to back.
+
+    Returns:
+      ``{"landed_ms", "confirmed_ms"}`` medians (posted -> READs seen complete, -> the
+      producer's confirmation), ``"repeats"``, and ``"sample"`` (the last read's ids, for a
+      bare READ of the same descriptors); None if a publish or read failed.
+    """
+    landed, confirmed = [], []
+    sample = None
+    for k in range(repeats):
+        rid = f"replay-{k}"
+        conn.send(("request", rid, prompt))
+        deadline = time.monotonic() + timeout_s
+        message = None
+        while message is None and time.monotonic() < deadline and process.is_alive():
+            transfer.poll()
+            if conn.poll(0.001):
+                received = conn.recv()
+                if received[1] == rid:
+                    message = received
+        if message is None or message[0] != "published":
+            return None
+        params = message[2]
+        transfer.start_read(params, list(local_ids), read_id=rid)
+        while True:
+            result = transfer.poll()
+            if rid in result.finished:
+                break
+            if any(f.request_id == rid for f in result.failed) or time.monotonic() > deadline:
+                return None
+        record = next(x for x in reversed(transfer.stats.records) if x.request_id == rid)
+        landed.append(record.duration_s)
+        confirmed.append(record.duration_s + record.confirm_s)
+        sample = {"request_id": rid, "remote_ids": list(params.block_ids),
+                  "local_ids": list(local_ids)}
+    return {"landed_ms": round(float(np.median(landed)) * 1e3, 3),
+            "confirmed_ms": round(float(np.median(confirmed)) * 1e3, 3),
+            "repeats": repeats, "sample": sample}
 
 
 def _sample_read(results: dict[str, RequestResult], samples: dict[str, dict[str, Any]]):
