@@ -64,6 +64,13 @@ class DisaggregatedTest(parameterized.TestCase):
                          (like["bytes"], like["descriptors"]))
         one = moved["bare_nixl_read"]["one_descriptor"]
         self.assertBetween(one["bytes"], 1, like["bytes"])  # capped by the largest region
+        # the engine alone: the sample request read again, polled back to back, and a bare
+        # READ of that read's descriptors (behaviour only: times are the machine's business)
+        if report["settings"]["prefill_processes"] == 1:
+            alone = like["engine_alone"]
+            self.assertEqual(alone["repeats"], 5)
+            self.assertBetween(alone["landed_ms"], 0.0, alone["confirmed_ms"])
+            self.assertGreater(alone["bare_same_descriptors_ms"], 0)
 
     @parameterized.parameters(
         # (prefill_tp, decode_tp, prefill_layout, decode_layout, prefill_bs, decode_bs)
@@ -109,6 +116,8 @@ class DisaggregatedTest(parameterized.TestCase):
         self.assertNotIn("Unable to initialize backend", output)
         self.check(report)
         self.assertIn("tokens match colocated run: True", output)
+        self.assertIn("the engine alone (the same request read again, polled back to back",
+                      output)
         self.assertEqual(report["settings"]["prefill_layout"], "LKTHD")
         for key in ("prefill_ms", "handshake_ms", "transfer_ms", "post_ms", "queue_ms"):
             self.assertIn(key, report["requests"][0])
