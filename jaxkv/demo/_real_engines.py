@@ -400,7 +400,8 @@ def run_real_engines(backend: str, *, num_requests: int = 8, prompt_len: int = 9
       read outcome and TTFT, and ``timings``: build seconds, P/D and single medians of TTFT,
       decode tokens/s.
     """
-    model_dir = write_model(tempfile.mkdtemp(prefix="jaxkv-tiny-llama-"))
+    model_tmp = tempfile.TemporaryDirectory(prefix="jaxkv-tiny-llama-")
+    model_dir = write_model(model_tmp.name)
     extra: dict[str, Any] = {"transport": transport} if transport else {}
     port = free_port()
     producer = EngineProcess(backend, model_dir, seed + 1, "kv_producer", "prefill", port,
@@ -436,6 +437,7 @@ def run_real_engines(backend: str, *, num_requests: int = 8, prompt_len: int = 9
     finally:
         for engine in engines:
             engine.close()
+        model_tmp.cleanup()
     requests = []
     for prompt, want, got, (_, kv) in zip(prompts, reference, results, prefilled):
         n = len(prompt)

@@ -14,7 +14,6 @@ transfer params swapped). Engines start once and serve every scenario."""
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 
 import numpy as np
 import pytest
@@ -26,7 +25,6 @@ if importlib.util.find_spec("tpu_inference") is None:
 import real_engine_harness as rh  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
-from jaxkv.demo import _real_engines  # noqa: E402
 from jaxkv.transfer import nixl_available  # noqa: E402
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 
@@ -38,30 +36,20 @@ if not TRANSPORTS:
     pytest.skip("neither NIXL nor JAX's transfer server is available", allow_module_level=True)
 
 
-class TpuInferenceEngineTest(parameterized.TestCase):
+class TpuInferenceEngineTest(rh.EnginesTestCase):
     @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.model_dir = _real_engines.write_model(tempfile.mkdtemp(prefix="jaxkv-tiny-llama-"))
-        port = rh.free_port_base()
+    def make_engines(cls, model_dir, port):
         cls.pairs = {}
         engines = []
         for i, transport in enumerate(TRANSPORTS):
-            producer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_producer", f"prefill-{transport}",
+            producer = rh.Engine(BACKEND, model_dir, 1, "kv_producer", f"prefill-{transport}",
                                  port + 2 * i, 16, tp=2, transport=transport)
-            consumer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_consumer", f"decode-{transport}",
+            consumer = rh.Engine(BACKEND, model_dir, 1, "kv_consumer", f"decode-{transport}",
                                  port + 2 * i + 1, 32, transport=transport)
             cls.pairs[transport] = (producer, consumer)
             engines += [producer, consumer]
-        cls.single = rh.Engine(BACKEND, cls.model_dir, 1, None, block_size=32)
-        cls.engines = [*engines, cls.single]
-        rh.start(cls.engines)
-
-    @classmethod
-    def tearDownClass(cls):
-        for engine in cls.engines:
-            engine.close()
-        super().tearDownClass()
+        cls.single = rh.Engine(BACKEND, model_dir, 1, None, block_size=32)
+        return [*engines, cls.single]
 
     def pd(self, transport, prompts, transform=None):
         producer, consumer = self.pairs[transport]

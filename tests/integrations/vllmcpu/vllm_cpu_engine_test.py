@@ -37,27 +37,15 @@ BACKEND = "vllm-cpu"
 prompts_of, bits = rh.prompts_of, rh.bits
 
 
-class VllmCpuEngineTest(absltest.TestCase):
+class VllmCpuEngineTest(rh.EnginesTestCase):
     @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        import tempfile
-
-        cls.model_dir = _real_engines.write_model(tempfile.mkdtemp(prefix="jaxkv-tiny-llama-"))
-        port = rh.free_port_base()
-        cls.producer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_producer", "prefill", port)
-        cls.other_producer = rh.Engine(BACKEND, cls.model_dir, 2, "kv_producer",
-                                       "prefill-other", port + 1)
-        cls.consumer = rh.Engine(BACKEND, cls.model_dir, 1, "kv_consumer", "decode", port + 2)
-        cls.single = rh.Engine(BACKEND, cls.model_dir, 1, None)
-        cls.engines = [cls.producer, cls.other_producer, cls.consumer, cls.single]
-        rh.start(cls.engines)
-
-    @classmethod
-    def tearDownClass(cls):
-        for engine in cls.engines:
-            engine.close()
-        super().tearDownClass()
+    def make_engines(cls, model_dir, port):
+        cls.producer = rh.Engine(BACKEND, model_dir, 1, "kv_producer", "prefill", port)
+        cls.other_producer = rh.Engine(BACKEND, model_dir, 2, "kv_producer", "prefill-other",
+                                       port + 1)
+        cls.consumer = rh.Engine(BACKEND, model_dir, 1, "kv_consumer", "decode", port + 2)
+        cls.single = rh.Engine(BACKEND, model_dir, 1, None)
+        return [cls.producer, cls.other_producer, cls.consumer, cls.single]
 
     def assert_blocks_exact(self, got, want, num_tokens, first_block=0):
         """The decode engine's cache holds the producer's bytes where vLLM's CPU attention
