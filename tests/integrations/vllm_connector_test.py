@@ -127,6 +127,9 @@ def test_full_prompts(pair):
     for r, p in zip(reqs, prompts):
         check_received(consumer, r, p)
         assert len(consumer.outputs[r.request_id].new_token_ids) >= 1
+        # the decode output says what its read did (vLLM's num_cached_tokens does not)
+        assert consumer.outputs[r.request_id].kv_transfer_params == {
+            "jaxkv_load": {"status": "loaded", "remote_tokens": len(p), "local_hit_tokens": 0}}
     assert consumer.worker.engine.stats.requests_total == 4
     assert not consumer.load_errors
     # loaded through vLLM's factory from kv_connector_module_path
@@ -198,6 +201,8 @@ def test_partial_local_prefix_hit(pair):
     # the 3 shared full blocks were a local hit: only the tail (37 tokens -> blocks 3, 4) read
     block_bytes = consumer.spec.block_nbytes(1)
     assert consumer.worker.engine.stats.bytes_total - before == 2 * block_bytes
+    assert consumer.outputs[reqs2[0].request_id].kv_transfer_params["jaxkv_load"] == {
+        "status": "loaded", "remote_tokens": len(second) - 24, "local_hit_tokens": 24}
 
 
 def test_abort_before_transfer_releases_producer(pair):
@@ -297,6 +302,9 @@ def test_lease_expiry_is_a_load_error_vllm_recomputes():
         assert consumer.load_errors and consumer.load_errors <= expected
         assert all(consumer.outputs[r.request_id].new_token_ids for r in reqs)
         assert not consumer.received  # nothing was reported as read
+        for r in reqs:  # and the outputs say so
+            assert consumer.outputs[r.request_id].kv_transfer_params["jaxkv_load"][
+                "status"] == "failed"
     finally:
         consumer.close()
         producer.close()
