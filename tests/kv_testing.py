@@ -71,10 +71,24 @@ def assert_same_values(actual, expected) -> None:
 
 
 def gpus() -> list:
-    """The GPUs JAX sees (empty without a CUDA backend); CUDA test modules skip on []."""
+    """The GPUs JAX sees (empty without a CUDA backend); CUDA test modules skip on [].
+
+    Raises:
+      RuntimeError: ``JAXKV_EXPECT_GPU=1`` and JAX sees no GPU (a GPU run whose jaxlib lacks
+        its CUDA plugin must fail, not skip every GPU test and report green).
+    """
+    import os
+
     import jax
 
     try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
+        found = jax.devices("gpu")
+    except RuntimeError as error:
+        found, reason = [], str(error)
+    else:
+        reason = ""
+    if not found and os.environ.get("JAXKV_EXPECT_GPU") == "1":
+        raise RuntimeError(
+            "JAXKV_EXPECT_GPU=1 but JAX sees no GPU (install the jax CUDA plugin matching the "
+            f"toolkit, e.g. jax[cuda12] or jax[cuda13]): {reason or jax.devices()}")
+    return found

@@ -480,3 +480,53 @@ class SwitchTest(absltest.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+class AutoOnGpusTest(absltest.TestCase):
+    """"auto" runs the custom calls on a GPU only where they exist: the CUDA module built and
+    registered and an NVIDIA GPU (a build without nvcc or a ROCm GPU also report "gpu");
+    elsewhere the jnp reference, said once in the log."""
+
+    def tearDown(self):
+        from jaxkv.ops import _dispatch
+
+        _dispatch.custom_calls_run_on.cache_clear()
+        super().tearDown()
+
+    def test_gpu_without_custom_calls_takes_the_reference(self):
+        import contextlib
+
+        from jaxkv import _ffi
+        from jaxkv.ops import _dispatch
+
+        class Device:
+            def __init__(self, version):
+                self.client = type("Client", (), {"platform_version": version})()
+
+        for platforms, version, want in ((("cpu",), "cuda 12080", False),
+                                         (("cpu", "CUDA"), "rocm 6.2.41133", False),
+                                         (("cpu", "CUDA"), "cuda 12080", True)):
+            _dispatch.custom_calls_run_on.cache_clear()
+            with mock.patch.object(_ffi, "registered_platforms", return_value=platforms), \
+                    mock.patch.object(_dispatch.jax, "devices", return_value=[Device(version)]):
+                logs = (self.assertLogs("jaxkv.ops", "WARNING") if not want
+                        else contextlib.nullcontext())
+                with logs:
+                    self.assertEqual(_dispatch.custom_calls_run_on("gpu"), want)
+
+    def test_lowering_on_such_a_gpu_has_no_custom_call(self):
+        from jaxkv import _ffi
+        from jaxkv.ops import _dispatch
+
+        cache = jnp.arange(4 * 2 * 3, dtype=jnp.float32).reshape(4, 2, 3)
+        ids = jnp.asarray([1], jnp.int32), jnp.asarray([2], jnp.int32)
+
+        def lowered():
+            return jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d)).lower(cache, *ids).as_text()
+
+        self.assertIn("jaxkv_copy_blocks", lowered())  # CPU: the custom call
+        with mock.patch.object(_ffi, "registered_platforms", return_value=("cpu",)), \
+                mock.patch.object(_dispatch.jax, "default_backend", return_value="gpu"), \
+                self.assertLogs("jaxkv.ops", "WARNING"):
+            _dispatch.custom_calls_run_on.cache_clear()
+            self.assertNotIn("jaxkv_copy_blocks", lowered())

@@ -2,8 +2,10 @@
 pure-jnp reference.
 
 By default ("auto") the choice is made per platform, for the backend a program is traced on
-(``jax.default_backend()``): the custom calls on "cpu" and "cuda", the Pallas kernels on
-"tpu", and the jnp reference on any other platform, so every op lowers everywhere. A forced
+(``jax.default_backend()``): the custom calls on "cpu" and on NVIDIA GPUs where the CUDA
+module is registered (`custom_calls_run_on`), the Pallas kernels on "tpu", and the jnp
+reference on any other platform (a ROCm GPU, a build without nvcc), so every op lowers
+everywhere. A forced
 implementation (`implementation` or the environment variable ``JAXKV_OPS_IMPL``) is used on
 every platform; "pallas" off TPU runs the kernels in Pallas's TPU interpret mode. To lower for
 another platform than the default one (``lowering_platforms=...``), force the implementation
@@ -331,11 +333,45 @@ def dispatch(op: str, ffi: Callable[..., Any] | None, *operands: Any,
     # context, and neither a pallas_call nor the jnp reference traces under a caller's sharded
     # mesh; to lower for another platform than the default, force an implementation.
     backend = jax.default_backend()
-    if backend in ("cpu", "gpu", "cuda"):
+    if custom_calls_run_on(backend):
         return ffi(*operands)
     if backend == "tpu" and not unsupported:
         return compiled(*operands)
     return reference_fn(*operands)
+
+
+@functools.cache
+def custom_calls_run_on(backend: str) -> bool:
+    """Whether "auto" runs the custom calls on `backend`: on CPU always (the CPU module is
+    built with the package), on a GPU only if the CUDA module was built and registered and the
+    GPU is an NVIDIA one (a wheel built without nvcc, or a ROCm GPU, also reports "gpu"). Where
+    a GPU gets no custom calls, the jnp reference runs instead, and the log says so once.
+
+    Example:
+      >>> custom_calls_run_on("cpu"), custom_calls_run_on("tpu")
+      (True, False)
+    """
+    from jaxkv._ffi import registered_platforms
+
+    if backend == "cpu":
+        return True
+    if backend not in ("gpu", "cuda"):
+        return False
+    why = ""
+    if "CUDA" not in registered_platforms():
+        why = "jaxkv was built without its CUDA module (no nvcc at build time)"
+    else:
+        version = str(getattr(jax.devices(backend)[0].client, "platform_version", "")).lower()
+        if "rocm" in version:
+            why = f"the GPU runs ROCm ({version}); jaxkv's custom calls are CUDA only"
+    if why:
+        import logging
+
+        logging.getLogger("jaxkv.ops").warning(
+            "jaxkv.ops: %s: the block ops run the jnp reference implementation on this GPU "
+            "(implementation('auto'))", why)
+        return False
+    return True
 
 
 def pallas_unsupported(operands: Any) -> str:
