@@ -23,26 +23,38 @@ import jax
 __all__ = ["jit", "no_context_mesh", "outside_trace"]
 
 
+_trace_state_clean: Callable[[], bool] | None
+_get_concrete_mesh: Callable[[], Any] | None
+try:  # no public equivalents
+    from jax._src.core import trace_state_clean as _trace_state_clean
+    from jax._src.mesh import get_concrete_mesh as _get_concrete_mesh
+except ImportError:  # pragma: no cover - a JAX without them: leave the context alone
+    _trace_state_clean = _get_concrete_mesh = None
+
+
 def outside_trace() -> bool:
     """Whether no JAX trace is in progress (an eager call, where a context mesh may be set)."""
-    try:
-        from jax._src.core import trace_state_clean  # no public equivalent
-    except ImportError:  # pragma: no cover - a JAX without it: be conservative
-        return False
-    return bool(trace_state_clean())
+    return _trace_state_clean is not None and bool(_trace_state_clean())
+
+
+def _context_mesh_set() -> bool:
+    if not jax.sharding.get_abstract_mesh().empty:
+        return True
+    return _get_concrete_mesh is None or not _get_concrete_mesh().empty
 
 
 @contextlib.contextmanager
 def no_context_mesh() -> Iterator[None]:
-    """Clears the caller's context mesh for an eager call (a no-op inside a trace). Also a
-    decorator (``@no_context_mesh()``): the transfer engine's entry points use it, since any
-    eager JAX op on arrays outside the context mesh's devices fails under it.
+    """Clears the caller's context mesh for an eager call (a no-op inside a trace, and when no
+    context mesh is set: the common case costs two lookups). Also a decorator
+    (``@no_context_mesh()``): the transfer engine's entry points use it, since any eager JAX op
+    on arrays outside the context mesh's devices fails under it.
 
     Example:
       >>> with no_context_mesh():
       ...     pass
     """
-    if outside_trace():
+    if outside_trace() and _context_mesh_set():
         with jax.set_mesh(None):
             yield
     else:

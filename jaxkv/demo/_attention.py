@@ -18,7 +18,15 @@ import jax.numpy as jnp
 
 from jaxkv._spec import KVCacheSpec
 
-__all__ = ["attend", "check_spec", "pow2", "quantize_rows", "read_pages", "write_tokens"]
+__all__ = [
+    "attend",
+    "binary_exponent",
+    "check_spec",
+    "pow2",
+    "quantize_rows",
+    "read_pages",
+    "write_tokens",
+]
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -146,22 +154,27 @@ def pow2(exponent: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(biased, jnp.float32)
 
 
-def _exponent(x: jax.Array) -> jax.Array:
-    """The int32 ``e`` with ``x < 2 ** e`` and ``x >= 2 ** (e - 1)`` (0 for 0)."""
+def binary_exponent(x: jax.Array) -> jax.Array:
+    """The int32 ``e`` with ``2 ** (e - 1) <= x < 2 ** e`` (0 for 0).
+
+    Example:
+      >>> binary_exponent(jnp.array([0.75, 4.0, 0.0])).tolist()
+      [0, 3, 0]
+    """
     return jnp.frexp(x)[1].astype(jnp.int32)
 
 
-def quantize_rows(x: jax.Array, bits: int = 7) -> tuple[jax.Array, jax.Array]:
-    """Symmetric quantization of each row (last axis) with a power-of-two scale: ``x ~ q *
-    scale``, ``|q| <= 2 ** bits - 1``.
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 quantization of each row (last axis) with a power-of-two scale: ``x ~ q *
+    scale``, ``|q| <= 127``.
 
     The scale is a power of two so that every scaling is exact: no rounding that a compiler
     could order differently in different programs (a division by ``amax / 127`` is rounded
     once in one program and rewritten as a multiplication by a reciprocal in another).
 
     Returns:
-      ``(q, scale)``: int8 values (int32 when ``bits > 7``) and the float32 ``[..., 1]``
-      scale of each row. A row's max is exact, so its values do not depend on other rows.
+      ``(q, scale)``: int8 values and the float32 ``[..., 1]`` scale of each row. A row's max
+      is exact, so its values do not depend on other rows.
 
     Example:
       >>> q, scale = quantize_rows(jnp.array([[0.5, -1.0]]))
@@ -169,10 +182,9 @@ def quantize_rows(x: jax.Array, bits: int = 7) -> tuple[jax.Array, jax.Array]:
       ([[32, -64]], 0.015625)
     """
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    shift = bits - _exponent(amax)  # |x| * 2 ** shift < 2 ** bits
-    limit = 2**bits - 1
-    q = jnp.clip(jnp.round(x * pow2(shift)), -limit, limit)
-    return q.astype(jnp.int8 if bits <= 7 else jnp.int32), pow2(-shift)
+    shift = 7 - binary_exponent(amax)  # |x| * 2 ** shift < 2 ** 7
+    q = jnp.clip(jnp.round(x * pow2(shift)), -127, 127)
+    return q.astype(jnp.int8), pow2(-shift)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
@@ -233,7 +245,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> 
     # The numerator: sum_s w_s * v_scale_s * v_int[s]; w_s * v_scale_s (exact: v_scale is a
     # power of two) in fixed point relative to the row's largest, and the sum an int32 dot.
     scaled = weights * v_scale[:, :, None, None, :, 0]  # [B, H, G, N, S]
-    shift = value_bits - _exponent(jnp.max(scaled, axis=-1, keepdims=True))
+    shift = value_bits - binary_exponent(jnp.max(scaled, axis=-1, keepdims=True))
     scaled_int = jnp.round(scaled * pow2(shift)).astype(jnp.int32)
     numerator = jnp.einsum("bhgns,bhsd->bhgnd", scaled_int, v_int.astype(jnp.int32),
                            preferred_element_type=jnp.int32)

@@ -40,6 +40,7 @@ from jaxkv._cache import PagedKVCache
 from jaxkv._spec import KVCacheSpec
 from jaxkv.demo._attention import (
     attend,
+    binary_exponent,
     check_spec,
     pow2,
     quantize_rows,
@@ -193,7 +194,7 @@ def _norm(x: jax.Array, weight: jax.Array) -> jax.Array:
     (exact; an RMS is a float sum, whose last bit depends on the kernel XLA picks), times
     `weight`."""
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
-    return x * pow2(-jnp.frexp(amax)[1].astype(jnp.int32)) * weight
+    return x * pow2(-binary_exponent(amax)) * weight
 
 
 def _rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

@@ -47,6 +47,7 @@ __all__ = [
     "TINY_LLAMA",
     "EngineProcess",
     "block_values",
+    "received_parts",
     "run_real_engines",
     "serve_engine",
     "write_model",
@@ -195,19 +196,42 @@ def _prompt_kv(llm: Any, block_ids: Sequence[int], num_tokens: int) -> np.ndarra
     return np.stack(layers)
 
 
-def block_values(raw: np.ndarray, head_dim: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """`_prompt_kv`'s bytes as (K regions ``[L, blocks, heads, T * D]``, V rows ``[L,
-    tokens, heads, D]``).
+def block_values(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_prompt_kv`'s bytes of vLLM's CPU attention as (K regions ``[L, blocks, heads, T * D]``,
+    V rows ``[L, tokens, heads, D]``).
 
     Example:
       >>> k, v = block_values(np.zeros((2, 3, 2, 2, 32 * 128), np.float32))
       >>> k.shape, v.shape
       ((2, 3, 2, 4096), (2, 96, 2, 128))
     """
-    layers, blocks, heads = raw.shape[:3]
-    v = raw[:, :, :, 1].reshape(layers, blocks, heads, BLOCK_SIZE, head_dim)
+    layers, blocks, heads, _, region = raw.shape
+    v = raw[:, :, :, 1].reshape(layers, blocks, heads, BLOCK_SIZE, region // BLOCK_SIZE)
     return raw[:, :, :, 0], v.transpose(0, 1, 3, 2, 4).reshape(layers, blocks * BLOCK_SIZE,
-                                                                heads, head_dim)
+                                                                heads, -1)
+
+
+def received_parts(backend: str, kv: np.ndarray, start: int, stop: int) -> list[np.ndarray]:
+    """The parts of a prompt's KV (`_prompt_kv`) for its tokens ``[start, stop)`` that hold
+    the same bytes on both sides of a transfer, as unsigned-integer views (bits, NaNs
+    included): tpu-inference's token rows; vLLM's CPU attention's whole blocks before the one
+    holding token ``stop``, and that block's V rows (its K region does not split into tokens).
+    `stop` excludes the prompt's last token, which vLLM recomputes on the decode side.
+
+    Example:
+      >>> parts = received_parts("tpu-inference", np.zeros((2, 9, 4, 1, 128), np.float32), 0, 8)
+      >>> [p.shape for p in parts]
+      [(2, 8, 4, 1, 128)]
+    """
+    def bits(x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+    if backend == "tpu-inference":
+        return [bits(kv[:, start:stop])]
+    last = stop // BLOCK_SIZE
+    return [bits(kv[:, start // BLOCK_SIZE:last]),
+            bits(block_values(kv)[1][:, max(start, last * BLOCK_SIZE):stop])]
 
 
 def _generate(llm: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any],
@@ -441,17 +465,9 @@ def run_real_engines(backend: str, *, num_requests: int = 8, prompt_len: int = 9
     requests = []
     for prompt, want, got, (_, kv) in zip(prompts, reference, results, prefilled):
         n = len(prompt)
-        if backend == "vllm-cpu":  # whole blocks (the last one's V rows) compare exactly
-            last = (n - 1) // BLOCK_SIZE
-            exact = bool(np.array_equal(got["prompt_kv"][:, :last].view(np.uint32),
-                                        kv[:, :last].view(np.uint32)))
-            exact &= bool(np.array_equal(block_values(got["prompt_kv"])[1][:, last * 32:n - 1]
-                                         .view(np.uint32),
-                                         block_values(kv)[1][:, last * 32:n - 1]
-                                         .view(np.uint32)))
-        else:
-            exact = bool(np.array_equal(got["prompt_kv"][:, : n - 1].view(np.uint8),
-                                        kv[:, : n - 1].view(np.uint8)))
+        exact = all(np.array_equal(a, b) for a, b in zip(
+            received_parts(backend, got["prompt_kv"], 0, n - 1),
+            received_parts(backend, kv, 0, n - 1)))
         requests.append({
             "tokens": got["tokens"], "tokens_match": got["tokens"] == want["tokens"],
             "kv_exact": exact, "read": (got.get("kv_transfer_params") or {}).get("jaxkv_load"),

@@ -10,10 +10,9 @@ import numpy as np
 from absl.testing import parameterized
 
 from jaxkv.demo._real_engines import EngineProcess as Engine
-from jaxkv.demo._real_engines import free_port as free_port_base
-from jaxkv.demo._real_engines import write_model
+from jaxkv.demo._real_engines import free_port, write_model
 
-__all__ = ["Engine", "EnginesTestCase", "bits", "free_port_base", "prompts_of", "start"]
+__all__ = ["Engine", "EnginesTestCase", "prompts_of"]
 
 
 class EnginesTestCase(parameterized.TestCase):
@@ -32,8 +31,9 @@ class EnginesTestCase(parameterized.TestCase):
         super().setUpClass()
         cls._model_tmp = tempfile.TemporaryDirectory(prefix="jaxkv-tiny-llama-")
         cls.model_dir = write_model(cls._model_tmp.name)
-        cls.engines = cls.make_engines(cls.model_dir, free_port_base())
-        start(cls.engines)
+        cls.engines = cls.make_engines(cls.model_dir, free_port())
+        for engine in cls.engines:  # they build in parallel
+            engine.wait_ready()
 
     @classmethod
     def tearDownClass(cls):
@@ -43,17 +43,6 @@ class EnginesTestCase(parameterized.TestCase):
         super().tearDownClass()
 
 
-def start(engines: list[Engine]) -> None:
-    """Waits for every engine (they build in parallel)."""
-    for engine in engines:
-        engine.wait_ready()
-
-
 def prompts_of(lengths, seed=0, vocab=2048):
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x)
-    return x.view(np.uint32) if x.dtype.itemsize == 4 else x.view(np.uint16)

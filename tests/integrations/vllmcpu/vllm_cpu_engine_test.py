@@ -25,8 +25,7 @@ except importlib.metadata.PackageNotFoundError:
 import real_engine_harness as rh  # noqa: E402
 from absl.testing import absltest  # noqa: E402
 
-from jaxkv.demo import _real_engines  # noqa: E402
-from jaxkv.demo._real_engines import block_values  # noqa: E402
+from jaxkv.demo._real_engines import received_parts  # noqa: E402
 from jaxkv.transfer import nixl_available  # noqa: E402
 
 if not nixl_available():
@@ -34,7 +33,7 @@ if not nixl_available():
 
 MAX_TOKENS = 8
 BACKEND = "vllm-cpu"
-prompts_of, bits = rh.prompts_of, rh.bits
+prompts_of = rh.prompts_of
 
 
 class VllmCpuEngineTest(rh.EnginesTestCase):
@@ -47,17 +46,13 @@ class VllmCpuEngineTest(rh.EnginesTestCase):
         cls.single = rh.Engine(BACKEND, model_dir, 1, None)
         return [cls.producer, cls.other_producer, cls.consumer, cls.single]
 
-    def assert_blocks_exact(self, got, want, num_tokens, first_block=0):
+    def assert_blocks_exact(self, got, want, num_tokens, first_token=0):
         """The decode engine's cache holds the producer's bytes where vLLM's CPU attention
         reads them: every block bit for bit, but for the prompt's last token, which vLLM
         recomputes there (its V row, and its K spread over its block's K region)."""
-        last = (num_tokens - 1) // _real_engines.BLOCK_SIZE
-        np.testing.assert_array_equal(bits(got[:, first_block:last]),
-                                      bits(want[:, first_block:last]))
-        _, got_v = block_values(got)
-        _, want_v = block_values(want)
-        rows = slice(last * _real_engines.BLOCK_SIZE, num_tokens - 1)
-        np.testing.assert_array_equal(bits(got_v[:, rows]), bits(want_v[:, rows]))
+        for a, b in zip(received_parts(BACKEND, got, first_token, num_tokens - 1),
+                        received_parts(BACKEND, want, first_token, num_tokens - 1)):
+            np.testing.assert_array_equal(a, b)
 
     def pd(self, prompts, producer=None, transform=None):
         """Prefill on `producer`, decode on the consumer with the params (optionally
@@ -112,7 +107,7 @@ class VllmCpuEngineTest(rh.EnginesTestCase):
         self.assertEqual(got["kv_transfer_params"]["jaxkv_load"],
                          {"status": "loaded", "remote_tokens": len(second) - 64,
                           "local_hit_tokens": 64})
-        self.assert_blocks_exact(got["prompt_kv"], kv[0], len(second), first_block=2)
+        self.assert_blocks_exact(got["prompt_kv"], kv[0], len(second), first_token=64)
         self.assertEqual(got["tokens"], want["tokens"])
 
     def test_a_failed_read_is_recomputed_and_reported(self):
