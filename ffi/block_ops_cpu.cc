@@ -32,12 +32,22 @@ ffi::Error Guarded(Fn fn) {
 }
 
 struct CpuPlatform {
-  ffi::ErrorOr<const int32_t*> HostIds(const IdBuffer& ids, std::vector<int32_t>*) {
-    return ids.typed_data();
+  ffi::Error CheckIds(const int32_t* ids, int64_t count, int64_t num_blocks, const char* name,
+                      bool unique) {
+    return HostCheckIds(ids, count, num_blocks, name, unique);
+  }
+  ffi::Error CheckIdPairs(const int32_t* src_ids, int64_t src_blocks, const int32_t* dst_ids,
+                          int64_t dst_blocks, int64_t count, bool disjoint) {
+    return HostCheckIdPairs(src_ids, src_blocks, dst_ids, dst_blocks, count, disjoint);
   }
   const int32_t* EngineIds(const IdBuffer& ids) { return ids.typed_data(); }
   ffi::Error Run(const BlockCopyRequest& request) {
     return Guarded([&] { CopyBlocksCpu(request); });
+  }
+  // The engine stages one unit per thread; requiring a whole block is the contract callers
+  // have always sized scratch for (the Python side allocates at least one block).
+  ffi::ErrorOr<int64_t> RewriteStagingBytes(const BlockRewriteRequest& request) {
+    return request.units_per_block * request.unit_bytes;
   }
   ffi::Error RunRewrite(const BlockRewriteRequest& request) {
     return Guarded([&] { RewriteBlocksCpu(request); });

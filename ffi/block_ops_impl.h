@@ -1,8 +1,15 @@
 // Platform-independent bodies of the block-op handlers. A Platform provides:
 //
-//   // Host copy of the ids, or nullptr when validation is disabled on this platform.
-//   xla::ffi::ErrorOr<const int32_t*> HostIds(const IdBuffer& ids, std::vector<int32_t>* storage);
-//   // Device-visible pointer to the ids (what the engine reads).
+//   // The id checks of CheckIds / CheckIdPairs below (the lengths already checked). The CPU
+//   // runs them on the host (HostCheckIds / HostCheckIdPairs) and returns their error; the
+//   // CUDA platform enqueues them on the device, where a failed check makes the op's kernels
+//   // write nothing (block_ops_cuda.cc), since no custom call may wait for the device.
+//   xla::ffi::Error CheckIds(const int32_t* ids, int64_t count, int64_t num_blocks,
+//                            const char* name, bool unique);
+//   xla::ffi::Error CheckIdPairs(const int32_t* src_ids, int64_t src_blocks,
+//                                const int32_t* dst_ids, int64_t dst_blocks, int64_t count,
+//                                bool disjoint);
+//   // Pointer to the ids that the engine reads.
 //   const int32_t* EngineIds(const IdBuffer& ids);
 //   xla::ffi::Error Run(const BlockCopyRequest& request);
 //   xla::ffi::Error CopyBytes(void* dst, const void* src, int64_t bytes);
@@ -13,7 +20,6 @@
 
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "block_checks.h"
 #include "block_index.h"
@@ -39,45 +45,49 @@ xla::ffi::Error AliasCache(Platform& platform, const xla::ffi::AnyBuffer& cache,
   return platform.CopyBytes(out.untyped_data(), cache.untyped_data(), BufferBytes(cache));
 }
 
-// Validates one id list against a buffer of `num_blocks` blocks where the platform exposes ids
-// on the host (always on CPU; on CUDA with validate_ids): every id in range, and with `unique`
-// no id repeated (the list names blocks that are written).
-template <typename Platform>
-xla::ffi::Error CheckIds(Platform& platform, const IdBuffer& ids, int64_t num_blocks,
-                         const char* name, bool unique) {
-  std::vector<int32_t> storage;
-  auto host = platform.HostIds(ids, &storage);
-  if (!host) return host.error();
-  if (*host == nullptr) return xla::ffi::Error::Success();
-  const int64_t count = static_cast<int64_t>(ids.element_count());
-  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*host, count, num_blocks, name));
-  if (unique) JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*host, count, name));
+// The host checks of one id list against a buffer of `num_blocks` blocks: every id in range,
+// and with `unique` no id repeated (the list names blocks that are written).
+inline xla::ffi::Error HostCheckIds(const int32_t* ids, int64_t count, int64_t num_blocks,
+                                    const char* name, bool unique) {
+  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(ids, count, num_blocks, name));
+  if (unique) JAXKV_RETURN_IF_ERROR(CheckIdsUnique(ids, count, name));
   return xla::ffi::Error::Success();
 }
 
+// The host checks of `count` (src_ids[i], dst_ids[i]) pairs: ids in range, unique
+// destinations, and with `disjoint` no block both a source and a destination.
+inline xla::ffi::Error HostCheckIdPairs(const int32_t* src_ids, int64_t src_blocks,
+                                        const int32_t* dst_ids, int64_t dst_blocks,
+                                        int64_t count, bool disjoint) {
+  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(src_ids, count, src_blocks, "src_ids"));
+  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(dst_ids, count, dst_blocks, "dst_ids"));
+  JAXKV_RETURN_IF_ERROR(CheckIdsUnique(dst_ids, count, "dst_ids"));
+  if (disjoint) {
+    JAXKV_RETURN_IF_ERROR(CheckIdsDisjoint(src_ids, "src_ids", dst_ids, "dst_ids", count));
+  }
+  return xla::ffi::Error::Success();
+}
+
+// Validates one id list against a buffer of `num_blocks` blocks (see HostCheckIds), on the
+// platform's side (see the Platform interface above).
+template <typename Platform>
+xla::ffi::Error CheckIds(Platform& platform, const IdBuffer& ids, int64_t num_blocks,
+                         const char* name, bool unique) {
+  return platform.CheckIds(ids.typed_data(), static_cast<int64_t>(ids.element_count()),
+                           num_blocks, name, unique);
+}
+
 // Validates the (src_ids[i], dst_ids[i]) pairs of a copy between buffers of `src_blocks` and
-// `dst_blocks` blocks: equal lengths, ids in range, unique destinations, and with `disjoint`
-// (both sides are one buffer updated in place) no block both a source and a destination.
+// `dst_blocks` blocks: equal lengths here, the ids on the platform's side (see
+// HostCheckIdPairs). `disjoint`: both sides are one buffer updated in place.
 template <typename Platform>
 xla::ffi::Error CheckIdPairs(Platform& platform, const IdBuffer& src_ids, int64_t src_blocks,
                              const IdBuffer& dst_ids, int64_t dst_blocks, bool disjoint) {
   const int64_t count = static_cast<int64_t>(src_ids.element_count());
   JAXKV_RETURN_IF_ERROR(CheckCount(static_cast<int64_t>(dst_ids.element_count()), count,
                                    "number of dst_ids (must equal the number of src_ids)"));
-  std::vector<int32_t> src_storage;
-  std::vector<int32_t> dst_storage;
-  auto src_host = platform.HostIds(src_ids, &src_storage);
-  if (!src_host) return src_host.error();
-  auto dst_host = platform.HostIds(dst_ids, &dst_storage);
-  if (!dst_host) return dst_host.error();
-  if (*src_host == nullptr || *dst_host == nullptr) return xla::ffi::Error::Success();
-  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*src_host, count, src_blocks, "src_ids"));
-  JAXKV_RETURN_IF_ERROR(CheckIdsInRange(*dst_host, count, dst_blocks, "dst_ids"));
-  JAXKV_RETURN_IF_ERROR(CheckIdsUnique(*dst_host, count, "dst_ids"));
-  if (disjoint) {
-    JAXKV_RETURN_IF_ERROR(CheckIdsDisjoint(*src_host, "src_ids", *dst_host, "dst_ids", count));
-  }
-  return xla::ffi::Error::Success();
+  return platform.CheckIdPairs(src_ids.typed_data(), src_blocks, dst_ids.typed_data(),
+                               dst_blocks, count, disjoint);
 }
 
 // cache[dst_ids[i]] = cache[src_ids[i]] for every pair whose ids are both non-negative.

@@ -3,9 +3,14 @@
 // JAXKV_PLATFORM_CUDA selects the CUDA handlers and module name.
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
 #include "block_ops.h"
 
 #if defined(JAXKV_PLATFORM_CUDA)
+#include "block_copy_cuda.h"
 #define JAXKV_MODULE_NAME _ffi_cuda
 #define JAXKV_HANDLER(op) jaxkv::op##Cuda_Handler
 #define JAXKV_PLATFORM_DOC "CUDA"
@@ -46,6 +51,28 @@ PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
         return targets;
       },
       "Maps each custom-call target name to its " JAXKV_PLATFORM_DOC " handler capsule.");
+#if defined(JAXKV_PLATFORM_CUDA)
+  // The device id checks (validate_ids) record failures on the device instead of failing the
+  // custom call (which would need a host synchronisation): read them here.
+  m.attr("ID_OUT_OF_RANGE") = jaxkv::kIdOutOfRange;
+  m.attr("ID_REPEATED") = jaxkv::kIdRepeated;
+  m.attr("ID_SHARED") = jaxkv::kIdShared;
+  m.def(
+      "take_id_errors",
+      [](int device) {
+        uint32_t errors = 0;
+        const jaxkv::CudaStatus status = jaxkv::TakeIdErrors(device, &errors);
+        if (!status.ok()) {
+          throw std::runtime_error(std::string("jaxkv CUDA: ") + status.call + " failed: " +
+                                   cudaGetErrorString(status.error));
+        }
+        return errors;
+      },
+      py::arg("device"),
+      "Waits for CUDA device `device` (its local ordinal) and returns, then clears, the id-check "
+      "failures recorded there since the last call: an OR of ID_OUT_OF_RANGE, ID_REPEATED and "
+      "ID_SHARED, 0 when none. An op whose ids failed its check wrote nothing.");
+#endif
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // Platform-independent bodies of the reshaping handlers (permute, merge, partial copy, split,
 // concat). Same contract as block_ops_impl.h: everything is validated before the first write,
-// and a Platform provides, besides HostIds / EngineIds / Run / CopyBytes:
+// and a Platform provides, besides CheckIds / CheckIdPairs / EngineIds / Run / CopyBytes:
 //
+//   // Scratch bytes RunRewrite needs for `request` (its path's staging, decided here).
+//   xla::ffi::ErrorOr<int64_t> RewriteStagingBytes(const BlockRewriteRequest& request);
 //   xla::ffi::Error RunRewrite(const BlockRewriteRequest& request);
 //   // Requests over the same pairs, none writing what another reads (split, concat).
 //   xla::ffi::Error RunMany(const std::vector<BlockCopyRequest>& requests);
@@ -61,8 +63,8 @@ inline xla::ffi::Error MapError(std::string_view op) {
 
 // In place: each listed block holds `ratio` sub-blocks arranged in `src_layout` (T / ratio
 // tokens each); rewrite it in `dst_layout`, the cache's layout. ratio == 1 is a permute.
-// `scratch` (a result XLA allocates, at least one block) stages blocks on CUDA when a unit
-// exceeds shared memory, and per-thread units on CPU.
+// `scratch` (a result XLA allocates) stages per-thread units on CPU (at least one block), and
+// blocks on CUDA when a unit exceeds shared memory (at least one block then; none otherwise).
 template <typename Platform>
 xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cache, IdBuffer ids,
                                     xla::ffi::Result<xla::ffi::AnyBuffer> out,
@@ -85,11 +87,6 @@ xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cach
                                             std::to_string(tokens));
   }
   const int64_t count = static_cast<int64_t>(ids.element_count());
-  const int64_t scratch_bytes = BufferBytes(*scratch);
-  if (count > 0 && scratch_bytes < geometry->block_bytes) {
-    return xla::ffi::Error::InvalidArgument("scratch of " + std::to_string(scratch_bytes) +
-                                            " bytes is smaller than one block");
-  }
   JAXKV_RETURN_IF_ERROR(CheckIds(platform, ids, geometry->num_blocks, "ids", /*unique=*/true));
   RearrangePlan plan;
   if (!RearrangeMap(src_layout.data(), dst_layout.data(), rank, dims->data(), ratio,
@@ -100,10 +97,6 @@ xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cach
     return reshape_internal::SubByteError("rearrange", geometry->element_bits);
   }
   plan.unit_bytes /= 8;
-  JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
-  if (count == 0 || geometry->block_bytes == 0) return xla::ffi::Error::Success();
-  if (ratio == 1 && src_layout == dst_layout) return xla::ffi::Error::Success();
-
   BlockRewriteRequest request;
   request.data = static_cast<char*>(out->untyped_data());
   request.side = {geometry->num_blocks, geometry->block_bytes, platform.EngineIds(ids)};
@@ -112,7 +105,20 @@ xla::ffi::Error RearrangeBlocksImpl(Platform& platform, xla::ffi::AnyBuffer cach
   request.unit_bytes = plan.unit_bytes;
   request.map = plan.map;
   request.staging = static_cast<char*>(scratch->untyped_data());
-  request.staging_bytes = scratch_bytes;
+  request.staging_bytes = BufferBytes(*scratch);
+  const bool moves_nothing = count == 0 || geometry->block_bytes == 0 ||
+                             (ratio == 1 && src_layout == dst_layout);
+  if (!moves_nothing) {
+    auto needed = platform.RewriteStagingBytes(request);
+    if (!needed) return needed.error();
+    if (request.staging_bytes < *needed) {
+      return xla::ffi::Error::InvalidArgument(
+          "scratch of " + std::to_string(request.staging_bytes) + " bytes is smaller than the " +
+          std::to_string(*needed) + " bytes (one block) this rewrite stages");
+    }
+  }
+  JAXKV_RETURN_IF_ERROR(AliasCache(platform, cache, *out));
+  if (moves_nothing) return xla::ffi::Error::Success();
   return platform.RunRewrite(request);
 }
 
