@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # CUDA compile check: where nvcc exists, the environment's jaxkv must contain the CUDA module,
-# built for sm_80 and sm_90, registering every custom-call target. Runs no GPU code.
+# built for sm_80 and sm_90, registering every custom-call target. Runs no GPU code. Ends by
+# naming the JAX CUDA plugin that matches the toolkit the module was built with
+# (scripts/cuda_plugin.sh).
 #
 # Usage: scripts/check_cuda_build.sh [VENV]   (default .venv; scripts/setup.sh builds it)
 set -euo pipefail
@@ -31,3 +33,4 @@ print(f"[cuda-check] OK: {pathlib.Path(cuda_module.__file__).name} registers "
       f"{len(targets)} targets, device code for sm_80 and sm_90")
 PY
 )
+"$ROOT/scripts/cuda_plugin.sh" "$VENV"

@@ -1,7 +1,7 @@
 """The reshaping CUDA handlers on a real GPU: exact against the numpy references of
 reshape_ops_test / reshape_peers_test, in place, both the shared-memory and the staged path.
 
-Skipped where JAX sees no GPU.
+Skipped where JAX sees no GPU; fails under JAXKV_EXPECT_GPU=1 when JAX sees none.
 """
 
 import jax
@@ -67,13 +67,17 @@ class ReshapeCudaTest(parameterized.TestCase):
             np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(expected),
                                           err_msg=f"receiver {r}")
 
-    def test_traced_bad_ids_raise_with_validation(self):
+    def test_traced_bad_ids_are_refused_on_the_device(self):
+        from jaxkv import _ffi_cuda
+
         host = kv_testing.random_bits(np.random.default_rng(2), (8, 4, 8, 16), "float16")
         cache = _on_gpu(host)
+        kv_testing.take_cuda_id_errors(kv_testing.gpus()[0])
         step = jax.jit(lambda c, i: ops.permute_blocks(c, i, "HTD", "THD"))
-        with self.assertRaisesRegex(jax.errors.JaxRuntimeError, "out of range"):
-            jax.block_until_ready(step(cache, jnp.array([8], jnp.int32)))
-        np.testing.assert_array_equal(kv_testing.bits(cache), kv_testing.bits(host))
+        result = jax.block_until_ready(step(cache, jnp.array([8], jnp.int32)))
+        self.assertEqual(kv_testing.take_cuda_id_errors(kv_testing.gpus()[0]),
+                         _ffi_cuda.ID_OUT_OF_RANGE)
+        np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(host))
 
 
 if __name__ == "__main__":
