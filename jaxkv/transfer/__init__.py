@@ -6,6 +6,7 @@ read planning are pure Python/numpy; only creating an agent imports NIXL.
 """
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
+from jaxkv.transfer._auth import load_auth_key
 from jaxkv.transfer._engine import TRANSPORTS, KVTransferEngine
 from jaxkv.transfer._groups import (
     GroupedParams,
@@ -98,6 +99,7 @@ __all__ = [
     "BUCKETS_S",
     "WorkerAggregator",
     "jax_transfer_available",
+    "load_auth_key",
     "load_nixl",
     "make_transfer_params",
     "nixl_available",

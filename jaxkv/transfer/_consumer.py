@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from jaxkv.transfer._auth import DeploymentKey
 from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
 from jaxkv.transfer._metadata import (
     AgentInfo,
@@ -111,6 +112,7 @@ class Consumer:
       address: this process's side-channel address (sent in `Want`).
       stats: where reads are recorded.
       read_timeout_s, handshake_timeout_s, handshake_retries: bounds.
+      key: the deployment key metadata fetches prove (None: plain fetches).
     """
 
     def __init__(
@@ -124,8 +126,10 @@ class Consumer:
         read_timeout_s: float,
         handshake_timeout_s: float,
         handshake_retries: int,
+        key: DeploymentKey | None = None,
     ):
         self.engine_id = engine_id
+        self.key = key
         self.registry = registry
         self.transport = transport
         self.control = control
@@ -162,6 +166,8 @@ class Consumer:
                         engine_id,
                         self.handshake_timeout_s,
                         self.handshake_retries,
+                        key=self.key,
+                        identity=self.engine_id,
                     )
                 )
             merged = merge_metadata(metas)
@@ -392,19 +398,37 @@ class Consumer:
 
     # -- messages ---------------------------------------------------------------------------
 
-    def on_ack(self, message: Ack) -> None:
+    def sender_ranks(self, engine_id: str, channel: str, sender: str) -> set[int]:
+        """The ranks of producer engine `engine_id` served by the process this process
+        talks to as `sender` on `channel` (its control target): the only ranks whose `Ack`
+        and `Ready` that sender may give (a producer answers for its own requests only)."""
+        peer = self.peers.get(engine_id)
+        if peer is None or channel != self.control.name:
+            return set()
+        return {info.rank for info in peer.meta.ranks
+                if peer.targets.get(info.agent_name) == sender}
+
+    def on_ack(self, message: Ack, channel: str, sender: str) -> None:
         # May come before this process saw its fetches complete (Done attached).
         reading = self.by_attempt.get(message.attempt)
-        if reading is not None and message.request_id == reading.request_id:
-            reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
-            if message.stale:
-                reading.stale = True
-                self.suspect(reading.peer)
-            reading.unpublished |= message.unpublished
+        if reading is None or message.request_id != reading.request_id:
+            return  # an answer to an earlier attempt
+        if message.producer_rank not in self.sender_ranks(reading.peer, channel, sender):
+            self.stats.refused_messages += 1
+            return
+        reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
+        if message.stale:
+            reading.stale = True
+            self.suspect(reading.peer)
+        reading.unpublished |= message.unpublished
 
-    def on_ready(self, message: Ready) -> None:
+    def on_ready(self, message: Ready, channel: str, sender: str) -> None:
         for reading in self.reading.values():
             if reading.request_id != message.request_id:
+                continue
+            allowed = self.sender_ranks(reading.peer, channel, sender)
+            if not set(message.ranks) <= allowed:
+                self.stats.refused_messages += 1
                 continue
             for rank in message.ranks:
                 reading.ready[rank] = max(reading.ready.get(rank, 0), message.layer_stop)

@@ -7,6 +7,12 @@ Both directions then carry frames of ``u32 length + msgspec message`` (at most
 `MAX_MESSAGE_BYTES`; a larger frame or anything unreadable closes the connection). The
 producer answers on the connection a consumer's `Hello` came on.
 
+With a deployment key (`jaxkv.transfer._auth`) a connection opens with the keyed handshake
+(purpose: control) instead, and every frame carries a MAC after its payload (``u32 length +
+message + MAC``, the length counting the message) under the connection's `Session`: one that
+fails it closes the connection before anything of it is delivered. The server side binds the
+identity the client proved (its engine id) to the connection (`identity`).
+
 One selector thread per channel reads every connection as bytes arrive and calls
 ``on_message`` (the engine handles the messages at once when it is idle, else its current
 poll does). Sends never wait for the peer: what the socket does not take at once is queued
@@ -22,8 +28,17 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
+from jaxkv.transfer._auth import (
+    MAC_BYTES,
+    PURPOSE_CONTROL,
+    AuthError,
+    DeploymentKey,
+    Session,
+    client_handshake,
+)
 from jaxkv.transfer._messages import MAX_MESSAGE_BYTES
 from jaxkv.transfer._metadata import PROTOCOL_VERSION
 from jaxkv.transfer._side_channel import CONTROL_MAGIC
@@ -36,11 +51,12 @@ _MAX_QUEUED = 64 << 20  # bytes queued for one slow connection before it is drop
 
 
 class _Conn:
-    __slots__ = ("alive", "inbuf", "key", "lock", "outbuf", "rlock", "sock")
+    __slots__ = ("alive", "inbuf", "key", "lock", "outbuf", "rlock", "session", "sock")
 
-    def __init__(self, key: str, sock: socket.socket):
+    def __init__(self, key: str, sock: socket.socket, session: Session | None):
         self.key = key
         self.sock = sock
+        self.session = session  # MACs of a keyed connection (None: plain frames)
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.lock = threading.Lock()  # sends
@@ -56,6 +72,8 @@ class TcpControlChannel:
       connect_timeout_s: bound on opening a connection to a peer.
       max_incoming: connections adopted from the side channel kept at once (a new one beyond
         it closes the oldest).
+      key: the deployment key `connect` proves (None: plain connections).
+      identity: this engine's id, proved with the key when connecting.
 
     Example:
       >>> a, b = TcpControlChannel(), TcpControlChannel()
@@ -77,10 +95,15 @@ class TcpControlChannel:
         on_message: Callable[[], None] | None = None,
         connect_timeout_s: float = 5.0,
         max_incoming: int = 1024,
+        *,
+        key: DeploymentKey | None = None,
+        identity: str = "",
     ):
         if max_incoming < 1:
             raise ValueError(f"max_incoming must be >= 1, got {max_incoming}")
         self._max_incoming = max_incoming
+        self._key = key
+        self._identity = identity
         self._on_message = on_message
         self._connect_timeout_s = connect_timeout_s
         self._conns: dict[str, _Conn] = {}
@@ -114,24 +137,46 @@ class TcpControlChannel:
             self._read(conn)  # notices a peer that closed (e.g. restarted on the same port)
         if conn is not None and conn.alive:
             return key
+        deadline = time.monotonic() + self._connect_timeout_s
+        sock = None
         try:
             sock = socket.create_connection(
                 (str(address[0]), int(address[1])), timeout=self._connect_timeout_s
             )
-            sock.sendall(_HELLO.pack(CONTROL_MAGIC, PROTOCOL_VERSION))
-        except OSError as error:
+            session = client_handshake(sock, self._key, PURPOSE_CONTROL, PROTOCOL_VERSION,
+                                       self._identity, deadline)
+            if session is None:
+                sock.sendall(_HELLO.pack(CONTROL_MAGIC, PROTOCOL_VERSION))
+        except (OSError, TimeoutError) as error:  # AuthError included: it names the reason
+            if sock is not None:
+                sock.close()
             raise ConnectionError(f"control connection to {address} failed: {error}") from error
-        self._add(key, sock)
+        self._add(key, sock, session)
         return key
 
-    def adopt(self, sock: socket.socket) -> None:
-        """Takes over a connection a `MetadataServer` accepted as a control connection."""
+    def identity(self, sender: str) -> str | None:
+        """The identity (engine id) the peer of a connection proved with the deployment key;
+        None for a plain connection or an unknown sender.
+
+        Example:
+          >>> TcpControlChannel().identity("tcp-in:1") is None
+          True
+        """
+        with self._lock:
+            conn = self._conns.get(sender)
+        if conn is None or conn.session is None:
+            return None
+        return conn.session.peer_identity
+
+    def adopt(self, sock: socket.socket, session: Session | None = None) -> None:
+        """Takes over a connection a `MetadataServer` accepted as a control connection (with
+        the `Session` of its handshake, None for a plain one)."""
         with self._lock:
             incoming = [c for c in self._conns.values() if c.key.startswith("tcp-in:")]
         if len(incoming) >= self._max_incoming:
             incoming[0].alive = False  # the oldest
             self._request("drop", incoming[0])
-        self._add(f"tcp-in:{next(self._ids)}", sock)
+        self._add(f"tcp-in:{next(self._ids)}", sock, session)
 
     def accept(self, agent: str, sender: str, payload: bytes) -> str:
         del agent, payload
@@ -145,10 +190,13 @@ class TcpControlChannel:
             conn = self._conns.get(target)
         if conn is None or not conn.alive:
             return False
-        frame = _FRAME.pack(len(payload)) + payload
         with conn.lock:
             if not conn.alive:
                 return False
+            # Sealed under the send lock: the MACs' sequence is the order on the wire.
+            frame = _FRAME.pack(len(payload)) + payload
+            if conn.session is not None:
+                frame += conn.session.seal(payload)
             if not conn.outbuf:
                 try:
                     sent = conn.sock.send(frame)
@@ -217,10 +265,10 @@ class TcpControlChannel:
 
     # -- the selector thread ----------------------------------------------------------------
 
-    def _add(self, key: str, sock: socket.socket) -> None:
+    def _add(self, key: str, sock: socket.socket, session: Session | None) -> None:
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(key, sock)
+        conn = _Conn(key, sock, session)
         with self._lock:
             old = self._conns.get(key)
             self._conns[key] = conn
@@ -277,7 +325,8 @@ class TcpControlChannel:
 
     def _read(self, conn: _Conn) -> bool:
         """Reads what arrived on `conn` into the inbox (any thread); True if messages did.
-        A connection that closed or sent a frame above the limit is dropped."""
+        A connection that closed, sent a frame above the limit or one that fails its MAC
+        is dropped (nothing of that frame or after it is delivered)."""
         with conn.rlock:
             try:
                 chunk = conn.sock.recv(1 << 16)
@@ -294,10 +343,18 @@ class TcpControlChannel:
                 if length > MAX_MESSAGE_BYTES:
                     bad = True  # garbage or hostile: nothing more from it
                     break
-                if len(conn.inbuf) < _FRAME.size + length:
+                mac = MAC_BYTES if conn.session is not None else 0
+                if len(conn.inbuf) < _FRAME.size + length + mac:
                     break
-                payload = bytes(conn.inbuf[_FRAME.size:_FRAME.size + length])
-                del conn.inbuf[:_FRAME.size + length]
+                end = _FRAME.size + length
+                payload = bytes(conn.inbuf[_FRAME.size:end])
+                if conn.session is not None:
+                    try:
+                        conn.session.check(payload, conn.inbuf[end:end + mac])
+                    except AuthError:
+                        bad = True  # forged, replayed or garbage: nothing more from it
+                        break
+                del conn.inbuf[:end + mac]
                 self._inbox.append((conn.key, payload))
                 arrived = True
         if bad:

@@ -65,6 +65,7 @@ import numpy as np
 from jaxkv._context import no_context_mesh
 from jaxkv._parallel import EngineConfig
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, nixl_available
+from jaxkv.transfer._auth import DeploymentKey, check_exposure, load_auth_key
 from jaxkv.transfer._consumer import Consumer, Reading
 from jaxkv.transfer._control import TcpControlChannel
 from jaxkv.transfer._jit import HandleTable
@@ -143,13 +144,17 @@ CONTROLS = ("nixl", "tcp", "auto")
 
 
 def control_channels(
-    transport: Transport, on_message: Callable[[], None]
+    transport: Transport, on_message: Callable[[], None], key: DeploymentKey | None = None,
+    identity: str = "",
 ) -> dict[str, ControlChannel]:
     """Every control channel a process listens on: ``"tcp"`` (persistent connections to the
-    side channels) always, ``"nixl"`` (the agent's notifications) with the NIXL transport."""
+    side channels, keyed with `key` proving `identity`) always, ``"nixl"`` (the agent's
+    notifications) with the NIXL transport."""
     from jaxkv.transfer._nixl_transport import NixlNotificationChannel, NixlTransport
 
-    channels: dict[str, ControlChannel] = {"tcp": TcpControlChannel(on_message)}
+    channels: dict[str, ControlChannel] = {
+        "tcp": TcpControlChannel(on_message, key=key, identity=identity)
+    }
     if isinstance(transport, NixlTransport):
         channels["nixl"] = NixlNotificationChannel(transport.agent)
     return channels
@@ -209,6 +214,18 @@ class KVTransferEngine:
       jax_transport_options: keyword arguments of `JaxTransport` (transport ``"jax"``), e.g.
         ``{"budget_bytes": 1 << 30}`` (the most bytes offered requests may hold until pulled)
         or ``{"pool_bytes": 0}``.
+      auth_key: the deployment key (at least 16 bytes; every engine of the deployment holds
+        the same): the side channel answers, and the control channel talks to, only peers
+        that prove it (`jaxkv.transfer._auth`: challenge-response, then a MAC on every
+        message). None: `load_auth_key` (``JAXKV_AUTH_KEY_FILE`` or ``JAXKV_AUTH_KEY``),
+        else no key: the plain protocol, which keyed peers refuse, naming the key mismatch.
+      allow_unauthenticated: serve a non-loopback `host` without a key (logged as a
+        warning). Without it such an engine is refused: whoever reaches the side channel
+        gets the metadata that lets a NIXL agent READ every registered cache.
+
+    Raises:
+      ValueError: bad arguments, a key shorter than 16 bytes, or a non-loopback `host`
+        without a key (see `allow_unauthenticated`).
     """
 
     def __init__(
@@ -229,7 +246,12 @@ class KVTransferEngine:
         transport: str = "nixl",
         control: str = "auto",
         jax_transport_options: dict[str, Any] | None = None,
+        auth_key: bytes | str | None = None,
+        allow_unauthenticated: bool = False,
     ):
+        raw_key = load_auth_key(auth_key)
+        key = DeploymentKey(raw_key) if raw_key is not None else None
+        check_exposure(host, key, allow_unauthenticated)
         if not early_read_grace_s >= 0:
             raise ValueError(f"early_read_grace_s must be >= 0, got {early_read_grace_s}")
         if progress_interval_s is not None and progress_interval_s <= 0:
@@ -252,12 +274,13 @@ class KVTransferEngine:
         )
         if self.transport.name == "jax":
             host_staging = False  # arrays are formatted from the device cache itself
-        self._channels = control_channels(self.transport, self._on_control)
+        self._key = key
+        self._channels = control_channels(self.transport, self._on_control, key, engine_id)
         tcp = self._channels["tcp"]
         assert isinstance(tcp, TcpControlChannel)
         try:
             self.control = pick_control(control, self._channels)
-            self.server = MetadataServer(host, port, on_control=tcp.adopt)
+            self.server = MetadataServer(host, port, on_control=tcp.adopt, key=key)
         except BaseException:
             for channel in self._channels.values():
                 channel.close()
@@ -278,7 +301,7 @@ class KVTransferEngine:
         self.consumer = Consumer(
             engine_id, self._registry, self.transport, self.control,
             address_tuple(self.server.address), self.stats, read_timeout_s,
-            handshake_timeout_s, handshake_retries,
+            handshake_timeout_s, handshake_retries, key,
         )
         # The Done rides on the READ only where control messages travel as NIXL
         # notifications anyway; over TCP it is sent apart as soon as the READ completed.
@@ -302,6 +325,12 @@ class KVTransferEngine:
         if self._registry.meta is None:
             raise RuntimeError("register_cache first")
         return self._registry.meta
+
+    @property
+    def deployment_key(self) -> DeploymentKey | None:
+        """The deployment key this engine proves and asks for (None: none), e.g. for the
+        metadata server of a `MultiControllerEngine`."""
+        return self._key
 
     @property
     def generation(self) -> int:
@@ -593,18 +622,27 @@ class KVTransferEngine:
             except ValueError:
                 self.stats.malformed_messages += 1
                 continue
+            # A consumer acts on its own reads only: its messages must come from where it
+            # introduced itself (`Hello`); a producer's answers from that producer's process
+            # (checked by the consumer role).
             if isinstance(message, Hello):
                 producer.on_hello(message, channel_name, sender)
+            elif isinstance(message, (Ack, Ready)):
+                if isinstance(message, Ack):
+                    consumer.on_ack(message, channel_name, sender)
+                else:
+                    consumer.on_ready(message, channel_name, sender)
+            elif not producer.from_owner(
+                channel_name, sender, getattr(message, "agent_name", None),
+                getattr(message, "engine_id", None),
+            ):
+                self.stats.refused_messages += 1
             elif isinstance(message, Heartbeat):
                 producer.on_heartbeat(message, now)
             elif isinstance(message, Done):
                 producer.on_done(message)
-            elif isinstance(message, Ack):
-                consumer.on_ack(message)
             elif isinstance(message, Want):
                 producer.on_want(message, now)
-            elif isinstance(message, Ready):
-                consumer.on_ready(message)
 
     def _on_control(self) -> None:
         """Control messages arrived (the TCP channel's thread): handled now when the engine

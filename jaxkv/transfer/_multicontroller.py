@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
+from jaxkv.transfer._auth import check_exposure
 from jaxkv.transfer._consumer import merge_metadata
 from jaxkv.transfer._engine import KVTransferEngine
 from jaxkv.transfer._metadata import EngineMetadata, MetadataError, decode_metadata
@@ -258,7 +259,10 @@ class MultiControllerEngine:
     Args:
       engine: this process's engine.
       timeout_s: bound of every wait on other processes (metadata, publication).
-      host, port: where process 0 serves the merged metadata (port 0: a free one).
+      host, port: where process 0 serves the merged metadata (port 0: a free one), keyed
+        with the engine's deployment key (`KVTransferEngine.deployment_key`) when it has one.
+      allow_unauthenticated: serve a non-loopback `host` without a key (see
+        `KVTransferEngine`); without it that is refused.
       store_interval_s: `poll` reads the key-value store (aborts from other processes; on
         process 0 their outcomes) at most this often: each read is a round trip to the
         coordination service. Writes are never delayed.
@@ -285,7 +289,9 @@ class MultiControllerEngine:
         client: KeyValueClient | None = None,
         process_id: int | None = None,
         num_processes: int | None = None,
+        allow_unauthenticated: bool = False,
     ):
+        check_exposure(host, engine.deployment_key, allow_unauthenticated)
         self.engine = engine
         self.timeout_s = float(timeout_s)
         self.store_interval_s = float(store_interval_s)
@@ -300,7 +306,7 @@ class MultiControllerEngine:
         self._merged: EngineMetadata | None = None
         self._address: tuple[str, int] | None = None
         if self.process_id == 0:
-            self._server = MetadataServer(host, port)
+            self._server = MetadataServer(host, port, key=engine.deployment_key)
             self._address = self._server.address
         self._finished = WorkerAggregator(self.num_processes)
         self._freed = WorkerAggregator(self.num_processes)

@@ -97,6 +97,10 @@ class Producer:
         self.early_read_grace_s = early_read_grace_s
         self.pinned: dict[str, Pinned] = {}
         self.consumers: dict[str, Target] = {}  # consumer agent name (published) -> target
+        # Who may act on what: the engine id each consumer agent introduced itself with
+        # (`Hello`), and the agent that introduced itself on each (channel, sender).
+        self.introduced: dict[str, str] = {}
+        self.senders: dict[Target, str] = {}
         self.early_wants: dict[str, tuple[set[Target], float]] = {}
         # Done messages of requests not published yet: request -> [(message, expiry)]
         self.early_dones: dict[str, list[tuple[Done, float]]] = {}
@@ -258,9 +262,22 @@ class Producer:
     # -- messages ---------------------------------------------------------------------------
 
     def on_hello(self, message: Hello, channel: str, sender: str) -> None:
+        """A consumer process introduces itself: binds its agent and engine id to the
+        channel it came on (refused when the connection proved another engine id with the
+        deployment key, or the agent name belongs to another engine already)."""
+        # A channel that cannot tell who sent (an older or test channel): no identity.
+        identify = getattr(self.channels.get(channel), "identity", None)
+        owner = identify(sender) if identify is not None else None
+        known = self.introduced.get(message.agent_name, message.engine_id)
+        if (owner is not None and owner != message.engine_id) or known != message.engine_id:
+            self.stats.refused_messages += 1
+            _log.warning("refused a Hello of %r as engine %r (the connection is %r's)",
+                         message.agent_name, message.engine_id, owner or known)
+            return
         old = self.consumers.pop(message.agent_name, None)
         if old is not None and old[0] in self.channels:
             self.channels[old[0]].forget(old[1])
+            self.senders.pop(old, None)
         try:
             target = self.channels[channel].accept(
                 message.agent_name, sender, message.agent_metadata
@@ -269,6 +286,21 @@ class Producer:
             self.stats.malformed_messages += 1
             return
         self.consumers[message.agent_name] = (channel, target)
+        self.introduced[message.agent_name] = message.engine_id
+        self.senders[(channel, sender)] = message.agent_name
+
+    def from_owner(self, channel: str, sender: str, agent_name: str | None,
+                   engine_id: str | None) -> bool:
+        """Whether a consumer message naming `agent_name` / `engine_id` (None: the message
+        names none) came from that consumer: the agent that introduced itself on this
+        (channel, sender), or, where the channel names the sending agent itself (NIXL
+        notifications), that introduced agent. A consumer so acts on its own reads only."""
+        agent = self.senders.get((channel, sender))
+        if agent is None and sender in self.introduced:
+            agent = sender  # NIXL: the sender is the notifying agent's name
+        if agent is None or (agent_name is not None and agent != agent_name):
+            return False
+        return engine_id is None or self.introduced.get(agent) == engine_id
 
     def on_heartbeat(self, message: Heartbeat, now: float) -> None:
         pinned = self.pinned.get(message.request_id)
@@ -308,6 +340,8 @@ class Producer:
             self.send(target, encode_message(ready))
 
     def on_done(self, message: Done, hold: bool = True) -> None:
+        """A consumer rank's confirmation (`from_owner` checked it): counted while the
+        request is pinned, held while it may still be published, answered with `Ack`."""
         pinned = self.pinned.get(message.request_id)
         stale = message.generation != self.registry.generation
         if hold and self._holds_early(message, pinned, stale):

@@ -41,7 +41,7 @@ __all__ = ["BUCKETS_S", "TransferStatsCollector", "prometheus_text"]
 
 
 _FAILURES = ("failed_transfers", "failed_notifications", "failed_handshakes", "expired_leases",
-             "malformed_messages")
+             "malformed_messages", "refused_messages")
 
 
 _Sample = tuple[str, dict[str, str], float]

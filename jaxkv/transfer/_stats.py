@@ -79,6 +79,7 @@ class TransferStats:
     failed_handshakes: int = 0
     expired_leases: int = 0
     malformed_messages: int = 0
+    refused_messages: int = 0  # control messages from a sender that may not act on them
     max_records: int = 100_000
     requests_total: int = 0
     bytes_total: int = 0
@@ -133,6 +134,7 @@ class TransferStats:
             "failed_handshakes",
             "expired_leases",
             "malformed_messages",
+            "refused_messages",
             "bytes_total",
             "descriptors_total",
             "staged_s_total",
@@ -152,6 +154,7 @@ class TransferStats:
             "failed_handshakes": self.failed_handshakes,
             "expired_leases": self.expired_leases,
             "malformed_messages": self.malformed_messages,
+            "refused_messages": self.refused_messages,
         }
         if not self.records:
             return out

@@ -30,6 +30,8 @@ A **control channel** carries the msgspec control messages (`Hello`, `Heartbeat`
 `Ready`, `Done`, `Ack`) between a consumer process and a producer process: the consumer
 `connect`s to each producer process (its side-channel address and published agent), sends
 `Hello` with `hello_payload`, and the producer `accept`s it as the target of its answers.
+A channel that authenticates its connections (TCP with a deployment key) tells the engine id
+a sender proved (`identity`): the producer binds it to the consumer's `Hello`.
 """
 
 from __future__ import annotations
@@ -202,6 +204,10 @@ class ControlChannel(Protocol):
 
     def forget(self, target: str) -> None:
         """Drops a target `accept` returned (its process re-introduced itself)."""
+        ...
+
+    def identity(self, sender: str) -> str | None:
+        """The engine id the sender proved with the deployment key (None: not proved)."""
         ...
 
     def close(self) -> None:
