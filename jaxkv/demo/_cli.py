@@ -91,6 +91,11 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
 flags.DEFINE_string(
+    "auth_key_file", None,
+    "File holding the deployment key both engines prove on their side channels and control "
+    "connections (default: JAXKV_AUTH_KEY_FILE / JAXKV_AUTH_KEY, else none).",
+)
+flags.DEFINE_string(
     "plot_out", None,
     "Write a PNG of each request's TTFT split and of the transfer against bare NIXL (needs "
     "matplotlib: the demo extra).",
@@ -199,7 +204,7 @@ def main(argv) -> int:
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
-            prefill_processes=FLAGS.prefill_processes,
+            prefill_processes=FLAGS.prefill_processes, auth_key_file=FLAGS.auth_key_file,
         )
         settings.model().kv_spec(settings.prefill_block_size, settings.prefill_layout,
                                  settings.dtype)

@@ -77,6 +77,7 @@ class DemoSettings:
     lease_s: float = 30.0
     timeout_s: float = 300.0
     prefill_processes: int = 1
+    auth_key_file: str | None = None  # the deployment key both engines prove (None: none)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
@@ -403,6 +404,14 @@ def _agent_options(settings: DemoSettings):
     return AgentOptions(progress_thread=settings.nixl_progress_thread)
 
 
+def _auth_key(settings: DemoSettings) -> bytes | None:
+    """The deployment key of both engines (`auth_key_file`; None: the environment's, if
+    any: `jaxkv.transfer.load_auth_key`)."""
+    from jaxkv.transfer import load_auth_key
+
+    return load_auth_key(path=settings.auth_key_file)
+
+
 def prefill_main(conn, settings_kwargs: dict) -> None:
     """The prefill process (spawned): serves ``("request", id, prompt, arrival)`` and
     ``("exit",)`` from `conn`; answers ``("ready", address)`` once compiled, then
@@ -425,7 +434,7 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     queue: list[tuple[str, list[int]]] = []
     with KVTransferEngine(
         "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
-        block_hashing=engine.manager.hash_identity,
+        block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
     ) as transfer:
         transfer.register_cache(engine.runner.cache)
 
@@ -490,7 +499,7 @@ def prefill_mc_main(conn, settings_kwargs: dict, process_id: int, port: int) -> 
     channel = StepChannel("jaxkv-demo-prefill", timeout_s=settings.timeout_s)
     with KVTransferEngine(
         "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
-        block_hashing=engine.manager.hash_identity,
+        block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
     ) as transfer:
         transfer.register_cache(engine.runner.cache)  # this process's shards
         with MultiControllerEngine(transfer, timeout_s=settings.timeout_s) as mc:
@@ -826,7 +835,7 @@ def run_disaggregated(
         transfer = KVTransferEngine(
             "decode", config, agent_options=_agent_options(settings),
             read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s,
-            block_hashing=engine.manager.hash_identity,
+            block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
         )
         transfer.register_cache(engine.runner.cache)
         timings["decode_ready_s"] = time.monotonic() - t_begin

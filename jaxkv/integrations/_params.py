@@ -67,6 +67,12 @@ class ConnectorSettings:
         entry of `side_channel`, the side-channel port of each group's engine, in group order.
         None: group ``g`` listens on the entry's port + ``g`` (port 0: every group picks a
         free port).
+      auth_key_file: a file holding the deployment key (`jaxkv.transfer.load_auth_key`),
+        the same for every engine of the deployment: the side channels and control
+        connections then serve and talk to key holders only. A path, not the key: vLLM logs
+        its config. None: ``JAXKV_AUTH_KEY_FILE`` / ``JAXKV_AUTH_KEY`` if set, else no key.
+      allow_unauthenticated: serve a non-loopback `side_channel` address without a key
+        (refused otherwise: whoever reaches it can read the KV caches).
 
     Example:
       >>> ConnectorSettings.from_dict({"engine_id": "p", "side_channel": [["127.0.0.1", 5600]]})
@@ -90,6 +96,8 @@ class ConnectorSettings:
     transport: str | None = None
     packed_transfer: str = "values"
     group_ports: tuple[tuple[int, ...], ...] | None = None
+    auth_key_file: str | None = None
+    allow_unauthenticated: bool = False
 
     def group_addresses(self, num_groups: int) -> list[list[tuple[str, int]]]:
         """Per KV-cache group, the side-channel address of each of this engine's processes
@@ -125,8 +133,26 @@ class ConnectorSettings:
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments for `KVTransferEngine` beyond the timeouts: the transport when
-        one is set (an engine without that setting then refuses it by name)."""
-        return {} if self.transport is None else {"transport": self.transport}
+        one is set (an engine without that setting then refuses it by name), the deployment
+        key read from `auth_key_file`, `allow_unauthenticated` when set.
+
+        Raises:
+          OSError: the key file cannot be read. ValueError: the key is too short.
+
+        Example:
+          >>> ConnectorSettings("p", transport="jax").engine_options()
+          {'transport': 'jax'}
+        """
+        options: dict[str, Any] = {}
+        if self.transport is not None:
+            options["transport"] = self.transport
+        if self.auth_key_file is not None:
+            from jaxkv.transfer import load_auth_key
+
+            options["auth_key"] = load_auth_key(path=self.auth_key_file)
+        if self.allow_unauthenticated:
+            options["allow_unauthenticated"] = True
+        return options
 
     @classmethod
     def from_dict(cls, extra: Mapping[str, Any], default_engine_id: str | None = None):
@@ -174,6 +200,19 @@ class ConnectorSettings:
             raise ValueError(f"transport must be a non-empty str, got {settings.transport!r}")
         if not float(settings.early_read_grace_s) >= 0:
             raise ValueError("early_read_grace_s must be >= 0")
+        if settings.auth_key_file is not None:
+            if not isinstance(settings.auth_key_file, str) or not settings.auth_key_file:
+                raise ValueError(
+                    f"auth_key_file must be a path, got {settings.auth_key_file!r}"
+                )
+            try:  # fails at configuration, not at the first transfer
+                settings.engine_options()
+            except (OSError, ValueError) as error:
+                raise ValueError(f"auth_key_file: {error}") from error
+        if not isinstance(settings.allow_unauthenticated, bool):
+            raise ValueError(
+                f"allow_unauthenticated must be a bool, got {settings.allow_unauthenticated!r}"
+            )
         if settings.packed_transfer not in ("values", "words"):
             raise ValueError(
                 f"packed_transfer must be 'values' or 'words', got {settings.packed_transfer!r}"

@@ -114,3 +114,24 @@ def test_transport_and_head_dim_settings():
     for bad in ("", 3):
         with pytest.raises(ValueError, match="transport must be a non-empty str"):
             ConnectorSettings.from_dict({**base, "transport": bad})
+
+
+def test_auth_key_file_and_allow_unauthenticated_settings(tmp_path):
+    """``auth_key_file`` reaches the engine as the key's bytes (read and checked when the
+    settings are read); ``allow_unauthenticated`` only when set."""
+    path = tmp_path / "jaxkv.key"
+    path.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    settings = ConnectorSettings.from_dict({"engine_id": "p", "auth_key_file": str(path)})
+    assert settings.engine_options() == {"auth_key": b"0123456789abcdef0123456789abcdef"}
+    assert "0123456789abcdef" not in repr(settings)  # the path is shown, never the key
+    open_settings = ConnectorSettings.from_dict({"engine_id": "p",
+                                                 "allow_unauthenticated": True})
+    assert open_settings.engine_options() == {"allow_unauthenticated": True}
+    with pytest.raises(ValueError, match="auth_key_file"):
+        ConnectorSettings.from_dict({"engine_id": "p", "auth_key_file": str(tmp_path / "no")})
+    (tmp_path / "short.key").write_bytes(b"short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        ConnectorSettings.from_dict({"engine_id": "p",
+                                     "auth_key_file": str(tmp_path / "short.key")})
+    with pytest.raises(ValueError, match="allow_unauthenticated must be a bool"):
+        ConnectorSettings.from_dict({"engine_id": "p", "allow_unauthenticated": "yes"})
