@@ -62,10 +62,12 @@ __device__ __forceinline__ void CopyVectors(const RunMap& map, const char* src, 
 
 // One CTA row (blockIdx.x) per pair; blockIdx.y splits the pair's runs across CTAs.
 // A non-null `verdict` is the device id check of this op: non-zero means the ids are invalid
-// and nothing is written (like the CPU engine, which refuses the call before any write).
+// and no cache block is written (like the CPU engine, which refuses the call before any
+// write); a zero-filling request (gather, split: a fresh dense output) comes out all zeros.
 template <typename Vec, typename Index>
 __global__ void BlockCopyKernel(BlockCopyRequest request, const uint32_t* verdict) {
-  if (verdict != nullptr && *verdict != 0) return;
+  const bool refused = verdict != nullptr && *verdict != 0;
+  if (refused && !request.zero_fill_skipped) return;
   const int64_t pair = blockIdx.x;
   const int64_t dst_block = ResolveBlock(request.dst_side, pair);
   if (dst_block < 0) return;
@@ -73,7 +75,7 @@ __global__ void BlockCopyKernel(BlockCopyRequest request, const uint32_t* verdic
   const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
 
-  const int64_t src_block = ResolveBlock(request.src_side, pair);
+  const int64_t src_block = refused ? -1 : ResolveBlock(request.src_side, pair);
   if (src_block < 0) {
     if (!request.zero_fill_skipped) return;
     Vec* out = reinterpret_cast<Vec*>(dst);
@@ -217,8 +219,36 @@ CudaStatus BeforeLaunch() {
   return {pending, "an earlier CUDA operation (error pending before the jaxkv launch)"};
 }
 
-// After a launch: its configuration error, if any (BeforeLaunch found nothing pending).
-CudaStatus AfterLaunch(const char* kernel) { return Checked(cudaGetLastError(), kernel); }
+// Errors of a kernel's execution. Launches are asynchronous, so when one of these is reported
+// at a launch it is an earlier kernel's fault (sticky: the context is unusable), which the
+// runtime only noticed now.
+bool IsExecutionFault(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// After a launch: its configuration error, if any (BeforeLaunch found nothing pending), or an
+// earlier kernel's fault that surfaced at it, named as such.
+CudaStatus AfterLaunch(const char* kernel) {
+  CudaStatus status = Checked(cudaGetLastError(), kernel);
+  if (IsExecutionFault(status.error)) {
+    status.call = "an earlier kernel (asynchronous fault reported at a jaxkv launch)";
+  }
+  return status;
+}
 
 template <typename Vec>
 CudaStatus LaunchCopy(const BlockCopyRequest& request, const uint32_t* verdict,

@@ -72,7 +72,7 @@ CudaStatus TakeIdErrors(int device, uint32_t* errors);
 // `request.dst_side.ids` and `request.num_rows` must be device pointers. Ids out of range are
 // skipped inside the kernel, so memory outside the buffers is never touched. With `verdict`
 // (device memory, from LaunchIdCheck on the same stream) the kernel writes nothing when the
-// verdict is non-zero.
+// verdict is non-zero, except that a zero-filling request (a dense output) is all zeros.
 CudaStatus LaunchBlockCopy(const BlockCopyRequest& request, const uint32_t* verdict,
                            cudaStream_t stream);
 

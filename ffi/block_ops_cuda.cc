@@ -1,11 +1,12 @@
 // CUDA FFI handlers. Ids live in device memory and no handler waits for the device: with
 // `validate_ids`, the checks run as small kernels enqueued before the op's kernels (range,
-// repeats with a bitmap of the buffer's blocks, overlap of an in-place copy), and a failed check
-// makes the op's kernels write nothing. The failure is recorded on the device (kId* bits of
-// block_copy_cuda.h), where TakeIdErrors reads it; the handler itself returns success, since it
-// cannot know the verdict without synchronising. Without `validate_ids` only the range is
-// enforced: kernels skip ids out of range, so memory outside the buffers is never touched, and
-// repeated or overlapping ids make the result depend on the order in which pairs run.
+// repeats with a bitmap of the buffer's blocks, overlap of an in-place copy), and a failed
+// check makes the op's kernels write no cache block (a dense output comes out zero). The
+// failure is recorded on the device (kId* bits of block_copy_cuda.h), where TakeIdErrors reads
+// it; the handler itself returns success, since it cannot know the verdict without
+// synchronising. Without `validate_ids` only the range is enforced: kernels skip ids out of
+// range, so memory outside the buffers is never touched, and repeated or overlapping ids make
+// the result depend on the order in which pairs run.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>

@@ -71,7 +71,7 @@ PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
       py::arg("device"),
       "Waits for CUDA device `device` (its local ordinal) and returns, then clears, the id-check "
       "failures recorded there since the last call: an OR of ID_OUT_OF_RANGE, ID_REPEATED and "
-      "ID_SHARED, 0 when none. An op whose ids failed its check wrote nothing.");
+      "ID_SHARED, 0 when none. An op whose ids failed its check wrote no cache block.");
 #endif
 }
 

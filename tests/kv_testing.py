@@ -98,8 +98,8 @@ def take_cuda_id_errors(device) -> int:
     """The id-check failures recorded on GPU `device` (a jax.Device) since the last call, then
     cleared: an OR of jaxkv._ffi_cuda.ID_OUT_OF_RANGE / ID_REPEATED / ID_SHARED, 0 when none.
     With validate_ids, the CUDA custom calls check traced ids on the device and record a
-    failure there instead of raising (an op whose ids fail writes nothing). Waits for the
-    device."""
+    failure there instead of raising (an op whose ids fail writes no cache block). Waits for
+    the device."""
     from jaxkv import _ffi_cuda
 
     return int(_ffi_cuda.take_id_errors(device.local_hardware_id))
