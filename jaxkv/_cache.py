@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
+from jaxkv import ops
 from jaxkv._context import jit as own_jit
-from jaxkv._placement import place_exactly
 from jaxkv._sharding import HeadSharding, head_sharding
 from jaxkv._spec import ArrayKey, KVCacheSpec
-from jaxkv.ops._block_ops import _copy_local, _gather_into_local, _gather_local, _scatter_local
-from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
 
 __all__ = ["BufferMovedError", "PagedKVCache", "ShardBuffer"]
 
@@ -142,9 +139,10 @@ class PagedKVCache:
           tp_axis: the tensor-parallel mesh axis (or a tuple of axes); heads are split (or
             replicated) over it.
           data_axis: a mesh axis to split the blocks over (data parallelism): shard ``s``
-            of ``dp`` owns blocks ``[s * num_blocks / dp, (s + 1) * num_blocks / dp)``, and an
-            op's ids come in ``dp`` equal segments, segment ``s`` naming shard ``s``'s blocks
-            (or padding), so every op runs on the owning shards without collectives.
+            of ``dp`` owns blocks ``[s * num_blocks / dp, (s + 1) * num_blocks / dp)``, and
+            every op runs on the owning shards without collectives (ids as `jaxkv.ops` takes
+            them on such an array: global copy pairs within one shard; gather and scatter
+            ids in ``dp`` equal segments, segment ``s`` naming shard ``s``'s blocks).
 
         Returns:
           The cache.
@@ -330,21 +328,6 @@ class PagedKVCache:
     def _with_arrays(self, arrays: Sequence[jax.Array]) -> PagedKVCache:
         return PagedKVCache(self.spec, arrays, self.sharding)
 
-    def _execute(self, kind: str, operands: tuple[Any, ...], validate_ids: bool) -> Any:
-        program = _cache_program(kind, self.spec, self.sharding, validate_ids)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(operands)):
-            return program(*operands)
-        # Outside jit, shard_map wants its operands placed as its in_specs say.
-        named = self.sharding.named_sharding(self.spec)
-        replicated = NamedSharding(self.sharding.mesh, PartitionSpec())
-        placed = [operands[0]]
-        for operand in operands[1:]:
-            if isinstance(operand, tuple):
-                placed.append(tuple(place_exactly(x, named) for x in operand))
-            else:
-                placed.append(place_exactly(operand, replicated))
-        return _jitted(program, _DONATED_OPERAND[kind])(*placed)
-
     def copy_blocks(
         self, src_ids: Any, dst_ids: Any, *, validate_ids: bool = True
     ) -> PagedKVCache:
@@ -361,23 +344,8 @@ class PagedKVCache:
         Raises:
           IndexError, ValueError: as `jaxkv.ops.copy_blocks`.
         """
-        src = as_id_array(src_ids, "src_ids")
-        dst = as_id_array(dst_ids, "dst_ids")
-        if src.shape != dst.shape:
-            raise ValueError(
-                f"src_ids and dst_ids must have the same length, got {src.shape[0]} and "
-                f"{dst.shape[0]}"
-            )
-        src_host, dst_host = concrete_ids(src), concrete_ids(dst)
-        if src_host is not None:
-            check_ids(src_host, "src_ids", self.num_blocks)
-            self._check_owners(src_host, "src_ids")
-        if dst_host is not None:
-            disjoint = (src_host, "src_ids") if src_host is not None else None
-            check_ids(dst_host, "dst_ids", self.num_blocks, unique=True, disjoint_from=disjoint)
-            self._check_owners(dst_host, "dst_ids")
-        self._check_segments(src.shape[0])
-        return self._with_arrays(self._execute("copy", (self.arrays, src, dst), validate_ids))
+        return self._with_arrays(
+            ops.copy_blocks(self.arrays, src_ids, dst_ids, validate_ids=validate_ids))
 
     def gather_blocks(
         self,
@@ -401,53 +369,8 @@ class PagedKVCache:
           IndexError: an id is >= num_blocks.
           ValueError: `out` does not match.
         """
-        ids = as_id_array(ids, "ids")
-        host = concrete_ids(ids)
-        if host is not None:
-            check_ids(host, "ids", self.num_blocks)
-            self._check_owners(host, "ids")
-        self._check_segments(ids.shape[0])
-        if out is None:
-            return tuple(self._execute("gather", (self.arrays, ids), validate_ids))
-        out = tuple(out)
-        self._check_dense(out, ids.shape[0], "out")
-        return tuple(self._execute("gather_into", (self.arrays, ids, out), validate_ids))
-
-    def _check_segments(self, count: int) -> None:
-        dp = self.sharding.data_size
-        if count % dp:
-            raise ValueError(
-                f"{count} ids for {dp} data-parallel shards: ids come in {dp} equal segments, "
-                "one per shard (pad with -1)"
-            )
-
-    def _check_owners(self, ids: np.ndarray, name: str) -> None:
-        """With a data-parallel block axis, segment ``s`` of the ids must name blocks of
-        shard ``s`` (or be padding): moving a block between shards would need a collective."""
-        dp = self.sharding.data_size
-        if dp == 1 or ids.size % dp:
-            return
-        per_shard = self.num_blocks // dp
-        owners = np.repeat(np.arange(dp), ids.size // dp)
-        wrong = np.flatnonzero((ids >= 0) & (ids // per_shard != owners))
-        if wrong.size:
-            i = int(wrong[0])
-            raise ValueError(
-                f"{name}[{i}] = {int(ids[i])} is in data shard {int(ids[i]) // per_shard}, but "
-                f"position {i} is in shard {int(owners[i])}'s segment (ids come in {dp} "
-                f"segments of {ids.size // dp}; shard s owns blocks [s*{per_shard}, "
-                f"(s+1)*{per_shard}))"
-            )
-
-    def _check_dense(self, dense: tuple[jax.Array, ...], rows: int, name: str) -> None:
-        if len(dense) != len(self.arrays):
-            raise ValueError(f"{len(dense)} {name} arrays for a cache of {len(self.arrays)} arrays")
-        for index, (block, array) in enumerate(zip(dense, self.arrays)):
-            if block.dtype != array.dtype or tuple(block.shape) != (rows, *array.shape[1:]):
-                raise ValueError(
-                    f"{name}[{index}] has shape {tuple(block.shape)} and dtype {block.dtype}; "
-                    f"expected {(rows, *array.shape[1:])} and {array.dtype}"
-                )
+        return tuple(ops.gather_blocks(self.arrays, ids, out=None if out is None else tuple(out),
+                                       validate_ids=validate_ids))
 
     def scatter_blocks(
         self, blocks: Sequence[jax.Array], ids: Any, *, validate_ids: bool = True
@@ -462,17 +385,8 @@ class PagedKVCache:
           ValueError: wrong number, shape or dtype of blocks; repeated ids.
           IndexError: an id is >= num_blocks.
         """
-        blocks = tuple(blocks)
-        ids = as_id_array(ids, "ids")
-        self._check_dense(blocks, ids.shape[0], "block")
-        host = concrete_ids(ids)
-        if host is not None:
-            check_ids(host, "ids", self.num_blocks, unique=True)
-            self._check_owners(host, "ids")
-        self._check_segments(ids.shape[0])
         return self._with_arrays(
-            self._execute("scatter", (self.arrays, blocks, ids), validate_ids)
-        )
+            ops.scatter_blocks(self.arrays, tuple(blocks), ids, validate_ids=validate_ids))
 
     # -- raw buffers ------------------------------------------------------------------------
 
@@ -548,76 +462,3 @@ class PagedKVCache:
             raise BufferMovedError(
                 "cache buffers moved (was the cache donated to every update?): " + "; ".join(moved)
             )
-
-
-_LOCAL_OPS: dict[str, Callable[..., Any]] = {
-    "copy": _copy_local,
-    "gather": _gather_local,
-    "gather_into": _gather_into_local,
-    "scatter": _scatter_local,
-}
-
-# Which operands of each cache program are updated in place (donated outside jit).
-_DONATED_OPERAND: dict[str, tuple[int, ...]] = {
-    "copy": (0,),
-    "gather": (),
-    "gather_into": (2,),
-    "scatter": (0,),
-}
-
-
-@functools.lru_cache(maxsize=256)
-def _cache_program(
-    kind: str, spec: KVCacheSpec, sharding: HeadSharding, validate_ids: bool
-) -> Callable[..., Any]:
-    """A shard_map program applying one op to every array of a cache on every shard."""
-    local = functools.partial(_LOCAL_OPS[kind], validate_ids=validate_ids)
-    arrays_spec = (sharding.partition_spec(spec),) * spec.num_arrays
-    data_axis = sharding.data_axis
-    dp = sharding.data_size
-    ids_spec = PartitionSpec()
-
-    def localize(ids, arrays):
-        """This shard's segment of the (replicated) global ids, as ids in its local block
-        range; ids of other shards become padding. No collective: only this shard's axis
-        index is read."""
-        if data_axis is None:
-            return ids
-        per_shard = arrays[0].shape[0]
-        shard = jax.lax.axis_index(data_axis)
-        segment = ids.shape[0] // dp
-        ids = jax.lax.dynamic_slice_in_dim(ids, shard * segment, segment)
-        start = shard * per_shard
-        return jnp.where((ids >= start) & (ids < start + per_shard), ids - start, -1)
-
-    def copy_body(arrays, src, dst):
-        src, dst = localize(src, arrays), localize(dst, arrays)
-        return tuple(local(a, src, dst) for a in arrays)
-
-    def gather_body(arrays, ids):
-        ids = localize(ids, arrays)
-        return tuple(local(a, ids) for a in arrays)
-
-    def gather_into_body(arrays, ids, outs):
-        ids = localize(ids, arrays)
-        return tuple(local(a, ids, o) for a, o in zip(arrays, outs))
-
-    def scatter_body(arrays, blocks, ids):
-        ids = localize(ids, arrays)
-        return tuple(local(a, b, ids) for a, b in zip(arrays, blocks))
-
-    bodies: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
-        "copy": (copy_body, (arrays_spec, ids_spec, ids_spec)),
-        "gather": (gather_body, (arrays_spec, ids_spec)),
-        "gather_into": (gather_into_body, (arrays_spec, ids_spec, arrays_spec)),
-        "scatter": (scatter_body, (arrays_spec, arrays_spec, ids_spec)),
-    }
-    body, in_specs = bodies[kind]
-    return jax.shard_map(
-        body, mesh=sharding.mesh, in_specs=in_specs, out_specs=arrays_spec, check_vma=False
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _jitted(program: Callable[..., Any], donate_argnums: tuple[int, ...]) -> Callable[..., Any]:
-    return own_jit(program, donate_argnums=donate_argnums)

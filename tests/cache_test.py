@@ -412,9 +412,11 @@ class DataParallelTest(parameterized.TestCase):
         cache, _ = self._cache()
         with self.assertRaisesRegex(ValueError, "ids\\[0\\] = 5 is in data shard 1"):
             cache.gather_blocks([5, 0])
-        with self.assertRaisesRegex(ValueError, "dst_ids\\[0\\] = 4 is in data shard 1"):
+        # Copy ids are global (one semantics with jaxkv.ops): a pair may sit anywhere, but
+        # its two blocks must be in one shard.
+        with self.assertRaisesRegex(ValueError, "pair 0 \\(0 -> 4\\) crosses data shards"):
             cache.copy_blocks([0, 5], [4, 6])
-        with self.assertRaisesRegex(ValueError, "3 ids for 2 data-parallel shards"):
+        with self.assertRaisesRegex(ValueError, "3 ids for a block axis split in 2 shards"):
             cache.gather_blocks([0, 1, 5])
         with self.assertRaisesRegex(ValueError, "cannot be split evenly over 2"):
             PagedKVCache.allocate(_spec("KHTD"), 7, mesh=cache.sharding.mesh, data_axis="data")

@@ -174,6 +174,10 @@ class _BlockOps:
         _assert_bits(cache.arrays[0], expected)
         (got,) = cache.gather_blocks([3, -1, 7, 4])
         _assert_bits(got, kv_testing.numpy_gather_blocks(expected, [3, -1, 7, 4]))
+        if self.impl == "pallas" and jax.default_backend() != "tpu":
+            # Interpret mode runs without a sharding rule (its host callbacks cannot be
+            # partitioned), so a jit over a sharded cache is for the compiled kernels only.
+            return
         text = jax.jit(lambda c, i: c.copy_blocks(i, i + 2), donate_argnums=0).lower(
             cache, jnp.array([0, 1, 4, 5], jnp.int32)).compile().as_text()
         for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute",

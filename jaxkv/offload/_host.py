@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv import ops
 from jaxkv._cache import PagedKVCache
 from jaxkv._context import jit as own_jit
 from jaxkv._context import no_context_mesh
 from jaxkv._sharding import HeadSharding
 from jaxkv._spec import KVCacheSpec
-from jaxkv.ops._block_ops import _gather_local
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
-from jaxkv.ops._reshape_ops import _prefix_local, _token_count
+from jaxkv.ops._reshape_ops import _token_count
 
 __all__ = ["HostPool", "onboard_blocks", "offload_blocks"]
 
@@ -198,8 +198,8 @@ def _direct_copy(spec: KVCacheSpec, sharding: HeadSharding, validate_ids: bool):
 
     def body(src, dst, src_ids, dst_ids, num_tokens):
         return tuple(
-            _prefix_local(merged(s), merged(d), src_ids, dst_ids, num_tokens, layout=layout,
-                          validate_ids=validate_ids).reshape(d.shape)
+            ops.copy_block_prefix(merged(s), merged(d), src_ids, dst_ids, num_tokens, layout,
+                                  validate_ids=validate_ids).reshape(d.shape)
             for s, d in zip(src, dst)
         )
 
@@ -223,7 +223,7 @@ def _stage_on_device(cache: PagedKVCache, device_ids, validate_ids: bool):
     spec, sharding = cache.spec, cache.sharding
 
     def gather(arrays, ids):
-        return tuple(_gather_local(a, ids, validate_ids=validate_ids) for a in arrays)
+        return ops.gather_blocks(arrays, ids, validate_ids=validate_ids)
 
     return _map_arrays(sharding, spec, gather, 1, 1)(cache.arrays, device_ids)
 

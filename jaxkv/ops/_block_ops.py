@@ -13,19 +13,16 @@ collectives (see `copy_blocks`).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxkv import _ffi
-from jaxkv._context import jit as own_jit
-from jaxkv._placement import place_exactly
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
-from jaxkv.ops._partition import IdRoles, block_axes, localize_ids, partitioned_call
+from jaxkv.ops._runner import run_per_shard
 
 __all__ = ["copy_blocks", "gather_blocks", "scatter_blocks"]
 
@@ -121,148 +118,47 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
     return dispatch("scatter", ffi, cache, blocks, ids, validate_ids=validate_ids)
 
 
-_ROLES: dict[Callable[..., Any], IdRoles] = {
-    _copy_local: ((1, "local", 0), (2, "local", 0)),
-    _gather_local: ((1, "segment", 0),),
-    _gather_into_local: ((1, "segment", 0),),
-    _scatter_local: ((2, "segment", 0),),
-}
-"""How each op's ids find their shard on a sharded block axis (`_partition.IdRoles`)."""
-
-_OP_NAMES = {
-    _copy_local: "copy_blocks",
-    _gather_local: "gather_blocks",
-    _gather_into_local: "gather_blocks",
-    _scatter_local: "scatter_blocks",
-}
-
-
-def _block_partition(
-    array: jax.Array,
-) -> tuple[jax.sharding.Mesh | jax.sharding.AbstractMesh, PartitionSpec] | None:
-    """The mesh and spec to run a per-shard op under, or None for a one-device array."""
-    sharding = array.sharding
-    if len(sharding.device_set) == 1:
-        return None
-    if not isinstance(sharding, NamedSharding):
-        raise ValueError(
-            "a cache spread over several devices must use a NamedSharding "
-            f"(got {type(sharding).__name__}); see jaxkv.PagedKVCache"
-        )
-    spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
-    return sharding.mesh, PartitionSpec(*spec)
-
-
-def data_parallel_local(local: Callable[..., Any], roles: IdRoles,
-                        partition: tuple[Any, PartitionSpec] | None,
-                        op: str) -> Callable[..., Any]:
-    """`local` with its ids made shard-local when `partition` shards the block axis (run
-    under shard_map); `local` itself otherwise."""
-    if partition is None or partition[1][0] is None:
-        return local
-    if not roles:
-        raise ValueError(f"jaxkv.ops.{op}: the block axis of the cache must not be sharded "
-                         f"(partition spec {partition[1]})")
-    mesh, spec = partition
-    axes = block_axes(spec[0])
-    count = 1
-    for axis in axes:
-        count *= mesh.shape[axis]
-
-    def run(*operands, **kwargs):
-        return local(*localize_ids(operands, roles, axes, count), **kwargs)
-
-    return run
-
-
-def check_data_parallel(partition: tuple[Any, PartitionSpec] | None, roles: IdRoles,
-                        operands: Any, num_blocks: int, op: str) -> None:
-    """On a sharded block axis: segment ids divide into the shards, and concrete ids that
-    pair blocks (copy) name blocks of one shard.
+def _arrays(cache: Any, name: str) -> tuple[tuple[jax.Array, ...], bool]:
+    """`cache` as a tuple of blocks-first arrays with one block count, and whether it was one
+    array (the op then returns one array, not a tuple).
 
     Raises:
-      ValueError: ids that do not divide into the shards, or a pair across shards.
+      TypeError, ValueError: an argument that is not such an array or list of arrays.
     """
-    if partition is None or partition[1][0] is None:
-        return
-    mesh, spec = partition
-    count = 1
-    for axis in block_axes(spec[0]):
-        count *= mesh.shape[axis]
-    for position, role, _ in roles:
-        if role == "segment" and operands[position].shape[0] % count:
-            raise ValueError(
-                f"jaxkv.ops.{op}: {operands[position].shape[0]} ids for a block axis split in "
-                f"{count} shards: the rows of a dense array come in {count} equal segments, "
-                "one per shard (pad the ids with -1)")
-    pairs = [p for p, role, _ in roles if role == "local"]
-    if len(pairs) == 2 and len({indexed for _, _, indexed in roles}) == 1:
-        a, b = (concrete_ids(operands[p]) for p in pairs)
-        if a is not None and b is not None:
-            per_shard = num_blocks // count
-            crossing = np.flatnonzero((a >= 0) & (b >= 0) & (a // per_shard != b // per_shard))
-            if crossing.size:
-                i = int(crossing[0])
-                raise ValueError(
-                    f"jaxkv.ops.{op}: pair {i} ({int(a[i])} -> {int(b[i])}) crosses data "
-                    f"shards (each of {count} owns {per_shard} blocks); moving a block between "
-                    "shards needs a collective")
+    single = not isinstance(cache, (list, tuple))
+    arrays = (cache,) if single else tuple(cache)
+    if not arrays:
+        raise ValueError(f"{name} is an empty list of arrays")
+    for i, array in enumerate(arrays):
+        _check_blocks_first(array, name if single else f"{name}[{i}]")
+        if array.shape[0] != arrays[0].shape[0]:
+            raise ValueError(f"{name}[{i}] has {array.shape[0]} blocks, {name}[0] has "
+                             f"{arrays[0].shape[0]}")
+    return arrays, single
 
 
-@functools.lru_cache(maxsize=256)
-def _eager_program(
-    local: Callable[..., Any],
-    partition: tuple[jax.sharding.Mesh, PartitionSpec] | None,
-    operand_kinds: tuple[str, ...],
-    donate_argnums: tuple[int, ...],
-    validate_ids: bool,
-) -> Callable[..., Any]:
-    """A jitted program running `local` on every shard; operand kinds are "blocks" (sharded
-    like the cache) or "ids" (replicated)."""
-    program = functools.partial(
-        data_parallel_local(local, _ROLES.get(local, ()), partition,
-                            _OP_NAMES.get(local, local.__name__)),
-        validate_ids=validate_ids)
-    if partition is not None:
-        mesh, spec = partition
-        in_specs = tuple(spec if kind == "blocks" else PartitionSpec() for kind in operand_kinds)
-        program = jax.shard_map(
-            program, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False
-        )
-    return own_jit(program, donate_argnums=donate_argnums)
+def _is_rows(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, jax.Array))
 
 
-def _run(local, operands, kinds, *, donate_argnums: tuple[int, ...], validate_ids: bool):
-    cache = operands[0]
-    if any(isinstance(x, jax.core.Tracer) for x in operands):
-        # Inside the caller's jit: a sharding rule keeps the op local to each shard.
-        return partitioned_call(local, operands, kinds, dict(validate_ids=validate_ids),
-                                op=_OP_NAMES.get(local, local.__name__),
-                                roles=_ROLES.get(local, ()))
-    partition = _block_partition(cache)
-    check_data_parallel(partition, _ROLES.get(local, ()), operands, cache.shape[0],
-                        _OP_NAMES.get(local, local.__name__))
-    program = _eager_program(local, partition, kinds, donate_argnums, validate_ids)
-    if partition is not None:
-        # Outside jit, shard_map wants its operands placed as its in_specs say.
-        mesh, spec = partition
-        operands = (cache,) + tuple(
-            place_exactly(x, NamedSharding(mesh, spec if kind == "blocks" else PartitionSpec()))
-            for x, kind in zip(operands[1:], kinds[1:])
-        )
-    return program(*operands)
+def _operand(arrays: tuple[jax.Array, ...], single: bool) -> Any:
+    """The operand `run_per_shard` takes for these arrays (a tuple runs on each)."""
+    return arrays[0] if single else arrays
 
 
 def copy_blocks(
-    cache: jax.Array, src_ids: Any, dst_ids: Any, *, validate_ids: bool = True
-) -> jax.Array:
-    """Copies whole blocks inside one cache array, in place.
+    cache: jax.Array | Sequence[jax.Array], src_ids: Any, dst_ids: Any, *,
+    validate_ids: bool = True,
+) -> Any:
+    """Copies whole blocks inside one cache array (or each of several), in place.
 
     Args:
       cache: blocks-first array ``[num_blocks, *block]`` of any dtype XLA can hold,
         including the packed sub-byte types (int4, uint4, int2, uint2, float4_e2m1fn) as long
         as a block is a whole number of bytes; 1-bit integers and the 6-bit floats are
-        refused. Consumed (donated) when called outside jit.
+        refused. Or a list of such arrays with one block count and one sharding (e.g. one per
+        layer, like vLLM's ``copy_blocks`` over its per-layer caches): the same pairs are
+        copied in each, in one program. Consumed (donated) when called outside jit.
       src_ids: int32 ids of the source blocks, shape ``[n]``.
       dst_ids: int32 ids of the destination blocks, shape ``[n]``. A pair with a negative id
         on either side is skipped (padding).
@@ -282,7 +178,7 @@ def copy_blocks(
     out-of-range ids. `gather_blocks` and `scatter_blocks` work on such a cache too.
 
     Returns:
-      The updated cache (the same buffer when donated).
+      The updated cache (the same buffer when donated); a tuple for a list of arrays.
 
     Raises:
       IndexError: an id is >= num_blocks (concrete ids).
@@ -295,8 +191,12 @@ def copy_blocks(
       >>> cache = jnp.arange(8.0).reshape(4, 2)
       >>> copy_blocks(cache, [0, 1], [2, 3]).tolist()
       [[0.0, 1.0], [2.0, 3.0], [0.0, 1.0], [2.0, 3.0]]
+      >>> keys, values = jnp.arange(4.0).reshape(4, 1), jnp.arange(10.0, 14.0).reshape(4, 1)
+      >>> [a.ravel().tolist() for a in copy_blocks([keys, values], [0], [3])]
+      [[0.0, 1.0, 2.0, 0.0], [10.0, 11.0, 12.0, 10.0]]
     """
-    _check_blocks_first(cache, "cache")
+    arrays, single = _arrays(cache, "cache")
+    num_blocks = arrays[0].shape[0]
     src = as_id_array(src_ids, "src_ids")
     dst = as_id_array(dst_ids, "dst_ids")
     if src.shape != dst.shape:
@@ -305,73 +205,89 @@ def copy_blocks(
         )
     src_host, dst_host = concrete_ids(src), concrete_ids(dst)
     if src_host is not None:
-        check_ids(src_host, "src_ids", cache.shape[0])
+        check_ids(src_host, "src_ids", num_blocks)
     if dst_host is not None:
         disjoint = (src_host, "src_ids") if src_host is not None else None
-        check_ids(dst_host, "dst_ids", cache.shape[0], unique=True, disjoint_from=disjoint)
-    return _run(
-        _copy_local, (cache, src, dst), ("blocks", "ids", "ids"), donate_argnums=(0,),
-        validate_ids=validate_ids,
+        check_ids(dst_host, "dst_ids", num_blocks, unique=True, disjoint_from=disjoint)
+    return run_per_shard(
+        _copy_local, (_operand(arrays, single), src, dst), ("blocks", "ids", "ids"),
+        dict(validate_ids=validate_ids), op="copy_blocks", donate_argnums=(0,),
+        roles=((1, "local", 0), (2, "local", 0)),
     )
 
 
 def gather_blocks(
-    cache: jax.Array, ids: Any, *, out: jax.Array | None = None, validate_ids: bool = True
-) -> jax.Array:
+    cache: jax.Array | Sequence[jax.Array], ids: Any, *,
+    out: jax.Array | Sequence[jax.Array] | None = None, validate_ids: bool = True,
+) -> Any:
     """Gathers blocks into a dense array ``[n, *block]``.
 
     Args:
-      cache: blocks-first array ``[num_blocks, *block]``; not modified.
+      cache: blocks-first array ``[num_blocks, *block]``, or a list of such arrays with one
+        block count and one sharding (each is gathered, in one program); not modified.
       ids: int32 block ids, shape ``[n]``; rows with negative ids come out zero.
       out: optional ``[n, *block]`` buffer to write into instead of allocating a new array
         (for a staging buffer reused every step: a fresh multi-MiB output costs page faults
-        on CPU). It is consumed (donated) outside jit; donate it in the caller's jit.
+        on CPU), one per array for a list. It is consumed (donated) outside jit; donate it in
+        the caller's jit.
       validate_ids: see `copy_blocks`.
 
     On a cache whose block axis is sharded over ``S`` shards (data parallelism) the output's
     rows are sharded like the block axis: the ids come in ``S`` equal segments, and row ``i``,
     held by shard ``s = i // (n / S)``, is ``cache[ids[i]]`` when shard ``s`` owns that block
-    and zeros otherwise; no collective moves a block between shards. Inside the caller's jit
+    and zeros otherwise (concrete ids outside their segment's shard raise); no collective moves
+    a block between shards. Inside the caller's jit
     give the result that sharding (``out_shardings``, or pass `out`), or XLA gathers it.
 
     Returns:
-      ``out[i] = cache[ids[i]]``, sharded like the cache (the `out` buffer when given).
+      ``out[i] = cache[ids[i]]``, sharded like the cache (the `out` buffer when given); a
+      tuple of those for a list of arrays.
 
     Raises:
       IndexError: an id is >= num_blocks.
-      ValueError: `out` has the wrong shape or dtype.
+      ValueError: `out` has the wrong shape or dtype, the arrays of a list differ in block
+        count or sharding, or (block-sharded cache) concrete ids outside their segment's shard.
 
     Example:
       >>> gather_blocks(jnp.arange(6.0).reshape(3, 2), [2, -1]).tolist()
       [[4.0, 5.0], [0.0, 0.0]]
     """
-    _check_blocks_first(cache, "cache")
+    arrays, single = _arrays(cache, "cache")
     ids = as_id_array(ids, "ids")
     host = concrete_ids(ids)
     if host is not None:
-        check_ids(host, "ids", cache.shape[0])
+        check_ids(host, "ids", arrays[0].shape[0])
+    roles = ((1, "segment", 0),)
     if out is None:
-        return _run(_gather_local, (cache, ids), ("blocks", "ids"), donate_argnums=(),
-                    validate_ids=validate_ids)
-    _check_blocks_first(out, "out")
-    expected = (ids.shape[0], *cache.shape[1:])
-    if tuple(out.shape) != expected or out.dtype != cache.dtype:
-        raise ValueError(
-            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected {expected} and "
-            f"{cache.dtype}"
-        )
-    return _run(_gather_into_local, (cache, ids, out), ("blocks", "ids", "blocks"),
-                donate_argnums=(2,), validate_ids=validate_ids)
+        return run_per_shard(_gather_local, (_operand(arrays, single), ids), ("blocks", "ids"),
+                             dict(validate_ids=validate_ids), op="gather_blocks", roles=roles)
+    outs, out_single = _arrays(out, "out")
+    if out_single != single or len(outs) != len(arrays):
+        raise ValueError(f"{len(outs)} out arrays for a cache of {len(arrays)} arrays")
+    for i, (o, array) in enumerate(zip(outs, arrays)):
+        expected = (ids.shape[0], *array.shape[1:])
+        if tuple(o.shape) != expected or o.dtype != array.dtype:
+            raise ValueError(
+                f"{'out' if single else f'out[{i}]'} has shape {tuple(o.shape)} and dtype "
+                f"{o.dtype}; expected {expected} and {array.dtype}"
+            )
+    return run_per_shard(
+        _gather_into_local, (_operand(arrays, single), ids, _operand(outs, single)),
+        ("blocks", "ids", "blocks"), dict(validate_ids=validate_ids), op="gather_blocks",
+        donate_argnums=(2,), roles=roles)
 
 
 def scatter_blocks(
-    cache: jax.Array, blocks: jax.Array, ids: Any, *, validate_ids: bool = True
-) -> jax.Array:
-    """Writes dense blocks into a cache array, in place.
+    cache: jax.Array | Sequence[jax.Array], blocks: jax.Array | Sequence[jax.Array], ids: Any,
+    *, validate_ids: bool = True,
+) -> Any:
+    """Writes dense blocks into a cache array (or each of several), in place.
 
     Args:
-      cache: blocks-first array ``[num_blocks, *block]``. Consumed (donated) outside jit.
-      blocks: ``[n, *block]`` with the cache's dtype and per-block shape.
+      cache: blocks-first array ``[num_blocks, *block]``, or a list of such arrays with one
+        block count and one sharding. Consumed (donated) outside jit.
+      blocks: ``[n, *block]`` with the cache's dtype and per-block shape (one per array for
+        a list, as `gather_blocks` returns them).
       ids: int32 destination ids, shape ``[n]``; negative ids are skipped.
       validate_ids: see `copy_blocks`.
 
@@ -381,7 +297,7 @@ def scatter_blocks(
     collective).
 
     Returns:
-      The updated cache with ``cache[ids[i]] = blocks[i]``.
+      The updated cache with ``cache[ids[i]] = blocks[i]``; a tuple for a list of arrays.
 
     Raises:
       IndexError: an id is >= num_blocks.
@@ -391,22 +307,28 @@ def scatter_blocks(
       >>> scatter_blocks(jnp.zeros((3, 2)), jnp.ones((1, 2)), [1]).tolist()
       [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
     """
-    _check_blocks_first(cache, "cache")
-    _check_blocks_first(blocks, "blocks")
+    arrays, single = _arrays(cache, "cache")
+    # Host rows (numpy) are fine: the program places them like the cache.
+    dense, dense_single = _arrays(jax.tree.map(jnp.asarray, blocks, is_leaf=_is_rows), "blocks")
     ids = as_id_array(ids, "ids")
-    if blocks.dtype != cache.dtype:
-        raise ValueError(f"blocks have dtype {blocks.dtype}, the cache has {cache.dtype}")
-    if tuple(blocks.shape[1:]) != tuple(cache.shape[1:]):
-        raise ValueError(
-            f"blocks have per-block shape {tuple(blocks.shape[1:])}, "
-            f"the cache has {tuple(cache.shape[1:])}"
-        )
-    if blocks.shape[0] != ids.shape[0]:
-        raise ValueError(f"{blocks.shape[0]} blocks for {ids.shape[0]} ids")
+    if dense_single != single or len(dense) != len(arrays):
+        raise ValueError(f"{len(dense)} block arrays for a cache of {len(arrays)} arrays")
+    for i, (rows, array) in enumerate(zip(dense, arrays)):
+        name = "blocks" if single else f"blocks[{i}]"
+        if rows.dtype != array.dtype:
+            raise ValueError(f"{name} have dtype {rows.dtype}, the cache has {array.dtype}")
+        if tuple(rows.shape[1:]) != tuple(array.shape[1:]):
+            raise ValueError(
+                f"{name} have per-block shape {tuple(rows.shape[1:])}, "
+                f"the cache has {tuple(array.shape[1:])}"
+            )
+        if rows.shape[0] != ids.shape[0]:
+            raise ValueError(f"{rows.shape[0]} blocks for {ids.shape[0]} ids")
     host = concrete_ids(ids)
     if host is not None:
-        check_ids(host, "ids", cache.shape[0], unique=True)
-    return _run(
-        _scatter_local, (cache, blocks, ids), ("blocks", "blocks", "ids"), donate_argnums=(0,),
-        validate_ids=validate_ids,
+        check_ids(host, "ids", arrays[0].shape[0], unique=True)
+    return run_per_shard(
+        _scatter_local, (_operand(arrays, single), _operand(dense, single), ids),
+        ("blocks", "blocks", "ids"), dict(validate_ids=validate_ids), op="scatter_blocks",
+        donate_argnums=(0,), roles=((2, "segment", 0),),
     )

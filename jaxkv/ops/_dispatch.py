@@ -63,16 +63,18 @@ def current_implementation() -> str:
     return _checked(env, _ENV) if env else "auto"
 
 
-def _clear_program_caches() -> None:
-    # The ops cache jitted programs; a program traced under one implementation must not be
-    # reused under another (user jits too: the implementation is picked at trace time).
-    from jaxkv import _cache
-    from jaxkv.ops import _block_ops, _reshape_ops
+def program_key() -> tuple[str, str]:
+    """What a cached jaxkv program depends on besides its operands: the implementation in
+    force and the default backend (which "auto" picks by). jaxkv keys its eager programs and
+    sharding rules with it, so `implementation` invalidates nothing: programs of every
+    implementation stay cached side by side.
 
-    _block_ops._eager_program.cache_clear()
-    _reshape_ops._program.cache_clear()
-    _cache._cache_program.cache_clear()
-    jax.clear_caches()
+    Example:
+      >>> with implementation("reference"):
+      ...     program_key()[0]
+      'reference'
+    """
+    return current_implementation(), jax.default_backend()
 
 
 @contextlib.contextmanager
@@ -85,6 +87,11 @@ def implementation(name: str) -> Iterator[None]:
         interpret mode off TPU), "reference" (pure jnp, any platform) or "auto" (per platform
         at lowering time: ffi on cpu/cuda, pallas on tpu, reference elsewhere).
 
+    The choice is made when an op is traced. jaxkv caches its own programs per implementation
+    (`program_key`), so nothing is cleared; a function of yours that ``jax.jit`` already traced
+    keeps the implementation it was traced with, as it keeps any Python state read while
+    tracing (jit it again, or call ``jax.clear_caches()``, to trace it anew).
+
     Raises:
       ValueError: an unknown name.
 
@@ -95,12 +102,10 @@ def implementation(name: str) -> Iterator[None]:
     """
     _checked(name, "implementation")
     token = _forced.set(name)
-    _clear_program_caches()
     try:
         yield
     finally:
         _forced.reset(token)
-        _clear_program_caches()
 
 
 def _reference_concat(cache, ids, *buffers, box_starts):

@@ -34,6 +34,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxkv.ops._dispatch import current_implementation, program_key
+
 try:  # private, but the only way to tell a vmap tracer; without it, vmap is not detected
     from jax._src.interpreters.batching import BatchTracer
 
@@ -208,7 +210,11 @@ def _partitioned(
     unsharded_axes: tuple[tuple[int, str], ...],
     roles: IdRoles = (),
     grouped: GroupedAxes = (),
+    implementation: tuple[str, str] = ("", ""),
 ) -> tuple[Callable[..., Any], Callable[[Any, Any], Callable[..., Any]]]:
+    # `implementation` (`_dispatch.program_key`) only keys the cache: `local` picks its
+    # implementation when traced, and JAX may reuse a custom_partitioning's trace.
+    del implementation
     kwargs = dict(static)
     rule, need_replication, unshared, factor_sizes = _rule(shapes, kinds, reference,
                                                            result_shapes, grouped)
@@ -327,10 +333,7 @@ def _without_rule() -> bool:
     # Pallas's TPU interpret mode (forced "pallas" off TPU) runs kernels through ordered host
     # callbacks, whose effects custom_partitioning cannot lower; it is a debugging aid on
     # unsharded arrays, so the op runs without a sharding rule there.
-    from jaxkv.ops._dispatch import current_implementation
-
-    impl = current_implementation()
-    return impl == "pallas" and jax.default_backend() != "tpu"
+    return current_implementation() == "pallas" and jax.default_backend() != "tpu"
 
 
 def partitioned_call(
@@ -378,7 +381,7 @@ def partitioned_call(
     wrapped, explicit = _partitioned(
         local, op, tuple(sorted(static.items())), tuple(kinds),
         tuple(tuple(x.shape) for x in operands), result_shapes, reference, multiple,
-        tuple(unsharded_axes), tuple(roles), tuple(grouped_axes),
+        tuple(unsharded_axes), tuple(roles), tuple(grouped_axes), program_key(),
     )
     if explicit_spec is not None:
         # Under an Explicit mesh the result's sharding is part of its type, and a

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
-from jaxkv.ops._reshape_ops import run_per_shard
+from jaxkv.ops._runner import run_per_shard
 
 __all__ = ["concat_from_peers", "split_for_peers"]
 

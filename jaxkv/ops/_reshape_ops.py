@@ -8,28 +8,16 @@ call with the cache aliased to the result, and the caller's jit must donate the 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxkv._context import jit as own_jit
-from jaxkv._placement import place_exactly
-from jaxkv.ops._block_ops import (
-    _block_partition,
-    _check_blocks_first,
-    _ffi_call,
-    block_nbytes,
-    check_data_parallel,
-    data_parallel_local,
-)
+from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call, block_nbytes
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
 from jaxkv.ops._layouts import check_ratio, one_layout, packed_layout_pair
-from jaxkv.ops._partition import GroupedAxes, IdRoles, ShardingError, partitioned_call
+from jaxkv.ops._runner import run_per_shard
 
 __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 
@@ -38,97 +26,6 @@ __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 # `_MIN_SCRATCH_BLOCKS` blocks (threads) when that many ids are given.
 _SCRATCH_BYTES = 16 << 20
 _MIN_SCRATCH_BLOCKS = 8
-
-
-# ---------------------------------------------------------------------------------------------
-# Running a per-shard op: eagerly (a cached, donating, jitted program; shard_map for a sharded
-# cache) or traced (the caller's jit or shard_map).
-
-
-@functools.lru_cache(maxsize=512)
-def _program(
-    local: Callable[..., Any],
-    static: tuple[tuple[str, Any], ...],
-    partition: tuple[jax.sharding.Mesh, PartitionSpec] | None,
-    operand_kinds: tuple[str, ...],
-    num_outputs: int | None,
-    donate_argnums: tuple[int, ...],
-    roles: IdRoles = (),
-    op: str = "",
-) -> Callable[..., Any]:
-    """A jitted program running ``local(*operands, **static)`` on every shard. Operand kinds
-    are "blocks" (sharded like the cache) or "replicated"; outputs are blocks-like, one array
-    (`num_outputs` None) or a tuple of `num_outputs`. On a sharded block axis each shard
-    keeps the ids it owns (`roles`)."""
-    kwargs = dict(static)
-    run = data_parallel_local(local, roles, partition, op)
-
-    def program(*operands):
-        return run(*operands, **kwargs)
-
-    if partition is not None:
-        mesh, spec = partition
-        in_specs = tuple(spec if kind == "blocks" else PartitionSpec() for kind in operand_kinds)
-        out_specs = spec if num_outputs is None else (spec,) * num_outputs
-        program = jax.shard_map(
-            program, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-    return own_jit(program, donate_argnums=donate_argnums)
-
-
-def run_per_shard(
-    local: Callable[..., Any],
-    operands: Sequence[Any],
-    kinds: Sequence[str],
-    static: dict[str, Any],
-    *,
-    donate_argnums: tuple[int, ...],
-    num_outputs: int | None = None,
-    partition_of: int = 0,
-    op: str | None = None,
-    unsharded_axes: Sequence[tuple[int, str]] = (),
-    roles: IdRoles = (),
-    grouped_axes: GroupedAxes = (),
-):
-    """Runs `local` on `operands` (traced: under the sharding rule of `_partition`, local to
-    each shard; concrete: a cached donating program, per shard of operand `partition_of`'s
-    sharding). `static` values must be hashable; `op` names the public op in errors; `roles`
-    say how ids find their shard on a sharded block axis (none: such a sharding is refused);
-    `grouped_axes` (see `_partition.GroupedAxes`) are axes the other block arrays follow in
-    units of their own size, inside the caller's jit.
-    """
-    static_items = tuple(sorted(static.items()))
-    if any(isinstance(x, jax.core.Tracer) for x in operands):
-        # Inside the caller's jit: a sharding rule keeps the op local to each shard.
-        return partitioned_call(local, operands, kinds, static, op=op or local.__name__,
-                                reference=partition_of, unsharded_axes=unsharded_axes,
-                                roles=roles, grouped_axes=grouped_axes)
-    partition = _block_partition(operands[partition_of])
-    check_data_parallel(partition, roles, operands, operands[partition_of].shape[0],
-                        op or local.__name__)
-    program = _program(local, static_items, partition, tuple(kinds), num_outputs, donate_argnums,
-                       tuple(roles), op or local.__name__)
-    placed = list(operands)
-    if partition is not None:
-        for axis, why in unsharded_axes:
-            if partition[1][axis] is not None:
-                raise ShardingError(
-                    f"jaxkv.ops.{op}: axis {axis} of the cache is sharded "
-                    f"({partition[1]}), but {why}; shard another axis."
-                )
-        # Outside jit, shard_map wants its operands placed as its in_specs say.
-        mesh, spec = partition
-        for i, (x, kind) in enumerate(zip(operands, kinds)):
-            if i in donate_argnums and i == partition_of:
-                continue
-            target = NamedSharding(mesh, spec if kind == "blocks" else PartitionSpec())
-            placed[i] = place_exactly(x, target)
-    else:
-        device = next(iter(operands[partition_of].sharding.device_set))
-        for i, (x, kind) in enumerate(zip(operands, kinds)):
-            if kind == "blocks" and isinstance(x, jax.Array) and x.sharding.device_set != {device}:
-                placed[i] = place_exactly(x, device)
-    return program(*placed)
 
 
 # ---------------------------------------------------------------------------------------------
