@@ -74,6 +74,7 @@ class Engine:
 
     def __init__(self, pid: int = 0):
         self.engine_id = "prefill"
+        self.deployment_key = None  # no key: process 0 serves plain metadata on loopback
         self.config = EngineConfig(KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4,
                                                block_size=4), 2)
         self.pid = pid

@@ -236,6 +236,26 @@ class MultiControllerTest(tt.TransferTestBase):
             np.testing.assert_array_equal(got[LOCAL_IDS], want, err_msg=f"array {index}")
             self.assertFalse(got[others].any(), f"array {index}: other blocks changed")
 
+    def test_keyed_engine_of_two_processes(self):
+        # A deployment key on every process: process 0 serves the merged metadata keyed, each
+        # process's control connections are keyed; a keyless consumer is refused, naming it.
+        group = self.group_a
+        key = b"multi-controller-deployment-key!"
+        group.call("producer", "p-keyed", SPEC, 4, 1, REMOTE_IDS, False, {"auth_key": key})
+        params = group.publish("p-keyed", "keyed", REMOTE_IDS, 30.0)
+        spec = KVCacheSpec(**SPEC)
+        plain, _, _ = self.consumer(spec, 1)
+        plain.start_read(params, LOCAL_IDS, read_id="plain-read")
+        _, failed = self.wait(plain, ["plain-read"])
+        self.assertRegex(failed[0].reason, "requires the deployment key")
+        engine, cache, config = self.consumer(spec.replace(layout="THD"), 2, auth_key=key)
+        engine.start_read(params, LOCAL_IDS)
+        finished, failed = self.wait(engine, ["keyed"])
+        self.assertEqual((finished, failed), (["keyed"], []))
+        self.check_cache(cache, config, self._g(), LOCAL_IDS)
+        freed, _ = group.wait_level("p-keyed", "freeable", "keyed")
+        self.assertEqual(freed, ["keyed"])
+
     def test_one_process_to_two_processes(self):
         # The reverse direction: a TP 2 producer in this process, a TP 2 consumer engine of
         # two processes x one device; process 0 reports the read once both finished.
