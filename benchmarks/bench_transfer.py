@@ -33,6 +33,12 @@ caches are cold). ``--done_apart`` / ``--no_progress_thread`` / ``--control=tcp|
 measure the alternatives:
 
   python benchmarks/bench_transfer.py --small --repeats=200 --json_out=/tmp/small.json
+
+``--small --auth``: the small request (start_read -> confirmed) without a deployment key (two
+pairs of engines: the second is the noise floor) and with one, interleaved; NIXL when
+installed, else the JAX transport; also the keyed metadata handshake and one message's MAC:
+
+  python benchmarks/bench_transfer.py --small --auth --repeats=200 --json_out=/tmp/auth.json
 """
 
 from __future__ import annotations
@@ -324,6 +330,190 @@ def small_requests(args) -> dict:
     return out
 
 
+# -- the authenticated control plane (--small --auth) ---------------------------------------
+
+AUTH_KEY = b"bench-deployment-key-0123456789ab"
+
+
+PAIRS = ("plain", "plain_again", "keyed")  # engine pairs of --small --auth: "keyed" has a key
+
+
+def _auth_producer(conn, transport: str) -> None:
+    """One producer engine per entry of `PAIRS` over the same cache contents, only "keyed"
+    with the deployment key: ("pin", pair, request_id, block_ids) -> params; ("exit",)."""
+    import jax
+
+    from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
+    from jaxkv.transfer import KVTransferEngine
+
+    spec = KVCacheSpec(**SMALL_SPEC)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 1 << 16, spec.array_shape(SMALL_NUM_BLOCKS), dtype=np.uint16)
+              .view(spec.dtype) for _ in spec.array_keys()]
+    engines = {}
+    for pair in PAIRS:
+        engines[pair] = KVTransferEngine(
+            "prefill", EngineConfig(spec, 1), lease_s=60.0, transport=transport,
+            auth_key=AUTH_KEY if pair == "keyed" else None)
+        engines[pair].register_cache(PagedKVCache.from_arrays(spec, arrays, mesh=mesh))
+    conn.send({pair: e.address for pair, e in engines.items()})
+    order = list(engines.values())
+    try:
+        while True:
+            if conn.poll(0):
+                command = conn.recv()
+                if command[0] == "exit":
+                    break
+                if command[0] == "pin":
+                    _, pair, request_id, block_ids = command
+                    conn.send(engines[pair].publish_request(request_id, block_ids))
+            for engine in order:
+                engine.poll()
+            order.append(order.pop(0))  # no engine is always polled first
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def auth_requests(args) -> dict:
+    """``--small --auth``: the small request's latency (start_read -> confirmed) without and
+    with the deployment key: three pairs of engines (`PAIRS`: two without a key, one with),
+    their pulls interleaved, the order rotating each round, so that all see the same load;
+    ``plain_again`` against ``plain`` is the noise floor (an A/A comparison) to read the keyed
+    ratio against. NIXL when installed, else the JAX transport. Also the metadata handshake
+    (`add_peer`: plain fetch vs challenge-response + MAC), the MAC of one control message,
+    and a Done-sized message's round trip over a bare pair of control channels (plain and
+    keyed: the added work without the engines around it)."""
+    import jax
+
+    from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
+    from jaxkv.transfer import KVTransferEngine, nixl_available
+    from jaxkv.transfer._auth import DeploymentKey
+
+    transport = "nixl" if nixl_available() else "jax"
+    spec = KVCacheSpec(**SMALL_SPEC)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_auth_producer, args=(child, transport), daemon=True)
+    process.start()
+    out: dict = {"bench": "bench_transfer --small --auth", "transport": transport}
+    engines: dict = {}
+    try:
+        addresses = _recv(parent)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+        for pair in PAIRS:
+            engines[pair] = KVTransferEngine(
+                "decode", EngineConfig(spec, 1), read_timeout_s=60.0, transport=transport,
+                auth_key=AUTH_KEY if pair == "keyed" else None)
+            engines[pair].register_cache(PagedKVCache.allocate(spec, SMALL_NUM_BLOCKS,
+                                                               mesh=mesh))
+        handshake: dict[str, list[float]] = {pair: [] for pair in PAIRS}
+        for _ in range(20):
+            for pair in PAIRS:
+                start = time.perf_counter()
+                engines[pair].add_peer("prefill", [addresses[pair]])
+                handshake[pair].append(time.perf_counter() - start)
+        rng = np.random.default_rng(1)
+        remote_ids = (rng.permutation(SMALL_NUM_BLOCKS // 2)[:SMALL_BLOCKS] * 2).tolist()
+        local_ids = (rng.permutation(SMALL_NUM_BLOCKS // 2)[:SMALL_BLOCKS] * 2 + 1).tolist()
+
+        def pull(pair: str, request_id: str) -> float:
+            engine = engines[pair]
+            parent.send(("pin", pair, request_id, remote_ids))
+            params = _recv(parent)
+            start = time.perf_counter()
+            engine.start_read(params, local_ids)
+            finished: list[str] = []
+
+            def done():
+                result = engine.poll()
+                if result.failed:
+                    raise RuntimeError(result.failed)
+                finished.extend(result.finished)
+                return finished
+
+            _wait(done)
+            return time.perf_counter() - start
+
+        times: dict[str, list[float]] = {pair: [] for pair in PAIRS}
+        for rep in range(args.repeats + 5):
+            shift = rep % len(PAIRS)
+            for pair in PAIRS[shift:] + PAIRS[:shift]:
+                took = pull(pair, f"{pair}-{rep}")
+                if rep >= 5:  # warm-up
+                    times[pair].append(took)
+        key = DeploymentKey(AUTH_KEY)
+        t = key.transcript(2, b"a" * 32, b"b" * 32, "decode")
+        client, server = key.session(t, False, ""), key.session(t, True, "decode")
+        payload = b"x" * 160  # a Done's size
+        start = time.perf_counter()
+        for _ in range(10000):
+            server.check(payload, client.seal(payload))
+        mac_us = (time.perf_counter() - start) / 10000 * 1e6
+        round_trip = _control_round_trips(2000)
+        med = {pair: statistics.median(v) * 1e3 for pair, v in times.items()}
+
+        def paired(pair):  # per round, against the plain pull of the same round
+            return statistics.median([a / b for a, b in zip(times[pair], times["plain"])])
+
+        out.update(
+            machine={"python": sys.version.split()[0], "platform": platform.platform(),
+                     "cpus": os.cpu_count(), **_versions()},
+            request={"bytes": 192 << 10, "blocks": SMALL_BLOCKS},
+            repeats=args.repeats,
+            confirmed_median_ms=med,
+            confirmed_p90_ms={pair: float(np.percentile(v, 90)) * 1e3
+                              for pair, v in times.items()},
+            vs_plain={pair: med[pair] / med["plain"] for pair in PAIRS[1:]},
+            vs_plain_paired={pair: paired(pair) for pair in PAIRS[1:]},
+            handshake_median_ms={pair: statistics.median(v) * 1e3
+                                 for pair, v in handshake.items()},
+            seal_and_check_160B_us=mac_us,
+            control_round_trip_median_us=round_trip,
+            checks={"keyed_le_1.05x_plain": {"ratio": med["keyed"] / med["plain"],
+                                             "pass": med["keyed"] / med["plain"] <= 1.05}},
+            stats={pair: engines[pair].stats.summary() for pair in PAIRS},
+        )
+    finally:
+        for engine in engines.values():
+            engine.close()
+        _stop(parent, process)
+    return out
+
+
+def _control_round_trips(repeats: int) -> dict[str, float]:
+    """Median round trip (µs) of a 160-byte message and its answer between two
+    `TcpControlChannel` of this process, plain and keyed, alternating."""
+    from jaxkv.transfer._auth import DeploymentKey
+    from jaxkv.transfer._control import TcpControlChannel
+    from jaxkv.transfer._side_channel import MetadataServer
+
+    pairs, closables = {}, []
+    for name, key in (("plain", None), ("keyed", DeploymentKey(AUTH_KEY))):
+        producer = TcpControlChannel(key=key, identity="prefill")
+        server = MetadataServer(on_control=producer.adopt, key=key)
+        consumer = TcpControlChannel(key=key, identity="decode")
+        pairs[name] = (producer, consumer, consumer.connect(server.address, "p", "p"))
+        closables += [consumer, server, producer]
+    payload = b"x" * 160
+    times: dict[str, list[float]] = {name: [] for name in pairs}
+    for rep in range(repeats + 100):
+        for name in (("plain", "keyed") if rep % 2 else ("keyed", "plain")):
+            producer, consumer, target = pairs[name]
+            start = time.perf_counter()
+            consumer.send(target, payload)
+            got: list = []
+            _wait(lambda producer=producer, got=got: got.extend(producer.receive()) or got)
+            producer.send(got[0][0], payload)
+            _wait(lambda consumer=consumer: consumer.receive())
+            if rep >= 100:
+                times[name].append(time.perf_counter() - start)
+    for closable in closables:
+        closable.close()
+    return {name: statistics.median(v) * 1e6 for name, v in times.items()}
+
+
 # -- the JAX transfer-server transport (--transport=jax) ------------------------------------
 
 
@@ -563,10 +753,18 @@ def main(argv=None) -> dict:
                              "control=: auto, nixl, tcp; suffix _apart: Done sent apart from "
                              "the READ); a comma list alternates the pulls between them "
                              "(ratios per variant under results.*.controls)")
+    parser.add_argument("--auth", action="store_true",
+                        help="--small: the small request without and with the deployment key "
+                             "(side by side; NIXL when installed, else the JAX transport)")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
     if args.small or args.transport == "jax":
-        out = jax_requests(args) if args.transport == "jax" else small_requests(args)
+        if args.small and args.auth:
+            out = auth_requests(args)
+        elif args.transport == "jax":
+            out = jax_requests(args)
+        else:
+            out = small_requests(args)
         text = json.dumps(out, indent=2)
         print(text)
         if args.json_out:

@@ -29,6 +29,7 @@ hold no secret beyond what a key holder may read anyway (see docs/transfer.md, T
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -226,20 +227,23 @@ class Session:
       True
     """
 
-    __slots__ = ("_receive_key", "_received", "_send_key", "_sent", "peer_identity")
+    __slots__ = ("_receive_mac", "_received", "_send_mac", "_sent", "peer_identity")
 
     def __init__(self, send_key: bytes, receive_key: bytes, peer_identity: str):
-        self._send_key = send_key
-        self._receive_key = receive_key
+        # Keyed once: each message copies the keyed state (cheaper than re-keying).
+        self._send_mac = hmac.new(send_key, digestmod=hashlib.sha256)
+        self._receive_mac = hmac.new(receive_key, digestmod=hashlib.sha256)
         self._sent = 0
         self._received = 0
         self.peer_identity = peer_identity
 
     def seal(self, payload: bytes) -> bytes:
         """The MAC of the next message sent (`MAC_BYTES`)."""
-        mac = hmac.digest(self._send_key, self._sent.to_bytes(8, "big") + payload, "sha256")
+        mac = self._send_mac.copy()
+        mac.update(self._sent.to_bytes(8, "big"))
+        mac.update(payload)
         self._sent += 1
-        return mac
+        return mac.digest()
 
     def check(self, payload: bytes, mac: bytes | bytearray) -> None:
         """Checks the next message received.
@@ -247,9 +251,10 @@ class Session:
         Raises:
           AuthError: the MAC does not match (forged, replayed, reordered or corrupted).
         """
-        want = hmac.digest(self._receive_key, self._received.to_bytes(8, "big") + payload,
-                           "sha256")
-        if not hmac.compare_digest(want, bytes(mac)):
+        want = self._receive_mac.copy()
+        want.update(self._received.to_bytes(8, "big"))
+        want.update(payload)
+        if not hmac.compare_digest(want.digest(), bytes(mac)):
             raise AuthError("a message failed its MAC (forged, replayed or corrupted)")
         self._received += 1
 
