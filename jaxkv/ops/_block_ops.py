@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _ffi
@@ -118,9 +117,9 @@ def _scatter_local(cache, blocks, ids, *, validate_ids: bool):
     return dispatch("scatter", ffi, cache, blocks, ids, validate_ids=validate_ids)
 
 
-def _arrays(cache: Any, name: str) -> tuple[tuple[jax.Array, ...], bool]:
+def _arrays(cache: Any, name: str, host_ok: bool = False) -> tuple[tuple[Any, ...], bool]:
     """`cache` as a tuple of blocks-first arrays with one block count, and whether it was one
-    array (the op then returns one array, not a tuple).
+    array (the op then returns one array, not a tuple); `host_ok` also takes numpy arrays.
 
     Raises:
       TypeError, ValueError: an argument that is not such an array or list of arrays.
@@ -130,15 +129,12 @@ def _arrays(cache: Any, name: str) -> tuple[tuple[jax.Array, ...], bool]:
     if not arrays:
         raise ValueError(f"{name} is an empty list of arrays")
     for i, array in enumerate(arrays):
-        _check_blocks_first(array, name if single else f"{name}[{i}]")
+        if not (host_ok and isinstance(array, np.ndarray)):
+            _check_blocks_first(array, name if single else f"{name}[{i}]")
         if array.shape[0] != arrays[0].shape[0]:
             raise ValueError(f"{name}[{i}] has {array.shape[0]} blocks, {name}[0] has "
                              f"{arrays[0].shape[0]}")
     return arrays, single
-
-
-def _is_rows(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array))
 
 
 def _operand(arrays: tuple[jax.Array, ...], single: bool) -> Any:
@@ -308,8 +304,9 @@ def scatter_blocks(
       [[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
     """
     arrays, single = _arrays(cache, "cache")
-    # Host rows (numpy) are fine: the program places them like the cache.
-    dense, dense_single = _arrays(jax.tree.map(jnp.asarray, blocks, is_leaf=_is_rows), "blocks")
+    # Host rows (numpy) are fine: the program places them like the cache (converting them
+    # here would put them on the default device, or the caller's context mesh).
+    dense, dense_single = _arrays(blocks, "blocks", host_ok=True)
     ids = as_id_array(ids, "ids")
     if dense_single != single or len(dense) != len(arrays):
         raise ValueError(f"{len(dense)} block arrays for a cache of {len(arrays)} arrays")
