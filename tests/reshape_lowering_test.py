@@ -6,6 +6,7 @@ import kv_testing
 kv_testing.force_cpu_devices()
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +104,69 @@ class ReshapeLoweringTest(absltest.TestCase):
         self.assertRegex(text, r"custom_call @jaxkv_permute_blocks\(%\w+, %\w+\) .*"
                                r"\(tensor<8x2x4x1x8xbf16>, tensor<2xi32>\)")
         self.assertNotIn("all_gather", text)
+
+
+class CudaScratchTest(absltest.TestCase):
+    """Traced on a GPU backend, permute/merge get the scratch the CUDA path needs: none when a
+    staging unit fits the 48 KiB of shared memory every GPU grants, else blocks up to 16 MiB
+    (no CPU-thread minimum of 8 blocks). Traced on CPU, the CPU sizing is unchanged."""
+
+    def _scratch_bytes(self, fn, cache, ids, backend: str) -> int:
+        from jaxkv.ops import _reshape_ops
+
+        # The backend is mocked where the op reads it; JAX may reuse an op's trace across
+        # backends (it never changes in a real process), so the caches are cleared around it.
+        jax.clear_caches()
+        self.addCleanup(jax.clear_caches)
+        with mock.patch.object(_reshape_ops.jax, "default_backend", return_value=backend), \
+                ops.implementation("ffi"):
+            text = jax.jit(fn, donate_argnums=0).trace(cache, ids).lower().as_text()
+        calls = [l for l in text.splitlines() if "stablehlo.custom_call" in l]
+        self.assertLen(calls, 1, text)
+        # The results: the cache, then the scratch as a byte vector.
+        (size,) = re.findall(r"tensor<(\d+)xui8>", calls[0].split("->")[-1])
+        return int(size)
+
+    def test_small_units_get_no_scratch_on_a_gpu(self):
+        cache = jax.ShapeDtypeStruct((16, 2, 8, 4, 8), jnp.bfloat16)  # 1 KiB blocks
+        ids = jax.ShapeDtypeStruct((12,), jnp.int32)
+        fn = lambda c, i: ops.permute_blocks(c, i, "KHTD", "KTHD")  # noqa: E731
+        self.assertEqual(self._scratch_bytes(fn, cache, ids, "cpu"), 12 * 1024)
+        self.assertEqual(self._scratch_bytes(fn, cache, ids, "gpu"), 0)
+        self.assertEqual(self._scratch_bytes(fn, cache, ids, "cuda"), 0)
+
+    def test_large_units_get_up_to_16_mib_on_a_gpu(self):
+        # H8 x T256 x D1024 bf16: 4 MiB units, one per block; 16 ids.
+        cache = jax.ShapeDtypeStruct((20, 256, 8, 1024), jnp.bfloat16)
+        ids = jax.ShapeDtypeStruct((16,), jnp.int32)
+        fn = lambda c, i: ops.permute_blocks(c, i, "HTD", "THD")  # noqa: E731
+        self.assertEqual(self._scratch_bytes(fn, cache, ids, "cpu"), 8 * (4 << 20))
+        self.assertEqual(self._scratch_bytes(fn, cache, ids, "gpu"), 4 * (4 << 20))
+        merge = lambda c, i: ops.merge_blocks(c, i, 2, "HTD", "THD")  # noqa: E731
+        self.assertEqual(self._scratch_bytes(merge, cache, ids, "gpu"), 4 * (4 << 20))
+
+    def test_sizing(self):
+        from jaxkv.ops._reshape_ops import _scratch_blocks
+
+        def cuda(shape, src, dst, ratio=1, ids=4, bits=16):
+            return _scratch_blocks(shape, bits, src, dst, ratio, ids, cuda=True)
+
+        # KHTD -> KTHD: the K axis is shared, units of H x T x D (48 KiB: shared memory).
+        self.assertEqual(cuda((2, 8, 24, 128), "KHTD", "KTHD"), 0)
+        self.assertEqual(cuda((2, 8, 32, 128), "KHTD", "KTHD"), 4)  # 64 KiB units
+        # A merge has no shared axes: the whole 96 KiB block is the unit.
+        self.assertEqual(cuda((2, 8, 24, 128), "KHTD", "KTHD", ratio=2), 4)
+        # TensorRT-LLM's permute unit (128 KiB) and one block at least, however large.
+        self.assertEqual(cuda((8, 64, 128), "HTD", "THD", ids=1000), 128)
+        self.assertEqual(cuda((64, 64, 1024), "HTD", "THD", ids=3, bits=32), 1)
+        # int4: bits, not bytes.
+        self.assertEqual(cuda((2, 8, 48, 128), "KHTD", "KTHD", bits=4), 0)
+        # CPU: at least 8 blocks (threads) when that many ids come, at most the ids.
+        self.assertEqual(_scratch_blocks((8, 64, 128), 16, "HTD", "THD", 1, 1000, cuda=False),
+                         128)
+        self.assertEqual(_scratch_blocks((64, 64, 1024), 32, "HTD", "THD", 1, 30, cuda=False),
+                         8)
+        self.assertEqual(_scratch_blocks((4,), 8, "T", "T", 1, 0, cuda=False), 1)
 
 
 if __name__ == "__main__":

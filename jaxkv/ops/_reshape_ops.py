@@ -8,13 +8,14 @@ call with the cache aliased to the result, and the caller's jit must donate the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call, block_nbytes
+from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call, block_nbytes, element_bits
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids, saturate_to_int32
 from jaxkv.ops._layouts import check_ratio, one_layout, packed_layout_pair
 from jaxkv.ops._runner import run_per_shard
@@ -23,9 +24,53 @@ __all__ = ["copy_block_prefix", "merge_blocks", "permute_blocks"]
 
 # Scratch for staging blocks inside permute/merge: on CUDA, the fallback when a staging unit
 # exceeds shared memory (chunks of this many bytes); on CPU, one unit per thread. At least
-# `_MIN_SCRATCH_BLOCKS` blocks (threads) when that many ids are given.
+# `_MIN_SCRATCH_BLOCKS` blocks (threads) on CPU when that many ids are given.
 _SCRATCH_BYTES = 16 << 20
 _MIN_SCRATCH_BLOCKS = 8
+# Shared memory every CUDA kernel may use without opting in (ffi/block_copy_cuda.cu's
+# kDefaultSharedBytes): a unit this small is staged in shared memory on every GPU.
+_CUDA_SHARED_BYTES = 48 << 10
+# CUDA's grid x limit (kMaxGridX): more units than this take the staged path.
+_CUDA_MAX_GRID_X = 2**31 - 1
+
+
+def _scratch_blocks(block_shape: tuple[int, ...], element_bits: int, src_layout: str,
+                    dst_layout: str, ratio: int, num_ids: int, *, cuda: bool) -> int:
+    """How many blocks of scratch a permute/merge custom call gets.
+
+    CPU: one block per staging thread, at least `_MIN_SCRATCH_BLOCKS` (when that many ids are
+    given), else `_SCRATCH_BYTES` worth. CUDA (ffi/block_copy_cuda.cu, `RewriteStagingBytes`):
+    none when a staging unit fits the 48 KiB of shared memory every GPU grants (one pass, no
+    scratch read); otherwise the staged path copies chunks of blocks through the scratch, at
+    least one block and at most `_SCRATCH_BYTES` worth. Units between 48 KiB and the device's
+    opt-in limit usually take the shared path too, but that limit is only known on the device
+    (and the opt-in may fail), so they get the staged path's scratch.
+
+    Args:
+      block_shape: one block's shape in `dst_layout` (the cache's layout).
+      element_bits: bits per element.
+      src_layout, dst_layout: the rewrite's layouts (letters, one per block axis).
+      ratio: sub-blocks merged per block (1: a permute).
+      num_ids: ids in the call.
+      cuda: size for the CUDA custom call rather than the CPU one.
+
+    Returns:
+      The number of blocks; 0 only on CUDA.
+    """
+    block_bytes = max(1, math.prod(block_shape) * element_bits // 8)
+    if not cuda:
+        return max(1, min(num_ids, max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // block_bytes)))
+    # The staging unit as RearrangeMap (ffi/block_index.h) cuts it: without a ratio, the
+    # leading axes both layouts share are independent units.
+    shared = 0
+    if ratio == 1:
+        while shared < len(dst_layout) and src_layout[shared] == dst_layout[shared]:
+            shared += 1
+    units_per_block = math.prod(block_shape[:shared])
+    unit_bytes = math.prod(block_shape[shared:]) * element_bits // 8
+    if unit_bytes <= _CUDA_SHARED_BYTES and num_ids * units_per_block <= _CUDA_MAX_GRID_X:
+        return 0
+    return max(1, min(num_ids, _SCRATCH_BYTES // block_bytes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,8 +91,10 @@ def _rearrange_local(cache, ids, *, target: str, src_layout: str, dst_layout: st
 
     def ffi(cache, ids):
         block_bytes = block_nbytes(cache)
-        slots = max(1, min(ids.shape[0],
-                           max(_MIN_SCRATCH_BLOCKS, _SCRATCH_BYTES // max(1, block_bytes))))
+        # Traced for the default backend, as "auto" chooses the implementation.
+        slots = _scratch_blocks(cache.shape[1:], element_bits(cache.dtype), src_layout,
+                                dst_layout, ratio, ids.shape[0],
+                                cuda=jax.default_backend() in ("gpu", "cuda"))
         results = (
             jax.ShapeDtypeStruct(cache.shape, cache.dtype),
             jax.ShapeDtypeStruct((slots * block_bytes,), jnp.uint8),
