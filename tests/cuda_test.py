@@ -73,6 +73,24 @@ class CudaOpsTest(parameterized.TestCase):
                          _ffi_cuda.ID_OUT_OF_RANGE)
         np.testing.assert_array_equal(kv_testing.bits(result), kv_testing.bits(host))
 
+    def test_check_id_errors_raises_what_the_device_refused(self):
+        # The loud end of the device checks: ops.check_id_errors raises the recorded failure
+        # once, and clears it.
+        host, cache = self._cache(2, "bfloat16")
+        gpu = kv_testing.gpus()[0]
+        kv_testing.take_cuda_id_errors(gpu)
+        ops.check_id_errors()  # nothing recorded
+        step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d))
+        jax.block_until_ready(step(cache, jnp.array([0, 1]), jnp.array([5, 5])))
+        with self.assertRaisesRegex(jax.errors.JaxRuntimeError,
+                                    rf"{gpu}: a written block listed twice"):
+            ops.check_id_errors([gpu])
+        ops.check_id_errors()
+        # Eager calls check concrete ids in Python, naming the id, and record nothing.
+        with self.assertRaisesRegex(IndexError, r"dst_ids\[0\] = 64"):
+            ops.copy_blocks(cache, jnp.array([0]), jnp.array([64]))
+        self.assertEqual(kv_testing.take_cuda_id_errors(gpu), 0)
+
     def test_out_of_range_ids_are_skipped_without_validation(self):
         host, cache = self._cache(3, "float16")
         step = jax.jit(lambda c, s, d: ops.copy_blocks(c, s, d, validate_ids=False),

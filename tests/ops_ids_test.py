@@ -119,5 +119,76 @@ class HugeBoxAttributesTest(absltest.TestCase):
                 jax.block_until_ready(concat(cache, ids, jnp.ones((1, 2, 4), jnp.float32)))
 
 
+class CheckIdErrorsTest(absltest.TestCase):
+    """`ops.check_id_errors` reads the CUDA custom calls' per-device id records and raises
+    naming the device and the failures; elsewhere it has nothing to read. The CUDA module is
+    faked here (tests/cuda_test.py runs it on a GPU)."""
+
+    class _Gpu:
+        platform = "gpu"
+
+        def __init__(self, ordinal):
+            self.local_hardware_id = ordinal
+
+        def __str__(self):
+            return f"cuda:{self.local_hardware_id}"
+
+    def _fake_cuda(self, records):
+        """A stand-in for jaxkv._ffi_cuda whose records are `records` (ordinal -> bits)."""
+        import sys
+        import types
+        from unittest import mock
+
+        from jaxkv.ops import _dispatch
+
+        module = types.SimpleNamespace(ID_OUT_OF_RANGE=1, ID_REPEATED=2, ID_SHARED=4,
+                                       taken=[])
+
+        def take(ordinal):
+            module.taken.append(ordinal)
+            bits, records[ordinal] = records.get(ordinal, 0), 0
+            return bits
+
+        module.take_id_errors = take
+        self.enter_context(mock.patch.dict(sys.modules, {"jaxkv._ffi_cuda": module}))
+        self.enter_context(mock.patch.object(_dispatch, "custom_calls_run_on",
+                                             return_value=True))
+        return module
+
+    def test_cpu_has_nothing_to_check(self):
+        ops.check_id_errors()
+        ops.check_id_errors(jax.devices())
+
+    def test_recorded_failures_raise_naming_device_and_kind(self):
+        records = {0: 0, 1: 1 | 4}
+        module = self._fake_cuda(records)
+        gpus = [self._Gpu(0), self._Gpu(1)]
+        with self.assertRaisesRegex(jax.errors.JaxRuntimeError,
+                                    r"cuda:1: an id out of range .*; a block both read and "
+                                    r"written.*wrote no cache block") as raised:
+            ops.check_id_errors(gpus + jax.devices())  # CPU devices are skipped
+        self.assertNotIn("cuda:0", str(raised.exception))
+        self.assertEqual(module.taken, [0, 1])
+        ops.check_id_errors(gpus)  # cleared by the check that raised
+
+    def test_every_device_is_cleared_before_raising(self):
+        records = {0: 2, 1: 2}
+        self._fake_cuda(records)
+        with self.assertRaisesRegex(jax.errors.JaxRuntimeError,
+                                    "cuda:0: a written block listed twice, cuda:1: a written"):
+            ops.check_id_errors([self._Gpu(0), self._Gpu(1)])
+        self.assertEqual(records, {0: 0, 1: 0})
+
+    def test_gpus_without_the_custom_calls_are_skipped(self):
+        from unittest import mock
+
+        from jaxkv.ops import _dispatch
+
+        module = self._fake_cuda({0: 1})
+        with mock.patch.object(_dispatch, "custom_calls_run_on", return_value=False):
+            ops.check_id_errors([self._Gpu(0)])  # e.g. ROCm: the reference raised already
+        self.assertEqual(module.taken, [])
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -6,13 +6,15 @@ differ in layout, block size or parallelism: `permute_blocks`, `merge_blocks`,
 (`plan_peers` -> `PeerPlan`). `reference` holds the pure-jnp implementations that define their
 semantics. `implementation` selects what runs: the custom calls ("ffi", cpu and cuda), Pallas
 TPU kernels ("pallas", interpret mode off TPU) or the jnp reference; by default each platform
-gets its own when lowered.
+gets its own when lowered. `check_id_errors` raises the id failures that CUDA custom calls
+inside your jit recorded on the device instead of raising.
 """
 
 from jaxkv._parallel import PeerPlan, plan_peers
 from jaxkv.ops import reference
 from jaxkv.ops._block_ops import copy_blocks, gather_blocks, scatter_blocks
 from jaxkv.ops._dispatch import IMPLEMENTATIONS, current_implementation, implementation
+from jaxkv.ops._id_errors import check_id_errors
 from jaxkv.ops._ids import pad_block_ids
 from jaxkv.ops._peer_ops import concat_from_peers, split_for_peers
 from jaxkv.ops._reshape_ops import copy_block_prefix, merge_blocks, permute_blocks
@@ -20,6 +22,7 @@ from jaxkv.ops._reshape_ops import copy_block_prefix, merge_blocks, permute_bloc
 __all__ = [
     "IMPLEMENTATIONS",
     "PeerPlan",
+    "check_id_errors",
     "concat_from_peers",
     "copy_block_prefix",
     "copy_blocks",
