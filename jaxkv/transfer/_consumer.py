@@ -273,7 +273,7 @@ class Consumer:
                 info.rank: peer.generations.get(info.agent_name, -1) for info in peer.meta.ranks
             }
             plan_local, plan_peer = meta, peer.meta
-            if getattr(self.transport, "moves_arrays", False):
+            if self.transport.moves_arrays:
                 # formatted values move: planned between the values-only engines
                 from jaxkv.transfer._formatter import FormatError, values_metadata
 
@@ -289,7 +289,7 @@ class Consumer:
                 any(p.post for p in state.plans)
                 or any(registry.rank_cache[p.local_rank].mirror is not None for p in state.plans)
             )
-            if getattr(self.transport, "moves_arrays", False):
+            if self.transport.moves_arrays:
                 self._start_arrays(state, peer, meta, len(local_ids))
                 transition(state, ReadState.TRANSFERRING)
                 return
@@ -513,9 +513,8 @@ class Consumer:
             states = [self.transport.check(h) for h in state.handles]
             if "ERR" in states:
                 state.error = f"a {self.transport.name} fetch failed"
-                error_of = getattr(self.transport, "error_of", None)  # the reason, if known
-                reasons = [error_of(h) for h in state.handles] if error_of else []
-                reason = next((r for r in reasons if r), None)
+                reason = next((r for r in map(self.transport.error_of, state.handles) if r),
+                              None)
                 if reason:
                     state.error += f": {reason}"
                 self.suspect(state.peer)

@@ -148,15 +148,12 @@ def control_channels(
     identity: str = "",
 ) -> dict[str, ControlChannel]:
     """Every control channel a process listens on: ``"tcp"`` (persistent connections to the
-    side channels, keyed with `key` proving `identity`) always, ``"nixl"`` (the agent's
-    notifications) with the NIXL transport."""
-    from jaxkv.transfer._nixl_transport import NixlNotificationChannel, NixlTransport
-
+    side channels, keyed with `key` proving `identity`) always, plus the transport's own
+    (`Transport.control_channels`: ``"nixl"``, the agent's notifications, with NIXL)."""
     channels: dict[str, ControlChannel] = {
         "tcp": TcpControlChannel(on_message, key=key, identity=identity)
     }
-    if isinstance(transport, NixlTransport):
-        channels["nixl"] = NixlNotificationChannel(transport.agent)
+    channels.update(transport.control_channels())
     return channels
 
 
@@ -291,9 +288,7 @@ class KVTransferEngine:
             engine_id, config, self.transport, self.server, host_staging, block_hashing,
             generation,
         )
-        attach = getattr(self.transport, "attach", None)
-        if attach is not None:
-            attach(self._registry)
+        self.transport.attach(self._registry)
         self.producer = Producer(
             engine_id, self._registry, self.transport, self._channels, self.stats, lease_s,
             float(early_read_grace_s),
@@ -344,10 +339,11 @@ class KVTransferEngine:
     @property
     def agent(self) -> NixlAgent:
         """The NIXL agent (transport ``"nixl"`` only; benchmarks time bare READs with it)."""
-        agent = getattr(self.transport, "agent", None)
-        if agent is None:
+        from jaxkv.transfer._nixl_transport import NixlTransport
+
+        if not isinstance(self.transport, NixlTransport):
             raise AttributeError(f"transport {self.transport.name!r} has no NIXL agent")
-        return agent
+        return self.transport.agent
 
     @no_context_mesh()
     def register_cache(self, cache: Any, pp_rank: int = 0, tp_rank: int | None = None) -> None:
@@ -379,7 +375,7 @@ class KVTransferEngine:
         """Whether the transport reads and writes the registered buffers by address (NIXL),
         so that they must stay in place; False for a transport that moves arrays (``"jax"``:
         it formats from, and writes into, whatever arrays are current)."""
-        return not getattr(self.transport, "moves_arrays", False)
+        return not self.transport.moves_arrays
 
     @no_context_mesh()
     def update_cache(self, cache: Any) -> None:
@@ -603,9 +599,8 @@ class KVTransferEngine:
         self._handle_messages(now)
         self.consumer.poll(now, allow_jax, result)
         self.producer.poll(now, result)
-        serve = getattr(self.transport, "serve", None)
-        if allow_jax and serve is not None:
-            serve()  # formats requests for their subscribers (JAX ops: not in callbacks)
+        if allow_jax:
+            self.transport.serve()  # e.g. formats requests for subscribers (JAX ops)
         self.transport.progress()  # push what this poll sent, even if the caller goes idle
         return result
 

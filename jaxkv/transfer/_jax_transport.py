@@ -570,6 +570,10 @@ class JaxTransport:
         """The engine's `CacheRegistry` (the caches to format from and write into)."""
         self.registry = registry
 
+    def control_channels(self) -> dict[str, Any]:
+        """None of its own: control messages travel over TCP."""
+        return {}
+
     # -- registration and metadata ---------------------------------------------------------
 
     def register(self, regions: Sequence[Any]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent
 from jaxkv.transfer._metadata import AgentInfo, EngineMetadata, MetadataError, RegionInfo
-from jaxkv.transfer._transport import Fetch, Offer
+from jaxkv.transfer._transport import ControlChannel, Fetch, Offer
 
 __all__ = ["NixlNotificationChannel", "NixlTransport"]
 
@@ -41,6 +41,7 @@ class NixlTransport:
     name = "nixl"
     attaches_notifications = True
     announces_reads = False
+    moves_arrays = False  # reads registered memory by address
 
     def __init__(self, endpoint: str, options: AgentOptions | None = None):
         self.endpoint = endpoint
@@ -110,8 +111,22 @@ class NixlTransport:
         loc, rem = descriptors
         return self.agent.read(loc, rem, name, kind, remote_kind, notif=notification)
 
+    def attach(self, registry: Any) -> None:
+        """Nothing to do: peers read the registered regions by address."""
+
+    def control_channels(self) -> dict[str, ControlChannel]:
+        """The agent's notifications carry control messages too (``control="nixl"``)."""
+        return {"nixl": NixlNotificationChannel(self.agent)}
+
+    def serve(self) -> None:
+        """Nothing to do: registered memory is passively readable."""
+
     def check(self, handle: Any) -> str:
         return self.agent.state(handle)
+
+    def error_of(self, handle: Any) -> str | None:
+        """NIXL reports a failed READ by its state only."""
+        return None
 
     def release(self, handle: Any) -> bool:
         return self.agent.release(handle)

@@ -24,7 +24,16 @@ A **transport** moves a request's KV from producer ranks to consumer ranks. It i
   transport that prepares one buffer per consumer rank (False for NIXL);
 * ``attaches_notifications``: whether `start_fetch` can deliver a control message to the
   producer when the fetch completed (NIXL: the READ's notification); such messages come out
-  of the producer's `notifications`.
+  of the producer's `notifications`;
+* ``moves_arrays``: whether it moves arrays (formats the request on the producer, writes the
+  pulled values into the consumer's current cache with JAX ops) rather than reading
+  registered memory by address. Such a transport is given the engine's cache registry
+  (`attach`), does its JAX work in `serve` (called from the engine's poll, never from a jitted
+  step's callback), and its consumer reads skip the producer-side post-processing;
+* `control_channels`: the control channels it brings besides TCP (NIXL: its notifications);
+* `error_of`: why a fetch failed, when the transport knows.
+
+Every capability is declared: the protocol layer never asks which transport it has.
 
 A **control channel** carries the msgspec control messages (`Hello`, `Heartbeat`, `Want`,
 `Ready`, `Done`, `Ack`) between a consumer process and a producer process: the consumer
@@ -103,6 +112,25 @@ class Transport(Protocol):
     endpoint: str
     attaches_notifications: bool
     announces_reads: bool  # the consumer sends `Want` for every read (not only layer-wise)
+    moves_arrays: bool  # moves arrays with JAX ops instead of reading memory by address
+
+    def attach(self, registry: Any) -> None:
+        """The engine's `CacheRegistry`, once (a transport that moves arrays formats from,
+        and writes into, its current caches; others ignore it)."""
+        ...
+
+    def control_channels(self) -> dict[str, ControlChannel]:
+        """Control channels this transport carries besides TCP, by name (may be empty)."""
+        ...
+
+    def serve(self) -> None:
+        """Producer: work that runs JAX ops (formatting offered requests), from the engine's
+        poll only; a no-op for a transport without such work."""
+        ...
+
+    def error_of(self, handle: Any) -> str | None:
+        """Why a fetch failed (None: it did not, or the transport cannot tell)."""
+        ...
 
     def register(self, regions: Sequence[RegionInfo]) -> None:
         """Makes registered-cache regions readable by peers (repeats take a reference)."""
