@@ -672,6 +672,7 @@ class RequestBlockHasher:
     __slots__ = (
         "_block_hashes",
         "_block_size",
+        "_bytes_hash",
         "_cache_salt",
         "_extra_keys",
         "_hash_fn",
@@ -711,6 +712,10 @@ class RequestBlockHasher:
         self._num_tokens = 0
         self._block_hashes: list[BlockHash] = []
         self._extra_keys: list[ExtraKeys | None] | None = [] if self._needs_extra else None
+        # What `hash_full_block` hashes a block with directly: a native hash of the parent and
+        # the packed tokens, when no block has extra keys (None: go through `extend_packed`).
+        native = self._hash_fn.constructor is not None and self._hash_fn.encoding == "native"
+        self._bytes_hash = self._hash_fn.constructor if native and not self._needs_extra else None
 
     @property
     def block_size(self) -> int:
@@ -784,10 +789,17 @@ class RequestBlockHasher:
             pending.extend(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
             self._num_tokens += count
             return []
-        return self._extend_packed(_token_bytes(token_ids))  # Validates before any change.
+        return self.extend_packed(_token_bytes(token_ids))  # Validates before any change.
 
-    def _extend_packed(self, data: bytes) -> list[BlockHash]:
-        """`extend` with tokens already packed as little-endian int64 bytes."""
+    def extend_packed(self, data: bytes) -> list[BlockHash]:
+        """`extend` with tokens already packed as little-endian int64 bytes (unchecked: the
+        block manager packs and validates them once for the whole request).
+
+        Example:
+          >>> hasher = RequestBlockHasher(2)
+          >>> len(hasher.extend_packed(struct.pack("<3q", 1, 2, 3))), hasher.num_tokens
+          (1, 3)
+        """
         count = len(data) // 8
         pending = self._pending
         size = self._block_size
@@ -813,6 +825,42 @@ class RequestBlockHasher:
         self._pending = list(struct.unpack(f"<{len(tail) // 8}q", tail)) if tail else []
         self._num_tokens += count
         return hashes
+
+    def hash_full_block(self, data: bytes, start: int) -> BlockHash | None:
+        """Hashes one whole block of tokens that starts at token `start` (`data`: exactly
+        `block_size` little-endian int64 tokens), when the hasher stands at `start` with no
+        partial tail; None otherwise (feed the tokens with `extend_packed` instead). The decode
+        fast path: a native hash function hashes the block without repacking or a loop.
+
+        Example:
+          >>> hasher = RequestBlockHasher(2)
+          >>> hasher.hash_full_block(struct.pack("<2q", 1, 2), 0) == hasher.block_hashes[0]
+          True
+          >>> hasher.hash_full_block(struct.pack("<2q", 3, 4), 0) is None  # not at token 0
+          True
+        """
+        if self._num_tokens != start or self._pending:
+            return None
+        constructor = self._bytes_hash
+        if constructor is None:
+            return self.extend_packed(data)[-1]
+        block_hash = constructor(self._parent + data).digest()
+        self._block_hashes.append(block_hash)
+        self._parent = block_hash
+        self._num_tokens = start + self._block_size
+        return block_hash
+
+    def extra_keys_of(self, start: int, stop: int) -> list[ExtraKeys | None] | None:
+        """The extra keys of full blocks ``[start, stop)``, or None when no block has any
+        (no LoRA, multimodal input or salt).
+
+        Example:
+          >>> hasher = RequestBlockHasher(2, lora_id=7)
+          >>> _ = hasher.extend([1, 2, 3, 4])
+          >>> hasher.extra_keys_of(0, 2), RequestBlockHasher(2).extra_keys_of(0, 2)
+          ([(7,), (7,)], None)
+        """
+        return None if self._extra_keys is None else self._extra_keys[start:stop]
 
     def _block_extras(
         self, first_block: int, num_blocks: int

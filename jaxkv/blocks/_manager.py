@@ -467,15 +467,15 @@ class KVCacheManager:
             raise BlockError(
                 f"prompt of {count} tokens exceeds max_model_len={self._max_model_len}"
             )
-        hasher: RequestBlockHasher | None = RequestBlockHasher(
+        hashing = RequestBlockHasher(  # Built even without caching: it checks the keys.
             self._block_size, self._hash_fn, lora_id=lora_id, mm_inputs=mm_inputs,
             cache_salt=cache_salt, seed=self._hash_seed,
         )
         prompt = _token_bytes(prompt_token_ids)  # Validates the tokens.
+        hasher = None
         if self._enable_caching:
-            hasher._extend_packed(prompt)  # type: ignore[union-attr]
-        else:
-            hasher = None
+            hashing.extend_packed(prompt)
+            hasher = hashing
         self._requests[request_id] = _Request(
             request_id, prompt, hasher, len(self._windows), lora_id
         )
@@ -510,18 +510,18 @@ class KVCacheManager:
         data = _token_bytes(token_ids)  # Validates the tokens.
         hasher = state.hasher
         if hasher is not None:
-            if hasher._num_tokens != state.num_tokens:
+            if hasher.num_tokens != state.num_tokens:
                 self._sync_hasher(state)
-            hasher._extend_packed(data)
+            hasher.extend_packed(data)
         state.num_tokens = total
         state.outputs.extend(token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids)
 
     def _sync_hasher(self, state: _Request) -> None:
         """Feeds the request's hasher the tokens `append_slots` appended without it."""
         hasher = state.hasher
-        if hasher is not None and hasher._num_tokens < state.num_tokens:
-            missing = state.tokens(hasher._num_tokens, state.num_tokens)
-            hasher._extend_packed(struct.pack(f"<{len(missing)}q", *missing))
+        if hasher is not None and hasher.num_tokens < state.num_tokens:
+            missing = state.tokens(hasher.num_tokens, state.num_tokens)
+            hasher.extend_packed(struct.pack(f"<{len(missing)}q", *missing))
 
     def append_slots(
         self, request_ids: Sequence[str], token_ids: Sequence[int] | np.ndarray
@@ -612,8 +612,7 @@ class KVCacheManager:
         over = None
         if done == count and self._max_model_len is not None:
             over = next((state for state in states if state.num_tokens > limit), None)
-        queue = self._pool._queue
-        if done == count and over is None and len(starts) <= queue._len + len(queue._front) \
+        if done == count and over is None and len(starts) <= self._pool.num_free_blocks \
                 and (count < 2 or len(set(request_ids)) == count):
             out: list[Any] = [NULL_BLOCK_ID] * count
             if starts:
@@ -645,86 +644,39 @@ class KVCacheManager:
         return None
 
     def _cache_filled_blocks(self, fills: list[_Request]) -> None:
-        """Caches the blocks that a decode step's tokens filled."""
+        """Caches the blocks that a decode step's tokens filled. Hot: one block per request
+        and step; the hasher hashes each in one call and the pool caches them in one."""
         size = self._block_size
-        pool = self._pool
-        constructor = self._hash_fn.constructor if self._hash_fn.encoding == "native" else None
-        simple_pool = pool._events is None and not pool._dups
-        cache = pool._maps[0]
         pack = self._block_struct.pack
-        hash_array = pool._hash
-        hashedv = pool._hashedv
+        states: list[_Request] = []
+        blocks: list[int] = []
+        hashes: list[BlockHash] = []
         for state in fills:
-            hasher = state.hasher
             num = state.num_tokens
-            start = num - size
-            cached = state.num_cached
-            if (  # Common case: one new full block, hasher at its start, tokens all outputs.
-                simple_pool
-                and constructor is not None
-                and cached[0] * size == start
-                and hasher._num_tokens == start  # type: ignore[union-attr]
-                and not hasher._pending  # type: ignore[union-attr]
-                and not hasher._needs_extra  # type: ignore[union-attr]
-                and len(state.outputs) >= size
-            ):
-                block_hash = constructor(
-                    hasher._parent + pack(*state.outputs[-size:])  # type: ignore[union-attr]
-                ).digest()
-                hasher._block_hashes.append(block_hash)  # type: ignore[union-attr]
-                hasher._parent = block_hash  # type: ignore[union-attr]
-                hasher._num_tokens = num  # type: ignore[union-attr]
-                block = state.blocks[0][cached[0]]
-                if block_hash not in cache and not hashedv[block]:
-                    cache[block_hash] = block
-                    hash_array[block] = block_hash
-                    hashedv[block] = True
-                    pool._groupv[block] = 0
-                    pool._num_cached += 1
-                    cached[0] += 1
-                    continue
-            if cached[0] * size == start:
-                self._cache_filled_block(state)
-            else:
+            index = state.num_cached[0]
+            if index * size != num - size:  # Earlier blocks uncached too: the general path.
                 self._cache_full_blocks(state, num)
-
-    def _cache_filled_block(self, state: _Request) -> None:
-        """Hashes and caches the one block a decode token just filled (all earlier blocks are
-        cached)."""
-        hasher = state.hasher
-        assert hasher is not None
-        size = self._block_size
-        start = state.num_tokens - size
-        function = hasher._hash_fn
-        if (  # Common case: the hasher is at the block's start and the block is all outputs.
-            hasher._num_tokens == start
-            and not hasher._pending
-            and not hasher._needs_extra
-            and function.constructor is not None
-            and function.encoding == "native"
-            and start >= state.num_tokens - len(state.outputs)
-        ):
-            block_hash = function.constructor(
-                hasher._parent + self._block_struct.pack(*state.outputs[-size:])
-            ).digest()
-            hasher._block_hashes.append(block_hash)
-            hasher._parent = block_hash
-            hasher._num_tokens = state.num_tokens
-        else:
-            self._sync_hasher(state)
-        index = state.num_cached[0]
-        block_hash = hasher.block_hashes[index]
-        block = state.blocks[0][index]
-        pool = self._pool
-        if pool._hashedv[block] or pool._events is not None or block_hash in pool._maps[0]:
-            self._cache_full_blocks(state, state.num_tokens)  # Rare cases: the general path.
+                continue
+            hasher = state.hasher
+            assert hasher is not None
+            block_hash = None
+            if len(state.outputs) >= size:  # The block is all sampled tokens.
+                block_hash = hasher.hash_full_block(pack(*state.outputs[-size:]), num - size)
+            if block_hash is None:
+                self._sync_hasher(state)
+                block_hash = hasher.block_hashes[index]
+            states.append(state)
+            blocks.append(state.blocks[0][index])
+            hashes.append(block_hash)
+        if not states:
             return
-        pool._maps[0][block_hash] = block
-        pool._hash[block] = block_hash
-        pool._hashedv[block] = True
-        pool._groupv[block] = 0
-        pool._num_cached += 1
-        state.num_cached[0] = index + 1
+        left = self._pool.cache_new_blocks(blocks, hashes)
+        for state in states:
+            state.num_cached[0] += 1
+        for position in left:  # An event to record, or the hash already cached.
+            state = states[position]
+            state.num_cached[0] -= 1
+            self._cache_full_blocks(state, state.num_tokens)
 
     def num_tokens(self, request_id: str) -> int:
         """Tokens the request holds (prompt and appended).
@@ -1111,7 +1063,7 @@ class KVCacheManager:
             needed += missing
         for array in hit_arrays:
             if array.size:
-                needed += int(np.count_nonzero(pool._ref[array] == 0))
+                needed += pool.count_unreferenced(array)
         if needed > pool.num_free_blocks:
             return None
 
@@ -1127,7 +1079,7 @@ class KVCacheManager:
         new_blocks = []
         for group, count in enumerate(plan):
             if count:
-                array = pool._allocate_array(count)
+                array = pool.allocate_array(count)
                 new = array.tolist()
                 state.blocks[group].extend(new)
                 chunks = state.chunks[group]
@@ -1207,8 +1159,7 @@ class KVCacheManager:
             tokens = None
             if events:
                 tokens = state.tokens(start * size, num_full * size)
-                if hasher._extra_keys is not None:
-                    extra = hasher._extra_keys[start:num_full]
+                extra = hasher.extra_keys_of(start, num_full)
             if window is not None and NULL_BLOCK_ID in blocks:
                 keep = [i for i, block in enumerate(blocks) if block != NULL_BLOCK_ID]
                 blocks = [blocks[i] for i in keep]
@@ -1219,7 +1170,7 @@ class KVCacheManager:
                 if tokens is not None:
                     tokens = [t for i in keep for t in tokens[i * size : (i + 1) * size]]
             if blocks:
-                self._pool._cache_trusted(
+                self._pool.cache_trusted(
                     blocks,
                     state.block_array(group, start, num_full) if array is None else array,
                     block_hashes,
@@ -1252,7 +1203,7 @@ class KVCacheManager:
             raise UnknownRequestError(f"unknown request {request_id!r} (never added, or freed)")
         for group, blocks in enumerate(state.blocks):
             if blocks:
-                self._pool._free_array(state.block_array(group, 0, len(blocks))[::-1])
+                self._pool.free_array(state.block_array(group, 0, len(blocks))[::-1])
 
     def num_common_prefix_blocks(
         self, request_id: str, num_running_requests: int

@@ -304,13 +304,19 @@ class BlockPool:
                     self._drop_hash(block)
                 refv[block] = 1
         else:
-            return self._allocate_array(count).tolist()
+            return self.allocate_array(count).tolist()
         if evicted:
             self._notify_evicted(evicted)
         return out  # type: ignore[return-value]
 
-    def _allocate_array(self, count: int) -> np.ndarray:
-        """`allocate` for a checked ``0 < count <= num_free_blocks``, returning an array."""
+    def allocate_array(self, count: int) -> np.ndarray:
+        """`allocate` for the block manager, which checked ``0 < count <= num_free_blocks``:
+        the ids as an int64 array.
+
+        Example:
+          >>> BlockPool(8).allocate_array(2).tolist()
+          [1, 2]
+        """
         ids = self._queue.popleft_n(count)
         if self._num_cached:
             cached = self._hashed[ids]
@@ -434,7 +440,7 @@ class BlockPool:
         if not isinstance(block_ids, np.ndarray) and len(block_ids) <= _SCALAR_MAX:
             self._free_small(block_ids)
         else:
-            self._free_array(self._id_array(block_ids))
+            self.free_array(self._id_array(block_ids))
 
     def _undo_fast_free(self, block_ids: list[Any]) -> None:
         """Restores the ref counts the fast path of `free` zeroed before it met a block it does
@@ -483,7 +489,14 @@ class BlockPool:
         for block in cached:
             queue.append(block)
 
-    def _free_array(self, ids: np.ndarray) -> None:
+    def free_array(self, ids: np.ndarray) -> None:
+        """`free` for the block manager: an int64 array of ids it holds (null ids skipped).
+
+        Example:
+          >>> pool = BlockPool(8)
+          >>> pool.free_array(pool.allocate_array(2)); pool.num_free_blocks
+          7
+        """
         if ids.size == 0:
             return
         nonnull = ids != 0
@@ -649,7 +662,7 @@ class BlockPool:
             block_size, extra_keys, lora_id,
         )
 
-    def _cache_trusted(
+    def cache_trusted(
         self,
         id_list: Sequence[int],
         ids: np.ndarray,
@@ -661,7 +674,16 @@ class BlockPool:
         extra_keys: Sequence[ExtraKeys | None] | None,
         lora_id: int | str | None,
     ) -> int:
-        """`cache_blocks` for the manager: distinct blocks in use, bytes hashes, caching on."""
+        """`cache_blocks` for the block manager, which guarantees distinct blocks in use,
+        bytes hashes and caching on; the arguments are `cache_blocks`' with the ids given
+        both as a list and as an int64 array.
+
+        Example:
+          >>> pool = BlockPool(8)
+          >>> ids = pool.allocate_array(2)
+          >>> pool.cache_trusted(ids.tolist(), ids, [b"h0", b"h1"], 0, None, None, 0, None, None)
+          2
+        """
         if self._hashed[ids].any():  # Never expected from the manager: take the checked path.
             return self._cache_blocks(ids, hashes, group, parent_block_hash, token_ids,
                                       block_size, extra_keys, lora_id)
@@ -794,6 +816,43 @@ class BlockPool:
                 self._dups.setdefault((group, block_hash), []).append(block)
             else:
                 cache[block_hash] = block
+
+    def cache_new_blocks(self, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
+        """Caches full blocks of group 0 that the block manager holds, each if nothing else has
+        to happen (no event to record, the block not yet cached, its hash not cached under
+        another block); returns the positions it left (cache those with `cache_trusted`).
+        The decode fast path: one call per step for the blocks its tokens filled.
+
+        Example:
+          >>> pool = BlockPool(8)
+          >>> pool.cache_new_blocks(pool.allocate(2), [b"h", b"h"])  # second: hash cached
+          [1]
+        """
+        if self._events is not None:
+            return list(range(len(blocks)))
+        cache = self._maps[0]
+        hash_array, hashedv, groupv = self._hash, self._hashedv, self._groupv
+        left = []
+        for position, (block, block_hash) in enumerate(zip(blocks, hashes)):
+            if hashedv[block] or block_hash in cache:
+                left.append(position)
+                continue
+            cache[block_hash] = block
+            hash_array[block] = block_hash
+            hashedv[block] = True
+            groupv[block] = 0
+        self._num_cached += len(blocks) - len(left)
+        return left
+
+    def count_unreferenced(self, ids: np.ndarray) -> int:
+        """How many of `ids` no request holds (cached, free blocks that a hit would take).
+
+        Example:
+          >>> pool = BlockPool(8)
+          >>> pool.free(pool.allocate(1)); pool.count_unreferenced(np.array([1, 2]))
+          2
+        """
+        return int(np.count_nonzero(self._ref[ids] == 0))
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> BlockId | None:
         """The block caching ``block_hash`` in ``group``, or None.
