@@ -13,6 +13,8 @@ collectives (see `copy_blocks`).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,13 @@ def element_bits(dtype: Any) -> int:
         integers (StableHLO custom calls refuse them) and the 6-bit floats (XLA has no device
         representation for them).
     """
+    return _element_bits(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _element_bits(dtype: Any) -> int:
+    # Cached: every eager op checks its arrays' dtype, and the JAX dtype queries cost a few
+    # microseconds per call.
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         raise TypeError(f"the block ops move plain arrays; got the extended dtype {dtype}")
     bits = int(jax.dtypes.itemsize_bits(dtype))
@@ -48,7 +57,7 @@ def element_bits(dtype: Any) -> int:
 
 def block_nbytes(array: Any) -> int:
     """Bytes of one block of a (local) blocks-first array, packed sub-byte elements included."""
-    return int(np.prod(array.shape[1:], dtype=np.int64)) * element_bits(array.dtype) // 8
+    return math.prod(array.shape[1:]) * element_bits(array.dtype) // 8
 
 
 def _check_blocks_first(array: Any, name: str) -> None:
@@ -57,7 +66,7 @@ def _check_blocks_first(array: Any, name: str) -> None:
     if array.ndim < 1:
         raise ValueError(f"{name} must be blocks-first [num_blocks, *block], got a scalar")
     bits = element_bits(array.dtype)
-    elements = int(np.prod(array.shape[1:], dtype=np.int64))
+    elements = math.prod(array.shape[1:])
     if (elements * bits) % 8:
         raise ValueError(
             f"{name}: a block of {elements} {np.dtype(array.dtype).name} elements ({bits} bits "

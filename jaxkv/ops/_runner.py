@@ -220,11 +220,15 @@ def run_per_shard(
         lengths, or concrete ids of a data-parallel cache that cross shards.
       ShardingError: an axis in `unsharded_axes` is sharded.
     """
-    lengths = {len(x) for x in operands if isinstance(x, tuple)}
-    if len(lengths) > 1:
-        raise ValueError(f"jaxkv.ops.{op}: array lists of different lengths {sorted(lengths)}")
-    num_arrays = lengths.pop() if lengths else None
-    leaves = [y for x in operands for y in (x if isinstance(x, tuple) else (x,))]
+    num_arrays = None
+    leaves = operands
+    if any(type(x) is tuple for x in operands):
+        lengths = {len(x) for x in operands if type(x) is tuple}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"jaxkv.ops.{op}: array lists of different lengths {sorted(lengths)}")
+        num_arrays = lengths.pop()
+        leaves = [y for x in operands for y in (x if type(x) is tuple else (x,))]
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         # Inside the caller's jit: a sharding rule keeps the op local to each shard.
         def traced(ops):
