@@ -53,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -233,6 +235,9 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ):
+        if role == KVConnectorRole.WORKER:
+            # First: nothing of jaxkv may start JAX's backends before this.
+            _confine_jax_to_worker()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.from_dict(
@@ -1127,6 +1132,44 @@ def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
 BLOCK_FORMAT_KEY = "jaxkv_block_format"
 """The key of a producer's params that names how its blocks hold tokens (see
 `_block_format`)."""
+
+
+def _confine_jax_to_worker() -> None:
+    """Keeps JAX in a vLLM worker process to what the worker owns, before JAX starts its
+    backends (called first by the worker side of the connector).
+
+    Left alone, JAX's GPU backend preallocates 75% of every GPU it sees, and sees every GPU
+    visible to the process: in a vLLM worker, whose KV cache vLLM sized to the memory it left
+    free and whose siblings own the other GPUs, that runs out of memory or takes the siblings'
+    memory. So, unless the user chose otherwise:
+
+    * ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (kept if set; read when JAX creates its GPU
+      client);
+    * ``jax_cuda_visible_devices`` = torch's current CUDA device, the worker's GPU (kept if not
+      ``"all"``, JAX's default; nothing is set where torch has no CUDA device, e.g. vLLM's CPU
+      platform).
+
+    If JAX's backends have started already (the process used JAX before the connector), these
+    can no longer apply; a warning says so where a GPU backend started.
+    """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if set(xla_bridge.backends()) & {"cuda", "gpu", "rocm"}:
+            log.warning(
+                "jaxkv: JAX's GPU backend started before the vLLM connector's worker side: it "
+                "cannot turn off JAX's GPU preallocation (XLA_PYTHON_CLIENT_PREALLOCATE) or keep "
+                "JAX to this worker's GPU (jax_cuda_visible_devices) any more; set them before "
+                "JAX starts")
+        return
+    torch = sys.modules.get("torch")  # vLLM imported it; no import of torch of our own
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    if xla_bridge.CUDA_VISIBLE_DEVICES.value == "all":
+        # torch's ordinal counts the GPUs of CUDA_VISIBLE_DEVICES, as JAX's setting does.
+        jax.config.update("jax_cuda_visible_devices", str(torch.cuda.current_device()))
 
 
 def _block_format() -> str | None:
