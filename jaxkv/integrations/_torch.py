@@ -31,8 +31,15 @@ JAX does not write donated foreign (DLPack) buffers in place: a jaxkv op on the 
 (``cache.copy_blocks(...)``) returns arrays in new buffers, which the transfer engine refuses
 (`jaxkv.BufferMovedError`); the adopted cache then adopts the torch memory again. A consumer's
 rewrite of blocks that arrived in another layout or block size goes through
-`AdoptedKVCache.store_blocks`: computed out of place, and exactly the rewritten blocks copied
-back into the torch tensors.
+`AdoptedKVCache.store_blocks`: the blocks are gathered, rewritten out of place, and copied back
+into the torch tensors (never a copy of the whole array).
+
+Ordering on CUDA: JAX imports the tensors once, ordered after torch's current stream only at
+that moment, while vLLM's kernels keep writing them on that stream. Before jaxkv reads an
+adopted cache with JAX (the post-processing gather, host staging's `stage_out`) it calls
+`AdoptedKVCache.wait_for_torch`, which waits for torch's current stream on the tensors' device
+(JAX has no public way to make its stream wait on a torch event); `store_blocks` waits for
+its own copy. NIXL's reads need neither: vLLM synchronises before a step's transfers start.
 
 The pure helpers (`physical_order`, `plan_adoption`) work on shapes and strides and need no
 torch.
@@ -431,8 +438,9 @@ def _adopted_class() -> type:
         does not alias foreign buffers): the result is in new buffers, which the transfer
         engine refuses. The deleted arrays are then adopted again from the torch tensors (the
         same memory), so the cache stays usable. The transfer engine's rewrite of received
-        blocks calls `store_blocks`, which copies those blocks into the torch memory. Through
-        ``jax.jit`` (pytree flattening) it comes back as a plain cache of the step's outputs.
+        blocks calls `store_blocks`, which copies those blocks into the torch memory, after
+        `wait_for_torch`. Through ``jax.jit`` (pytree flattening) it comes back as a plain
+        cache of the step's outputs.
         """
 
         _arrays: tuple[Any, ...]
@@ -460,34 +468,55 @@ def _adopted_class() -> type:
         def arrays(self, value: Sequence[Any]) -> None:
             self._arrays = tuple(value)
 
-        def store_blocks(self, index: int, ids: Any, rewritten: Any) -> None:
-            """Copies blocks `ids` of `rewritten` (array `index` rewritten out of place, e.g.
-            by the transfer engine's post-processing) into this cache's torch memory, and
-            waits for the copy. Other blocks are not touched: reads of other requests may be
-            landing in them."""
+        def wait_for_torch(self) -> None:
+            """Waits for the work queued on torch's current stream of the tensors' device
+            (vLLM's writes of the cache), so that JAX reads what torch wrote. JAX orders its
+            reads after torch only when it imports the memory; call this before reading the
+            adopted arrays with JAX. Nothing to wait for on CPU tensors."""
+            import torch
+
+            devices = {tensor.device for _, tensor in self._sources}
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+
+        def store_blocks(self, index: int, ids: Any, blocks: Any) -> None:
+            """Writes ``blocks[i]`` into block ``ids[i]`` of this cache's torch memory (array
+            `index`) and waits for the copy; negative ids (padding) are skipped. Other blocks
+            are not touched: reads of other requests may be landing in them.
+
+            Args:
+              index: the cache array.
+              ids: block ids, shape ``[n]``.
+              blocks: JAX array ``[n, *block]`` of the array's block shape and dtype, e.g. the
+                transfer engine's rewrite of gathered blocks.
+
+            Raises:
+              ValueError: a cache without torch memory, or `blocks` of the wrong shape.
+            """
             import torch
 
             if not self._sources:
                 raise ValueError("store_blocks: this cache holds no torch memory")
             _, tensor = self._sources[index]
-            rows = [int(i) for i in np.asarray(ids).reshape(-1) if int(i) >= 0]
-            if not rows:
-                return
+            ids = np.asarray(ids).reshape(-1)
             # Same-width signed integers: every bit kept (NaNs, fp8) and torch indexes them
             # on every device.
             width = {1: (torch.int8, "int8"), 2: (torch.int16, "int16"),
                      4: (torch.int32, "int32"), 8: (torch.int64, "int64")}
             torch_int, jax_int = width[tensor.element_size()]
             target = tensor.view(torch_int)
-            if tuple(rewritten.shape) != tuple(target.shape):
+            if tuple(blocks.shape) != (len(ids), *target.shape[1:]):
                 raise ValueError(
-                    f"store_blocks: rewritten array {index} has shape {tuple(rewritten.shape)}, "
-                    f"the torch memory {tuple(target.shape)}"
-                )
-            # only the rewritten blocks leave JAX (not a copy of the whole array)
-            picked = rewritten[np.asarray(rows, np.int32)]
-            bits = jax.lax.bitcast_convert_type(picked, jax_int).block_until_ready()
-            at = torch.as_tensor(rows, dtype=torch.long, device=target.device)
+                    f"store_blocks: {len(ids)} blocks of array {index} need shape "
+                    f"{(len(ids), *tuple(target.shape[1:]))}, got {tuple(blocks.shape)}")
+            keep = np.flatnonzero(ids >= 0)
+            if not keep.size:
+                return
+            if keep.size < len(ids):
+                blocks = blocks[keep]
+            bits = jax.lax.bitcast_convert_type(blocks, jax_int).block_until_ready()
+            at = torch.as_tensor(ids[keep].astype(np.int64), device=target.device)
             target.index_copy_(0, at, torch.from_dlpack(bits).to(target.device))
             if target.device.type == "cuda":
                 torch.cuda.current_stream(target.device).synchronize()

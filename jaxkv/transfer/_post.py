@@ -60,29 +60,38 @@ def apply_post_processing(cache: Any, steps: Iterable[PostProcess], *, wait: boo
     Raises:
       ValueError: steps that disagree for one array, or that do not fit the cache.
     """
-    from jaxkv.ops import merge_blocks, pad_block_ids, permute_blocks
+    from jaxkv.ops import gather_blocks, merge_blocks, pad_block_ids, permute_blocks
 
     groups = group_post_steps(steps)
     if not groups:
         return cache
     # A cache over memory JAX does not own (torch tensors adopted through DLPack) cannot be
-    # updated in place: the rewrite lands in new buffers and the cache copies the rewritten
-    # blocks, and only those, back into its own memory.
+    # updated in place, and an eager op on it would first copy the whole array (JAX cannot
+    # donate a foreign buffer): its blocks to rewrite are gathered, rewritten in that small
+    # array, and stored back, and only those (`AdoptedKVCache.store_blocks`).
     store_blocks = getattr(cache, "store_blocks", None)
+    if store_blocks is not None:
+        cache.wait_for_torch()  # JAX reads the torch memory next: after torch's writes
     arrays = list(cache.arrays)
     for index, ((src, dst, ratio), ids) in sorted(groups.items()):
         if dst != cache.spec.layout:
             raise ValueError(f"post-processing targets layout {dst!r}, the cache is "
                              f"{cache.spec.layout!r}")
         padded = pad_block_ids(ids)
-        if ratio == 1:
-            rewritten = permute_blocks(arrays[index], padded, src, dst)
+        if store_blocks is None:
+            target, rewrite = arrays[index], padded
         else:
-            rewritten = merge_blocks(arrays[index], padded, ratio, src, dst)
+            # Row i of the gathered array is block padded[i] (padding rows skipped).
+            target = gather_blocks(arrays[index], padded)
+            rewrite = np.where(padded >= 0, np.arange(len(padded)), -1).astype(padded.dtype)
+        if ratio == 1:
+            rewritten = permute_blocks(target, rewrite, src, dst)
+        else:
+            rewritten = merge_blocks(target, rewrite, ratio, src, dst)
         if store_blocks is None:
             arrays[index] = rewritten
         else:
-            store_blocks(index, ids, rewritten)
+            store_blocks(index, padded, rewritten)
     if store_blocks is not None:
         arrays = list(cache.arrays)
     updated = cache._with_arrays(arrays)

@@ -123,6 +123,9 @@ class HostMirror:
         if not len(ids):
             return
         padded = pad_block_ids(ids)
+        wait_for_torch = getattr(cache, "wait_for_torch", None)
+        if wait_for_torch is not None:
+            wait_for_torch()  # adopted torch memory: read it after torch's queued writes
         out = self._dense.pop(len(padded), None)
         dense = cache.gather_blocks(padded, out=out) if out is not None else None
         if dense is None:

@@ -247,6 +247,92 @@ def test_writes_through_torch_and_through_jaxkv_ops():
         engine.close()
 
 
+def test_post_processing_writes_back_only_the_rewritten_blocks(monkeypatch):
+    """The consumer's rewrite of received blocks on an adopted cache: the blocks are gathered
+    and the op runs on them alone (not on a copy of the whole array, which JAX would make to
+    donate a foreign buffer), after waiting for torch's writes; exactly those blocks are
+    written back into the torch memory, bytes as the in-place rewrite of a JAX-owned array."""
+    import jax.numpy as jnp
+
+    from jaxkv import ops
+    from jaxkv.transfer._plan import PostProcess
+    from jaxkv.transfer._post import apply_post_processing
+
+    nb = 64
+    caches = th.vllm_caches("LBNHC", th.attention_spec(H, D, BS, "float16"), 2, nb)
+    th.fill_random(caches, seed=3)
+    names = th.layer_names(2)
+    cache, _ = adopt(caches)
+    before = [np.asarray(a).view(np.uint16).copy() for a in cache.arrays]
+    ids = np.array([40, 9])
+    want = np.asarray(ops.permute_blocks(jnp.asarray(before[1]).view(jnp.float16),
+                                         ops.pad_block_ids(ids), "HTD", "THD")).view(np.uint16)
+    calls = []
+    real_permute = ops.permute_blocks
+    monkeypatch.setattr(ops, "permute_blocks", lambda c, *a, **k: (
+        calls.append(("permute", c.shape[0])), real_permute(c, *a, **k))[1])
+    adopted = type(cache)
+    real_store, real_wait = adopted.store_blocks, adopted.wait_for_torch
+    monkeypatch.setattr(adopted, "store_blocks", lambda self, i, b_ids, blocks: (
+        calls.append(("store", i, np.asarray(b_ids).tolist(), blocks.shape[0])),
+        real_store(self, i, b_ids, blocks))[1])
+    monkeypatch.setattr(adopted, "wait_for_torch", lambda self: (
+        calls.append(("wait",)), real_wait(self))[1])
+    step = PostProcess(kind="permute", region=0, array_index=1, block_ids=ids, ratio=1,
+                       src_layout="HTD", dst_layout="THD", block_shape=(BS, H, 2 * D),
+                       itemsize=2)
+    updated = apply_post_processing(cache, [step])
+    padded = ops.pad_block_ids(ids).tolist()
+    assert calls == [("wait",), ("permute", len(padded)), ("store", 1, padded, len(padded))]
+    assert [a.unsafe_buffer_pointer() for a in updated.arrays] == [
+        caches[n].data_ptr() for n in names]
+    after = [np.asarray(a).view(np.uint16) for a in updated.arrays]
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], want)
+    others = [i for i in range(nb) if i not in ids]
+    np.testing.assert_array_equal(after[1][others], before[1][others])
+    assert not np.array_equal(after[1][ids], before[1][ids])  # the rewrite moved bytes
+
+
+def test_store_blocks_writes_the_listed_blocks_only():
+    import jax.numpy as jnp
+
+    caches = th.vllm_caches("LBNHC", th.attention_spec(H, D, BS, "float32"), 1, NB)
+    (name,) = th.layer_names(1)
+    cache, _ = adopt(caches)
+    blocks = jnp.full((3, BS, H, 2 * D), 2.5, jnp.float32)
+    cache.store_blocks(0, np.array([6, -1, 2]), blocks)
+    assert (caches[name][[2, 6]] == 2.5).all()
+    assert (caches[name][[0, 1, 3, 4, 5, 7]] == 0).all()
+    with pytest.raises(ValueError, match=r"2 blocks of array 0 need shape \(2, 16, 4, 16\)"):
+        cache.store_blocks(0, np.array([1, 2]), blocks)
+    cache.wait_for_torch()  # CPU tensors: nothing to wait for
+
+
+def test_cuda_reads_follow_torch_writes_on_its_stream():
+    """On CUDA, JAX reads an adopted cache after the writes queued on torch's current stream
+    (`wait_for_torch`): a block written at the end of a long queue of torch kernels is read
+    by the post-processing with its new bytes. Skips without a GPU for both torch and JAX."""
+    import kv_testing
+
+    from jaxkv.transfer._plan import PostProcess
+    from jaxkv.transfer._post import apply_post_processing
+
+    if not kv_testing.gpus() or not torch.cuda.is_available():
+        pytest.skip("needs a GPU that both torch and JAX see")
+    (name,) = th.layer_names(1)
+    raw = torch.zeros(NB, BS, H, 2 * D, dtype=torch.float16, device="cuda")  # B N H C
+    cache, _ = adopt({name: raw.permute(0, 2, 1, 3)})
+    for _ in range(200):  # keep torch's stream busy, so that the write is still queued
+        raw.mul_(1)
+    raw[5].fill_(1.5)
+    step = PostProcess(kind="permute", region=0, array_index=0, block_ids=np.array([5]),
+                       ratio=1, src_layout="HTD", dst_layout="THD",
+                       block_shape=(BS, H, 2 * D), itemsize=2)
+    apply_post_processing(cache, [step])
+    assert (raw[5] == 1.5).all().item()  # a permute of a constant block: the same bytes
+
+
 def test_connector_registers_torch_caches():
     """`JaxKVConnector.register_kv_caches` with vLLM's torch tensors: the transfer engine's
     registered buffers are the torch memory; the spec comes from vLLM's kv_cache_config."""
