@@ -817,10 +817,12 @@ class BlockPool:
             else:
                 cache[block_hash] = block
 
-    def cache_new_blocks(self, blocks: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
+    def cache_new_blocks(self, blocks: Sequence[int],
+                         hashes: Sequence[BlockHash | None]) -> list[int]:
         """Caches full blocks of group 0 that the block manager holds, each if nothing else has
         to happen (no event to record, the block not yet cached, its hash not cached under
-        another block); returns the positions it left (cache those with `cache_trusted`).
+        another block, a hash given); returns the positions it left (cache those with
+        `cache_trusted`).
         The decode fast path: one call per step for the blocks its tokens filled.
 
         Example:
@@ -834,7 +836,7 @@ class BlockPool:
         hash_array, hashedv, groupv = self._hash, self._hashedv, self._groupv
         left = []
         for position, (block, block_hash) in enumerate(zip(blocks, hashes)):
-            if hashedv[block] or block_hash in cache:
+            if block_hash is None or hashedv[block] or block_hash in cache:
                 left.append(position)
                 continue
             cache[block_hash] = block
