@@ -18,6 +18,7 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 
 import kv_testing  # noqa: E402
 
@@ -124,12 +125,28 @@ class LayeredLoweringTest(parameterized.TestCase):
         self.assertEqual(sorted(earlier.values()), list(range(cache.spec.num_layers)))
 
     @parameterized.parameters(("LKHTD", 1), ("KHTD", 2))
-    def test_per_layer_publish_in_jit_copies_the_cache(self, layout, tp):
+    def test_per_layer_publish_callbacks_copy_the_cache(self, layout, tp):
         # Why publish_layer_in_jit exists: with nothing threaded through the announcements,
         # XLA keeps each token's read apart from the later in-place writes by copying.
         text, cache = compiled(layout, tp, naive=True)
         self.assertNotEqual(cache_copies(text, cache), [])
         self.assertEqual(sorted(callback_ancestry(text).values()), [0] * cache.spec.num_layers)
+
+    def test_publish_in_jit_refuses_a_partial_layer_stop(self):
+        # ... so publish_in_jit, the whole-request call, refuses to be used per layer.
+        from jaxkv.transfer import publish_in_jit
+
+        engine = _NoEngine()
+        engine.config = types.SimpleNamespace(spec=KVCacheSpec(**spec_kwargs("LKHTD")))
+        cache = PagedKVCache.allocate(engine.config.spec, NUM_BLOCKS)
+        ids = np.asarray(REMOTE_IDS, np.int32)
+        for stop in (1, 3, np.int32(2)):
+            with self.assertRaisesRegex(ValueError, "publish_layer_in_jit"):
+                jax.jit(lambda c, stop=stop: publish_in_jit(engine, 1, ids, c, stop)).lower(cache)
+        with self.assertRaisesRegex(ValueError, "publish_layer_in_jit"):  # a traced stop
+            jax.jit(lambda c, s: publish_in_jit(engine, 1, ids, c, s)).lower(cache, np.int32(4))
+        for stop in (-1, 4):  # the whole request: fine
+            jax.jit(lambda c, stop=stop: publish_in_jit(engine, 1, ids, c, stop)).lower(cache)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")

@@ -789,7 +789,8 @@ def make_layered_prefill_step(engine, iters, naive=False):
     import jax
     import jax.numpy as jnp
 
-    from jaxkv.transfer import publish_in_jit, publish_layer_in_jit
+    from jaxkv.transfer import publish_layer_in_jit
+    from jaxkv.transfer._jit import _publish
 
     @functools.partial(jax.jit, donate_argnums=0)
     def prefill(cache, ids, handle, seed):
@@ -812,8 +813,8 @@ def make_layered_prefill_step(engine, iters, naive=False):
                     where = (ids,)
                 arrays[index] = array.at[where].set(values)
             cache = jax.tree.unflatten(jax.tree.structure(cache), arrays)
-            if naive:
-                status = publish_in_jit(engine, handle, ids, cache, layer + 1)
+            if naive:  # the per-layer callback without threading (what publish_in_jit refuses)
+                status = _publish(engine, handle, ids, cache, layer + 1)
             else:
                 x, status = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
             statuses.append(status)

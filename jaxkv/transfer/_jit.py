@@ -98,8 +98,12 @@ def publish_in_jit(
 
     The request must have been published with ``engine.publish_request(request_id, ids,
     layerwise=True)`` (which pins the blocks and returns the params for the consumer) and its
-    handle taken with ``engine.handle(request_id)``. The callback declares layers
-    ``[0, layer_stop)`` written (``-1``: every layer) once `written` is computed.
+    handle taken with ``engine.handle(request_id)``. The callback declares every layer written
+    once `written` is computed. To announce layers one by one while the step computes the
+    later ones, use `publish_layer_in_jit`: it threads the next layer's input through the
+    announcement, which orders the layers and keeps XLA from copying the cache (called per
+    layer, this function would copy the whole cache at every layer and overlap nothing, so it
+    refuses a partial `layer_stop`).
 
     Args:
       engine: the producer `KVTransferEngine` (closed over: not an operand).
@@ -107,13 +111,14 @@ def publish_in_jit(
       block_ids: int32 ``[n]`` block ids written (negative ids are padding; must equal the
         published ids; empty: not checked).
       written: the updated cache (or pytree) whose computation must finish first.
-      layer_stop: int32 scalar, one past the last written global layer, or -1 for all.
+      layer_stop: -1 (every layer) or the engine's number of layers, as Python ints.
 
     Returns:
       An int32 scalar: 1 published, 0 refused (unknown handle, other ids: the request is
       aborted; logged). Return it from the step (or use it) so the call is not dropped.
 
     Raises:
+      ValueError: a `layer_stop` that declares only some layers (use `publish_layer_in_jit`).
       TypeError: from JAX, for operands that are not integer arrays.
 
     Example:
@@ -122,6 +127,20 @@ def publish_in_jit(
       ...     cache = cache.scatter_blocks(blocks, ids)
       ...     return cache, publish_in_jit(engine, handle, ids, cache)
     """
+    whole = isinstance(layer_stop, (int, np.integer)) and not isinstance(layer_stop, bool) and (
+        layer_stop == -1 or layer_stop == engine.config.spec.num_layers)
+    if not whole:
+        raise ValueError(
+            f"publish_in_jit declares the whole request written (layer_stop -1), got "
+            f"layer_stop={layer_stop!r}; to announce layers from inside the step call "
+            "publish_layer_in_jit(engine, handle, block_ids, written, layer_stop, next_input) "
+            "after each layer: per layer, publish_in_jit makes XLA copy the whole cache and "
+            "overlaps nothing")
+    return _publish(engine, handle, block_ids, written, -1)
+
+
+def _publish(engine: Any, handle: Any, block_ids: Any, written: Any, layer_stop: Any) -> Any:
+    """The publishing callback, ordered after `written`'s computation."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import io_callback
@@ -176,7 +195,7 @@ def publish_layer_in_jit(
     Args:
       engine, handle, block_ids: as for `publish_in_jit`.
       written: the cache after this layer's writes (or only the arrays written).
-      layer_stop: int32 scalar, one past the last written global layer.
+      layer_stop: int32 scalar (or int), one past the last written global layer.
       next_input: the next layer's input (pytree of arrays, e.g. hidden states).
 
     Returns:
@@ -188,7 +207,7 @@ def publish_layer_in_jit(
       ...     x, cache = layer_fn(layer, x, cache)
       ...     x, ok = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
     """
-    status = publish_in_jit(engine, handle, block_ids, written, layer_stop)
+    status = _publish(engine, handle, block_ids, written, layer_stop)
     return after_callback(next_input, status), status
 
 
