@@ -204,6 +204,55 @@ class WithoutCustomCallsTest(parameterized.TestCase):
         ot.assert_bits_equal(cache.arrays[0], expected)
 
 
+class PinnedPoolProgramTest(parameterized.TestCase):
+    """A pinned-host pool is touched only by copies between memory kinds and row-sized dynamic
+    slices / updates, the patterns XLA's GPU host offloader turns into DMAs: no scatter or
+    gather runs on it (XLA has crashed on host compute for such a scatter, openxla/xla#34565).
+    The CPU runs the same programs, byte for byte, including skipped pairs anywhere in the
+    lists."""
+
+    def _ops(self, direction, *args):
+        from jaxkv.offload import _host
+
+        program = _host._programs(direction, "pinned_host", True, False)
+        text = program.lower(*args).as_text()
+        return {op for op in ("scatter", "gather", "dynamic_update_slice", "dynamic_slice")
+                if f"stablehlo.{op} " in text or f"stablehlo.{op}\"" in text
+                or f"stablehlo.{op}(" in text}
+
+    def test_no_scatter_or_gather_on_the_pool(self):
+        spec = ot.spec_for("KTHD", "bfloat16")
+        cache, _ = ot.filled_cache(spec, 8, seed=1, mesh=_mesh(2))
+        pool = HostPool.allocate(cache, 4, memory_kind="pinned_host")
+        ids, slots = np.array([3, -1, 1, 0], np.int32), np.array([0, 2, -1, 1], np.int32)
+        offload = self._ops("offload", cache, pool, ids, slots)
+        self.assertNotIn("scatter", offload)  # the gathers: the device's (ids, staged rows)
+        self.assertIn("dynamic_update_slice", offload)
+        onboard = self._ops("onboard", pool, cache, slots, ids, np.int32(0))
+        self.assertFalse({"scatter", "gather"} & onboard, onboard)
+        self.assertIn("dynamic_slice", onboard)
+
+    @parameterized.parameters("float8_e5m2", "bfloat16", "int8")
+    def test_skipped_pairs_anywhere_leave_their_slots(self, dtype):
+        spec = ot.spec_for("THD", dtype)
+        cache, hosts = ot.filled_cache(spec, 8, seed=2)
+        pool = HostPool.allocate(cache, 4, memory_kind="pinned_host")
+        pool = offload_blocks(cache, pool, [2, 6, 4, 1], [0, 1, 2, 3])
+        before = [np.asarray(a) for a in pool.arrays]
+        # Skipped pairs before, between and after the real ones, slot 0 written last.
+        pool = offload_blocks(cache, pool, [5, -1, 7, 3, 4, 0], [2, 1, -1, 3, -1, 0])
+        for array, host, old in zip(pool.arrays, hosts, before):
+            expected = old.copy()
+            expected[[2, 3, 0]] = host[[5, 3, 0]]
+            ot.assert_bits_equal(array, expected, dtype)
+        target, old_target = ot.filled_cache(spec, 8, seed=3)
+        target = onboard_blocks(pool, target, [3, -1, 2, 0], [1, 4, -1, 7])
+        for array, host, old in zip(target.arrays, hosts, old_target):
+            expected = old.copy()
+            expected[[1, 7]] = host[[3, 0]]
+            ot.assert_bits_equal(array, expected, dtype)
+
+
 class PackedCacheTest(parameterized.TestCase):
     """The host tier on the caches of TPU frameworks (packed heads or tokens, padding)."""
 

@@ -5,14 +5,15 @@ On CPU the pool is a set of plain host arrays with the cache's sharding, and bot
 one `copy_block_prefix` per array (device block -> host slot and back, in place, `num_tokens`
 for partial onboarding). Where the platform has pinned host memory (GPU, TPU:
 ``memory_kind="pinned_host"``), the pool lives there and the copies stage through a device
-buffer: `gather_blocks` on the device, a device-to-host copy, a slot update (and the reverse).
+buffer: `gather_blocks` on the device, a device-to-host copy, a row-sized dynamic update of
+each slot (and the reverse: dynamic slices of the slots, a host-to-device copy, a block op).
 
 The block ops run with the implementation in force (`jaxkv.ops.implementation`): custom calls
 on CPU and CUDA, the Pallas kernels on TPU, the jnp reference anywhere; the host memory itself
-is only touched by XLA (copies between memory kinds, the slot update), never by a custom call.
-Tested on CPU (which has a "pinned_host" memory) byte for byte with every implementation; on
-a TPU this path is unvalidated (no TPU was available), in particular whether XLA runs the slot
-update in pinned host memory there as it does on CPU.
+is only touched by XLA (copies between memory kinds, row-sized dynamic slices and updates),
+never by a custom call. Tested on CPU (which has a "pinned_host" memory) byte for byte with
+every implementation; on GPU by tests/cuda_test.py where one is present; on a TPU this path is
+unvalidated (no TPU was available).
 """
 
 from __future__ import annotations
@@ -228,21 +229,50 @@ def _stage_on_device(cache: PagedKVCache, device_ids, validate_ids: bool):
     return _map_arrays(sharding, spec, gather, 1, 1)(cache.arrays, device_ids)
 
 
+# Host memory inside a program is touched only by copies between memory kinds and by dynamic
+# slices / updates of whole rows: the patterns XLA's GPU host offloader turns into DMAs. Any
+# other op on a host-memory operand (a scatter or gather with an index array, a bitcast) is
+# turned into host compute, which XLA has crashed on for this very scatter
+# (openxla/xla#34565). On CPU every memory is host memory and both are plain ops.
+
+
 def _update_pool(pool: HostPool, staged, device_ids, host_slots) -> tuple[jax.Array, ...]:
-    """Copies dense device rows to host memory and writes them into their pool slots (XLA
-    only: no custom call touches host memory)."""
+    """Copies dense device rows to host memory and writes them into their pool slots: one
+    row-sized dynamic update of the pool per pair (XLA only: no custom call touches host
+    memory, and no scatter runs on it).
+
+    A dynamic update cannot be skipped, so pairs to skip (a negative id or slot) are ordered
+    first and write slot 0's own bytes back into slot 0 before any real write."""
     spec, sharding = pool.spec, pool.sharding
     host = _pool_sharding(spec, sharding, pool.memory_kind)
-    staged = jax.device_put(staged, (host,) * len(staged))
-    valid = (device_ids >= 0) & (host_slots >= 0)
-    slots = jax.device_put(
-        jnp.where(valid, host_slots, pool.num_slots),  # Out of range: dropped.
-        NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=pool.memory_kind))
-    # XLA's scatter and gather may canonicalise NaN payloads: move unsigned bits instead.
-    return tuple(
-        _from_bits(_bits(p).at[slots].set(_bits(s), mode="drop"), p.dtype)
-        for p, s in zip(pool.arrays, staged)
-    )
+    device = sharding.named_sharding(spec)
+    count = device_ids.shape[0]
+    valid = (device_ids >= 0) & (host_slots >= 0) & (host_slots < pool.num_slots)
+    order = jnp.argsort(valid.astype(jnp.int32), stable=True)  # skipped pairs first
+    valid, slots = valid[order], jnp.where(valid, host_slots, 0)[order]
+    # CPU's compiler runs a dynamic update of 8-bit floats in wider float arithmetic, which
+    # canonicalises NaN payloads; there every memory is host memory, so the update runs on the
+    # pool's bits. Elsewhere it stays a pure copy in the pool's own type: a bitcast of a
+    # host-memory operand would be host compute.
+    on_cpu = _on_cpu(sharding)
+    updated = []
+    for p, s in zip(pool.arrays, staged):
+        # Moved as unsigned bits on the device: XLA's gather may canonicalise NaN payloads.
+        rows = _bits(s)[order]
+        kept = _bits(jax.device_put(jax.lax.dynamic_slice_in_dim(p, jnp.int32(0), 1), device))
+        target = _bits(p) if on_cpu else p
+        for i in range(count):
+            row = jnp.where(valid[i], rows[i:i + 1], kept)
+            row = row if on_cpu else _from_bits(row, p.dtype)
+            target = jax.lax.dynamic_update_slice_in_dim(target, jax.device_put(row, host),
+                                                         slots[i], axis=0)
+        updated.append(_from_bits(target, p.dtype) if on_cpu else target)
+    return tuple(updated)
+
+
+def _on_cpu(sharding: HeadSharding) -> bool:
+    """Whether the mesh is CPU devices only (where host memory is every op's memory)."""
+    return {d.platform for d in sharding.mesh.devices.flat} == {"cpu"}
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -264,13 +294,19 @@ def _onboard_traced(pool: HostPool, cache: PagedKVCache, host_slots, device_ids,
 
 
 def _rows_from_pool(pool: HostPool, host_slots) -> tuple[jax.Array, ...]:
-    """The listed slots of a pinned pool as dense device rows (XLA only)."""
+    """The listed slots of a pinned pool as dense device rows: one row-sized dynamic slice of
+    the pool per slot, copied to the device (XLA only, no gather on host memory). Skipped
+    slots (negative) read slot 0; their rows are not written anywhere."""
     spec, sharding = pool.spec, pool.sharding
-    host_ids = jax.device_put(
-        jnp.clip(host_slots, 0, pool.num_slots - 1),
-        NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=pool.memory_kind))
-    rows = tuple(_from_bits(_bits(p)[host_ids], p.dtype) for p in pool.arrays)
-    return jax.device_put(rows, (sharding.named_sharding(spec),) * len(rows))
+    device = sharding.named_sharding(spec)
+    slots = jnp.clip(host_slots, 0, pool.num_slots - 1)
+    on_cpu = _on_cpu(sharding)  # as in _update_pool: NaN payloads kept by moving bits
+    return tuple(
+        _from_bits(jnp.concatenate([
+            _bits(jax.device_put(jax.lax.dynamic_slice_in_dim(_bits(p) if on_cpu else p,
+                                                              slots[i], 1), device))
+            for i in range(host_slots.shape[0])]), p.dtype)
+        for p in pool.arrays)
 
 
 def _write_rows(cache: PagedKVCache, rows, host_slots, device_ids, num_tokens,
@@ -434,8 +470,9 @@ def _completion_token(array: jax.Array, sharding: HeadSharding, spec: KVCacheSpe
     mesh = sharding.mesh
     array_spec = sharding.partition_spec(spec)
     with no_context_mesh():
-        if memory_kind is not None:
-            array = jax.device_put(array[:1], NamedSharding(mesh, array_spec))  # Pinned pool.
+        if memory_kind is not None:  # Pinned pool: a row copied to the device, as above.
+            array = jax.device_put(jax.lax.dynamic_slice_in_dim(array, jnp.int32(0), 1),
+                                   NamedSharding(mesh, array_spec))
         return jax.shard_map(
             lambda a: _bits(a.reshape(-1)[:1]), mesh=mesh, in_specs=(array_spec,),
             out_specs=PartitionSpec(tuple(mesh.axis_names)), check_vma=False,
