@@ -5,7 +5,6 @@ abort or a producer's Ack gets nothing and changes nothing."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -220,17 +219,17 @@ class SideChannelTest(absltest.TestCase):
         target = consumer.connect(self.server.address, "p", "p")
         for payload in (b"one", b"two" * 1000):
             self.assertTrue(consumer.send(target, payload))
-        got = _receive(self.channel, 2)
+        got = tt.receive_messages(self.channel, 2)
         self.assertEqual([p for _, p in got], [b"one", b"two" * 1000])
         sender = got[0][0]
         self.assertEqual(self.channel.identity(sender), "decode")
         self.assertTrue(self.channel.send(self.channel.accept("a", sender, b""), b"back"))
-        self.assertEqual([p for _, p in _receive(consumer, 1)], [b"back"])
+        self.assertEqual([p for _, p in tt.receive_messages(consumer, 1)], [b"back"])
 
     def test_replayed_handshake_and_garbage_after_a_valid_one(self):
         recorder = _Recorder(self.server.address, KEY, "decode")
         recorder.message(Heartbeat("r", "decode"))
-        self.assertEqual(len(_receive(self.channel, 1)), 1)
+        self.assertEqual(len(tt.receive_messages(self.channel, 1)), 1)
         recorded = recorder.sent
         recorder.close()
         # The same bytes on a new connection: the server's nonce is new, the proof is not.
@@ -249,37 +248,12 @@ class SideChannelTest(absltest.TestCase):
             recorder.sock.settimeout(5)
             self.assertEqual(_recv_all(recorder.sock), b"")  # closed by the channel
             recorder.close()
-            self.assertEqual(len(_receive(self.channel, 2, timeout=0.5)), 1)  # the first only
+            # the first only
+            self.assertEqual(len(tt.receive_messages(self.channel, 2, timeout=0.5)), 1)
 
 
-def _receive(channel, count, timeout=5.0):
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < count and time.monotonic() < deadline:
-        got += channel.receive()
-        time.sleep(0.001)
-    return got
-
-
-class KeyedEngineTest(parameterized.TestCase):
+class KeyedEngineTest(tt.TransferTestBase):
     """A keyed producer process and consumer engines in this process."""
-
-    def setUp(self):
-        super().setUp()
-        self._engines = []
-        self._children = []
-
-    def tearDown(self):
-        for engine in self._engines:
-            engine.close()
-        for process, conn in self._children:
-            with contextlib.suppress(OSError, BrokenPipeError):
-                conn.send(("exit",))
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-        super().tearDown()
 
     def start_producer(self, transport, **engine_kwargs):
         ctx = multiprocessing.get_context("spawn")

@@ -4,20 +4,12 @@ import socket
 import struct
 import time
 
+import transfer_testing as tt
 from absl.testing import absltest
 
 from jaxkv.transfer._control import TcpControlChannel
 from jaxkv.transfer._messages import MAX_MESSAGE_BYTES
 from jaxkv.transfer._side_channel import CONTROL_MAGIC, MetadataServer
-
-
-def _receive(channel, count, timeout=5.0):
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < count and time.monotonic() < deadline:
-        got += channel.receive()
-        time.sleep(0.001)
-    return got
 
 
 class TcpControlChannelTest(absltest.TestCase):
@@ -46,21 +38,21 @@ class TcpControlChannelTest(absltest.TestCase):
         payloads = [bytes([i % 251]) * (i * 37 % 5000) for i in range(200)]
         for payload in payloads:
             self.assertTrue(self.consumer.send(target, payload))
-        got = _receive(self.producer, len(payloads))
+        got = tt.receive_messages(self.producer, len(payloads))
         self.assertEqual([p for _, p in got], payloads)
         sender = got[0][0]
         self.assertEqual({s for s, _ in got}, {sender})
         # The producer answers on the connection the messages came on.
         back = self.producer.accept("consumer/1", sender, b"")
         self.assertTrue(self.producer.send(back, b"ack"))
-        self.assertEqual(_receive(self.consumer, 1), [(target, b"ack")])
+        self.assertEqual(tt.receive_messages(self.consumer, 1), [(target, b"ack")])
 
     def test_large_burst_is_queued_not_lost(self):
         target = self.consumer.connect(self.server.address, "p", "p")
         big = b"x" * 60000
         for _ in range(100):  # 6 MB: more than the socket buffers take at once
             self.assertTrue(self.consumer.send(target, big))
-        got = _receive(self.producer, 100, timeout=20)
+        got = tt.receive_messages(self.producer, 100, timeout=20)
         self.assertEqual(len(got), 100)
         self.assertTrue(all(p == big for _, p in got))
 
@@ -69,11 +61,11 @@ class TcpControlChannelTest(absltest.TestCase):
             sock.sendall(CONTROL_MAGIC + struct.pack("!I", 2))
             sock.sendall(struct.pack("!I", 3) + b"abc")
             sock.sendall(struct.pack("!I", MAX_MESSAGE_BYTES + 1) + b"y" * 100)
-            self.assertEqual([p for _, p in _receive(self.producer, 1)], [b"abc"])
+            self.assertEqual([p for _, p in tt.receive_messages(self.producer, 1)], [b"abc"])
             sock.settimeout(5)
             self.assertEqual(sock.recv(16), b"")  # closed by the channel
         self.assertEqual(self.producer.open_connections, 0)
-        self.assertEqual(_receive(self.producer, 1, timeout=0.2), [])
+        self.assertEqual(tt.receive_messages(self.producer, 1, timeout=0.2), [])
 
     def test_accept_unknown_sender_and_send_to_gone_target(self):
         with self.assertRaisesRegex(ValueError, "no control connection"):
@@ -105,14 +97,14 @@ class TcpControlChannelTest(absltest.TestCase):
         self.addCleanup(consumer.close)
         target = consumer.connect(self.server.address, "p", "p")
         consumer.send(target, b"one")
-        (sender, _), = _receive(self.producer, 1)
+        (sender, _), = tt.receive_messages(self.producer, 1)
         self.producer.send(sender, b"bye")  # wakes the consumer's thread into its callback
         time.sleep(0.1)
         self.producer.forget(sender)  # the producer side goes away (e.g. a restart)
         time.sleep(0.1)
         self.assertEqual(consumer.connect(self.server.address, "p", "p"), target)
         self.assertTrue(consumer.send(target, b"two"))
-        got = _receive(self.producer, 1)
+        got = tt.receive_messages(self.producer, 1)
         self.assertEqual([p for _, p in got], [b"two"])
         self.assertNotEqual(got[0][0], sender)  # a new connection
 
@@ -127,7 +119,7 @@ class TcpControlChannelTest(absltest.TestCase):
         targets = [c.connect(server.address, "p", "p") for c in consumers]
         for consumer, target in zip(consumers, targets):
             consumer.send(target, b"x")
-            _receive(producer, 1)
+            tt.receive_messages(producer, 1)
         self.assertEqual(producer.open_connections, 2)
         deadline = time.monotonic() + 5  # the oldest was closed: its peer sees EOF
         while consumers[0].open_connections and time.monotonic() < deadline:
@@ -138,7 +130,7 @@ class TcpControlChannelTest(absltest.TestCase):
     def test_peer_closing_drops_its_connection(self):
         target = self.consumer.connect(self.server.address, "p", "p")
         self.consumer.send(target, b"hello")
-        _receive(self.producer, 1)
+        tt.receive_messages(self.producer, 1)
         self.assertEqual(self.producer.open_connections, 1)
         self.consumer.close()
         deadline = time.monotonic() + 5

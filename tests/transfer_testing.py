@@ -479,6 +479,16 @@ G_SEED = 11
 WAIT_S = 60.0
 
 
+def receive_messages(channel, count, timeout=5.0):
+    """Up to `count` messages a `ControlChannel` received within `timeout` seconds."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        got += channel.receive()
+        time.sleep(0.001)
+    return got
+
+
 def _mesh(tp):
     import jax
 
