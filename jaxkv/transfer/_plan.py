@@ -23,6 +23,7 @@ plain one).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -166,7 +167,19 @@ class ReadPlan:
         return not len(self.local_block_ids) or self.copies.shape[0] == 0
 
     def copies_for(self, remote_rank: int) -> np.ndarray:
-        return self.copies[self.copies[:, _RR] == remote_rank]
+        """The rows of `copies` read from `remote_rank`, in their order (a read-only view
+        for a planner's plan)."""
+        copies = self.copies
+        if self.expanded is None and self.planner is not None:
+            # A planner's rows are sorted by remote rank (`_expand`): the rank's rows are one
+            # slice, found by bisection instead of a mask over millions of rows.
+            column = copies[:, _RR]
+            first = bisect.bisect_left(column, remote_rank)
+            stop = bisect.bisect_right(column, remote_rank, lo=first)
+            view = copies[first:stop]
+            view.flags.writeable = False  # a view of the cached `copies`: not to be written
+            return view
+        return copies[copies[:, _RR] == remote_rank]
 
     def descriptors(
         self, local: EngineMetadata, remote: EngineMetadata, remote_rank: int
@@ -195,19 +208,48 @@ class ReadPlan:
     def expanded_descriptors(
         self, local: EngineMetadata, remote: EngineMetadata, remote_rank: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Plain ``Nx3`` descriptors ``(address, length, device)``: strided rows expanded."""
-        loc, rem = self.descriptors(local, remote, remote_rank)
-        counts = loc[:, 4].astype(np.int64)
-        index = np.repeat(np.arange(len(loc)), counts)
-        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        within = within.astype(np.uint64)
+        """Plain ``Nx3`` descriptors ``(address, length, device)``: strided rows expanded.
+
+        Built straight from the rows, column by column (the addresses of `descriptors`, its
+        strided rows cut into their chunks): a large fragmented or packed request is
+        millions of chunks, so every pass over them counts. Rows with the same count (what
+        one geometry gives) expand with one broadcast instead of a repeat per column."""
+        rows = self.copies_for(remote_rank)
+        counts = rows[:, _CNT]
+        n = len(rows)
+        uniform = n > 0 and int(counts.min()) == int(counts.max())
+        if uniform:
+            chunk = int(counts[0])
+            total = n * chunk
+            within = np.arange(chunk, dtype=np.uint64)
+        else:
+            total = int(counts.sum())
+            index = np.repeat(np.arange(n), counts)
+            within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            within = within.astype(np.uint64)
         out = []
-        for side in (loc, rem):
-            rows = np.empty((len(index), 3), dtype=np.uint64)
-            rows[:, 0] = side[index, 0] + within * side[index, 3]
-            rows[:, 1] = side[index, 1]
-            rows[:, 2] = side[index, 2]
-            out.append(rows)
+        for regions, region_col, offset_col, stride_col in (
+            (local.rank_info(self.local_rank).regions, _LG, _LO, _LS),
+            (remote.rank_info(remote_rank).regions, _RG, _RO, _RS),
+        ):
+            base = np.array([r.base_address for r in regions], dtype=np.uint64)
+            dev = np.array([r.device_id for r in regions], dtype=np.uint64)
+            region = rows[:, region_col]
+            start = base[region] + rows[:, offset_col].astype(np.uint64)
+            stride = rows[:, stride_col].astype(np.uint64)
+            length = rows[:, _LEN].astype(np.uint64)
+            device = dev[region]
+            side = np.empty((total, 3), dtype=np.uint64)
+            if uniform:
+                grid = side.reshape(n, chunk, 3)
+                grid[:, :, 0] = start[:, None] + within[None, :] * stride[:, None]
+                grid[:, :, 1] = length[:, None]
+                grid[:, :, 2] = device[:, None]
+            else:
+                side[:, 0] = start[index] + within * stride[index]
+                side[:, 1] = length[index]
+                side[:, 2] = device[index]
+            out.append(side)
         return out[0], out[1]
 
 
@@ -419,6 +461,12 @@ class _Templates:
     local_block_len: int
     read_ranks: tuple[int, ...]
     post: tuple[dict, ...]
+
+    @functools.cached_property
+    def expansion(self) -> _Expansion:
+        """Per-template coefficients of `_expand` (cached with the templates: they depend on
+        the geometry only)."""
+        return _expansion(self)
 
 
 _TEMPLATE_CACHE: dict[tuple, _Templates] = {}
@@ -877,60 +925,140 @@ def _expand(
 ) -> np.ndarray:
     """Instantiates the per-block templates over the request's blocks, merging runs of
     consecutive ids into one (strided) descriptor where the pattern allows it. Rows keep the
-    templates' order (grouped by remote rank)."""
-    templates, rbl, lbl = tpl.rows, tpl.remote_block_len, np.int64(tpl.local_block_len)
+    templates' order (grouped by remote rank), then the blocks' (or runs') order.
+
+    Every output row is affine in its block: ``const[t] + per_block[t] * n + (rbl[t] * r at
+    the remote offset, lbl * l at the local one)`` for template ``t`` and a run of ``n``
+    blocks starting at remote id ``r`` and local id ``l`` (`_Expansion`), so each group of
+    templates sharing a remote block length is written with one broadcast numpy pass over
+    the ``[templates, runs, 9]`` output: a fragmented 128k-token request of an 80-layer model
+    is millions of rows, and every extra pass over them costs tens of milliseconds.
+    """
+    templates, lbl = tpl.rows, np.int64(tpl.local_block_len)
     if templates.size == 0:
         return np.zeros((0, 9), np.int64)
-    if ratio == 1:
-        starts, lengths = block_runs(remote_ids, local_ids)
-        cnt, rs, ls = templates[:, _CNT], templates[:, _RS], templates[:, _LS]
-        mergeable = (cnt == 1) | ((cnt * rs == rbl) & (cnt * ls == lbl))
-        if mergeable.all() or len(starts) == len(local_ids):
-            k = len(starts)
-            r_at, l_at, n_at = remote_ids[starts], local_ids[starts], lengths
-        else:  # some patterns do not merge: instantiate every block
-            k = len(local_ids)
-            r_at, l_at, n_at = remote_ids, local_ids, np.ones(k, np.int64)
-            mergeable = np.zeros(len(templates), bool)
-        m = len(templates)
-        rows = np.empty((m, k, 9), np.int64)
-        rows[:] = templates[:, None, :9]
-        rows[:, :, _RO] += rbl[:, None] * r_at[None, :]
-        rows[:, :, _LO] += lbl * l_at[None, :]
-        if mergeable.any():
-            t = templates
-            single = t[:, _CNT] == 1
-            length = t[:, _LEN]
-            dense = (length == np.where(single, rbl, t[:, _RS])) & (
-                length == np.where(single, lbl, t[:, _LS])
-            )
-            rows[:, :, _RS] = np.where(single, rbl, t[:, _RS])[:, None]
-            rows[:, :, _LS] = np.where(single, lbl, t[:, _LS])[:, None]
-            total = t[:, _CNT][:, None] * n_at[None, :]
-            rows[:, :, _CNT] = np.where(dense[:, None], 1, total)
-            rows[:, :, _LEN] = np.where(dense[:, None], length[:, None] * total, length[:, None])
-            dense_rows = np.broadcast_to(dense[:, None], (m, k))
-            rows[:, :, _RS] = np.where(dense_rows, rows[:, :, _LEN], rows[:, :, _RS])
-            rows[:, :, _LS] = np.where(dense_rows, rows[:, :, _LEN], rows[:, :, _LS])
-        return rows.reshape(-1, 9)
-    out = []
+    if ratio != 1:
+        return _expand_sub_blocks(tpl, local_ids, remote_ids, ratio)
+    starts, lengths = block_runs(remote_ids, local_ids)
+    coef = tpl.expansion
+    if coef.all_mergeable or len(starts) == len(local_ids):
+        r_at, l_at, n_at = remote_ids[starts], local_ids[starts], lengths
+        # Runs: the merged form of every template (its form for n = 1 too, where no id
+        # follows another). No template merges at all: the plain templates.
+        const = coef.const if coef.any_mergeable else coef.plain
+        per_block = coef.per_block if coef.any_mergeable else coef.zero
+    else:  # some patterns do not merge: every block its own row, templates as they are
+        r_at, l_at, n_at = remote_ids, local_ids, np.ones(len(local_ids), np.int64)
+        const, per_block = coef.plain, coef.zero
+    m, k = len(templates), len(r_at)
+    rows = np.empty((m, k, 9), np.int64)
+    ones = bool((n_at == 1).all())
+    if ones:  # the common fragmented case: one pass, the run length folded in
+        const = const + per_block
+    offsets = np.zeros((k, 9), np.int64)
+    offsets[:, _LO] = lbl * l_at
+    for first, stop, rbl in coef.groups:
+        offsets[:, _RO] = np.int64(rbl) * r_at
+        out = rows[first:stop]
+        if ones:
+            np.add(const[first:stop, None, :], offsets[None, :, :], out=out)
+        else:
+            np.multiply(per_block[first:stop, None, :], n_at[None, :, None], out=out)
+            out += const[first:stop, None, :]
+            out += offsets[None, :, :]
+    return rows.reshape(-1, 9)
+
+
+def _expand_sub_blocks(
+    tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int
+) -> np.ndarray:
+    """`_expand` of a block-size ratio: local block ``i`` is read from remote blocks
+    ``i * ratio + j`` by the templates of sub-block ``j``; no runs merge. Rows are ordered by
+    remote rank, then sub-block, then template, then block: the order of instantiating each
+    sub-block's templates over its blocks and stable-sorting the rows by remote rank, built
+    in place (no sort of millions of rows)."""
+    templates, rbl, lbl = tpl.rows, tpl.remote_block_len, np.int64(tpl.local_block_len)
+    n_local = len(local_ids)
+    per_sub = []
     for j in range(ratio):
-        sel = templates[:, 9] == j
-        idx = np.arange(len(local_ids)) * ratio + j
+        idx = np.arange(n_local) * ratio + j
         ok = idx < len(remote_ids)
-        lids, rids = local_ids[ok], remote_ids[idx[ok]]
-        if not sel.any() or not len(lids):
-            continue
-        t = templates[sel]
-        rows = np.empty((len(t), len(lids), 9), np.int64)
-        rows[:] = t[:, None, :9]
-        rows[:, :, _RO] += rbl[sel][:, None] * rids[None, :]
-        rows[:, :, _LO] += lbl * lids[None, :]
-        out.append(rows.reshape(-1, 9))
-    if not out:
-        return np.zeros((0, 9), np.int64)
-    rows = np.concatenate(out)
-    return rows[np.argsort(rows[:, _RR], kind="stable")]
+        per_sub.append((local_ids[ok], remote_ids[idx[ok]]))
+    pieces = []
+    total = 0
+    for first, stop, _ in tpl.expansion.groups:
+        sub = templates[first:stop, 9]
+        for j, (lids, rids) in enumerate(per_sub):
+            sel = np.flatnonzero(sub == j) + first
+            if len(sel) and len(lids):
+                pieces.append((sel, lids, rids, total))
+                total += len(sel) * len(lids)
+    rows = np.empty((total, 9), np.int64)
+    for sel, lids, rids, at in pieces:
+        offsets = np.zeros((len(lids), 9), np.int64)
+        offsets[:, _RO] = rbl[sel[0]] * rids  # one remote rank: one remote block length
+        offsets[:, _LO] = lbl * lids
+        out = rows[at : at + len(sel) * len(lids)].reshape(len(sel), len(lids), 9)
+        np.add(templates[sel, None, :9], offsets[None, :, :], out=out)
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expansion:
+    """What `_expand` needs of a `_Templates` besides the ids, derived once per templates.
+
+    Row ``t`` of a request expands to ``const[t] + per_block[t] * n`` plus the block offsets,
+    ``n`` the blocks of the run; `const` / `per_block` give the merged form (a run of ``n``
+    blocks as one descriptor: a dense template grows its length, a strided or partial one its
+    count), `plain` / `zero` the template as it is (one row per block).
+    """
+
+    const: np.ndarray  # int64 [m, 9]
+    per_block: np.ndarray  # int64 [m, 9]: nonzero only in LEN / CNT / RS / LS
+    plain: np.ndarray  # int64 [m, 9]: the templates' own columns
+    zero: np.ndarray  # int64 [m, 9]
+    any_mergeable: bool
+    all_mergeable: bool
+    groups: tuple[tuple[int, int, int], ...]  # (first, stop, remote block len): one per rank
+
+
+def _expansion(tpl: _Templates) -> _Expansion:
+    t = tpl.rows
+    rbl, lbl = tpl.remote_block_len, np.int64(tpl.local_block_len)
+    cnt, rs, ls, length = t[:, _CNT], t[:, _RS], t[:, _LS], t[:, _LEN]
+    # A template merges over consecutive blocks when it is one chunk, or its chunks tile the
+    # whole block on both sides (the next block's chunks continue at the same strides).
+    mergeable = (cnt == 1) | ((cnt * rs == rbl) & (cnt * ls == lbl))
+    single = cnt == 1
+    rs_run = np.where(single, rbl, rs)  # a single chunk repeats once per block
+    ls_run = np.where(single, lbl, ls)
+    dense = (length == rs_run) & (length == ls_run)  # chunks back to back: one longer chunk
+    plain = np.ascontiguousarray(t[:, :9])
+    const = plain.copy()
+    per_block = np.zeros_like(plain)
+    const[:, _CNT] = np.where(dense, 1, 0)
+    per_block[:, _CNT] = np.where(dense, 0, cnt)
+    # Dense: one chunk of `length * cnt` bytes per block, its strides its length (as the
+    # planner always wrote them). Otherwise: `cnt` chunks per block at the run strides.
+    for column, sparse in ((_LEN, length), (_RS, rs_run), (_LS, ls_run)):
+        const[:, column] = np.where(dense, 0, sparse)
+        per_block[:, column] = np.where(dense, length * cnt, 0)
+    # Rows are sorted by remote rank and one rank has one block length: one group per rank
+    # read (few, long groups; `_expand_sub_blocks` relies on a group being one rank).
+    change = np.flatnonzero((np.diff(t[:, _RR]) != 0) | (np.diff(rbl) != 0)) + 1
+    bounds = np.concatenate(([0], change, [len(t)])).tolist()
+    groups = tuple(
+        (int(a), int(b), int(rbl[a])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a
+    )
+    return _Expansion(
+        const=const,
+        per_block=per_block,
+        plain=plain,
+        zero=np.zeros_like(plain),
+        any_mergeable=bool(mergeable.any()),
+        all_mergeable=bool(mergeable.all()),
+        groups=groups,
+    )
 
 
 # -- planners: everything but the ids resolved once per (local, rank, remote) ---------------
