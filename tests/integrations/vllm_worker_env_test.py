@@ -5,12 +5,20 @@ Each case runs in a fresh interpreter (JAX's backends start once per process), w
 CUDA device faked where a case needs one (this machine has no GPU).
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 from absl.testing import absltest
+
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+    pytest.skip(
+        "vLLM is not installed: run scripts/test.sh --integrations (sets up .venv-vllm)",
+        allow_module_level=True,
+    )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
