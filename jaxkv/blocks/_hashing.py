@@ -712,7 +712,7 @@ class RequestBlockHasher:
         self._num_tokens = 0
         self._block_hashes: list[BlockHash] = []
         self._extra_keys: list[ExtraKeys | None] | None = [] if self._needs_extra else None
-        # What `hash_full_blocks` hashes a block with directly: a native hash of the parent and
+        # What `hash_full_block` hashes a block with directly: a native hash of the parent and
         # the packed tokens, when no block has extra keys (None: go through `extend_packed`).
         native = self._hash_fn.constructor is not None and self._hash_fn.encoding == "native"
         self._bytes_hash = self._hash_fn.constructor if native and not self._needs_extra else None
@@ -826,38 +826,29 @@ class RequestBlockHasher:
         self._num_tokens += count
         return hashes
 
-    @staticmethod
-    def hash_full_blocks(hashers: Sequence[RequestBlockHasher], blocks: Sequence[bytes | None],
-                         starts: Sequence[int]) -> list[BlockHash | None]:
-        """Hashes one whole block per hasher: ``blocks[i]`` (exactly `block_size`
-        little-endian int64 tokens) starting at token ``starts[i]`` of ``hashers[i]``'s
-        request, when that hasher stands at its start with no partial tail; None for a hasher
-        that does not, or a block given as None (feed those tokens with `extend_packed`
-        instead). The decode fast path: the blocks a step filled, in one call.
+    def hash_full_block(self, data: bytes, start: int) -> BlockHash | None:
+        """Hashes one whole block of tokens that starts at token `start` (`data`: exactly
+        `block_size` little-endian int64 tokens), when the hasher stands at `start` with no
+        partial tail; None otherwise (feed the tokens with `extend_packed` instead). The decode
+        fast path: one call per block a step filled, no repacking, no loop.
 
         Example:
           >>> hasher = RequestBlockHasher(2)
-          >>> block = struct.pack("<2q", 1, 2)
-          >>> RequestBlockHasher.hash_full_blocks([hasher], [block], [0]) == hasher.block_hashes
+          >>> hasher.hash_full_block(struct.pack("<2q", 1, 2), 0) == hasher.block_hashes[0]
           True
-          >>> RequestBlockHasher.hash_full_blocks([hasher], [block], [0])  # not at token 0
-          [None]
+          >>> hasher.hash_full_block(struct.pack("<2q", 3, 4), 0) is None  # not at token 0
+          True
         """
-        out: list[BlockHash | None] = []
-        for hasher, data, start in zip(hashers, blocks, starts):
-            if data is None or hasher._num_tokens != start or hasher._pending:
-                out.append(None)
-                continue
-            constructor = hasher._bytes_hash
-            if constructor is None:
-                out.append(hasher.extend_packed(data)[-1])
-                continue
-            block_hash = constructor(hasher._parent + data).digest()
-            hasher._block_hashes.append(block_hash)
-            hasher._parent = block_hash
-            hasher._num_tokens = start + hasher._block_size
-            out.append(block_hash)
-        return out
+        if self._num_tokens != start or self._pending:
+            return None
+        constructor = self._bytes_hash
+        if constructor is None:
+            return self.extend_packed(data)[-1]
+        block_hash = constructor(self._parent + data).digest()
+        self._block_hashes.append(block_hash)
+        self._parent = block_hash
+        self._num_tokens = start + self._block_size
+        return block_hash
 
     def extra_keys_of(self, start: int, stop: int) -> list[ExtraKeys | None] | None:
         """The extra keys of full blocks ``[start, stop)``, or None when no block has any

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -644,38 +644,30 @@ class KVCacheManager:
         return None
 
     def _cache_filled_blocks(self, fills: list[_Request]) -> None:
-        """Caches the blocks that a decode step's tokens filled. Hot: one block per request
-        and step, hashed in one call to the hashers and cached in one call to the pool (list
-        comprehensions: a few fills per step must cost little more than inline code)."""
+        """Caches the blocks that a decode step's tokens filled. Hot: a few blocks per step,
+        one call to the request's hasher and one to the pool each (no lists: on Python 3.11 a
+        comprehension costs a function call too)."""
         size = self._block_size
         pack = self._block_struct.pack
-        states = [s for s in fills if s.num_cached[0] * size == s.num_tokens - size]
-        if len(states) != len(fills):  # Earlier blocks uncached too: the general path.
-            for state in fills:
-                if state.num_cached[0] * size != state.num_tokens - size:
-                    self._cache_full_blocks(state, state.num_tokens)
-            if not states:
-                return
-        # Caching is on, so every request has a hasher. A block holding prompt tokens too (a
-        # request's first decoded block) is hashed by feeding the hasher what it lacks.
-        hashers = cast(list[RequestBlockHasher], [s.hasher for s in states])
-        hashes = RequestBlockHasher.hash_full_blocks(
-            hashers,
-            [pack(*s.outputs[-size:]) if len(s.outputs) >= size else None for s in states],
-            [s.num_tokens - size for s in states])
-        if None in hashes:  # a hasher lags, or prompt tokens in the block
-            for position, state in enumerate(states):
-                if hashes[position] is None:
-                    self._sync_hasher(state)
-                    hashes[position] = hashers[position].block_hashes[state.num_cached[0]]
-        blocks = [s.blocks[0][s.num_cached[0]] for s in states]
-        for state in states:
-            state.num_cached[0] += 1
-        for position in self._pool.cache_new_blocks(blocks, hashes):
-            # An event to record, or the hash already cached: the general path.
-            state = states[position]
-            state.num_cached[0] -= 1
-            self._cache_full_blocks(state, state.num_tokens)
+        cache_block = self._pool.cache_block
+        for state in fills:
+            num = state.num_tokens
+            index = state.num_cached[0]
+            if index * size != num - size:  # Earlier blocks uncached too: the general path.
+                self._cache_full_blocks(state, num)
+                continue
+            hasher = state.hasher
+            assert hasher is not None  # caching is on
+            block_hash = None
+            if len(state.outputs) >= size:  # All sampled tokens: hashed from them directly.
+                block_hash = hasher.hash_full_block(pack(*state.outputs[-size:]), num - size)
+            if block_hash is None:  # The hasher lags, or prompt tokens in the block.
+                self._sync_hasher(state)
+                block_hash = hasher.block_hashes[index]
+            if cache_block(state.blocks[0][index], block_hash):
+                state.num_cached[0] = index + 1
+            else:  # An event to record, or the hash already cached: the general path.
+                self._cache_full_blocks(state, num)
 
     def num_tokens(self, request_id: str) -> int:
         """Tokens the request holds (prompt and appended).

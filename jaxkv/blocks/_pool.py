@@ -817,34 +817,27 @@ class BlockPool:
             else:
                 cache[block_hash] = block
 
-    def cache_new_blocks(self, blocks: Sequence[int],
-                         hashes: Sequence[BlockHash | None]) -> list[int]:
-        """Caches full blocks of group 0 that the block manager holds, each if nothing else has
-        to happen (no event to record, the block not yet cached, its hash not cached under
-        another block, a hash given); returns the positions it left (cache those with
-        `cache_trusted`).
-        The decode fast path: one call per step for the blocks its tokens filled.
+    def cache_block(self, block: int, block_hash: BlockHash) -> bool:
+        """Caches one full block of group 0 that the block manager holds, if nothing else has
+        to happen (no event to record, the block not yet cached, the hash not cached under
+        another block); returns whether it did (if not, use `cache_trusted`). The decode fast
+        path: one call per block a step filled.
 
         Example:
           >>> pool = BlockPool(8)
-          >>> pool.cache_new_blocks(pool.allocate(2), [b"h", b"h"])  # second: hash cached
-          [1]
+          >>> block, other = pool.allocate(2)
+          >>> pool.cache_block(block, b"h"), pool.cache_block(other, b"h")
+          (True, False)
         """
-        if self._events is not None:
-            return list(range(len(blocks)))
         cache = self._maps[0]
-        hash_array, hashedv, groupv = self._hash, self._hashedv, self._groupv
-        left = []
-        for position, (block, block_hash) in enumerate(zip(blocks, hashes)):
-            if block_hash is None or hashedv[block] or block_hash in cache:
-                left.append(position)
-                continue
-            cache[block_hash] = block
-            hash_array[block] = block_hash
-            hashedv[block] = True
-            groupv[block] = 0
-        self._num_cached += len(blocks) - len(left)
-        return left
+        if self._events is not None or self._hashedv[block] or block_hash in cache:
+            return False
+        cache[block_hash] = block
+        self._hash[block] = block_hash
+        self._hashedv[block] = True
+        self._groupv[block] = 0
+        self._num_cached += 1
+        return True
 
     def count_unreferenced(self, ids: np.ndarray) -> int:
         """How many of `ids` no request holds (cached, free blocks that a hit would take).
