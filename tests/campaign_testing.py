@@ -6,9 +6,10 @@ A producer process (`producer_main`: a real `KVTransferEngine`, TP 2 over two CP
 `KVCacheManager` allocating its blocks and freeing them when `poll` reports them freeable, as
 a serving loop does) and a consumer engine in this process (TP 1, its own `KVCacheManager`
 allocating destination blocks) run a random schedule of lifecycles drawn from a seed
-(`Campaign.run`). Every block a producer request holds is written, before it is published,
-with values known from the request's number alone (`block_values`), so every finished read is
-checked bit for bit. Invariants (`Campaign.violations` lists every breach):
+(`Campaign.run`; the events: `EVENTS`, one ``event_<name>`` method each). Every block a
+producer request holds is written, before it is published, with values known from the
+request's number alone (`block_values`), so every finished read is checked bit for bit.
+Invariants (`Campaign.violations` lists every breach):
 
 - every read ends `finished` with bit-exact blocks or `failed` with exactly its local blocks
   reported invalid; it never finishes with wrong bytes, is never reported twice, never hangs
@@ -106,7 +107,8 @@ def producer_main(conn, transport: str, engine_kwargs: dict) -> None:
     frees, in its `KVCacheManager`, every request the engine reports freeable:
     ("publish", number, num_blocks, lease_s, expected_reads) -> TransferParams, or None when
     the pool is full (the values of `array_values` written into the request's blocks first);
-    ("abort", request_id) -> True; ("state",) -> dict (pinned, free blocks, owned blocks,
+    ("abort", request_id) -> True; ("abort_stall", request_id, seconds) -> True, then that
+    long without polling; ("state",) -> dict (pinned, free blocks, owned blocks,
     freed ids, violations, resources); ("exit",)."""
     import transfer_testing as tt
 
@@ -156,12 +158,17 @@ def producer_main(conn, transport: str, engine_kwargs: dict) -> None:
                 elif kind == "abort":
                     engine.abort_request(command[1])
                     conn.send(True)
+                elif kind == "abort_stall":  # abort, then no poll for a while: what arrives
+                    engine.abort_request(command[1])  # meanwhile meets the next poll
+                    conn.send(True)  # with the request aborted but not yet released
+                    time.sleep(command[2])
                 elif kind == "state":
                     conn.send(dict(
                         pinned=engine.num_pinned, free=manager.num_free_blocks,
                         owned=sum(owned.values()), usable=PRODUCER_BLOCKS - 1,
                         freed=list(freed), violations=list(violations),
                         resources=process_resources(),
+                        transport_errors=list(getattr(engine.transport, "errors", ())),
                     ))
                     freed.clear()
             for rid in engine.poll().freeable:
@@ -236,6 +243,7 @@ class Read:
     deadline: float
     incarnation: int
     abort_after: bool = False
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -249,12 +257,15 @@ class Counters:
     pool_full: int = 0
     kills: int = 0
     stops: int = 0
+    event_s: dict[str, float] = field(default_factory=dict)  # wall seconds per event kind
     published: int = 0
 
 
 def _cause(reason: str) -> str:
     """A short cause for a failure reason (the counters' key)."""
     lowered = reason.lower()
+    if "was freed before this read" in lowered:
+        return "freed_before_read"
     for key in ("aborted", "released", "expired", "timed out", "timeout", "refused",
                 "connection", "handshake", "unreachable", "closed", "dead", "lost"):
         if key in lowered:
@@ -280,7 +291,8 @@ class Campaign:
     through seeded random lifecycles (`run`), recording violations of the invariants."""
 
     def __init__(self, transport: str, *, read_timeout_s: float = 5.0, window: int = 3,
-                 max_kills: int = 1, max_stops: int = 1, sample_every: int = 10):
+                 max_kills: int = 1, max_stops: int = 1, sample_every: int = 10,
+                 producer_kwargs: dict | None = None):
         import jax
 
         from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
@@ -302,12 +314,14 @@ class Campaign:
         self.manager = KVCacheManager(CONSUMER_BLOCKS, self.spec.block_size,
                                       enable_caching=False)
         self.owned: dict[str, int] = {}  # consumer requests (read ids) -> blocks held
-        self.producer = Producer(transport, {})
+        self.producer_kwargs = dict(producer_kwargs or {})
+        self.producer = Producer(transport, self.producer_kwargs)
         self.incarnation = 0
         self.published: set[str] = set()  # this incarnation's requests not yet freed
         self.reads: dict[str, Read] = {}
         self.done: set[str] = set()  # read ids reported once (a second report is a breach)
         self.violations: list[str] = []
+        self.read_s: list[float] = []  # how long each read took (start to outcome)
         self.counters = Counters()
         self.number = 0
         self.producer_samples: list[tuple[int, int, tuple]] = []
@@ -438,6 +452,11 @@ class Campaign:
                            f"{'again' if read_id in self.done else 'but never started'}")
             return
         self.done.add(read_id)
+        took = time.monotonic() - read.started
+        self.read_s.append(took)
+        if os.environ.get("JAXKV_CAMPAIGN_DEBUG") and took > 1.0:
+            print(f"slow read {read_id} ({read.expect}): {took:.2f} s, "
+                  f"{failure.reason if failure else 'finished'}", flush=True)
         if failure is None:
             self.counters.finished += 1
             if read.expect == "fail":
@@ -468,6 +487,8 @@ class Campaign:
         state = self.producer.call("state")
         for rid in state["freed"]:
             self.published.discard(rid)
+        if os.environ.get("JAXKV_CAMPAIGN_DEBUG") and state["transport_errors"]:
+            print(f"producer transport errors: {state['transport_errors'][-3:]}", flush=True)
         for text in state["violations"]:
             if text not in self.violations:
                 self.violation(text)
@@ -485,7 +506,7 @@ class Campaign:
                 read.expect = "either"
         self.published.clear()
         self.incarnation += 1
-        self.producer = Producer(self.transport, {})
+        self.producer = Producer(self.transport, self.producer_kwargs)
 
     # -- the schedule ----------------------------------------------------------------------
 
@@ -517,8 +538,11 @@ class Campaign:
             self.counters.lifecycles += 1
             if os.environ.get("JAXKV_CAMPAIGN_DEBUG"):
                 print(f"lifecycle {i}: {name}; in flight {sorted(self.reads)}", flush=True)
+            began = time.monotonic()
             getattr(self, f"event_{name}")(rng)
             self.pump(int(rng.integers(0, self.window + 1)))
+            spent = self.counters.event_s
+            spent[name] = spent.get(name, 0.0) + time.monotonic() - began
             self.check_consumer_pool()
             if progress_every and (i + 1) % progress_every == 0:
                 print(f"campaign {self.transport} seed {seed}: {i + 1}/{lifecycles} "
@@ -678,6 +702,7 @@ class Campaign:
         c = self.counters
         return dict(
             transport=self.transport, lifecycles=c.lifecycles, events=dict(c.events),
+            event_s={k: round(v, 2) for k, v in c.event_s.items()},
             published=c.published, reads_finished=c.finished, reads_failed_by_cause=c.failed,
             pool_full=c.pool_full, producer_kills=c.kills, producer_stops=c.stops,
             invariant_violations=len(self.violations), violations=self.violations[:50],

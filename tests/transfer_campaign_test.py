@@ -3,14 +3,16 @@ real producer processes (TP 2, a block manager freeing what the engine reports f
 consumer engine here (TP 1, its own block manager), over NIXL and ``transport="jax"``, through
 random lifecycles: reads, double reads of one request, consumer aborts before/during/after the
 read, producer aborts before/during it, lease expiry, pool pressure (allocation until the pool
-is full, evicting cached blocks) and a producer SIGKILLed mid-transfer and restarted.
+is full, evicting cached blocks), a producer SIGKILLed mid-transfer and restarted, and a
+producer SIGSTOPped past a read's deadline (then resumed). Each seed's run draws every event
+at least once.
 
 Every read must end finished with bit-exact blocks or failed with exactly its blocks invalid;
 after quiescence nothing may stay pinned and both pools must be whole. The long mode is
 ``python benchmarks/campaign.py``; a failing seed reproduces with ``--seed``.
 
-Not generated yet (issue 35 items left): SIGSTOP past the timeout, duplicate/late messages,
-re-registration mid-flight, layer-wise requests, consumer kills.
+Not generated yet (issue 35 items left): duplicate/late messages, re-registration mid-flight,
+heartbeat loss alone, layer-wise requests, consumer process kills.
 """
 
 from __future__ import annotations
@@ -63,6 +65,29 @@ class CampaignTest(parameterized.TestCase):
         producer = [s[2] for s in campaign.producer_samples if s[1] == campaign.incarnation]
         self.assertLessEqual(producer[-1][1] - producer[0][1], 4, "producer threads grew")
         self.assertLessEqual(producer[-1][2] - producer[0][2], 16, "producer fds grew")
+
+
+
+
+@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
+class JaxAbortedBeforeReleaseTest(absltest.TestCase):
+    """Found by the campaign (``transport="jax"``, e.g. ``--seed=5`` with 30 lifecycles: reads
+    of requests aborted on the producer before the read failed only at ``read_timeout_s``).
+    A producer abort only marks the request; its next poll releases it. A subscription that
+    arrived in between was taken as a normal one and then dropped by the release, unanswered,
+    so the consumer's pulls waited for their timeout."""
+
+    def test_read_of_a_request_aborted_but_not_yet_released_fails_at_once(self):
+        # no background progress: the subscription and the release meet in one poll
+        campaign = ct.Campaign("jax", read_timeout_s=120.0,  # far beyond the wait below
+                               producer_kwargs=dict(progress_interval_s=None))
+        self.addCleanup(campaign.close)
+        number, params = campaign.publish(2, ct.LONG_LEASE_S)
+        self.assertTrue(campaign.producer.call("abort_stall", f"p{number}", 1.0))
+        campaign.start_read(number, params, 2, "fail")
+        campaign.pump(0, timeout_s=30.0)
+        self.assertEqual(campaign.violations, [])
+        self.assertEqual(campaign.counters.failed, {"freed_before_read": 1})
 
 
 if __name__ == "__main__":

@@ -728,7 +728,14 @@ class JaxTransport:
 
     def withdraw(self, request_id: str, confirmed: bool = False) -> None:
         self._published.pop(request_id, None)
-        self._wants.pop(request_id, None)
+        # Subscriptions not served yet (e.g. they arrived after an abort, before the poll
+        # that released the request) fail now: dropped, their pulls would wait for their
+        # timeout.
+        for key, want in self._wants.pop(request_id, {}).items():
+            if not want.served:
+                self._offer_errors(request_id, key, want.message,
+                                   f"request {request_id!r} was freed before this read "
+                                   "(confirmed, aborted or expired)", self.lease_s)
         self.server.release(request_id, pulled=confirmed)
 
     # -- consumer ---------------------------------------------------------------------------
