@@ -182,6 +182,16 @@ def block_axes(spec_entry: Any) -> tuple[str, ...]:
     return tuple(spec_entry) if isinstance(spec_entry, (tuple, list)) else (spec_entry,)
 
 
+def block_shards(mesh: Any, spec: Any) -> tuple[tuple[str, ...], int]:
+    """The mesh axes sharding the block axis (entry 0 of partition spec `spec`) and the
+    number of shards they make (1 when none)."""
+    axes = block_axes(tuple(spec)[0] if len(tuple(spec)) else None)
+    count = 1
+    for axis in axes:
+        count *= mesh.shape[axis]
+    return axes, count
+
+
 def _sharded_axes(shape: Sequence[int], sharding: jax.sharding.Sharding) -> list[int]:
     local = sharding.shard_shape(tuple(shape))
     return [d for d, (g, s) in enumerate(zip(shape, local)) if g != s]
@@ -227,10 +237,7 @@ def _partitioned(
         if not isinstance(sharding, NamedSharding):
             raise ShardingError(f"jaxkv.ops.{op}: a sharded block axis needs a NamedSharding "
                                 f"of the cache, got {sharding}")
-        axes = block_axes(tuple(sharding.spec)[0])
-        count = 1
-        for axis in axes:
-            count *= sharding.mesh.shape[axis]
+        axes, count = block_shards(sharding.mesh, sharding.spec)
         for position, role, _ in roles:
             if role == "segment" and shapes[position][0] % count:
                 raise ShardingError(

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jaxkv._parallel import EngineConfig, PeerPlan, plan_peers
 from jaxkv.ops._block_ops import _check_blocks_first, _ffi_call
 from jaxkv.ops._ids import as_id_array, check_ids, concrete_ids
+from jaxkv.ops._partition import block_shards
 from jaxkv.ops._runner import run_per_shard
 
 __all__ = ["concat_from_peers", "split_for_peers"]
@@ -116,11 +117,7 @@ def _data_shards(cache: Any) -> int:
     sharding = cache.sharding
     if len(sharding.device_set) == 1 or not isinstance(sharding, NamedSharding):
         return 1
-    spec = tuple(sharding.spec)
-    if not spec or spec[0] is None:
-        return 1
-    axes = spec[0] if isinstance(spec[0], (tuple, list)) else (spec[0],)
-    return int(np.prod([sharding.mesh.shape[axis] for axis in axes]))
+    return block_shards(sharding.mesh, sharding.spec)[1]
 
 
 def _check_segments(host: np.ndarray, shards: int, num_blocks: int, op: str) -> None:

@@ -37,7 +37,7 @@ from jaxkv.ops._partition import (
     GroupedAxes,
     IdRoles,
     ShardingError,
-    block_axes,
+    block_shards,
     localize_ids,
     partitioned_call,
 )
@@ -64,16 +64,6 @@ def block_partition(array: jax.Array) -> Partition | None:
     return sharding.mesh, PartitionSpec(*spec)
 
 
-def _block_shards(partition: Partition) -> tuple[tuple[str, ...], int]:
-    """The mesh axes sharding the block axis and the number of shards they make."""
-    mesh, spec = partition
-    axes = block_axes(spec[0])
-    count = 1
-    for axis in axes:
-        count *= mesh.shape[axis]
-    return axes, count
-
-
 def _data_parallel_local(local: Callable[..., Any], roles: IdRoles,
                          partition: Partition | None, op: str) -> Callable[..., Any]:
     """`local` with its ids made shard-local when `partition` shards the block axis (run
@@ -83,7 +73,7 @@ def _data_parallel_local(local: Callable[..., Any], roles: IdRoles,
     if not roles:
         raise ValueError(f"jaxkv.ops.{op}: the block axis of the cache must not be sharded "
                          f"(partition spec {partition[1]})")
-    axes, count = _block_shards(partition)
+    axes, count = block_shards(*partition)
 
     def run(*operands, **kwargs):
         return local(*localize_ids(operands, roles, axes, count), **kwargs)
@@ -103,7 +93,7 @@ def _check_data_parallel(partition: Partition | None, roles: IdRoles, operands: 
     """
     if partition is None or partition[1][0] is None:
         return
-    _, count = _block_shards(partition)
+    _, count = block_shards(*partition)
     per_shard = num_blocks // count
     for position, role, _ in roles:
         if role != "segment":
