@@ -167,10 +167,11 @@ def copy_blocks(
       src_ids: int32 ids of the source blocks, shape ``[n]``.
       dst_ids: int32 ids of the destination blocks, shape ``[n]``. A pair with a negative id
         on either side is skipped (padding).
-      validate_ids: on CUDA, copy traced ids to the host and check them before the launch
-        (one small copy and a stream synchronisation). Concrete ids are always checked in
-        Python, and CPU handlers always check. Without it, out-of-range ids are skipped on the
-        device and never touch memory outside the buffer, but are not reported, and nothing
+      validate_ids: on CUDA, check traced ids on the device before the op (no host
+        synchronisation): a bad list makes the op write nothing and is recorded for
+        `jaxkv.ops.check_id_errors`. Concrete ids are always checked in Python, and CPU
+        handlers always check. Without it, out-of-range ids are skipped on the device and
+        never touch memory outside the buffer, but are not reported, and nothing
         checks that ids are unique or that sources and destinations are disjoint: with
         duplicate destinations, or a block both read and written, the CUDA threads race and
         the result is undefined (the bytes stay inside the buffer). Traced ids wider than int32

@@ -223,10 +223,10 @@ _ID_CHECKS: dict[str, tuple[tuple[int, str, int, bool, int | None], ...]] = {
 
 
 def _validated(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` preceded by a host check of its traced ids (one device-to-host copy, like the
-    CUDA custom calls' ``validate_ids=True``): bad ids raise ``jax.errors.JaxRuntimeError``
-    naming the problem before the kernel runs (the kernel takes the checked ids, so it waits
-    for the check)."""
+    """`fn` preceded by a host check of its traced ids (one device-to-host copy; the checks
+    of the CPU custom calls' handlers): bad ids raise ``jax.errors.JaxRuntimeError`` naming
+    the problem before the kernel runs (the kernel takes the checked ids, so it waits for the
+    check)."""
     import numpy as np
 
     from jaxkv.ops._ids import check_ids
