@@ -16,7 +16,15 @@ import numpy as np
 import offload_testing as ot
 from absl.testing import absltest, parameterized
 
-from jaxkv.offload import FileTier, IncompatibleTierError, OffloadManager, UnknownSlotError, _file
+from jaxkv.offload import (
+    FileTier,
+    IncompatibleTierError,
+    OffloadManager,
+    OffloadTimeoutError,
+    TierFuture,
+    UnknownSlotError,
+    _file,
+)
 from jaxkv.transfer import nixl_available
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -69,8 +77,8 @@ class CrashAndCorruptionTest(parameterized.TestCase):
         self.assertFalse(tier.contains(b"torn"))
         self.assertEqual([n for n in os.listdir(tmp) if n.startswith(b"torn".hex())], [])
         out = np.zeros(tier.payload_nbytes, np.uint8)
-        self.assertFalse(tier.get(b"torn", out))
-        self.assertTrue(tier.get(b"good", out))
+        self.assertEqual(tier.read_async([(b"torn", out)]).result(30), [False])
+        self.assertEqual(tier.read_async([(b"good", out)]).result(30), [True])
         np.testing.assert_array_equal(out, np.full(tier.payload_nbytes, 7, np.uint8))
         tier.close()
 
@@ -156,7 +164,7 @@ class CrashAndCorruptionTest(parameterized.TestCase):
         with open(tier.path_of(target), "r+b") as handle:
             handle.write(data)
         out = np.zeros_like(block)
-        loaded = tier.get(target, out)
+        (loaded,) = tier.read_async([(target, out)]).result(30)
         self.assertEqual(loaded, change == "reordered_fields")
         self.assertEqual(tier.stats.corrupt, 0 if loaded else 1)
         if loaded:
@@ -177,7 +185,7 @@ class CrashAndCorruptionTest(parameterized.TestCase):
         b2 = _tier(root, model_id="model-b")
         self.assertTrue(b2.contains(b"h"))
         out = np.zeros(b2.payload_nbytes, np.uint8)
-        self.assertFalse(b2.get(b"h", out))
+        self.assertEqual(b2.read_async([(b"h", out)]).result(30), [False])
         self.assertEqual(b2.stats.corrupt, 1)
         for tier in (a, b, c, b2):
             tier.close()
@@ -249,7 +257,7 @@ class BudgetAndInputTest(parameterized.TestCase):
         for key in (b"\x01", b"\x02", b"\x03"):
             tier.put(key, blocks[key])
         out = np.zeros(tier.payload_nbytes, np.uint8)
-        self.assertTrue(tier.get(b"\x01", out))                # 1 is now the most recent
+        self.assertEqual(tier.read_async([(b"\x01", out)]).result(30), [True])  # 1: most recent
         tier.put(b"\x04", blocks[b"\x04"])                     # evicts 2 (least recent)
         tier.put(b"\x05", blocks[b"\x05"])                     # evicts 3
         self.assertEqual(tier.block_hashes(), [b"\x01", b"\x04", b"\x05"])
@@ -257,7 +265,7 @@ class BudgetAndInputTest(parameterized.TestCase):
         self.assertEqual(tier.stats.evictions, 2)
         self.assertLen(os.listdir(tier._blocks), 3)
         for key in (b"\x01", b"\x04", b"\x05"):
-            self.assertTrue(tier.get(key, out))
+            self.assertEqual(tier.read_async([(key, out)]).result(30), [True])
             np.testing.assert_array_equal(out, blocks[key])
         tier.close()
         smaller = _tier(directory, capacity_bytes=2 * tier.file_nbytes)   # reopened smaller
@@ -336,7 +344,7 @@ class ReuseAndBatchTest(parameterized.TestCase):
         again = _tier(directory, capacity_bytes=capacity)      # a restart reads them too
         out = np.zeros_like(blocks[0])
         for i in (6, 7, 8):
-            self.assertTrue(again.get(b"k%d" % i, out))
+            self.assertEqual(again.read_async([(b"k%d" % i, out)]).result(30), [True])
             np.testing.assert_array_equal(out, blocks[i])
         again.close()
 
@@ -451,6 +459,131 @@ class ReuseAndBatchTest(parameterized.TestCase):
         for array, host in zip(cache.arrays, hosts):
             ot.assert_bits_equal(np.asarray(array)[1], host[2])
         offloader.close()
+
+
+class ReadPathTest(parameterized.TestCase):
+    """`read_async` is the one read path: numpy or region destinations, replicas, queued or
+    inline, every read checked; the old read methods are deprecated aliases of it."""
+
+    def _stored(self, count=3, **kwargs):
+        tier = _tier(self.create_tempdir().full_path, **kwargs)
+        blocks = [_block(300 + i, tier) for i in range(count)]
+        for i, block in enumerate(blocks):
+            self.assertTrue(tier.put(b"r%d" % i, block))
+        return tier, blocks
+
+    def test_numpy_and_region_destinations_and_replicas(self):
+        tier, blocks = self._stored()
+        out = np.zeros_like(blocks[0])
+        half = tier.payload_nbytes // 2
+        parts = [np.zeros(half, np.uint8), np.zeros(tier.payload_nbytes - half, np.uint8)]
+        copies = [np.zeros(half, np.uint8), np.zeros(tier.payload_nbytes - half, np.uint8)]
+        regions = [(p.ctypes.data, p.nbytes) for p in parts]
+        replica = [(c.ctypes.data, c.nbytes) for c in copies]
+        items = [(b"r0", out), (b"r1", regions), (b"gone", np.zeros_like(out))]
+        future = tier.read_async(items, replicas=[[], [replica], []],
+                                 keepalive=(parts, copies))
+        self.assertEqual(future.result(30), [True, True, False])
+        np.testing.assert_array_equal(out, blocks[0])
+        np.testing.assert_array_equal(np.concatenate(parts), blocks[1])
+        np.testing.assert_array_equal(np.concatenate(copies), blocks[1])   # the replica
+        self.assertEqual((tier.stats.reads, tier.stats.hits, tier.stats.misses), (3, 2, 1))
+        tier.close()
+
+    @parameterized.parameters(False, True)
+    def test_every_read_is_checked(self, inline):
+        tier, blocks = self._stored(1)
+        out = np.zeros(2 * tier.payload_nbytes, np.uint8)
+        with self.assertRaisesRegex(ValueError, f"hold {tier.payload_nbytes - 1} bytes, a "
+                                                f"block has {tier.payload_nbytes}"):
+            tier.read_async([(b"r0", [(out.ctypes.data, tier.payload_nbytes - 1)])],
+                            inline=inline)
+        with self.assertRaisesRegex(ValueError, "writeable C-contiguous"):
+            tier.read_async([(b"r0", out[::2])], inline=inline)            # strided
+        readonly = np.zeros_like(blocks[0])
+        readonly.flags.writeable = False
+        with self.assertRaisesRegex(ValueError, "writeable C-contiguous"):
+            tier.read_async([(b"r0", readonly)], inline=inline)
+        self.assertEqual(tier.stats.reads, 0)                               # nothing was read
+        # The checksum is verified on both paths: a flipped payload byte is a miss.
+        with open(tier.path_of(b"r0"), "r+b") as handle:
+            handle.seek(_file._HEADER_BYTES + 3)
+            byte = handle.read(1)
+            handle.seek(_file._HEADER_BYTES + 3)
+            handle.write(bytes([byte[0] ^ 0x80]))
+        with self.assertLogs("jaxkv.offload", level="WARNING"):
+            got = tier.read_async([(b"r0", np.zeros_like(blocks[0]))], inline=inline)
+            self.assertEqual(got.result(30), [False])
+        self.assertEqual(tier.stats.corrupt, 1)
+        self.assertFalse(tier.contains(b"r0"))
+        tier.close()
+        with self.assertRaisesRegex(RuntimeError, "closed"):
+            tier.read_async([(b"r0", np.zeros_like(blocks[0]))], inline=inline)
+
+    def test_inline_runs_on_the_calling_thread_and_keeps_the_deadline(self):
+        import concurrent.futures
+        import threading
+
+        tier, blocks = self._stored(2, num_workers=1)
+        tier.timeout_s = 0.3                                   # for the read that times out
+        threads = []
+        original = tier._read_batch
+
+        def spy(*args):
+            threads.append(threading.current_thread())
+            return original(*args)
+
+        tier._read_batch = spy
+        gate_open = threading.Event()
+        tier._executor.submit(gate_open.wait, 10)              # the only worker is busy
+        out = np.zeros_like(blocks[1])
+        future = tier.read_async([(b"r1", out)], inline=True)
+        self.assertTrue(future.done())                         # ran before returning
+        self.assertEqual(future.result(0), [True])
+        self.assertEqual(threads, [threading.current_thread()])
+        np.testing.assert_array_equal(out, blocks[1])
+        # `after` is waited for on this thread, up to the tier's timeout; the error comes
+        # through the (done) future and nothing is read.
+        never = concurrent.futures.Future()
+        late = tier.read_async([(b"r0", out)], after=[never], inline=True)
+        self.assertTrue(late.done())
+        with self.assertRaisesRegex(OffloadTimeoutError, "file tier I/O"):
+            late.result(0)
+        self.assertLen(threads, 1)
+        gate_open.set()
+        tier.close()
+
+    def test_old_read_names_are_deprecated_aliases(self):
+        import concurrent.futures
+
+        tier, blocks = self._stored(2)
+        out = np.zeros_like(blocks[0])
+        with self.assertWarnsRegex(DeprecationWarning, r"FileTier\.get is deprecated.*"
+                                                       r"read_async"):
+            self.assertTrue(tier.get(b"r0", out))
+        np.testing.assert_array_equal(out, blocks[0])
+        with self.assertWarns(DeprecationWarning):
+            self.assertFalse(tier.get(b"nope", out))
+        with self.assertWarns(DeprecationWarning), self.assertRaisesRegex(
+                ValueError, "writeable C-contiguous"):
+            tier.get(b"r0", np.zeros(2 * tier.payload_nbytes, np.uint8)[::2])
+        regions = [(out.ctypes.data, out.nbytes)]
+        future = TierFuture()
+        with self.assertWarnsRegex(DeprecationWarning, "queue_checked_read is deprecated"):
+            self.assertIsNone(tier.queue_checked_read([(b"r1", regions, [])], [], future))
+        self.assertEqual(future.result(30), [True])
+        np.testing.assert_array_equal(out, blocks[1])
+        with self.assertWarnsRegex(DeprecationWarning, "read_checked_now is deprecated"):
+            self.assertEqual(tier.read_checked_now([(b"r0", regions, []), (b"x", regions, [])],
+                                                   []), [True, False])
+        never = concurrent.futures.Future()
+        tier.timeout_s = 0.2
+        with self.assertWarns(DeprecationWarning), self.assertRaises(OffloadTimeoutError):
+            tier.read_checked_now([(b"r0", regions, [])], [never])
+        tier.close()
+        with self.assertWarns(DeprecationWarning), self.assertRaisesRegex(RuntimeError,
+                                                                          "closed"):
+            tier.read_checked_now([(b"r0", regions, [])], [])
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ class RandomisedOrderTest(parameterized.TestCase):
             self.assertEqual(offloader.slot_valid(slot), bool(valid[slot]))
         out = np.zeros(tier.payload_nbytes, np.uint8)
         for block_hash, arrays in disk.items():
-            self.assertTrue(tier.get(block_hash, out))
+            self.assertEqual(tier.read_async([(block_hash, out)]).result(30), [True])
             expected = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
             np.testing.assert_array_equal(out, expected, err_msg=f"disk, seed {seed}")
         offloader.close()

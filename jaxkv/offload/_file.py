@@ -32,6 +32,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -387,7 +388,9 @@ class FileTier:
     """A content-addressed, size-bounded store of KV blocks in files, with LRU eviction.
 
     Thread-safe. I/O runs on a bounded pool of worker threads; `write_async` / `read_async`
-    return futures, and every wait has a timeout.
+    return futures, and every wait has a timeout. `read_async` is the one read path (queued,
+    or run on the calling thread with ``inline=True``); `get`, `queue_checked_read` and
+    `read_checked_now` are deprecated aliases of it.
 
     Args:
       directory: root directory (shared by models: each compat key gets its own
@@ -422,8 +425,8 @@ class FileTier:
       >>> block = np.arange(16, dtype=np.float32)
       >>> tier.put(b"h0", block); out = np.zeros_like(block)
       True
-      >>> tier.get(b"h0", out), bool((out == block).all()), tier.get(b"h1", out)
-      (True, True, False)
+      >>> tier.read_async([(b"h0", out)]).result(10), bool((out == block).all())
+      ([True], True)
       >>> tier.close()
     """
 
@@ -728,69 +731,143 @@ class FileTier:
 
     def read_async(
         self,
-        items: Sequence[tuple[bytes, Sequence[Region]]],
+        items: Sequence[tuple[bytes, Sequence[Region] | np.ndarray]],
         *,
         replicas: Sequence[Sequence[Sequence[Region]]] | None = None,
         after: Sequence[Dependency] = (),
         keepalive: Any = None,
         future: concurrent.futures.Future | None = None,
+        inline: bool = False,
     ) -> concurrent.futures.Future:
-        """Reads blocks from files into host memory, on a worker thread.
+        """Reads blocks from files into host memory: the tier's one read path.
+
+        Every read is checked the same way: the destination must hold exactly one block
+        payload, and each block's header and xxh3-128 payload checksum are verified before it
+        counts as loaded (a file that fails is quarantined and read as a miss).
+
+        By default the read is queued for a worker thread; a thread that then waits for the
+        future while the read is still queued runs it itself (`TierFuture`). With
+        ``inline=True`` it runs now, on the calling thread, and the future comes back done:
+        no worker is woken, which saves the hand-off and the woken thread's contention for
+        the GIL when the caller needs the blocks at once (`OffloadManager.read_file_now`).
+        Either way the read first waits for `after` and gives up at the tier's timeout.
 
         Args:
-          items: ``(block hash, regions)`` per block: where the payload goes, in order.
+          items: ``(block hash, destination)`` per block. The destination is a list of
+            ``(address, nbytes)`` regions that receive the payload in order, or a writeable
+            C-contiguous numpy array of one block payload (kept alive until the read is done).
           replicas: per block, extra copies of the regions (same lengths) to fill after the
             checksum passed (replicated heads); None for none.
           after: copies that must finish first (earlier readers and writers of the memory).
           keepalive, future: as in `write_async`.
+          inline: run the read on the calling thread before returning (see above).
 
         Returns:
           A future of one bool per block: True when loaded and verified; False for a miss
           (not on disk, or a file that failed its header or checksum check: it is
-          quarantined). The destination memory of a missed block is undefined.
+          quarantined). The destination memory of a missed block is undefined. The future
+          raises `OffloadTimeoutError` when `after` did not finish in time, and the I/O error
+          of a failed read.
 
         Raises:
-          ValueError: regions that do not add up to one block payload.
+          ValueError: a destination that does not hold one block payload, or an array that
+            is not writeable and C-contiguous.
+          RuntimeError: the tier is closed.
+
+        Example:
+          >>> import tempfile
+          >>> tier = FileTier(tempfile.mkdtemp(), spec=KVCacheSpec(1, 1, 4, 2, "float32"),
+          ...                 model_id="m", capacity_bytes=1 << 20, backend="files")
+          >>> block = np.arange(16, dtype=np.float32); out = np.zeros_like(block)
+          >>> tier.put(b"h0", block)
+          True
+          >>> tier.read_async([(b"h0", out), (b"h1", np.zeros_like(block))]).result(10)
+          [True, False]
+          >>> bool((out == block).all()), tier.read_async([(b"h0", out)], inline=True).done()
+          (True, True)
+          >>> tier.close()
         """
-        checked = []
-        for index, (block_hash, regions) in enumerate(items):
-            regions = [(int(a), int(n)) for a, n in regions]
-            if sum(n for _, n in regions) != self.payload_nbytes:
+        payload = self.payload_nbytes
+        checked: list[tuple[bytes, list[Region], list[list[Region]]]] = []
+        arrays: list[np.ndarray] = []
+        # Plain loops, no generators: this runs per read, often on the thread that needs
+        # the blocks at once (`OffloadManager.read_file_now`).
+        for index, (block_hash, destination) in enumerate(items):
+            if isinstance(destination, np.ndarray):
+                if not destination.flags.c_contiguous or not destination.flags.writeable:
+                    raise ValueError("a numpy destination must be a writeable C-contiguous "
+                                     "array")
+                arrays.append(destination)
+                regions = [(int(destination.ctypes.data), int(destination.nbytes))]
+            else:
+                regions = [(int(a), int(n)) for a, n in destination]
+            total = 0
+            for region in regions:
+                total += region[1]
+            if total != payload:
                 raise ValueError(f"regions of block {bytes(block_hash).hex()[:12]} hold "
-                                 f"{sum(n for _, n in regions)} bytes, a block has "
-                                 f"{self.payload_nbytes}")
+                                 f"{total} bytes, a block has {payload}")
             extra = [] if replicas is None else [
                 [(int(a), int(n)) for a, n in copy] for copy in replicas[index]]
             checked.append((bytes(block_hash), regions, extra))
+        if self._closed:
+            raise RuntimeError("the file tier is closed")
+        deadline = time.monotonic() + self.timeout_s
         result = future if future is not None else TierFuture()
-        self.queue_checked_read(checked, list(after), result, keepalive)
+        keep = (keepalive, arrays) if arrays else keepalive
+        if inline:
+            # `_run` waits for `after` (bounded by the deadline) and delivers any error
+            # through the future, as a worker would.
+            self._run(result, self._read_batch, checked, list(after), deadline, keep)
+        else:
+            self._submit(result, self._read_batch, checked, list(after), deadline, keep)
         return result
+
+    # ------------------------------------------------------------------ deprecated reads
 
     def queue_checked_read(self, items: list[tuple[bytes, list[Region], list[list[Region]]]],
                            after: list[Dependency], future: concurrent.futures.Future,
                            keepalive: Any = None) -> None:
-        """`read_async` for items already in its checked form: ``(hash, regions, replicas)``
-        with int regions that add up to one payload (for callers that build them from a
-        known layout, e.g. `OffloadManager`; nothing is checked here)."""
-        self._submit(future, self._read_batch, items, after,
-                     time.monotonic() + self.timeout_s, keepalive)
+        """Deprecated: use ``read_async([(h, regions) ...], replicas=[copies ...],
+        after=after, future=future)``.
+
+        Queues a read of ``(hash, regions, replicas)`` items into `future` (now checked like
+        every read).
+
+        Raises:
+          As `read_async`.
+
+        Example:
+          >>> tier.queue_checked_read([(h, regions, [])], [], future)   # doctest: +SKIP
+        """
+        _deprecated("queue_checked_read", "read_async(items, replicas=..., after=..., "
+                    "future=...)")
+        self.read_async([(h, regions) for h, regions, _ in items],
+                        replicas=[copies for _, _, copies in items], after=after,
+                        keepalive=keepalive, future=future)
 
     def read_checked_now(self, items: list[tuple[bytes, list[Region], list[list[Region]]]],
                          after: Sequence[Dependency]) -> list[bool]:
-        """`queue_checked_read`, run on the calling thread: waits (bounded by the tier's
-        timeout) for `after`, then reads; returns one bool per block as `read_async`.
+        """Deprecated: use ``read_async(..., after=after, inline=True).result(0)``.
+
+        Reads ``(hash, regions, replicas)`` items on the calling thread.
+
+        Returns:
+          One bool per block, as `read_async`'s future.
 
         Raises:
-          RuntimeError: the tier is closed.
-          OffloadTimeoutError: `after` did not finish in time.
-          OSError: a failed read.
+          RuntimeError: the tier is closed. OffloadTimeoutError: `after` did not finish in
+          time. OSError: a failed read. ValueError: as `read_async`.
+
+        Example:
+          >>> tier.read_checked_now([(h, regions, [])], [])   # doctest: +SKIP
+          [True]
         """
-        if self._closed:
-            raise RuntimeError("the file tier is closed")
-        deadline = time.monotonic() + self.timeout_s
-        if after:
-            wait_for(after, deadline, "file tier I/O")
-        return self._read_batch(items, deadline)
+        _deprecated("read_checked_now", "read_async(items, replicas=..., after=..., "
+                    "inline=True).result(0)")
+        return self.read_async([(h, regions) for h, regions, _ in items],
+                               replicas=[copies for _, _, copies in items], after=after,
+                               inline=True).result(0)
 
     @staticmethod
     def _run(result: concurrent.futures.Future, fn, items, after, deadline, keepalive) -> None:
@@ -818,15 +895,22 @@ class FileTier:
         return self._wait(future, timeout)[0]
 
     def get(self, block_hash: bytes, out: np.ndarray, timeout: float | None = None) -> bool:
-        """Reads one block into a C-contiguous numpy array and waits (see `read_async`).
+        """Deprecated: use ``read_async([(block_hash, out)]).result(timeout)[0]``.
+
+        Reads one block into a writeable C-contiguous numpy array and waits.
 
         Returns:
           True when loaded and verified, False for a miss.
+
+        Raises:
+          ValueError: as `read_async`. OffloadTimeoutError: the read did not finish in time.
+
+        Example:
+          >>> tier.get(b"h0", out)   # doctest: +SKIP
+          True
         """
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError("out must be a writeable C-contiguous array")
-        future = self.read_async([(block_hash, [(out.ctypes.data, out.nbytes)])], keepalive=out)
-        return self._wait(future, timeout)[0]
+        _deprecated("get", "read_async([(block_hash, out)]).result(timeout)[0]")
+        return self._wait(self.read_async([(block_hash, out)]), timeout)[0]
 
     def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
         try:
@@ -1138,3 +1222,10 @@ class FileTier:
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _deprecated(name: str, instead: str) -> None:
+    """Warns that ``FileTier.<name>`` is deprecated (it stays one release: docs/offload.md,
+    "Deprecated names")."""
+    warnings.warn(f"FileTier.{name} is deprecated and will be removed in the next release; "
+                  f"use FileTier.{instead}", DeprecationWarning, stacklevel=3)

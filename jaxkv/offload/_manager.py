@@ -407,7 +407,14 @@ class OffloadManager:
         inner = TierFuture()
         result.help_with(inner.run_if_queued)
         _chain(inner, result, mark, on_error=lambda: mark([False] * len(slots)))
-        tier.queue_checked_read(self._read_items(hashes, slots), deps, inner)
+        try:
+            items, replicas = self._read_items(hashes, slots)
+            tier.read_async(items, replicas=replicas, after=deps, future=inner)
+        except BaseException as error:
+            # Never queued (e.g. the tier is closed): complete the ordered future, so that
+            # later copies of these slots do not wait for it (they hold no block).
+            inner.set_exception(error)
+            raise
         self.stats.file_reads += len(slots)
         return result
 
@@ -440,7 +447,10 @@ class OffloadManager:
             reads=[SlotKey(Tier.DISK, h) for h in hashes],
             writes=[self._host_keys[s] for s in slots], op=op)
         try:
-            results = tier.read_checked_now(self._read_items(hashes, slots), deps)
+            items, replicas = self._read_items(hashes, slots)
+            # Inline: the future comes back done (a zero timeout only reads its result).
+            results = tier.read_async(items, replicas=replicas, after=deps,
+                                      inline=True).result(0)
         except BaseException:
             self._mark_valid(slots, [False] * len(slots))
             raise
@@ -465,10 +475,15 @@ class OffloadManager:
         return slots, hashes
 
     def _read_items(self, hashes: list[bytes], slots: list[int]
-                    ) -> list[tuple[bytes, list[Region], list[list[Region]]]]:
-        """`FileTier.queue_checked_read` items: the slots' regions come from the pool's own
-        layout, so they need none of `read_async`'s checks."""
-        return [(h, *self._slot_regions(s)) for h, s in zip(hashes, slots)]
+                    ) -> tuple[list[tuple[bytes, list[Region]]], list[list[list[Region]]] | None]:
+        """`FileTier.read_async`'s items and replicas for reading `hashes` into `slots` (the
+        regions come from the pool's own layout)."""
+        items, replicas = [], []
+        for block_hash, slot in zip(hashes, slots):
+            regions, copies = self._slot_regions(slot)
+            items.append((block_hash, regions))
+            replicas.append(copies)
+        return items, replicas if self._replica_count else None
 
     def _require_file_tier(self) -> FileTier:
         if self.file_tier is None:
