@@ -431,6 +431,10 @@ class ReuseAndBatchTest(parameterized.TestCase):
         offloader.close()
         with self.assertRaisesRegex(RuntimeError, "closed"):
             offloader.read_file_now([b"k1"], [2])
+        with self.assertRaisesRegex(RuntimeError, "closed"):
+            offloader.read_file([b"k1"], [2])
+        self.assertFalse(offloader.slot_valid(2))
+        offloader.wait(timeout=1)           # the refused reads hold up no later copy of slot 2
 
     def test_onboard_waits_for_a_read_file_now_on_another_thread(self):
         import threading
