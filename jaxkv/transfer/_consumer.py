@@ -7,6 +7,13 @@ rank announced it (``WAITING_READY``). Once every fetch completed (``LANDED``) e
 rank sends `Done` to every producer rank (or it rode on the fetch, with NIXL) and the received
 blocks are post-processed in place; the read is reported finished when every producer rank
 acknowledged (``CONFIRMED``), failed otherwise (``FAILED``: its local blocks listed invalid).
+
+Integrity digests (``digests`` enabled, `jaxkv.transfer._digest`): once the bytes landed and
+before post-processing rewrites them (or the host mirror is copied to the device), the
+consumer digests every producer block image it received whole; when every producer rank
+acknowledged, it compares them with the digests the `Ack`s carried. A mismatch (or a block it
+cannot verify, or an Ack without digests) fails the read: the local blocks holding the bytes
+of the mismatched producer blocks are listed invalid (all of the read's for other failures).
 """
 
 from __future__ import annotations
@@ -22,6 +29,16 @@ import msgspec
 import numpy as np
 
 from jaxkv.transfer._auth import DeploymentKey
+from jaxkv.transfer._digest import (
+    DigestError,
+    DigestOptions,
+    LandedDigest,
+    algorithm_for,
+    landed_pieces,
+    sample_positions,
+    sample_seed,
+    verify_landed,
+)
 from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
 from jaxkv.transfer._metadata import (
     AgentInfo,
@@ -95,6 +112,16 @@ class Reading:
     unpublished: bool = False  # a producer answered that it never published the request
     read_id: str = ""  # the consumer's key of this read (default: the producer's request id)
     state: ReadState = ReadState.PLANNING
+    # -- integrity digests (jaxkv.transfer._digest) --
+    # producer rank -> (algorithm, {position: digest}) from its Acks
+    acked_digests: dict[int, tuple[str, dict[int, int]]] = dataclasses.field(
+        default_factory=dict)
+    landed: dict[tuple[int, int], LandedDigest] | None = None  # computed when landed
+    digest_positions: np.ndarray | None = None  # positions verified (None: every one)
+    digest_error: str | None = None  # why the landed bytes cannot be verified
+    converted: bool = False  # the JAX formatter converted layout / block size (no sender image)
+    num_remote_ids: int = 0
+    invalid: tuple[int, ...] | None = None  # local blocks invalid on failure (None: all)
 
     @property
     def key(self) -> str:
@@ -113,6 +140,7 @@ class Consumer:
       stats: where reads are recorded.
       read_timeout_s, handshake_timeout_s, handshake_retries: bounds.
       key: the deployment key metadata fetches prove (None: plain fetches).
+      digests: the engine's integrity digest options (default: off).
     """
 
     def __init__(
@@ -127,8 +155,10 @@ class Consumer:
         handshake_timeout_s: float,
         handshake_retries: int,
         key: DeploymentKey | None = None,
+        digests: DigestOptions | None = None,
     ):
         self.engine_id = engine_id
+        self.digests = digests or DigestOptions()
         self.key = key
         self.registry = registry
         self.transport = transport
@@ -259,6 +289,13 @@ class Consumer:
         state.started_wall = time.time()
         state.attempt = next(_attempt_counter)
         state.read_id = key
+        state.num_remote_ids = len(params.block_ids)
+        if self.digests.mode == "sampled":
+            # The producer draws the same positions (`sample_seed`): known to both sides
+            # before the Ack arrives, so only they are digested when the bytes land.
+            state.digest_positions = sample_positions(
+                len(params.block_ids), self.digests,
+                np.random.default_rng(sample_seed(request_id, params.generation)))
         self.reading[key] = state
         self.by_attempt[state.attempt] = state
         self.outcomes.pop(key, None)
@@ -343,6 +380,7 @@ class Consumer:
         read and this engine's geometry, layer-wise requests once every layer is written);
         one fetch per local rank pulls its buffers from every source rank and writes them
         in the local layout (no post-processing left)."""
+        state.converted = any(p.post for p in state.plans)
         state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
         state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
         state.layerwise = False  # a layer-wise request is pulled whole, once fully written
@@ -417,6 +455,17 @@ class Consumer:
             self.stats.refused_messages += 1
             return
         reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
+        if message.pinned and message.digest_algorithm:
+            values = np.frombuffer(message.digests, "<u8") if len(message.digests) % 8 == 0 \
+                else np.zeros(0, np.uint64)
+            positions = message.digest_positions or range(len(values))
+            if len(positions) == len(values):
+                reading.acked_digests[message.producer_rank] = (
+                    message.digest_algorithm,
+                    {int(p): int(v) for p, v in zip(positions, values)},
+                )
+            else:
+                self.stats.malformed_messages += 1
         if message.stale:
             reading.stale = True
             self.suspect(reading.peer)
@@ -493,8 +542,114 @@ class Consumer:
         state.done_at = time.monotonic()
         transition(state, ReadState.LANDED)
         self._send_done(state, ok=True)
+        if self.digests.enabled and state.local_block_ids:
+            # Before post-processing (or staging in) rewrites the landed bytes.
+            self._digest_landed(state)
         # Overlaps the producer's acknowledgement round trip.
         post_process(state, self.registry)
+
+    def _digest_landed(self, state: Reading) -> None:
+        """Digests the producer block images this process received (see the module
+        docstring); what cannot be verified is recorded in ``state.digest_error``."""
+        t0 = time.perf_counter()
+        try:
+            peer = self.peers[state.peer]
+            meta = self.registry.meta
+            assert meta is not None
+            plan_local, plan_peer = meta, peer.meta
+            if self.transport.moves_arrays:
+                from jaxkv.transfer._formatter import values_metadata
+
+                plan_local, plan_peer = values_metadata(meta), values_metadata(peer.meta)
+                if state.converted or meta.padded:
+                    raise DigestError(
+                        "the JAX transport converted this read's layout or block size (or the "
+                        "local storage is packed / padded): the landed bytes are not the "
+                        "producer's block images")
+            if peer.meta.padded:
+                raise DigestError("the producer's blocks store padding, which is never moved")
+            remote_ids = np.asarray(state.plans[0].remote_block_ids, np.int64)
+            pieces = landed_pieces(state.plans, plan_local, plan_peer, remote_ids)
+            algorithms = {
+                info.rank: algorithm_for([r.memory_kind for r in info.regions])
+                for info in peer.meta.ranks
+            }
+            local_regions: dict[int, list[tuple[int, str, int]]] = {}
+            device_arrays: dict[int, list] = {}
+            for plan in state.plans:
+                lr = plan.local_rank
+                entry = self.registry.rank_cache[lr]
+                device_id = entry.rank_devices[lr]
+                buffers = sorted((b for b in entry.cache.shard_buffers()
+                                  if b.device.id == device_id), key=lambda b: b.array_index)
+                if entry.mirror is not None:
+                    local_regions[lr] = [
+                        (entry.mirror.address(b.array_index, device_id), "DRAM", b.nbytes)
+                        for b in buffers]
+                else:
+                    local_regions[lr] = [(b.address, b.memory_kind, b.nbytes) for b in buffers]
+                    if any(b.memory_kind != "DRAM" for b in buffers):
+                        device_arrays[lr] = [
+                            next(s.data for s in entry.cache.arrays[b.array_index]
+                                 .addressable_shards if s.device.id == device_id)
+                            for b in buffers]
+            wanted = None
+            if state.digest_positions is not None:
+                offset = state.num_remote_ids - len(remote_ids)
+                chosen = {int(p) for p in state.digest_positions}
+                wanted = {(r, p) for r in set(pieces.remote_rank.tolist())
+                          for p in range(len(remote_ids)) if p + offset in chosen}
+            state.landed = verify_landed(pieces, algorithms, local_regions, device_arrays,
+                                         wanted)
+        except (DigestError, KeyError, ValueError) as error:
+            state.digest_error = f"{type(error).__name__}: {error}"
+        finally:
+            self.stats.digest_s_total += time.perf_counter() - t0
+
+    def _check_digests(self, state: Reading) -> None:
+        """Compares the landed digests with the producers' (every Ack arrived); sets
+        ``state.error`` (and ``state.invalid``: exactly the local blocks of mismatched
+        producer blocks) when they differ or cannot be compared."""
+        if not self.digests.enabled or not state.local_block_ids:
+            return
+        if state.digest_error is not None or state.landed is None:
+            state.error = f"integrity digests: {state.digest_error or 'not computed'}"
+            return
+        # Positions in the landed pieces index the read's remote ids (the tail of the
+        # request's); the producer's positions index the whole request.
+        offset = state.num_remote_ids - len(state.plans[0].remote_block_ids)
+        mismatched: list[tuple[int, int]] = []
+        invalid: set[int] = set()
+        problems: list[str] = []
+        for (rank, pos), landed in sorted(state.landed.items()):
+            acked = state.acked_digests.get(rank)
+            if acked is None:
+                problems.append(f"producer rank {rank} sent no digests")
+                continue
+            expected = acked[1].get(pos + offset)
+            if expected is None:
+                if self.digests.mode == "full":
+                    problems.append(f"producer rank {rank} sent no digest of block {pos}")
+                continue
+            if not landed.verifiable:
+                problems.append(
+                    f"block {pos + offset} of producer rank {rank} landed only in part in this "
+                    "process (or in device memory not mapping whole blocks): not verifiable")
+                continue
+            if any(value != expected for value in landed.values):
+                mismatched.append((rank, pos + offset))
+                invalid |= landed.local_blocks
+            else:
+                self.stats.digest_verified += 1
+        if mismatched:
+            self.stats.digest_mismatches += len(mismatched)
+            state.error = (
+                "integrity digest mismatch: producer (rank, block position) "
+                + ", ".join(f"({r}, {p})" for r, p in mismatched)
+                + " landed with other bytes than published")
+            state.invalid = tuple(sorted(invalid))
+        elif problems:
+            state.error = "integrity digests: " + "; ".join(sorted(set(problems))[:4])
 
     def _progress(self, state: Reading, now: float, result: PollResult) -> None:
         if state.error is None and now > state.deadline:
@@ -526,16 +681,20 @@ class Consumer:
             and (len(state.acks) >= state.expected_acks)
         ):
             if all(state.acks.values()):
-                self._finish(state, result)
-                return
-            state.error = (
-                "the producer re-registered its cache after this read was planned (stale "
-                "metadata: the next read fetches it again)"
-                if state.stale
-                else "the producer did not publish the request (within its early_read_grace_s)"
-                if state.unpublished
-                else "the producer released the blocks before the read was confirmed"
-            )
+                self._check_digests(state)
+                if state.error is None:
+                    self._finish(state, result)
+                    return
+            else:
+                state.error = (
+                    "the producer re-registered its cache after this read was planned (stale "
+                    "metadata: the next read fetches it again)"
+                    if state.stale
+                    else "the producer did not publish the request (within its "
+                    "early_read_grace_s)"
+                    if state.unpublished
+                    else "the producer released the blocks before the read was confirmed"
+                )
         if state.error is not None:
             self._fail(state, result)
             return
@@ -632,7 +791,8 @@ class Consumer:
         del self.reading[state.read_id]
         self.by_attempt.pop(state.attempt, None)
         self.stats.failed_transfers += 1
-        invalid = sorted({int(b) for b in state.local_block_ids})
+        invalid = sorted({int(b) for b in state.local_block_ids} if state.invalid is None
+                         else state.invalid)
         self._remember(state.read_id, False)
         result.failed.append(FailedRead(state.read_id, state.error or "failed", tuple(invalid)))
 

@@ -68,6 +68,7 @@ from jaxkv.transfer._agent import AgentOptions, NixlAgent, nixl_available
 from jaxkv.transfer._auth import DeploymentKey, check_exposure, load_auth_key
 from jaxkv.transfer._consumer import Consumer, Reading
 from jaxkv.transfer._control import TcpControlChannel
+from jaxkv.transfer._digest import DigestOptions
 from jaxkv.transfer._jit import HandleTable
 from jaxkv.transfer._messages import (
     Ack,
@@ -219,6 +220,13 @@ class KVTransferEngine:
       allow_unauthenticated: serve a non-loopback `host` without a key (logged as a
         warning). Without it such an engine is refused: whoever reaches the side channel
         gets the metadata that lets a NIXL agent READ every registered cache.
+      digests: end-to-end integrity digests (`jaxkv.transfer._digest`): ``"off"``,
+        ``"full"`` (the producer digests every published block per rank, the consumer
+        verifies every block it received before reporting the read finished; a mismatch
+        fails the read with those blocks invalid and counts ``stats.digest_mismatches``)
+        or ``"sampled:K"`` (K blocks per request, the last always among them). Published in
+        the metadata: both engines of a transfer must declare the same, else the handshake
+        fails with `IncompatibleEngineError`.
 
     Raises:
       ValueError: bad arguments, a key shorter than 16 bytes, or a non-loopback `host`
@@ -245,7 +253,9 @@ class KVTransferEngine:
         jax_transport_options: dict[str, Any] | None = None,
         auth_key: bytes | str | None = None,
         allow_unauthenticated: bool = False,
+        digests: str = "off",
     ):
+        digest_options = DigestOptions.parse(digests)
         raw_key = load_auth_key(auth_key)
         key = DeploymentKey(raw_key) if raw_key is not None else None
         check_exposure(host, key, allow_unauthenticated)
@@ -286,17 +296,17 @@ class KVTransferEngine:
         self.stats = TransferStats()
         self._registry = CacheRegistry(
             engine_id, config, self.transport, self.server, host_staging, block_hashing,
-            generation,
+            generation, digest_options.wire,
         )
         self.transport.attach(self._registry)
         self.producer = Producer(
             engine_id, self._registry, self.transport, self._channels, self.stats, lease_s,
-            float(early_read_grace_s),
+            float(early_read_grace_s), digest_options,
         )
         self.consumer = Consumer(
             engine_id, self._registry, self.transport, self.control,
             address_tuple(self.server.address), self.stats, read_timeout_s,
-            handshake_timeout_s, handshake_retries, key,
+            handshake_timeout_s, handshake_retries, key, digest_options,
         )
         # The Done rides on the READ only where control messages travel as NIXL
         # notifications anyway; over TCP it is sent apart as soon as the READ completed.

@@ -78,6 +78,15 @@ class Ack(msgspec.Struct, tag="ack", frozen=True, forbid_unknown_fields=True):
     stale: bool = False
     # The producer never pinned the request (not published within its early-read grace window).
     unpublished: bool = False
+    # Integrity digests (`jaxkv.transfer._digest`) of the producer rank's block images, sent
+    # with a pinned answer when the engines enabled them: the algorithm, the block positions
+    # digested (empty: every position of the request, in order) and the little-endian uint64
+    # digests. The Ack is the one message every read gets from every producer rank once its
+    # bytes landed, whatever the transport or control channel: no extra round trip.
+    digest_algorithm: Annotated[str, msgspec.Meta(pattern="^(|xxh3|sum32)$")] = ""
+    digest_positions: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]],
+                                msgspec.Meta(max_length=1 << 16)] = []
+    digests: Annotated[bytes, msgspec.Meta(max_length=8 << 20)] = b""
 
 
 class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):

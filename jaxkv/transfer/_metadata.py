@@ -36,10 +36,11 @@ __all__ = [
     "engine_metadata",
 ]
 
-PROTOCOL_VERSION = 4  # 2: Done names the consumer's read (read_id); 3: metadata names the
+PROTOCOL_VERSION = 5  # 2: Done names the consumer's read (read_id); 3: metadata names the
 # transport, control connections on the side channel, Want describes the read; 4: metadata
 # describes packed / interleaved / padded storage (kv_interleaved, packing, packed_axis,
-# head_dim_alignment, stored_head_dim, stored_layout)
+# head_dim_alignment, stored_head_dim, stored_layout); 5: metadata declares the integrity
+# digests (digests), Ack carries them
 """Version of the wire format; a peer speaking another version is refused."""
 
 MAX_METADATA_BYTES = 8 << 20
@@ -128,6 +129,10 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       block_hashing: how the engine names blocks by content (prefix caching, KV events), an
         opaque string such as ``"sha256_cbor:seed=ab12"``; None: not declared. Two engines
         that both declare it must agree (`check_compatible`).
+      digests: the engine's integrity digests (`jaxkv.transfer._digest`): ``"off"``,
+        ``"full"`` or ``"sampled:K"``; both engines of a transfer must declare the same (a
+        producer computes them, a consumer verifies them: one without the other would be
+        a silent no-op or a refusal of every read).
     """
 
     version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
@@ -155,6 +160,7 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_dim_alignment: _Small = 1
     stored_head_dim: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
     stored_layout: Annotated[str, msgspec.Meta(max_length=6)] = ""
+    digests: Annotated[str, msgspec.Meta(pattern="^(off|full|sampled:[1-9][0-9]{0,4})$")] = "off"
 
     # -- derived --------------------------------------------------------------------------
 
@@ -234,6 +240,7 @@ def engine_metadata(
     generation: int = 0,
     block_hashing: str | None = None,
     transport: str = "nixl",
+    digests: str = "off",
 ) -> EngineMetadata:
     """Builds a validated `EngineMetadata` from an `EngineConfig` and per-rank registrations.
 
@@ -267,6 +274,7 @@ def engine_metadata(
         head_dim_alignment=spec.head_dim_alignment,
         stored_head_dim=spec.block_shape()[-1],
         stored_layout=spec.stored_layout,
+        digests=digests,
     )
     meta = EngineMetadata(**fields)
     meta = msgspec.structs.replace(meta, compat_hash=compute_compat_hash(compat_fields(meta)))
@@ -415,8 +423,8 @@ def check_compatible(local: EngineMetadata, remote: EngineMetadata) -> None:
 
     Raises:
       IncompatibleEngineError: naming every differing must-match field with both values, or a
-        block-size / layout relation the planner cannot convert, or block hashing schemes
-        that both engines declare and that differ.
+        block-size / layout relation the planner cannot convert, block hashing schemes
+        that both engines declare and that differ, or differing integrity digest modes.
     """
     ours, theirs = compat_fields(local), compat_fields(remote)
     differing = [
@@ -436,6 +444,12 @@ def check_compatible(local: EngineMetadata, remote: EngineMetadata) -> None:
         differing.append(
             f"transport: {remote.engine_id!r} moves KV over {remote.transport!r}, "
             f"{local.engine_id!r} over {local.transport!r}"
+        )
+    if local.digests != remote.digests:
+        differing.append(
+            f"digests: {remote.engine_id!r} declares {remote.digests!r}, {local.engine_id!r} "
+            f"{local.digests!r} (integrity digests are computed by the producer and verified "
+            "by the consumer: both engines must enable the same mode)"
         )
     if local.block_size % remote.block_size:
         differing.append(

@@ -8,6 +8,11 @@ producer rank, ``ABORTED`` (`abort`) or ``EXPIRED`` (lease), and is then reporte
 A `Done` for a request not published yet is held up to ``early_read_grace_s``. Layer-wise
 requests announce their written layers (`Ready`) to the consumers that subscribed (`Want`);
 with host staging the published layers are first copied to the host mirror.
+
+Integrity digests (``digests`` enabled, `jaxkv.transfer._digest`): when a request becomes
+fully readable (all layers published, after the copy to the host mirror) the producer digests
+its blocks per local rank where peers read them, and sends each rank's digests with its `Ack`
+of a consumer's `Done` (see `jaxkv.transfer._digest` for why the Ack carries them).
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxkv.transfer._digest import (
+    DigestOptions,
+    RankDigests,
+    producer_digests,
+    sample_positions,
+    sample_seed,
+)
 from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
 from jaxkv.transfer._params import PollResult, TransferParams
 from jaxkv.transfer._protocol import RequestState, transition
@@ -51,6 +63,9 @@ class Pinned:
     published_at: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     staged_s: float = 0.0
     state: RequestState = RequestState.PINNED
+    # producer rank -> its digests, once the whole request is readable (digests enabled)
+    digests: dict[int, RankDigests] = dataclasses.field(default_factory=dict)
+    digest_s: float = 0.0  # seconds spent computing them
 
     @property
     def key(self) -> str:
@@ -76,6 +91,7 @@ class Producer:
       stats: where publications and expiries are counted.
       lease_s: default lease.
       early_read_grace_s: how long a `Done` for an unpublished request is held.
+      digests: the engine's integrity digest options (default: off).
     """
 
     def __init__(
@@ -87,8 +103,10 @@ class Producer:
         stats: TransferStats,
         lease_s: float,
         early_read_grace_s: float,
+        digests: DigestOptions | None = None,
     ):
         self.engine_id = engine_id
+        self.digests = digests or DigestOptions()
         self.registry = registry
         self.transport = transport
         self.channels = channels
@@ -181,6 +199,15 @@ class Producer:
             whole = layers == (0, entry.layer_stop - entry.layer_start)
             entry.mirror.stage_out(entry.cache, pinned.block_ids, None if whole else layers)
         pinned.staged_s += time.perf_counter() - t0
+        if self.digests.enabled and stop == self.registry.config.spec.num_layers:
+            # Every layer is written and staged: digest what peers read from now on.
+            t1 = time.perf_counter()
+            positions = sample_positions(
+                len(pinned.block_ids), self.digests,
+                np.random.default_rng(sample_seed(pinned.request_id, self.registry.generation)))
+            pinned.digests = producer_digests(self.registry, pinned.block_ids, positions)
+            pinned.digest_s = time.perf_counter() - t1
+            self.stats.digest_s_total += pinned.digest_s
         pinned.layer_stop = stop
         pinned.published_at.append((stop, time.time()))
         if stop == self.registry.config.spec.num_layers:
@@ -365,6 +392,10 @@ class Producer:
             if pinned.state is RequestState.PINNED:
                 transition(pinned, RequestState.READING)
         target = self.consumers.get(message.agent_name)
+        digests = (pinned.digests.get(message.producer_rank)
+                   if live and pinned is not None else None)
+        every = digests is not None and pinned is not None and (
+            len(digests.positions) == len(pinned.block_ids))
         ack = encode_message(
             Ack(
                 message.request_id,
@@ -374,6 +405,10 @@ class Producer:
                 message.attempt,
                 stale,
                 pinned is None and message.request_id not in self.released,
+                digest_algorithm=digests.algorithm if digests else "",
+                digest_positions=(
+                    [] if digests is None or every else digests.positions.tolist()),
+                digests=digests.values.astype("<u8").tobytes() if digests else b"",
             )
         )
         if target is None:

@@ -20,7 +20,11 @@ jaxkv_transfer_duration_seconds             histogram start_read -> every READ c
 jaxkv_transfer_confirm_seconds              histogram READ complete -> producer acks (s)
 jaxkv_transfer_post_seconds                 histogram post-processing / staging in (s)
 jaxkv_transfer_failures_total{kind=...}     counter   failed transfers / notifications /
-                                                      handshakes, expired leases, malformed
+                                                      handshakes, expired leases, malformed,
+                                                      digest mismatches (kind=digest_mismatches:
+                                                      producer blocks whose bytes landed wrong)
+jaxkv_transfer_digest_verified_total        counter   producer blocks verified by digest
+jaxkv_transfer_digest_seconds_total         counter   time computing / verifying digests (s)
 jaxkv_transfer_published_requests_total     counter   requests fully published (producer)
 jaxkv_transfer_staging_seconds_total        counter   producer time copying to the mirror (s)
 jaxkv_transfer_last_throughput_bytes_per_second gauge bytes / duration of the last read
@@ -41,7 +45,7 @@ __all__ = ["BUCKETS_S", "TransferStatsCollector", "prometheus_text"]
 
 
 _FAILURES = ("failed_transfers", "failed_notifications", "failed_handshakes", "expired_leases",
-             "malformed_messages", "refused_messages")
+             "malformed_messages", "refused_messages", "digest_mismatches")
 
 
 _Sample = tuple[str, dict[str, str], float]
@@ -77,6 +81,12 @@ def _families(stats: Any) -> list[_Family]:
     out.append(("jaxkv_transfer_staging_seconds_total", "counter",
                 "producer time copying blocks to the host mirror",
                 [("", {}, float(stats.staged_s_total))]))
+    out.append(("jaxkv_transfer_digest_verified_total", "counter",
+                "producer blocks whose landed bytes matched their digest",
+                [("", {}, float(stats.digest_verified))]))
+    out.append(("jaxkv_transfer_digest_seconds_total", "counter",
+                "time computing and verifying integrity digests",
+                [("", {}, float(stats.digest_s_total))]))
     last = records[-1] if records else None
     rate = last.bytes / last.duration_s if last is not None and last.duration_s > 0 else 0.0
     out.append(("jaxkv_transfer_last_throughput_bytes_per_second", "gauge",

@@ -38,6 +38,7 @@ class Registered:
     layer_start: int = 0  # first global layer of the cache (its pipeline rank's)
     layer_stop: int = 0
     version: int = 0  # bumped by update_cache: which step's output `cache` is
+    rank_devices: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> device id
 
 
 class CacheRegistry:
@@ -51,6 +52,8 @@ class CacheRegistry:
       host_staging: see `KVTransferEngine`.
       block_hashing: published in the metadata.
       generation: the process's first generation (`new_generation`).
+      digests: the integrity digest mode published in the metadata (``"off"``, ``"full"``,
+        ``"sampled:K"``).
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class CacheRegistry:
         host_staging: bool | None,
         block_hashing: str | None,
         generation: int,
+        digests: str = "off",
     ):
         self.engine_id = engine_id
+        self.digests = digests
         self.config = config
         self.transport = transport
         self.server = server
@@ -164,7 +169,9 @@ class CacheRegistry:
         self.caches = [e for e in self.caches if e not in replaced]
         self.ranks.update(new_ranks)
         l0, l1 = config.layer_range(pp_rank)
-        entry = Registered(cache, buffers, tuple(sorted(new_ranks)), mirror, l0, l1)
+        entry = Registered(cache, buffers, tuple(sorted(new_ranks)), mirror, l0, l1,
+                           rank_devices={rank: bufs[0].device.id
+                                         for rank, bufs in per_rank.items()})
         self.caches.append(entry)
         for rank in new_ranks:
             self.rank_cache[rank] = entry
@@ -204,5 +211,6 @@ class CacheRegistry:
             self.generation,
             self.block_hashing,
             self.transport.name,
+            self.digests,
         )
         self.server.publish(self.meta)

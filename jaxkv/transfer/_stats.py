@@ -80,6 +80,12 @@ class TransferStats:
     expired_leases: int = 0
     malformed_messages: int = 0
     refused_messages: int = 0  # control messages from a sender that may not act on them
+    # Integrity digests (`jaxkv.transfer._digest`): producer block images whose landed bytes
+    # did not match the producer's digest (each fails its read), images verified, and the
+    # seconds spent digesting (producer: at publication; consumer: verifying landed bytes).
+    digest_mismatches: int = 0
+    digest_verified: int = 0
+    digest_s_total: float = 0.0
     max_records: int = 100_000
     requests_total: int = 0
     bytes_total: int = 0
@@ -135,6 +141,9 @@ class TransferStats:
             "expired_leases",
             "malformed_messages",
             "refused_messages",
+            "digest_mismatches",
+            "digest_verified",
+            "digest_s_total",
             "bytes_total",
             "descriptors_total",
             "staged_s_total",
@@ -155,6 +164,8 @@ class TransferStats:
             "expired_leases": self.expired_leases,
             "malformed_messages": self.malformed_messages,
             "refused_messages": self.refused_messages,
+            "digest_mismatches": self.digest_mismatches,
+            "digest_verified": self.digest_verified,
         }
         if not self.records:
             return out
