@@ -68,7 +68,7 @@ def producer(conn, head_dims, num_blocks: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxkv import EngineConfig
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     engines = {}
     for head_dim in head_dims:
@@ -104,7 +104,7 @@ def main() -> None:
     import jax
 
     from jaxkv import EngineConfig
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()

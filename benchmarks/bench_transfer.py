@@ -70,7 +70,7 @@ def _producer(conn, num_blocks: int, progress: float | None = 0.001) -> None:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     spec = KVCacheSpec(**SPEC)
     rng = np.random.default_rng(0)
@@ -122,7 +122,7 @@ def _small_producer(conn, progress: float | None, control: str = "auto") -> None
     import jax.numpy as jnp
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     spec = KVCacheSpec(**SMALL_SPEC)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -173,7 +173,8 @@ def small_requests(args) -> dict:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import KVTransferEngine, plan_read
+    from jaxkv.transfer import plan_read
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     spec = KVCacheSpec(**SMALL_SPEC)
     ctx = multiprocessing.get_context("spawn")
@@ -344,7 +345,7 @@ def _auth_producer(conn, transport: str) -> None:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     spec = KVCacheSpec(**SMALL_SPEC)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -388,8 +389,9 @@ def auth_requests(args) -> dict:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import KVTransferEngine, nixl_available
+    from jaxkv.transfer import nixl_available
     from jaxkv.transfer._auth import DeploymentKey
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     transport = "nixl" if nixl_available() else "jax"
     spec = KVCacheSpec(**SMALL_SPEC)
@@ -775,7 +777,8 @@ def main(argv=None) -> dict:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import KVTransferEngine, plan_read
+    from jaxkv.transfer import plan_read
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
 
     spec = KVCacheSpec(**SPEC)
     block = spec.block_nbytes()

@@ -35,13 +35,13 @@ def consumer_rank_main(conn, spec_kwargs: dict, tp: int, tp_rank: int, num_block
     import jax
 
     from jaxkv import PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import TransferEngine
 
     spec = KVCacheSpec(**spec_kwargs)
     config = EngineConfig(spec, tp)
     rank_spec = spec.replace(num_kv_heads=config.heads_per_rank)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-    with KVTransferEngine("decode", config) as engine:
+    with TransferEngine("decode", config) as engine:
         cache = PagedKVCache.allocate(rank_spec, num_blocks, mesh=mesh)
         engine.register_cache(cache, tp_rank=tp_rank)
         conn.send(("ready", engine.address))
@@ -103,11 +103,11 @@ class TransferGridTest(tt.TransferTestBase):
         spec = KVCacheSpec(**spec_kwargs)
         decode = EngineConfig(spec, 1, 2, layers_per_pp=(1, 2))
         from jaxkv import PagedKVCache
-        from jaxkv.transfer import KVTransferEngine
+        from jaxkv.transfer import TransferEngine
 
         consumers = []
         for pp_rank in range(2):
-            engine = KVTransferEngine("decode", decode)
+            engine = TransferEngine("decode", decode)
             self._engines.append(engine)
             cache = PagedKVCache.allocate(
                 decode.local_spec(pp_rank), tt.NUM_BLOCKS, mesh=tt._mesh(1)  # noqa: SLF001

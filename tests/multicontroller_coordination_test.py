@@ -17,7 +17,6 @@ from jaxkv.transfer import (
     AgentInfo,
     FailedRead,
     MetadataError,
-    MultiControllerEngine,
     PollResult,
     RankInfo,
     StepChannel,
@@ -26,6 +25,7 @@ from jaxkv.transfer import (
     engine_metadata,
     fetch_metadata,
 )
+from jaxkv.transfer._multicontroller import MultiControllerEngine  # the coordination state machine
 
 
 class Store:

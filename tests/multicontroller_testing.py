@@ -49,7 +49,7 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     ("outcomes", name): (local outcomes, engine-level outcomes, num_pinned) seen so far.
     ("shards", name): this process's cache shards: [(array index, index, bytes)].
     ("exit",)
-    Between commands every engine is polled (`MultiControllerEngine.poll`).
+    Between commands every engine is polled (`TransferEngine.poll`).
     """
     tt.child_env(devices)
     import jax
@@ -61,9 +61,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
     from jaxkv import PagedKVCache
     from jaxkv._placement import place_exactly
     from jaxkv.transfer import (
-        KVTransferEngine,
-        MultiControllerEngine,
+        JaxDistributed,
         StepChannel,
+        TransferEngine,
         broadcast_block_ids,
     )
 
@@ -106,16 +106,16 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                         cache = PagedKVCache.allocate(local_spec, tt.NUM_BLOCKS, mesh=mesh)
                     options = command[7] if kind == "producer" and len(command) > 7 else (
                         command[4] if kind == "consumer" and len(command) > 4 else {})
-                    engine = KVTransferEngine(name, config, lease_s=30.0, **options)
-                    engine.register_cache(cache, pp_rank=pp_rank)
-                    mc = MultiControllerEngine(engine, timeout_s=WAIT_S)
+                    mc = TransferEngine(name, config, lease_s=30.0,
+                                        coordinator=JaxDistributed(timeout_s=WAIT_S), **options)
+                    mc.register_cache(cache, pp_rank=pp_rank)
                     mc.publish_metadata()
                     engines[name], caches[name] = mc, cache
                     local[name] = {k: [] for k in kinds}
                     level[name] = {k: [] for k in kinds}
                     answer = (
                         mc.address,
-                        engine.local_ranks,
+                        mc.local_ranks,
                         [(b.tp_rank, b.head_start, b.head_stop, b.process_index)
                          for b in cache.shard_buffers()],
                     )
@@ -136,7 +136,7 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     )[request_id]
                     answer = mc.publish_request(request_id, ids, lease, layerwise=True)
                     handle = mc.handle(request_id)
-                    cache = mc.engine.caches[0]
+                    cache = mc.caches[0]
                     named = cache.sharding.named_sharding(cache.spec)
                     whole = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
                     dense = tuple(place_exactly(a[ids], named) for a in good[name])
@@ -145,19 +145,19 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                         mc, cache, dense, place_exactly(ids, whole),
                         place_exactly(np.int32(handle), whole),
                     )
-                    mc.engine.update_cache(cache)
+                    mc.update_cache(cache)
                     statuses[name] = [int(np.asarray(s.data)[0]) for s in status.addressable_shards]
                 elif kind == "cache_ops":
                     answer = _cache_ops(jax, PagedKVCache, command[1])
                 elif kind == "reregister":  # every process: re-register, re-publish
                     mc = engines[command[1]]
-                    mc.engine.register_cache(mc.engine.caches[0])
-                    answer = (mc.publish_metadata().generation, mc.engine.generation)
+                    mc.register_cache(mc.caches[0])
+                    answer = (mc.publish_metadata()["kv"].generation, mc.generation)
                 elif kind == "jit_wait":  # start the read, then wait inside a jitted step
                     name, params, local_ids, timeout = command[1:5]
                     mc = engines[name]
                     mc.start_read(params, local_ids, timeout)
-                    cache = mc.engine.caches[0]
+                    cache = mc.caches[0]
                     named = cache.sharding.named_sharding(cache.spec)
                     whole = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
                     step = jax.jit(_wait, static_argnums=(0, 1))
@@ -178,9 +178,9 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
                     engines[name].start_read(params, local_ids, timeout)
                 elif kind == "outcomes":
                     name = command[1]
-                    answer = (local[name], level[name], engines[name].engine.num_pinned)
+                    answer = (local[name], level[name], engines[name].num_pinned)
                 elif kind == "shards":
-                    cache = engines[command[1]].engine.caches[0]
+                    cache = engines[command[1]].caches[0]
                     answer = [
                         (index, shard.index, np.asarray(shard.data))
                         for index, array in enumerate(cache.arrays)
@@ -196,7 +196,6 @@ def worker_main(conn, process_id: int, num_processes: int, port: int, devices: i
             for k in kinds:
                 level[name][k] += getattr(result, k)
     for mc in engines.values():
-        mc.engine.close()
         mc.close()
     conn.send(("bye", process_id))
     conn.close()
@@ -250,13 +249,17 @@ def kv_bits(rng, shape, dtype) -> np.ndarray:
     return raw.view(dtype).reshape(shape)
 
 
-def _wait(mc, cache, handle, ids):
-    return mc.wait_in_jit(handle, ids, cache, timeout_s=60.0)
+def _wait(engine, cache, handle, ids):
+    from jaxkv.transfer import wait_in_jit
+
+    return wait_in_jit(engine, handle, ids, timeout_s=60.0, cache=cache)
 
 
-def _write_and_publish(mc, cache, dense, ids, handle):
+def _write_and_publish(engine, cache, dense, ids, handle):
+    from jaxkv.transfer import publish_in_jit
+
     cache = cache.scatter_blocks(dense, ids)
-    return cache, mc.publish_in_jit(handle, ids, cache)
+    return cache, publish_in_jit(engine, handle, ids, cache)
 
 
 class Group:

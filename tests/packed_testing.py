@@ -167,7 +167,7 @@ def producer_main(conn, num_devices: int) -> None:
     child_env(num_devices)
     import jax
 
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import TransferEngine
 
     engines: dict = {}
     freed: dict[str, list[str]] = {}
@@ -185,7 +185,7 @@ def producer_main(conn, num_devices: int) -> None:
                     g = g_cache(spec, num_tokens, g_seed)
                     cache = make_cache(config, num_blocks, ("random", g_seed), g, block_ids,
                                        mesh)
-                    engine = KVTransferEngine(name, config, **kwargs)
+                    engine = TransferEngine(name, config, **kwargs)
                     engine.register_cache(cache)
                     engines[name], freed[name] = engine, []
                     conn.send(engine.address)

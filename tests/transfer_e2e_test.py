@@ -84,7 +84,7 @@ class TransferE2ETest(tt.TransferTestBase):
 
     def test_unknown_transport_or_control_is_refused(self):
         from jaxkv import EngineConfig
-        from jaxkv.transfer import KVTransferEngine
+        from jaxkv.transfer._engine import KVTransferEngine  # the core: tests reach into it
 
         config = EngineConfig(KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8,
                                           block_size=4), 1)

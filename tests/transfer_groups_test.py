@@ -20,7 +20,7 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
-from jaxkv.transfer import GroupedTransferEngine, nixl_available, recommend_layout  # noqa: E402
+from jaxkv.transfer import TransferEngine, nixl_available, recommend_layout  # noqa: E402
 
 NUM_BLOCKS, WAIT_S, G_SEED = tt.NUM_BLOCKS, tt.WAIT_S, tt.G_SEED
 GROUPS = {  # group -> producer spec; the decode side may change layout
@@ -55,10 +55,10 @@ class TransferGroupsTest(tt.TransferTestBase):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:d_tp]), ("tp",))
         specs = {g: KVCacheSpec(**dict(kw, layout=d_layouts[g])) for g, kw in GROUPS.items()}
         configs = {g: EngineConfig(s, d_tp) for g, s in specs.items()}
-        engine = GroupedTransferEngine("decode", configs)
+        engine = TransferEngine("decode", configs)
         self.addCleanup(engine.close)
         for g, s in specs.items():
-            engine.register_cache(g, PagedKVCache.allocate(s, NUM_BLOCKS, mesh=mesh))
+            engine.register_cache(PagedKVCache.allocate(s, NUM_BLOCKS, mesh=mesh), group=g)
         engine.start_read(params, LOCAL)
         finished, failed = [], []
         deadline = time.monotonic() + WAIT_S
@@ -70,7 +70,7 @@ class TransferGroupsTest(tt.TransferTestBase):
         for i, g in enumerate(GROUPS):
             spec = KVCacheSpec(**GROUPS[g])
             ref = tt.global_cache(spec, len(REMOTE[g]) * 4, seed=G_SEED + i)
-            self.check_cache(engine.engines[g].caches[0], configs[g], ref, LOCAL[g])
+            self.check_cache(engine.caches_of(g)[0], configs[g], ref, LOCAL[g])
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             freed = self.call(parent, "state")
@@ -93,10 +93,10 @@ class TransferGroupsTest(tt.TransferTestBase):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
         specs = {g: KVCacheSpec(**kw) for g, kw in GROUPS.items()}
         configs = {g: EngineConfig(s, 1) for g, s in specs.items()}
-        engine = GroupedTransferEngine("decode", configs)
+        engine = TransferEngine("decode", configs)
         self.addCleanup(engine.close)
         for g, s in specs.items():
-            engine.register_cache(g, PagedKVCache.allocate(s, NUM_BLOCKS, mesh=mesh))
+            engine.register_cache(PagedKVCache.allocate(s, NUM_BLOCKS, mesh=mesh), group=g)
         used = {b for ids in LOCAL.values() for b in ids}
         spare = [b for b in range(NUM_BLOCKS) if b not in used]
         other = {g: spare[: len(ids)] for g, ids in LOCAL.items()}
@@ -116,7 +116,7 @@ class TransferGroupsTest(tt.TransferTestBase):
             ref = tt.global_cache(spec, len(REMOTE[g]) * 4, seed=G_SEED + i)
             for ids in (LOCAL[g], other[g]):
                 want = tt.expected_arrays(configs[g], 0, ref, ids)
-                for array, expected in zip(engine.engines[g].caches[0].arrays, want):
+                for array, expected in zip(engine.caches_of(g)[0].arrays, want):
                     got = tt.bits(np.asarray(array))
                     np.testing.assert_array_equal(got[np.asarray(ids)], expected)
         deadline = time.monotonic() + WAIT_S
@@ -128,12 +128,12 @@ class TransferGroupsTest(tt.TransferTestBase):
 
     def test_groups_must_match(self):
         spec = KVCacheSpec(**GROUPS["full"])
-        engine = GroupedTransferEngine("decode", {"full": EngineConfig(spec, 1)})
+        engine = TransferEngine("decode", {"full": EngineConfig(spec, 1)})
         self.addCleanup(engine.close)
         with self.assertRaisesRegex(ValueError, "groups"):
             engine.publish_request("r", {"full": [1], "swa": [2]})
         with self.assertRaisesRegex(KeyError, "no cache group 'swa'"):
-            engine.register_cache("swa", None)
+            engine.register_cache(None, group="swa")
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -142,21 +142,24 @@ class GroupedEngineBookkeepingTest(absltest.TestCase):
 
     def engine(self, name="e", **kwargs):
         specs = {g: KVCacheSpec(**kw) for g, kw in GROUPS.items()}
-        engine = GroupedTransferEngine(name, {g: EngineConfig(s, 1) for g, s in specs.items()},
+        engine = TransferEngine(name, {g: EngineConfig(s, 1) for g, s in specs.items()},
                                        **kwargs)
         self.addCleanup(engine.close)
         caches = {g: PagedKVCache.allocate(s, NUM_BLOCKS) for g, s in specs.items()}
         for g, cache in caches.items():
-            engine.register_cache(g, cache)
+            engine.register_cache(cache, group=g)
         return engine, caches
 
     def test_group_options_override_the_common_ones(self):
         engine, _ = self.engine(group_options={"swa": {"lease_s": 1.5}}, lease_s=9.0)
-        self.assertEqual((engine.engines["full"].lease_s, engine.engines["swa"].lease_s),
-                         (9.0, 1.5))
+        self.assertEqual((engine.config_of("full"), engine.config_of("swa")),
+                         tuple(EngineConfig(KVCacheSpec(**GROUPS[g]), 1) for g in GROUPS))
+        lease = {g: params.lease_s for g, params in
+                 engine.publish_request("r", {"full": [1], "swa": [2]}).groups.items()}
+        self.assertEqual(lease, {"full": 9.0, "swa": 1.5})
         self.assertNotEqual(engine.addresses["full"], engine.addresses["swa"])
         with self.assertRaisesRegex(ValueError, r"unknown groups \['mamba'\]"):
-            GroupedTransferEngine("x", {"full": EngineConfig(KVCacheSpec(**GROUPS["full"]), 1)},
+            TransferEngine("x", {"full": EngineConfig(KVCacheSpec(**GROUPS["full"]), 1)},
                                   group_options={"mamba": {}})
 
     def test_producer_abort_frees_once_every_group_released(self):
@@ -179,7 +182,8 @@ class GroupedEngineBookkeepingTest(absltest.TestCase):
         def refuse(*args, **kwargs):
             raise RuntimeError("transport refused the post")
 
-        consumer.engines["swa"].start_read = refuse
+        # the swa group's protocol core refuses to post
+        consumer._cores["swa"].start_read = refuse
         consumer.start_read(params, {"full": [5, 6], "swa": [7]}, read_id="c")
         failed = []
         deadline = time.monotonic() + WAIT_S
@@ -187,25 +191,27 @@ class GroupedEngineBookkeepingTest(absltest.TestCase):
             result = consumer.poll()
             self.assertEqual(result.finished, [])
             failed += result.failed
-        ((read_id, reason, invalid),) = failed
-        self.assertEqual(read_id, "c")
-        self.assertIn("group 'swa': starting the read failed: transport refused", reason)
-        self.assertEqual(invalid, {"full": (5, 6), "swa": (7,)})
+        (failure,) = failed
+        self.assertEqual(failure.request_id, "c")
+        self.assertIn("group 'swa': starting the read failed: transport refused",
+                      failure.reason)
+        self.assertEqual(failure.invalid_by_group, {"full": (5, 6), "swa": (7,)})
+        self.assertEqual(failure.invalid_block_ids, (5, 6, 7))
         self.assertEqual(consumer.num_reading, 0)
 
     def test_group_of_finds_equal_shaped_caches_by_their_buffers(self):
         spec = KVCacheSpec(**GROUPS["full"])
-        engine = GroupedTransferEngine(
+        engine = TransferEngine(
             "e", {"a": EngineConfig(spec, 1), "b": EngineConfig(spec, 1)})
         self.addCleanup(engine.close)
         caches = {g: PagedKVCache.allocate(spec, NUM_BLOCKS) for g in ("a", "b")}
         for g, cache in caches.items():
-            engine.register_cache(g, cache)
+            engine.register_cache(cache, group=g)
         blocks = [np.ones((1, *a.shape[1:]), a.dtype) for a in caches["b"].arrays]
         updated = caches["b"].scatter_blocks(blocks, np.asarray([3], np.int32))  # in place
         self.assertEqual(engine.group_of(updated), "b")
-        engine.update_cache("b", updated)
-        self.assertIs(engine.caches["b"], updated)
+        engine.update_cache(updated)  # the group found by its buffers
+        self.assertIs(engine.caches_of("b")[0], updated)
         with self.assertRaisesRegex(ValueError, "no group registered"):
             engine.group_of(PagedKVCache.allocate(spec, NUM_BLOCKS))
 

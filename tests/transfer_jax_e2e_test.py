@@ -23,7 +23,7 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import BufferMovedError, EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
-from jaxkv.transfer import KVTransferEngine  # noqa: E402
+from jaxkv.transfer._engine import KVTransferEngine  # noqa: E402 (the protocol core: reached into)
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 
 NUM_BLOCKS, REMOTE_IDS, LOCAL_IDS, G_SEED = tt.NUM_BLOCKS, tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED

@@ -127,7 +127,7 @@ class PrometheusTextTest(parameterized.TestCase):
 
 
 class DocstringExamplesTest(parameterized.TestCase):
-    @parameterized.parameters("jaxkv.transfer._prometheus", "jaxkv.transfer._groups",
+    @parameterized.parameters("jaxkv.transfer._prometheus", "jaxkv.transfer._layout_advice",
                               "jaxkv.transfer._staging", "jaxkv.transfer._stats")
     def test_examples(self, name):
         import jaxkv

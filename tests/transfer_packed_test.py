@@ -288,7 +288,7 @@ class PackedTransferTest(parameterized.TestCase):
         cache all sentinel bytes); checks every shard of the consumer bit for bit."""
         import jax
 
-        from jaxkv.transfer import KVTransferEngine
+        from jaxkv.transfer import TransferEngine
 
         num_tokens = len(REAL_REMOTE) * spec_p.block_size
         self.call("engine", name, spec_p, p_tp, G_SEED, num_tokens, NUM_BLOCKS, REAL_REMOTE,
@@ -298,7 +298,7 @@ class PackedTransferTest(parameterized.TestCase):
         config = EngineConfig(spec_d, d_tp)
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:d_tp]), ("tp",))
         cache = pt.make_cache(config, NUM_BLOCKS, pt.SENTINEL, mesh=mesh)
-        engine = KVTransferEngine(f"decode-{name}", config, **engine_kwargs)
+        engine = TransferEngine(f"decode-{name}", config, **engine_kwargs)
         self.addCleanup(engine.close)
         engine.register_cache(cache)
         ratio = spec_d.block_size // spec_p.block_size

@@ -17,7 +17,7 @@ from absl.testing import absltest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
-from jaxkv.transfer import KVTransferEngine, nixl_available  # noqa: E402
+from jaxkv.transfer import TransferEngine, nixl_available  # noqa: E402
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -31,7 +31,7 @@ class TupleTpAxisTest(absltest.TestCase):
                            dtype="float32")
         cache = PagedKVCache.allocate(spec, 8, mesh=mesh, tp_axis=("model", "expert"))
         config = EngineConfig(spec, 4)
-        with KVTransferEngine("tuple-tp", config) as engine:
+        with TransferEngine("tuple-tp", config) as engine:
             engine.register_cache(cache)
             ranks = {r.rank: r for r in engine.metadata.ranks}
         self.assertEqual(sorted(ranks), [0, 1, 2, 3])

@@ -369,7 +369,7 @@ def producer_main(
     import jax
 
     from jaxkv import PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer._engine import KVTransferEngine  # the core: the test reads .agent
 
     spec = KVCacheSpec(**spec_kwargs)
     config = EngineConfig(spec, tp, pp)
@@ -560,10 +560,10 @@ class TransferTestBase(parameterized.TestCase):
 
     def consumer(self, spec, tp, pp=1, pp_rank=0, **kwargs):
         from jaxkv import PagedKVCache
-        from jaxkv.transfer import KVTransferEngine
+        from jaxkv.transfer import TransferEngine
 
         config = EngineConfig(spec, tp, pp)
-        engine = KVTransferEngine("decode", config, **kwargs)
+        engine = TransferEngine("decode", config, **kwargs)
         self._engines.append(engine)
         cache = PagedKVCache.allocate(config.local_spec(pp_rank), NUM_BLOCKS, mesh=_mesh(tp))
         engine.register_cache(cache, pp_rank=pp_rank)
@@ -669,7 +669,7 @@ def jit_producer_main(
     -> the callback's status (after the step finished); ("prefill_polling", ...) the same,
     polling the engine while the step computes and once after it; ("state",) -> (pinned,
     freed, stats summary, staging seconds per publication). `engine_kwargs` go to the
-    `KVTransferEngine` (e.g. ``host_staging=True``: the callback defers the copy to the host
+    `TransferEngine` (e.g. ``host_staging=True``: the callback defers the copy to the host
     mirror until the step's output was handed to `update_cache`)."""
     import time
 
@@ -706,13 +706,13 @@ def _jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs, make
     import jax
 
     from jaxkv import PagedKVCache
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import TransferEngine
 
     spec = KVCacheSpec(**spec_kwargs)
     config = EngineConfig(spec, tp)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
     freed: list[str] = []
-    with KVTransferEngine("prefill", config, **(engine_kwargs or {})) as engine:
+    with TransferEngine("prefill", config, **(engine_kwargs or {})) as engine:
         cache = PagedKVCache.allocate(spec, num_blocks, mesh=mesh)
         engine.register_cache(cache)
         step = make_step(engine)
@@ -736,25 +736,26 @@ def _jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs, make
 
 
 def groups_producer_main(conn, group_specs: dict, tp: int, num_blocks: int, block_ids: dict):
-    """A producer with one cache per group (`GroupedTransferEngine`), group `i`'s cache
+    """A producer with one cache per group (`TransferEngine` with groups), group `i`'s cache
     filled from its own G (seed ``G_SEED + i``) in ``block_ids[group]``:
-    ("pin", request_id, lease_s[, expected_reads]) -> GroupedParams; ("state",) -> freed
+    ("pin", request_id, lease_s[, expected_reads]) -> TransferParams; ("state",) -> freed
     request ids."""
     child_env(tp)
     import jax
 
     from jaxkv import PagedKVCache
-    from jaxkv.transfer import GroupedTransferEngine
+    from jaxkv.transfer import TransferEngine
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",))
     configs = {g: EngineConfig(KVCacheSpec(**kw), tp) for g, kw in group_specs.items()}
     freed: list[str] = []
-    with GroupedTransferEngine("prefill", configs) as engine:
+    with TransferEngine("prefill", configs) as engine:
         for i, (group, config) in enumerate(configs.items()):
             ids = block_ids[group]
             g = global_cache(config.spec, len(ids) * config.spec.block_size, seed=G_SEED + i)
             arrays = global_arrays(config, 0, g, ids, num_blocks)
-            engine.register_cache(group, PagedKVCache.from_arrays(config.spec, arrays, mesh=mesh))
+            engine.register_cache(PagedKVCache.from_arrays(config.spec, arrays, mesh=mesh),
+                                  group=group)
         conn.send(("ready", engine.addresses))
         while True:
             if conn.poll(0.0005):

@@ -293,7 +293,7 @@ def none_hash(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEE
 def hash_identity(hash_fn: HashFunction | str = sha256, seed: str = DEFAULT_HASH_SEED) -> str:
     """A short string naming a block-hash configuration: the hash function and a digest of
     the seed. Two engines compute the same block hashes exactly when their identities are
-    equal; pass it to ``jaxkv.transfer.KVTransferEngine(block_hashing=...)`` so that a
+    equal; pass it to ``jaxkv.transfer.TransferEngine(block_hashing=...)`` so that a
     handshake between engines that disagree is refused. The seed itself is not revealed.
 
     Args:

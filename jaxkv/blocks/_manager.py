@@ -384,7 +384,7 @@ class KVCacheManager:
         """The block-hash configuration as a string, ``"<hash fn>:seed=<digest of the seed>"``
         (see `jaxkv.blocks.hash_identity`).
 
-        Pass it to ``jaxkv.transfer.KVTransferEngine(block_hashing=manager.hash_identity)`` on
+        Pass it to ``jaxkv.transfer.TransferEngine(block_hashing=manager.hash_identity)`` on
         every engine: the handshake compares it, so engines whose block hashes would never
         match (another hash function or seed) are refused instead of silently missing every
         prefix hit.

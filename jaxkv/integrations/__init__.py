@@ -5,7 +5,7 @@ framework when it is imported itself:
 
 * `jaxkv.integrations.vllm`: `JaxKVConnector`, a vLLM (0.33) `KVConnectorBase_V1` moving KV
   blocks between a prefill (``kv_producer``) and a decode (``kv_consumer``) vLLM engine with
-  `jaxkv.transfer.KVTransferEngine`; load it with vLLM's ``kv_connector="JaxKVConnector"`` and
+  `jaxkv.transfer.TransferEngine`; load it with vLLM's ``kv_connector="JaxKVConnector"`` and
   ``kv_connector_module_path="jaxkv.integrations.vllm"``.
 * `jaxkv.integrations.tpu_inference`: `JaxKVTPUConnector` (also exported as ``TPUConnector``,
   the name tpu-inference's platform accepts), the same connector for tpu-inference's runner:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxkv.transfer import GroupedParams, TransferParams, make_transfer_params
+from jaxkv.transfer import TransferParams, make_transfer_params
 
 __all__ = [
     "ConnectorSettings",
@@ -51,12 +51,12 @@ class ConnectorSettings:
       reads_per_request: producer: how many consumer requests read each request (the
         blocks are freed after that many reads finished, or the lease expired).
       early_read_grace_s: producer: how long a consumer's read of a request the workers have
-        not pinned yet waits for them to (`KVTransferEngine`'s ``early_read_grace_s``).
+        not pinned yet waits for them to (`TransferEngine`'s ``early_read_grace_s``).
       num_kv_heads: the model's KV heads, when a worker registers one TP rank's cache (its
         heads only); None: the cache's heads times `tp_size` (tpu-inference: the model's).
       head_dim: tpu-inference: the model's head dim (its cache stores it padded to 128 lanes);
         None: the model config's.
-      transport: the transfer engine's transport, passed to `KVTransferEngine` as its
+      transport: the transfer engine's transport, passed to `TransferEngine` as its
         ``transport`` argument; None: the engine's default (NIXL).
       packed_transfer: tpu-inference's packed caches over NIXL: ``"values"`` (default) moves
         the real heads and head-dim lanes only, the consumer's padding untouched;
@@ -132,7 +132,7 @@ class ConnectorSettings:
         ]
 
     def engine_options(self) -> dict[str, Any]:
-        """Keyword arguments for `KVTransferEngine` beyond the timeouts: the transport when
+        """Keyword arguments for `TransferEngine` beyond the timeouts: the transport when
         one is set (an engine without that setting then refuses it by name), the deployment
         key read from `auth_key_file`, `allow_unauthenticated` when set.
 
@@ -334,7 +334,7 @@ _GROUP_KEYS = ("addresses", "block_ids", "first_block", "block_size")
 
 
 def group_name(group: int) -> str:
-    """The `jaxkv.transfer.GroupedTransferEngine` group name of KV cache group `group`."""
+    """The `jaxkv.transfer.TransferEngine` cache group name of vLLM's KV cache group `group`."""
     return str(int(group))
 
 
@@ -346,10 +346,10 @@ class GroupedTransfer:
     A sliding-window group keeps only the blocks of the last window: group ``g``'s ids are
     those of the block positions ``[first_blocks[g], ceil(num_tokens / block_sizes[g]))``
     (a full-attention group starts at 0). Group ``g`` is transfer engine
-    ``f"{engine_id}.{g}"`` (`jaxkv.transfer.GroupedTransferEngine`).
+    ``f"{engine_id}.{g}"`` (a `jaxkv.transfer.TransferEngine` with several groups).
 
     Attributes:
-      params: the `GroupedParams` (per group name ``"0"``, ``"1"``, ...: its `TransferParams`).
+      params: the `TransferParams` (``groups``: per group name ``"0"``, ``"1"``, ...).
       num_tokens: the tokens the blocks hold.
       block_sizes: per group, the producer's block size in tokens.
       first_blocks: per group, the token-order position of its first block id.
@@ -364,7 +364,7 @@ class GroupedTransfer:
       True
     """
 
-    params: GroupedParams
+    params: TransferParams
     num_tokens: int
     block_sizes: tuple[int, ...]
     first_blocks: tuple[int, ...]
@@ -431,7 +431,7 @@ class GroupedTransfer:
                 lease_s,
             )
         return cls(
-            GroupedParams(request_id, groups),
+            TransferParams(engine_id, [], request_id, [], float(lease_s), groups=groups),
             int(num_tokens),
             tuple(int(b) for b in block_sizes),
             tuple(int(f) for f in first_blocks),

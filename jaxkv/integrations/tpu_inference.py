@@ -5,7 +5,7 @@ producer copies the request's blocks out of the cache (optionally into a pool of
 and registers the copy for a pull; the consumer pulls the whole prefill into fresh arrays, copies
 them into its cache at the next step, and tells the producer over a ZMQ socket that it may free
 the copy, with expiry times for consumers that never come. This connector replaces all of that
-with `jaxkv.transfer.KVTransferEngine`:
+with `jaxkv.transfer.TransferEngine`:
 
 * no copies on the producer: the engine pins the request's blocks in the cache itself (a lease
   bounds the wait; host staging, where NIXL cannot register device memory, copies only pinned
@@ -27,7 +27,7 @@ The connector therefore adopts ``runner.kv_caches`` zero-copy as a `jaxkv.PagedK
 (`KVCacheSpec.for_tpu_inference`: ``[pages, page_size, align(2 * heads, packing) / packing,
 packing, align(head_dim, 128)]`` per TP rank, K of head ``h`` at combined head ``2h``, V at
 ``2h + 1``) and, at each hook of a step with transfer work, hands the runner's current arrays to
-the engine (`KVTransferEngine.update_cache`; over NIXL, re-registration when the buffers moved);
+the engine (`TransferEngine.update_cache`; over NIXL, re-registration when the buffers moved);
 after each poll it writes the engine's arrays back to ``runner.kv_caches`` when the engine's
 writes replaced them (every read over the JAX transport, reads post-processed over NIXL), with
 the runner's own shardings, in the step that reports the read finished.
@@ -440,7 +440,7 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
 
     def sync_runner(self) -> None:
         """Hands ``runner.kv_caches`` to the transfer engine when the runner reassigned them:
-        `KVTransferEngine.update_cache` when they are the registered buffers (the forward
+        `TransferEngine.update_cache` when they are the registered buffers (the forward
         donated them) or when the transport does not register memory (the JAX transport
         formats from and writes into whichever arrays are current: moved buffers are simply
         adopted), else a re-registration (below).

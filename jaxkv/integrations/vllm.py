@@ -1,7 +1,7 @@
 """`JaxKVConnector`: vLLM's KV connector API (0.33, `KVConnectorBase_V1`) on `jaxkv.transfer`.
 
 A prefill engine (``kv_role="kv_producer"``) and a decode engine (``kv_consumer``) move the KV
-blocks of each request with `jaxkv.transfer.KVTransferEngine`: the decode side READs them over
+blocks of each request with `jaxkv.transfer.TransferEngine`: the decode side READs them over
 NIXL, in its own layout, block size and TP size (jaxkv plans the reads and rewrites what
 arrives in another arrangement).
 
@@ -30,7 +30,7 @@ takes the cache, or a one-entry mapping of it; GPU vLLM's torch tensors are adop
 
 Hybrid models (vLLM's hybrid allocator: full-attention and sliding-window KV cache groups, each
 with its own block ids per request): `JaxKVConnector` is `SupportsHMA`. Each group has its own
-cache and transfer engine (`jaxkv.transfer.GroupedTransferEngine`, group ``g`` on its own side
+cache group of one `jaxkv.transfer.TransferEngine` (group ``g`` on its own side
 channel: ``side_channel`` port + ``g`` or ``group_ports``); a sliding-window group moves only
 the blocks of the last window (`jaxkv.integrations.GroupedTransfer` carries, per group, the
 blocks the producer keeps and the position of the first). A read that fails in any group fails
@@ -87,7 +87,7 @@ from jaxkv.integrations._params import (
     transfer_params_from_dict,
     transfer_params_to_dict,
 )
-from jaxkv.transfer import FailedRead, GroupedParams, PollResult, make_transfer_params
+from jaxkv.transfer import PollResult, make_transfer_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from jaxkv.transfer import GroupedTransferEngine, KVTransferEngine
+    from jaxkv.transfer import TransferEngine
 
 __all__ = [
     "JaxKVConnector",
@@ -270,7 +270,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         self.block_format = _block_format()
         self._meta = JaxKVConnectorMetadata()
         # worker side
-        self.engine: KVTransferEngine | None = None
+        self.engine: TransferEngine | None = None  # one cache group or several
         self._reading: dict[str, str] = {}  # consumer request id -> producer request id
         self._releasing: set[str] = set()  # consumer request ids read only to release them
         self._awaiting_send: set[str] = set()
@@ -281,10 +281,8 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         self._cancelled: set[str] = set()  # consumer ids of reads stopped by an abort
         self._stats_seen = (0, 0, 0)  # engine totals at the last stats call
         # hybrid models
-        self.group_engine: GroupedTransferEngine | None = None
         self._group_load_errors: dict[int, set[int]] = {}
         self._group_stats_seen: dict[str, tuple[int, int, int]] = {}
-        self._group_invalid: dict[str, dict[str, tuple[int, ...]]] = {}  # read id -> ids
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -528,8 +526,8 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        """Registers this worker's cache with a new `KVTransferEngine` (a hybrid model: one
-        cache per KV cache group with a `jaxkv.transfer.GroupedTransferEngine`).
+        """Registers this worker's cache with a new `jaxkv.transfer.TransferEngine` (a hybrid
+        model: one cache per KV cache group, each a cache group of the engine).
 
         Args:
           kv_caches: a `jaxkv.PagedKVCache`, or a mapping with one `PagedKVCache` value, or
@@ -568,13 +566,10 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                 # one TP rank's cache holds its heads only; the engine describes the model's
                 spec = spec.replace(num_kv_heads=s.num_kv_heads or spec.num_kv_heads * s.tp_size)
             configs[group_name(g)] = EngineConfig(spec, s.tp_size, s.pp_size)
-        if not self.grouped:
-            self._new_engine(configs[group_name(0)])
-            self._engine().register_cache(caches[0], tp_rank=s.tp_rank)
-            return
-        engine = self._new_group_engine(configs)
+        engine = self._new_engine(configs)
         for g, cache in enumerate(caches):
-            engine.register_cache(group_name(g), cache, tp_rank=s.tp_rank)
+            engine.register_cache(cache, tp_rank=s.tp_rank,
+                                  group=group_name(g) if self.grouped else None)
 
     def _adopt_torch(self, kv_caches: Mapping[str, Any]) -> list[Any]:
         """Per KV cache group, the `PagedKVCache` over GPU vLLM's torch tensors of its layers
@@ -646,10 +641,11 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             f"{type(kv_caches).__name__}"
         )
 
-    def _new_group_engine(self, configs: dict[str, Any]) -> GroupedTransferEngine:
-        """Closes the current transfer engines, if any, and starts a `GroupedTransferEngine`
-        for `configs` (per group name), each group on its side-channel address."""
-        from jaxkv.transfer import GroupedTransferEngine
+    def _new_engine(self, configs: Any) -> TransferEngine:
+        """Closes the current transfer engine, if any, and starts one for `configs` (an
+        `EngineConfig`, or per group name its config for a hybrid model), each group on its
+        side-channel address, with the settings' timeouts and transport."""
+        from jaxkv.transfer import TransferEngine
 
         s = self.settings
         if s.side_channel:
@@ -657,59 +653,40 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         else:
             addresses = [("127.0.0.1", 0)] * self.num_groups
         self.shutdown()
-        self.group_engine = GroupedTransferEngine(
-            s.engine_id,
-            configs,
-            group_options={
-                group_name(g): {"host": host, "port": port}
-                for g, (host, port) in enumerate(addresses)
-            },
+        common = dict(
             lease_s=s.lease_s,
             read_timeout_s=s.read_timeout_s,
             handshake_timeout_s=s.handshake_timeout_s,
             early_read_grace_s=s.early_read_grace_s,
             **s.engine_options(),
         )
-        return self.group_engine
-
-    def _new_engine(self, config: Any) -> KVTransferEngine:
-        """Closes the current transfer engine, if any, and starts one for `config` on this
-        worker's side-channel address, with the settings' timeouts and transport."""
-        from jaxkv.transfer import KVTransferEngine
-
-        s = self.settings
-        host, port = (
-            s.side_channel[s.process_index] if s.side_channel else ("127.0.0.1", 0)
-        )
-        options = s.engine_options()
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        self.engine = KVTransferEngine(
+        if not self.grouped:
+            (config,) = configs.values() if isinstance(configs, Mapping) else (configs,)
+            host, port = addresses[0]
+            self.engine = TransferEngine(s.engine_id, config, host=host, port=port, **common)
+            return self.engine
+        self.engine = TransferEngine(
             s.engine_id,
-            config,
-            host=host,
-            port=port,
-            lease_s=s.lease_s,
-            read_timeout_s=s.read_timeout_s,
-            handshake_timeout_s=s.handshake_timeout_s,
-            early_read_grace_s=s.early_read_grace_s,
-            **options,
+            configs,
+            group_options={
+                group_name(g): {"host": host, "port": port}
+                for g, (host, port) in enumerate(addresses)
+            },
+            **common,
         )
         return self.engine
 
     @property
     def address(self) -> tuple[str, int]:
-        """This worker's side-channel address (after `register_kv_caches`)."""
-        return self._engine().address
+        """This worker's side-channel address (after `register_kv_caches`; the first group's
+        for a hybrid model)."""
+        return self.addresses[0]
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
         """Per KV cache group, this worker's side-channel address (after
         `register_kv_caches`)."""
-        if self.group_engine is not None:
-            return list(self.group_engine.addresses.values())
-        return [self.address]
+        return list(self._engine().addresses.values())
 
     @property
     def cache(self) -> Any:
@@ -719,35 +696,23 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
     @property
     def caches(self) -> list[Any]:
         """Per KV cache group, the registered cache, current version."""
-        if self.group_engine is not None:
-            return list(self.group_engine.caches.values())
-        return [self.cache]
+        return list(self._engine().caches)
 
     def update_cache(self, cache: Any) -> None:
         """Hands the cache's new version (after a donated update) to the transfer engine
         (hybrid models: to that of the group that registered it)."""
-        if self.group_engine is not None:
-            self.group_engine.update_cache(self.group_engine.group_of(cache), cache)
-            return
         self._engine().update_cache(cache)
 
-    def _engine(self):
+    def _engine(self) -> TransferEngine:
         if self.engine is None:
             raise RuntimeError("register_kv_caches first")
         return self.engine
-
-    def _any_engine(self) -> Any:
-        """The transfer engine: the `GroupedTransferEngine` of a hybrid model, else the
-        `KVTransferEngine`."""
-        if self.group_engine is not None:
-            return self.group_engine
-        return self._engine()
 
     def start_load_kv(self, forward_context: ForwardContext | None = None, **kwargs: Any) -> None:
         """Starts this step's reads (consumer) and releases aborted requests (producer)."""
         if not self.has_connector_metadata():
             return
-        engine = self._any_engine()
+        engine = self._engine()
         meta: JaxKVConnectorMetadata = self._get_connector_metadata()
         for request_id in meta.to_abort:
             engine.abort_request(request_id)
@@ -761,7 +726,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             self._start_read(recv)
 
     def _start_read(self, recv: _Recv) -> None:
-        if self.group_engine is not None:
+        if self.grouped:
             self._start_group_read(recv)
             return
         engine = self._engine()
@@ -802,8 +767,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
 
     def _start_group_read(self, recv: _Recv) -> None:
         """`_start_read` of a hybrid model: one read per KV cache group."""
-        engine = self.group_engine
-        assert engine is not None
+        engine = self._engine()
         transfer: GroupedTransfer | None = None
         try:
             transfer = GroupedTransfer.from_dict(recv.params)
@@ -857,7 +821,8 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
             self._releasing.add(recv.request_id)
         # a group failing to start is reported failed by the next poll (the others stopped)
         engine.start_read(
-            GroupedParams(transfer.params.request_id, groups), local, read_id=recv.request_id
+            msgspec.structs.replace(transfer.params, groups=groups), local,
+            read_id=recv.request_id,
         )
 
     def _fail_now(self, recv: _Recv) -> None:
@@ -887,8 +852,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                 request_id, block_ids, expected_reads=self.settings.reads_per_request
             )
         for request_id, group_ids in meta.to_publish_groups.items():
-            assert self.group_engine is not None, "register_kv_caches first"
-            self.group_engine.publish_request(
+            self._engine().publish_request(
                 request_id,
                 {group_name(g): ids for g, ids in enumerate(group_ids)},
                 expected_reads=self.settings.reads_per_request,
@@ -907,7 +871,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         results.finished_recving |= self._failed_now
         results.failed_recving |= self._failed_now
         self._failed_now = set()
-        if self.engine is None and self.group_engine is None:
+        if self.engine is None:
             return results
         polled = self._poll_engine()
         for consumer_id in polled.finished:  # read ids: the consumer's request ids
@@ -920,7 +884,6 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         for failure in polled.failed:
             consumer_id = failure.request_id
             known = self._reading.pop(consumer_id, None) is not None
-            group_invalid = self._group_invalid.pop(consumer_id, {})
             if consumer_id in self._releasing:
                 self._releasing.discard(consumer_id)
                 continue
@@ -930,8 +893,8 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                     results.finished_recving.add(consumer_id)
                 continue
             log.warning("read of %s failed: %s", consumer_id, failure.reason)
-            if self.group_engine is not None:
-                for name, ids in group_invalid.items():
+            if self.grouped:
+                for name, ids in failure.invalid_by_group.items():
                     self._group_load_errors.setdefault(int(name), set()).update(ids)
             else:
                 self._load_errors.update(failure.invalid_block_ids)
@@ -948,25 +911,9 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         results.finished_sending |= sending
         return results
 
-    def _poll_engine(self) -> Any:
-        """One `KVTransferEngine.poll` (subclasses add what they polled earlier)."""
-        if self.group_engine is not None:
-            return self._poll_groups()
+    def _poll_engine(self) -> PollResult:
+        """One `TransferEngine.poll` (subclasses add what they polled earlier)."""
         return self._engine().poll()
-
-    def _poll_groups(self) -> PollResult:
-        """One `GroupedTransferEngine.poll`, as a `PollResult` (a failed read's invalid
-        blocks per group are kept aside)."""
-        assert self.group_engine is not None
-        polled = self.group_engine.poll()
-        result = PollResult(finished=polled.finished, freeable=polled.freeable)
-        for request_id, reason, invalid in polled.failed:
-            self._group_invalid.pop(request_id, None)
-            if request_id in self._reading:
-                self._group_invalid[request_id] = invalid
-            ids = tuple(sorted({b for group in invalid.values() for b in group}))
-            result.failed.append(FailedRead(request_id, reason, ids))
-        return result
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of failed reads since the last call.
@@ -989,10 +936,10 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         """The reads finished or failed since the last call (None when there were none).
 
         Hybrid models: each KV cache group's read counts as one transfer."""
-        if self.group_engine is not None:
-            return self._group_stats()
         if self.engine is None:
             return None
+        if self.grouped:
+            return self._group_stats()
         stats = self.engine.stats
         seen = self._stats_seen
         self._stats_seen = (stats.requests_total, stats.bytes_total, stats.failed_transfers)
@@ -1005,10 +952,10 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         return None if out.is_empty() else out
 
     def _group_stats(self) -> JaxKVConnectorStats | None:
-        assert self.group_engine is not None
+        engine = self._engine()
         out = JaxKVConnectorStats()
-        for name, engine in self.group_engine.engines.items():
-            stats = engine.stats
+        for name in engine.groups:
+            stats = engine.stats_of(name)
             seen = self._group_stats_seen.get(name, (0, 0, 0))
             self._group_stats_seen[name] = (
                 stats.requests_total, stats.bytes_total, stats.failed_transfers
@@ -1038,9 +985,6 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self.group_engine is not None:
-            self.group_engine.close()
-            self.group_engine = None
 
 
 class JaxKVConnector(JaxKVConnectorBase, SupportsHMA):

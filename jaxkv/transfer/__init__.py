@@ -1,5 +1,7 @@
-"""KV-block transfer between engines (disaggregated prefill/decode) over NIXL (the transport
-is pluggable: `Transport`; control messages over TCP or NIXL notifications).
+"""KV-block transfer between engines (disaggregated prefill/decode): one engine class,
+`TransferEngine` (one or several cache groups, one process or several with a `JaxDistributed`
+coordinator), over NIXL or ``jax.experimental.transfer`` (the transport is pluggable:
+`Transport`; control messages over TCP or NIXL notifications).
 
 `import jaxkv.transfer` needs neither NIXL nor a JAX backend: metadata, the side channel and
 read planning are pure Python/numpy; only creating an agent imports NIXL.
@@ -7,14 +9,7 @@ read planning are pure Python/numpy; only creating an agent imports NIXL.
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent, load_nixl, nixl_available
 from jaxkv.transfer._auth import load_auth_key
-from jaxkv.transfer._engine import TRANSPORTS, KVTransferEngine
-from jaxkv.transfer._groups import (
-    GroupedParams,
-    GroupedPollResult,
-    GroupedTransferEngine,
-    LayoutAdvice,
-    recommend_layout,
-)
+from jaxkv.transfer._engine import TRANSPORTS
 from jaxkv.transfer._jax_transport import JaxTransport, jax_transfer_available
 from jaxkv.transfer._jit import (
     after_callback,
@@ -23,6 +18,7 @@ from jaxkv.transfer._jit import (
     wait_in_jit,
     written_token,
 )
+from jaxkv.transfer._layout_advice import LayoutAdvice, recommend_layout
 from jaxkv.transfer._metadata import (
     MAX_METADATA_BYTES,
     PROTOCOL_VERSION,
@@ -41,8 +37,6 @@ from jaxkv.transfer._metadata import (
 )
 from jaxkv.transfer._multicontroller import (
     KeyValueClient,
-    MultiControllerEngine,
-    MultiControllerPollResult,
     StepChannel,
     broadcast_block_ids,
     distributed_client,
@@ -62,22 +56,20 @@ from jaxkv.transfer._protocol import ProtocolError, ReadState, RequestState
 from jaxkv.transfer._side_channel import HandshakeError, MetadataServer, fetch_metadata
 from jaxkv.transfer._staging import HostMirror
 from jaxkv.transfer._stats import PublishRecord, TransferRecord, TransferStats, WorkerAggregator
+from jaxkv.transfer._transfer_engine import DEFAULT_GROUP, JaxDistributed, TransferEngine
 from jaxkv.transfer._transport import ControlChannel, Fetch, Offer, Transport
 
 __all__ = [
     "AgentInfo",
     "AgentOptions",
+    "DEFAULT_GROUP",
     "FailedRead",
-    "GroupedParams",
-    "GroupedPollResult",
-    "GroupedTransferEngine",
+    "JaxDistributed",
     "LayoutAdvice",
     "HostMirror",
     "JaxTransport",
-    "KVTransferEngine",
     "KeyValueClient",
-    "MultiControllerEngine",
-    "MultiControllerPollResult",
+    "TransferEngine",
     "StepChannel",
     "broadcast_block_ids",
     "distributed_client",
@@ -135,3 +127,25 @@ __all__ = [
     "plan_read",
     "prometheus_text",
 ]
+
+
+# Names of the engines `TransferEngine` replaced, kept one release (docs/transfer.md,
+# "Deprecated names"): each warns once where it is used.
+_DEPRECATED = {
+    "KVTransferEngine": "TransferEngine (one group, one process: the same arguments)",
+    "MultiControllerEngine": "TransferEngine(..., coordinator=JaxDistributed(...))",
+}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(f"jaxkv.transfer.{name} is deprecated: use {_DEPRECATED[name]}",
+                      DeprecationWarning, stacklevel=2)
+        if name == "KVTransferEngine":
+            return TransferEngine
+        from jaxkv.transfer._multicontroller import MultiControllerEngine
+
+        return MultiControllerEngine
+    raise AttributeError(f"module 'jaxkv.transfer' has no attribute {name!r}")

@@ -380,6 +380,17 @@ class KVTransferEngine:
         if entry is not None:
             cache.verify_unmoved(entry.buffers)
 
+    def holds(self, cache: Any) -> bool:
+        """Whether a registered cache is `cache` or has its buffers (addresses and devices:
+        the output of a donated, in-place update of a registered cache)."""
+        where = {(b.array_index, b.device.id, b.address) for b in cache.shard_buffers()}
+        with self._lock:
+            return any(
+                entry.cache is cache
+                or where == {(b.array_index, b.device.id, b.address) for b in entry.buffers}
+                for entry in self._registry.caches
+            )
+
     @property
     def registers_memory(self) -> bool:
         """Whether the transport reads and writes the registered buffers by address (NIXL),

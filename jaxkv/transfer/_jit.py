@@ -3,7 +3,7 @@
 A serving loop runs its prefill and decode steps as jitted programs. These two functions let
 such a program publish the blocks it just wrote and wait for blocks being received, through a
 host callback (``jax.experimental.io_callback``) whose operands are only a request handle
-(`KVTransferEngine.handle`), block ids and a layer count: small int32 arrays. KV bytes never
+(`TransferEngine.handle`), block ids and a layer count: small int32 arrays. KV bytes never
 go through the callback (on a GPU, callback operands are copied to host and the stream is
 synchronised; NIXL reads the registered cache buffers directly instead).
 
@@ -26,7 +26,7 @@ instructions), and ``ordered=True`` only orders callbacks among themselves. So:
   of the cache: every later write of a buffer the token read is ordered after the read.
 
 Pass the cache with ``donate_argnums`` so that it stays in its registered buffers, and hand
-the step's output to `KVTransferEngine.update_cache`: with host staging, a publication from
+the step's output to `TransferEngine.update_cache`: with host staging, a publication from
 inside a step is copied to the host mirror from that output (the step's input was donated),
 by the first `poll` or `update_cache` after it.
 """
@@ -106,8 +106,8 @@ def publish_in_jit(
     refuses a partial `layer_stop`).
 
     Args:
-      engine: the producer `KVTransferEngine` (closed over: not an operand).
-      handle: int32 scalar, the request's `KVTransferEngine.handle`.
+      engine: the producer `TransferEngine` (closed over: not an operand).
+      handle: int32 scalar, the request's `TransferEngine.handle`.
       block_ids: int32 ``[n]`` block ids written (negative ids are padding; must equal the
         published ids; empty: not checked).
       written: the updated cache (or pytree) whose computation must finish first.
@@ -116,6 +116,8 @@ def publish_in_jit(
     Returns:
       An int32 scalar: 1 published, 0 refused (unknown handle, other ids: the request is
       aborted; logged). Return it from the step (or use it) so the call is not dropped.
+      Multi-controller engines: int32 ``[devices]`` sharded over the cache's mesh (one
+      callback per device; a process publishes once all of its devices' writes are done).
 
     Raises:
       ValueError: a `layer_stop` that declares only some layers (use `publish_layer_in_jit`).
@@ -127,6 +129,7 @@ def publish_in_jit(
       ...     cache = cache.scatter_blocks(blocks, ids)
       ...     return cache, publish_in_jit(engine, handle, ids, cache)
     """
+    processes = _coordination_of(engine)
     whole = isinstance(layer_stop, (int, np.integer)) and not isinstance(layer_stop, bool) and (
         layer_stop == -1 or layer_stop == engine.config.spec.num_layers)
     if not whole:
@@ -136,7 +139,18 @@ def publish_in_jit(
             "publish_layer_in_jit(engine, handle, block_ids, written, layer_stop, next_input) "
             "after each layer: per layer, publish_in_jit makes XLA copy the whole cache and "
             "overlaps nothing")
+    if processes is not None:
+        return processes.publish_in_jit(handle, block_ids, written)
     return _publish(engine, handle, block_ids, written, -1)
+
+
+def _coordination_of(engine: Any) -> Any:
+    """The process coordination of a multi-controller `TransferEngine` (None otherwise): a
+    plain ``io_callback`` in a multi-process program runs in one process only, so such an
+    engine's callbacks are issued per device (inside ``shard_map``)."""
+    from jaxkv.transfer._transfer_engine import TransferEngine
+
+    return engine._coordination() if isinstance(engine, TransferEngine) else None
 
 
 def _publish(engine: Any, handle: Any, block_ids: Any, written: Any, layer_stop: Any) -> Any:
@@ -207,32 +221,41 @@ def publish_layer_in_jit(
       ...     x, cache = layer_fn(layer, x, cache)
       ...     x, ok = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
     """
+    if _coordination_of(engine) is not None:
+        raise NotImplementedError(
+            "publish_layer_in_jit on a multi-controller engine: announce the whole request "
+            "with publish_in_jit after the step, or publish_layers outside jit")
     status = _publish(engine, handle, block_ids, written, layer_stop)
     return after_callback(next_input, status), status
 
 
 def wait_in_jit(
-    engine: Any, handle: Any, block_ids: Any, timeout_s: float = 30.0
+    engine: Any, handle: Any, block_ids: Any, timeout_s: float = 30.0, cache: Any = None
 ) -> tuple[Any, Any]:
     """Waits inside a jitted step until a request's blocks arrived (call inside `jax.jit`).
 
-    The read must have been started outside jit (`KVTransferEngine.start_read`); the callback
+    The read must have been started outside jit (`TransferEngine.start_read`); the callback
     drives the engine (no JAX inside it) until the request finished, failed or `timeout_s`
     passed. Requests that need JAX work after their reads (layout / block-size
     post-processing, host staging) cannot finish inside a callback: the status says so and
     the caller falls back to `poll` outside jit.
 
     Args:
-      engine: the consumer `KVTransferEngine` (closed over).
-      handle: int32 scalar, the request's `KVTransferEngine.handle`.
+      engine: the consumer `TransferEngine` (closed over).
+      handle: int32 scalar, the request's `TransferEngine.handle`.
       block_ids: int32 ``[n]`` local block ids the step reads the received blocks with.
       timeout_s: the longest the callback blocks.
+      cache: multi-controller engines only: the registered `PagedKVCache` (its mesh places
+        one callback per device; each device waits for its own process's part).
 
     Returns:
       ``(block_ids, status)``: the ids to read with (data dependent on the wait, so every op
       using them runs after it; all ``-1``, i.e. skipped, unless the request finished), and
       an int32 scalar: 1 finished, 0 failed (blocks invalid), -1 timed out, -2 needs `poll`
       outside jit. Finished / failed requests are also reported by the next `poll`.
+      Multi-controller engines: sharded over the cache's mesh, ids ``[devices, n]`` and
+      status ``[devices]`` (row ``d`` for device ``d``: use it inside the step's
+      ``shard_map``).
 
     Example:
       >>> @functools.partial(jax.jit, donate_argnums=0)  # doctest: +SKIP
@@ -244,6 +267,12 @@ def wait_in_jit(
     import jax.numpy as jnp
     from jax.experimental import io_callback
 
+    processes = _coordination_of(engine)
+    if processes is not None:
+        if cache is None:
+            raise ValueError("wait_in_jit on a multi-controller engine needs the registered "
+                             "cache (its mesh places the per-device callbacks)")
+        return processes.wait_in_jit(handle, block_ids, cache, timeout_s)
     handle = jnp.asarray(handle, jnp.int32).reshape(())
     ids = jnp.asarray(block_ids, jnp.int32).reshape(-1)
     status = io_callback(

@@ -1,5 +1,5 @@
 """The public value types of transfers: a request's `TransferParams` (what the producer hands
-to the consumer), `PollResult` and `FailedRead` (what `KVTransferEngine.poll` reports)."""
+to the consumer), `PollResult` and `FailedRead` (what `TransferEngine.poll` reports)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ class TransferParams(msgspec.Struct, frozen=True):
       block_ids: the request's blocks on the producer, in token order.
       lease_s: how long the producer pins them without a heartbeat.
       generation: the producer's generation (-1: whatever its processes publish now).
-      layerwise: the blocks become readable layer by layer (`KVTransferEngine.publish_layers`);
+      layerwise: the blocks become readable layer by layer (`TransferEngine.publish_layers`);
         the consumer waits for the producer's announcements before reading each layer.
+      groups: an engine with several cache groups: per group name, that group's params
+        (its protocol engine ``f"{engine_id}.{group}"``, its side channel and blocks); the
+        top-level `addresses` and `block_ids` are then empty. Empty for one group.
     """
 
     engine_id: str
@@ -36,6 +39,7 @@ class TransferParams(msgspec.Struct, frozen=True):
     lease_s: float
     generation: int = -1
     layerwise: bool = False
+    groups: dict[str, TransferParams] = {}
 
 
 def make_transfer_params(
@@ -50,12 +54,12 @@ def make_transfer_params(
     generation: int = -1,
     layerwise: bool = False,
 ) -> TransferParams:
-    """Builds a request's `TransferParams` where no `KVTransferEngine` runs (a serving
+    """Builds a request's `TransferParams` where no `TransferEngine` runs (a serving
     framework's scheduler process): what the producer's workers pin with
-    `KVTransferEngine.publish_request` and the consumer reads with `start_read`.
+    `TransferEngine.publish_request` and the consumer reads with `start_read`.
 
     The consumer fetches the producer's metadata from `addresses` (every producer process's
-    side channel, i.e. each worker's `KVTransferEngine.address`); ``generation=-1`` accepts
+    side channel, i.e. each worker's `TransferEngine.address`); ``generation=-1`` accepts
     whatever the producer's processes publish when the read starts. When the workers may pin
     the blocks after the consumer already read them, keep the producer's
     ``early_read_grace_s`` above that delay.
@@ -139,17 +143,45 @@ def make_transfer_params(
 @dataclasses.dataclass(frozen=True)
 class FailedRead:
     """A read that failed: its read id (`start_read`'s ``read_id``, by default the producer's
-    request id), why, and the local blocks it left invalid."""
+    request id), why, and the local blocks it left invalid.
+
+    Attributes:
+      request_id: the read id.
+      reason: what failed (a group's failure names the group).
+      invalid_block_ids: every local block the read may have written, sorted (several
+        groups: the union over groups).
+      invalid_by_group: several cache groups: per group, its invalid local blocks (empty
+        for one group).
+    """
 
     request_id: str
     reason: str
     invalid_block_ids: tuple[int, ...]
+    invalid_by_group: dict[str, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, hash=False)
+
+    @classmethod
+    def of_groups(cls, request_id: str, reason: str,
+                  invalid: dict[str, tuple[int, ...]]) -> FailedRead:
+        """The failure of a read of several groups, from each group's invalid blocks.
+
+        Example:
+          >>> FailedRead.of_groups("r", "lost", {"full": (3, 1), "swa": (3,)}).invalid_block_ids
+          (1, 3)
+        """
+        union = tuple(sorted({int(b) for ids in invalid.values() for b in ids}))
+        return cls(request_id, reason, union, {g: tuple(ids) for g, ids in invalid.items()})
 
 
 @dataclasses.dataclass
 class PollResult:
-    """What `KVTransferEngine.poll` reports (each request once): consumer reads by their read
-    id (`start_read`), producer requests (`freeable`) by their request id."""
+    """What `TransferEngine.poll` reports (each request once): consumer reads by their read
+    id (`start_read`), producer requests (`freeable`) by their request id.
+
+    In a multi-controller engine (several processes), `finished`, `failed`, `freeable` and
+    `published` are engine-level outcomes, reported by process 0 only once every process
+    ended its part; `local` holds this process's own part in every process.
+    """
 
     finished: list[str] = dataclasses.field(default_factory=list)
     failed: list[FailedRead] = dataclasses.field(default_factory=list)
@@ -160,12 +192,18 @@ class PollResult:
     layers: dict[str, int] = dataclasses.field(default_factory=dict)
     """Layer-wise reads in flight whose progress changed: the number of this process's
     layers that arrived so far (in every local rank)."""
+    published: list[str] = dataclasses.field(default_factory=list)
+    """Multi-controller engines (process 0): layer-wise requests every process announced
+    completely (every layer, e.g. by the in-jit callbacks of every process)."""
+    local: PollResult | None = None
+    """Multi-controller engines: this process's own part (None for one process)."""
 
     def extend(self, other: PollResult) -> None:
         """Appends another result (used to carry results found inside host callbacks)."""
         self.finished += other.finished
         self.failed += other.failed
         self.freeable += other.freeable
+        self.published += other.published
         self.post_applied.update(other.post_applied)
         self.layers.update(other.layers)
 

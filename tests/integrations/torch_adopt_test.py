@@ -217,7 +217,7 @@ def test_writes_through_torch_and_through_jaxkv_ops():
     the memory (NIXL) refuses it rather than lose writes (`BufferMovedError`), and the
     adopted cache, whose arrays the op consumed, adopts the torch memory again."""
     from jaxkv import EngineConfig
-    from jaxkv.transfer import KVTransferEngine, nixl_available
+    from jaxkv.transfer import TransferEngine, nixl_available
 
     if not nixl_available():
         pytest.skip("NIXL (nixl-cu13) is not installed")
@@ -227,7 +227,7 @@ def test_writes_through_torch_and_through_jaxkv_ops():
     cache, _ = adopt(caches)
     caches[names[1]][5] = 3.5  # a write by vLLM's kernels
     assert (np.asarray(cache.arrays[1])[5] == 3.5).all()
-    engine = KVTransferEngine("e", EngineConfig(cache.spec, 1), transport="nixl")
+    engine = TransferEngine("e", EngineConfig(cache.spec, 1), transport="nixl")
     try:
         engine.register_cache(cache)
         assert [b.address for b in cache.shard_buffers()] == [

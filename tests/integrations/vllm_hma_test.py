@@ -242,18 +242,20 @@ class HybridSide:
         assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
         w = self.worker
         assert not w._reading and not w._awaiting_send and not w._freeable, "connector state"
-        assert not w._group_invalid and not w._cancelled and not w._releasing, "connector state"
-        engine = w.group_engine
+        assert not w._cancelled and not w._releasing, "connector state"
+        engine = w.engine
         assert engine is not None
         assert engine.num_pinned == 0 and engine.num_reading == 0, "engine state left"
 
     def expired_leases(self) -> int:
-        assert self.worker.group_engine is not None
-        return sum(e.stats.expired_leases for e in self.worker.group_engine.engines.values())
+        engine = self.worker.engine
+        assert engine is not None
+        return sum(engine.stats_of(g).expired_leases for g in engine.groups)
 
     def bytes_read(self) -> int:
-        assert self.worker.group_engine is not None
-        return sum(e.stats.bytes_total for e in self.worker.group_engine.engines.values())
+        engine = self.worker.engine
+        assert engine is not None
+        return sum(engine.stats_of(g).bytes_total for g in engine.groups)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -325,7 +327,7 @@ def test_full_prompts_every_group_exact(pair):
     prompts = prompts_of([5, 8, 21, 40], seed=1)
     params = prefill(producer, prompts)
     assert [len(p["remote_groups"]) for p in params] == [2] * 4
-    assert producer.worker.group_engine.num_pinned == 4
+    assert producer.worker.engine.num_pinned == 4
     for p, prompt in zip(params, prompts):
         full, swa = p["remote_groups"]
         assert len(full["block_ids"]) == math.ceil(len(prompt) / BLOCK)
@@ -394,7 +396,7 @@ def test_abort_during_transfer(pair):
     params = prefill(producer, prompts)
     reqs = decode(consumer, prompts, params)
     # only the consumer steps: the producer does not confirm, the reads stay in flight
-    vh.run_until([consumer], lambda: consumer.worker.group_engine.num_reading == 2, 20.0)
+    vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 20.0)
     from vllm.v1.request import RequestStatus
 
     consumer.scheduler.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
@@ -410,7 +412,7 @@ def test_producer_abort_after_publish(pair):
     (prompt,) = prompts_of([30], seed=6)
     req = vh.request(prompt, BLOCK, {"do_remote_decode": True}, 4)  # not finished by prefill
     producer.add(req)
-    engine = producer.worker.group_engine
+    engine = producer.worker.engine
     vh.run_until([producer], lambda: engine.num_pinned == 1)
     from vllm.v1.request import RequestStatus
 
@@ -505,8 +507,8 @@ def producer_process(conn, extra: dict) -> None:
             leak = None
         except AssertionError as error:
             leak = str(error) or "leak"
-        assert side.worker.group_engine is not None
-        return (side.busy(), side.worker.group_engine.num_pinned, side.expired_leases(), leak)
+        assert side.worker.engine is not None
+        return (side.busy(), side.worker.engine.num_pinned, side.expired_leases(), leak)
 
     tt.serve_scheduler_side(
         conn, side, lambda prompt: vh.request(prompt, BLOCK, {"do_remote_decode": True}, 1),
@@ -543,7 +545,7 @@ def test_producer_in_another_process_then_killed_mid_transfer():
         params = remote.call("add", prompts)
         os.kill(remote.process.pid, signal.SIGSTOP)  # its engines' threads stop answering too
         reqs = decode(consumer, prompts, params)
-        vh.run_until([consumer], lambda: consumer.worker.group_engine.num_reading == 2, 30.0)
+        vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 30.0)
         remote.process.kill()
         remote.process.join(10)
         vh.run_until([consumer], lambda: not consumer.busy(), 60.0)
