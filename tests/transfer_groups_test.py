@@ -20,7 +20,12 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
-from jaxkv.transfer import TransferEngine, nixl_available, recommend_layout  # noqa: E402
+from jaxkv.transfer import (  # noqa: E402
+    JaxDistributed,
+    TransferEngine,
+    nixl_available,
+    recommend_layout,
+)
 
 NUM_BLOCKS, WAIT_S, G_SEED = tt.NUM_BLOCKS, tt.WAIT_S, tt.G_SEED
 GROUPS = {  # group -> producer spec; the decode side may change layout
@@ -158,6 +163,9 @@ class GroupedEngineBookkeepingTest(absltest.TestCase):
                  engine.publish_request("r", {"full": [1], "swa": [2]}).groups.items()}
         self.assertEqual(lease, {"full": 9.0, "swa": 1.5})
         self.assertNotEqual(engine.addresses["full"], engine.addresses["swa"])
+        with self.assertRaisesRegex(ValueError, "coordinator.*one cache group"):
+            TransferEngine("x", {g: EngineConfig(KVCacheSpec(**kw), 1) for g, kw in GROUPS.items()},
+                           coordinator=JaxDistributed())
         with self.assertRaisesRegex(ValueError, r"unknown groups \['mamba'\]"):
             TransferEngine("x", {"full": EngineConfig(KVCacheSpec(**GROUPS["full"]), 1)},
                                   group_options={"mamba": {}})

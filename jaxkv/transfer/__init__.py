@@ -129,12 +129,9 @@ __all__ = [
 ]
 
 
-# Names of the engines `TransferEngine` replaced, kept one release (docs/transfer.md,
-# "Deprecated names"): each warns once where it is used.
-_DEPRECATED = {
-    "KVTransferEngine": "TransferEngine (one group, one process: the same arguments)",
-    "MultiControllerEngine": "TransferEngine(..., coordinator=JaxDistributed(...))",
-}
+# The name of the engine `TransferEngine` replaced, kept one release (docs/transfer.md,
+# "Deprecated names"); it warns where it is used.
+_DEPRECATED = {"KVTransferEngine": "TransferEngine (one group, one process: the same arguments)"}
 
 
 def __getattr__(name: str):
@@ -143,9 +140,5 @@ def __getattr__(name: str):
 
         warnings.warn(f"jaxkv.transfer.{name} is deprecated: use {_DEPRECATED[name]}",
                       DeprecationWarning, stacklevel=2)
-        if name == "KVTransferEngine":
-            return TransferEngine
-        from jaxkv.transfer._multicontroller import MultiControllerEngine
-
-        return MultiControllerEngine
+        return TransferEngine
     raise AttributeError(f"module 'jaxkv.transfer' has no attribute {name!r}")

@@ -112,7 +112,7 @@ _MAX_HANDLES = 1 << 16
 # Done sent over TCP once the READ completed; large pulls did not differ measurably.
 DEFAULT_CONTROL = "tcp"
 TRANSPORTS = ("nixl", "jax", "auto")
-"""The `KVTransferEngine` ``transport`` choices."""
+"""The `TransferEngine` ``transport`` choices."""
 
 
 def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None,
@@ -141,7 +141,7 @@ def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None,
 
 
 CONTROLS = ("nixl", "tcp", "auto")
-"""The `KVTransferEngine` ``control`` choices."""
+"""The `TransferEngine` ``control`` choices."""
 
 
 def control_channels(

@@ -49,8 +49,7 @@ class JaxDistributed:
 
     Attributes:
       timeout_s: bound of every wait on other processes (metadata, publication).
-      host, port: where process 0 serves the merged metadata (port 0: a free one; with
-        several cache groups only 0).
+      host, port: where process 0 serves the merged metadata (port 0: a free one).
       store_interval_s: `TransferEngine.poll` reads the key-value store at most this often
         (each read is a round trip to the coordination service); writes are never delayed.
       allow_unauthenticated: serve a non-loopback `host` without a deployment key.
@@ -89,7 +88,8 @@ class TransferEngine:
         engine with several groups is the protocol engine ``f"{engine_id}.{g}"``.
       config: the engine's `EngineConfig`, or per cache group name its `EngineConfig`.
       coordinator: None (one process) or `JaxDistributed` (several processes of one JAX
-        program; call `publish_metadata` in every process after registering).
+        program, one cache group; call `publish_metadata` in every process after
+        registering).
       group_options: per group name, keyword arguments for that group only (e.g.
         ``{"port": 5601}``: each group listens on its own side channel), over `options`.
       **options: the transfer options of every group: ``host``, ``port``, ``lease_s``,
@@ -100,7 +100,8 @@ class TransferEngine:
         ``allow_unauthenticated`` — see docs/transfer.md ("Engine options").
 
     Raises:
-      ValueError: no group, options of unknown groups, bad options.
+      ValueError: no group, options of unknown groups, bad options, or a coordinator with
+        several groups (not supported yet).
 
     Example:
       >>> from jaxkv import EngineConfig, KVCacheSpec
@@ -125,9 +126,11 @@ class TransferEngine:
         unknown = sorted(set(group_options or {}) - set(configs))
         if unknown:
             raise ValueError(f"group_options name unknown groups {unknown}")
-        if coordinator is not None and len(configs) > 1 and coordinator.port:
-            raise ValueError("a multi-controller engine with several groups serves each "
-                             "group's metadata on a free port: JaxDistributed(port=0)")
+        if coordinator is not None and len(configs) > 1:
+            # Each group's coordination reports engine-level outcomes on process 0 only; the
+            # join of several groups' outcomes per process is not built yet.
+            raise ValueError("a multi-controller engine (coordinator) has one cache group; "
+                             f"got groups {sorted(configs)}")
         self.engine_id = engine_id
         self.coordinator = coordinator
         self._single = len(configs) == 1
