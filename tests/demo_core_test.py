@@ -228,9 +228,20 @@ class StepPollingTest(absltest.TestCase):
             wait_ready([NeverReady()], lambda: None, timeout_s=-1.0)
 
 
-class LikeForLikeReportTest(absltest.TestCase):
-    def test_medians_of_requests_of_the_bare_reads_size(self):
-        from jaxkv.demo._report import _like_for_like
+class DocstringExamplesTest(parameterized.TestCase):
+    @parameterized.parameters("jaxkv.demo._router", "jaxkv.demo._engines")
+    def test_examples(self, module_name):
+        import doctest
+        import importlib
+
+        result = doctest.testmod(importlib.import_module(module_name), verbose=False)
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
+
+
+class SameSizeReadsReportTest(absltest.TestCase):
+    def test_medians_of_requests_of_the_largest_reads_size(self):
+        from jaxkv.demo._report import _same_size_reads
 
         done = [
             RequestResult("req-0", status="done", bytes=4096, nixl_descriptors=4, read_s=0.004,
@@ -241,21 +252,28 @@ class LikeForLikeReportTest(absltest.TestCase):
                           transfer_s=0.008),
             RequestResult("req-3", status="done", bytes=4096, descriptors=1, read_s=0.5,
                           transfer_s=0.5),  # other descriptors: not compared
+            RequestResult("req-4", status="done", bytes=1024, nixl_descriptors=1, read_s=0.5,
+                          transfer_s=0.5),  # a smaller read: not compared
         ]
-        bare = {"same_descriptors": {"bytes": 4096, "descriptors": 4, "median_s": 0.001,
-                                     "MBps": 4.096},
-                "one_descriptor": {"bytes": 4096, "descriptors": 1, "median_s": 0.0005,
-                                   "MBps": 8.192}}
-        like = _like_for_like(done, bare)
-        self.assertEqual(like["requests"], 3)
-        self.assertEqual(like["read_ms"], 3.0)
-        self.assertEqual(like["transfer_ms"], 6.0)
-        self.assertEqual(like["confirm_ms"], 2.0)
-        self.assertEqual(like["bare_same_descriptors_ms"], 1.0)
-        self.assertEqual(like["bare_one_descriptor_ms"], 0.5)
-        self.assertAlmostEqual(like["read_vs_bare"], 3.0)
-        self.assertAlmostEqual(like["transfer_vs_bare"], 6.0)
-        self.assertIsNone(_like_for_like(done, None))
+        alone = {"landed_ms": 1.0, "confirmed_ms": 2.0, "repeats": 5, "bytes": 4096,
+                 "descriptors": 4}
+        same = _same_size_reads(done, alone)
+        self.assertEqual((same["bytes"], same["descriptors"]), (4096, 4))  # req-0's size
+        self.assertEqual(same["requests"], 3)
+        self.assertEqual(same["read_ms"], 3.0)
+        self.assertEqual(same["transfer_ms"], 6.0)
+        self.assertEqual(same["confirm_ms"], 2.0)
+        self.assertAlmostEqual(same["read_MBps"], 4096 / 3.0 / 1e3)
+        self.assertAlmostEqual(same["transfer_MBps"], 4096 / 6.0 / 1e3)
+        self.assertIs(same["engine_alone"], alone)
+        self.assertNotIn("engine_alone", _same_size_reads(done))
+        # the size is the largest read's, ties going to the first request
+        bigger = RequestResult("req-9", status="done", bytes=8192, nixl_descriptors=2,
+                               read_s=0.001, transfer_s=0.002)
+        self.assertEqual(_same_size_reads([*done, bigger])["requests"], 1)
+        self.assertEqual(_same_size_reads([*done, bigger])["bytes"], 8192)
+        self.assertIsNone(_same_size_reads([]))
+        self.assertIsNone(_same_size_reads([RequestResult("req-0", status="done")]))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string(
     "plot_out", None,
-    "Write a PNG of each request's TTFT split and of the transfer against bare NIXL (needs "
+    "Write a PNG of each request's TTFT split and of the transfer engine's read times (needs "
     "matplotlib: the demo extra).",
 )
 flags.DEFINE_bool(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import multiprocessing
 import os
@@ -25,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from jaxkv.demo._router import Router
 
 __all__ = [
     "DemoSettings",
@@ -45,7 +48,7 @@ class DemoSettings:
     """Everything a demo run depends on (the CLI flags).
 
     Example:
-      >>> DemoSettings(prompt_len=40, max_new_tokens=8).max_len
+      >>> DemoSettings(prompt_len=100, max_new_tokens=8).max_len   # a multiple of 64
       128
     """
 
@@ -660,134 +663,7 @@ def stop_prefill(parent, process) -> None:
     parent.close()
 
 
-def send_arrived(conn, process, unsent: list[str], arrival: dict[str, float],
-                 prompts: list[list[int]], now: float) -> None:
-    """Hands the prefill side every unsent request whose arrival time has come (in order)."""
-    while unsent and arrival[unsent[0]] <= now and process.is_alive():
-        rid = unsent.pop(0)
-        conn.send(("request", rid, prompts[int(rid.split("-")[1])]))
-
-
 # -- the decode process ------------------------------------------------------------------------
-
-
-def _time_reads(agent, posts, repeats: int, timeout_s: float = 10.0) -> list[float] | None:
-    """Posts every READ of `posts` (``(local, remote, remote agent, local kind, remote
-    kind)``) together and spins on their states until all are DONE, `repeats` times; returns
-    the wall times (None if one failed or timed out)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        handles = [agent.read(loc, rem, name, kind, rkind) for loc, rem, name, kind, rkind in posts]
-        deadline = time.monotonic() + timeout_s
-        states = ["PROC"]
-        while "PROC" in states and time.monotonic() <= deadline:
-            states = [agent.state(h) for h in handles]
-        elapsed = time.perf_counter() - start
-        for h in handles:
-            agent.release(h)
-        if any(st != "DONE" for st in states):
-            return None
-        times.append(elapsed)
-    return times
-
-
-def _summary(times: list[float], nbytes: int, descriptors: int, reads: int) -> dict[str, Any]:
-    median = float(np.median(times))
-    return {
-        "bytes": int(nbytes), "descriptors": int(descriptors), "reads": int(reads),
-        "median_s": median, "min_s": float(np.min(times)), "MBps": nbytes / median / 1e6,
-        "repeats": len(times),
-    }
-
-
-def _bare_reads(
-    transfer, peer_meta, sample: dict[str, Any] | None, repeats: int = 20
-) -> dict[str, Any] | None:
-    """Times bare NIXL READs with the agents the transfer engine already connected, at the
-    end of the run (the prefill process idle, polling):
-
-    * ``same_descriptors``: the READs the transfer engine posted for the request `sample`
-      (``{"remote_ids", "local_ids"}``): the same remote blocks, the same descriptor list
-      (planned with `jaxkv.transfer.plan_read`), one READ per (local rank, remote rank) like
-      the engine, but into a scratch copy of this process's registered regions (same
-      offsets) and without notifications, Python bookkeeping or confirmation: what the wire
-      and NIXL take for this request;
-    * ``one_descriptor``: the same number of bytes as one descriptor (bandwidth).
-    """
-    from jaxkv.transfer import plan_read
-
-    remote_agents = transfer.agent.remote_agents
-    if peer_meta is None or not remote_agents or sample is None:
-        return None
-    local_meta = transfer.metadata
-    regions = [r for info in local_meta.ranks for r in info.regions]
-    sizes = [r.block_len * r.num_blocks for r in regions]
-    offsets = np.concatenate(([0], np.cumsum(sizes)))
-    scratch = np.zeros(int(offsets[-1]), np.uint8)
-    base = scratch.ctypes.data
-
-    def rebase(rows: np.ndarray) -> np.ndarray:
-        rows = rows.copy()
-        addr = rows[:, 0].astype(np.int64)
-        new = np.full(len(rows), -1, np.int64)
-        for region, offset in zip(regions, offsets):
-            inside = (addr >= region.base_address) & (
-                addr + rows[:, 1].astype(np.int64) <= region.base_address
-                + region.block_len * region.num_blocks
-            )
-            new[inside] = addr[inside] - region.base_address + base + int(offset)
-        if (new < 0).any():
-            raise ValueError("a local descriptor lies outside the registered regions")
-        rows[:, 0] = new.astype(np.uint64)
-        rows[:, 2] = 0
-        return rows
-
-    def agent_of(remote_rank: int) -> str:
-        name = peer_meta.rank_info(remote_rank).agent_name
-        return name if name in remote_agents else sorted(remote_agents)[0]
-
-    posts = []
-    nbytes = descriptors = 0
-    local_ids = np.asarray(sample["local_ids"], np.int64)
-    for rank in sorted(info.rank for info in local_meta.ranks):
-        plan = plan_read(local_meta, rank, peer_meta, local_ids, sample["remote_ids"],
-                         check=False)
-        for remote_rank in plan.read_ranks:
-            loc, rem = plan.expanded_descriptors(local_meta, peer_meta, remote_rank)
-            remote_kind = peer_meta.rank_info(remote_rank).regions[0].memory_kind
-            posts.append((rebase(loc), rem, agent_of(remote_rank), "DRAM", remote_kind))
-            nbytes += int(loc[:, 1].sum())
-            descriptors += len(loc)
-    if not posts:
-        return None
-    key = (base, scratch.nbytes, 0, "DRAM")
-    transfer.agent.register([key])
-    try:
-        _time_reads(transfer.agent, posts, 2)  # warm-up
-        same = _time_reads(transfer.agent, posts, repeats)
-        # the same bytes as one descriptor, from the start of the producer's largest region
-        # (fewer bytes if that region is smaller than the request)
-        rank, region = max(
-            ((info.rank, r) for info in peer_meta.ranks for r in info.regions),
-            key=lambda x: x[1].block_len * x[1].num_blocks,
-        )
-        size = min(nbytes, region.block_len * region.num_blocks)
-        one = np.array([[base, size, 0]], np.uint64)
-        remote_one = np.array([[region.base_address, size, region.device_id]], np.uint64)
-        single = _time_reads(
-            transfer.agent, [(one, remote_one, agent_of(rank), "DRAM", region.memory_kind)],
-            repeats,
-        )
-    finally:
-        transfer.agent.deregister([key])
-    if same is None:
-        return None
-    out = {"request_id": sample["request_id"],
-           "same_descriptors": _summary(same, nbytes, descriptors, len(posts))}
-    if single is not None:
-        out["one_descriptor"] = _summary(single, size, 1, 1)
-    return out
 
 
 def run_disaggregated(
@@ -843,28 +719,17 @@ def run_disaggregated(
         timings["prefill_ready_s"] = time.monotonic() - t_begin
         prompts = make_prompts(settings)
         t_serve = time.monotonic()
-        arrival = {
-            f"req-{i}": t_serve + i * settings.request_interval_s for i in range(len(prompts))
-        }
-        samples: dict[str, dict[str, Any]] = {}
-        peer_meta = _serve(settings, engine, transfer, parent, process, prompts, results,
-                           arrival, reference, progress, samples)
+        side = _DemoDecode(settings, engine, transfer)
+        Router(settings, parent, process, prompts, results, reference, progress,
+               t_serve).run(side)
         timings["serve_s"] = time.monotonic() - t_serve
-        bare = None
-        if process.is_alive():
-            sample = _sample_read(results, samples)
-            bare = _bare_reads(transfer, peer_meta, sample)
-            if bare is not None and settings.prefill_processes == 1:
-                replay = _engine_reads(transfer, parent, process,
-                                       prompts[int(sample["request_id"].split("-")[1])],
-                                       sample["local_ids"])
-                if replay is not None:
-                    replay_bare = _bare_reads(transfer, peer_meta, replay.pop("sample"))
-                    if replay_bare is not None and "same_descriptors" in replay_bare:
-                        replay["bare_same_descriptors_ms"] = round(
-                            replay_bare["same_descriptors"]["median_s"] * 1e3, 3)
-                        replay["descriptors"] = replay_bare["same_descriptors"]["descriptors"]
-                    bare["engine_alone"] = replay
+        alone = None
+        if process.is_alive() and settings.prefill_processes == 1:
+            sample = _sample_read(results, side.samples)
+            if sample is not None:
+                alone = _engine_reads(transfer, parent, process,
+                                      prompts[int(sample["request_id"].split("-")[1])],
+                                      sample["local_ids"])
         stats = transfer.stats.summary()
     finally:
         stop_prefill(parent, process)
@@ -873,7 +738,7 @@ def run_disaggregated(
     timings["total_s"] = time.monotonic() - t_begin
     from jaxkv.demo._report import build_report
 
-    return build_report(settings, list(results.values()), reference, bare, stats, timings)
+    return build_report(settings, list(results.values()), reference, alone, stats, timings)
 
 
 def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> None:
@@ -902,12 +767,13 @@ def _engine_reads(transfer, conn, process, prompt: list[int], local_ids: list[in
     reads it into `local_ids` (the same bytes again) while polling the engine back to back.
 
     Returns:
-      ``{"landed_ms", "confirmed_ms"}`` medians (posted -> READs seen complete, -> the
-      producer's confirmation), ``"repeats"``, and ``"sample"`` (the last read's ids, for a
-      bare READ of the same descriptors); None if a publish or read failed.
+      ``{"landed_ms", "confirmed_ms"}`` medians of the engine's own records of the reads
+      (posted -> READs seen complete by its progress, -> the producer's confirmation),
+      ``"repeats"``, and the last read's ``"bytes"`` and ``"descriptors"`` (as posted to
+      NIXL); None if a publish or read failed.
     """
     landed, confirmed = [], []
-    sample = None
+    nbytes = descriptors = 0
     for k in range(repeats):
         rid = f"replay-{k}"
         conn.send(("request", rid, prompt))
@@ -932,15 +798,15 @@ def _engine_reads(transfer, conn, process, prompt: list[int], local_ids: list[in
         record = next(x for x in reversed(transfer.stats.records) if x.request_id == rid)
         landed.append(record.duration_s)
         confirmed.append(record.duration_s + record.confirm_s)
-        sample = {"request_id": rid, "remote_ids": list(params.block_ids),
-                  "local_ids": list(local_ids)}
+        nbytes, descriptors = record.bytes, record.expanded_descriptors
     return {"landed_ms": round(float(np.median(landed)) * 1e3, 3),
             "confirmed_ms": round(float(np.median(confirmed)) * 1e3, 3),
-            "repeats": repeats, "sample": sample}
+            "repeats": repeats, "bytes": nbytes, "descriptors": descriptors}
 
 
 def _sample_read(results: dict[str, RequestResult], samples: dict[str, dict[str, Any]]):
-    """The read the bare READs replay: the first completed request with the most bytes."""
+    """The read the engine-alone measurement replays: the first completed request with the
+    most bytes (the size `jaxkv.demo._report` summarises)."""
     done = [r for r in results.values()
             if r.status == "done" and r.bytes and r.request_id in samples]
     if not done:
@@ -949,158 +815,119 @@ def _sample_read(results: dict[str, RequestResult], samples: dict[str, dict[str,
     return samples[best.request_id]
 
 
-def _serve(settings, engine, transfer, conn, process, prompts, results, arrival, reference,
-           progress, samples) -> Any:
-    """The decode loop: admit published requests, read their blocks, decode, check. Returns
-    the prefill engine's metadata (None if no handshake happened); fills `samples` with each
-    read's remote and local block ids."""
-    deadline = time.monotonic() + settings.timeout_s
-    reading: dict[str, dict[str, Any]] = {}
-    ready: list[tuple[str, int]] = []  # (request id, first token) whose KV has arrived
-    published_ids: set[str] = set()
-    finished_reads = 0
-    killed = False
-    peer_known = False
-    post_warm = False
-    peer_meta = None
+class _DemoDecode:
+    """The decode side of the demo's own serving mode (a `jaxkv.demo._router.DecodeSide`):
+    admits published requests into its `KVCacheManager` (a local prefix hit means only the
+    missing blocks are read), reads their blocks with the transfer engine, decodes them in
+    batches and hands finished ones back to the router.
 
-    def fail(rid: str, error: str) -> None:
-        r = results[rid]
-        if r.status == "pending":
-            r.status, r.error = "failed", error
-            r.total_s = time.monotonic() - arrival[rid]
-            with contextlib.suppress(Exception):
-                engine.manager.free(rid)
+    Attributes:
+      peer_meta: the prefill engine's metadata (None until the handshake).
+      samples: request id -> ``{"request_id", "remote_ids", "local_ids"}`` of each read.
+      finished_reads: reads that completed.
+    """
 
-    def report() -> None:
-        if progress is not None:
-            progress(list(results.values()))
+    def __init__(self, settings: DemoSettings, engine: _Engine, transfer) -> None:
+        self.settings, self.engine, self.transfer = settings, engine, transfer
+        self.reading: dict[str, dict[str, Any]] = {}
+        self.ready: list[tuple[str, int]] = []  # (request id, first token) whose KV arrived
+        self.samples: dict[str, dict[str, Any]] = {}
+        self.finished_reads = 0
+        self.peer_meta: Any = None
+        self._peer_known = False
+        self._post_warm = False
 
-    unsent = list(results)
-    while any(r.status == "pending" for r in results.values()):
-        now = time.monotonic()
-        send_arrived(conn, process, unsent, arrival, prompts, now)
-        if now > deadline:
-            for rid in results:
-                fail(rid, f"timed out after {settings.timeout_s:.0f}s")
-            break
-        while conn.poll(0):
+    def release(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):  # it may hold no blocks yet
+            self.engine.manager.free(request_id)
+
+    def admit(self, router, rid: str, params, first: int) -> None:
+        engine, transfer = self.engine, self.transfer
+        r = router.results[rid]
+        if not self._peer_known:
+            t = time.monotonic()
             try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                break
-            rid = message[1]
-            if message[0] == "error":
-                fail(rid, f"prefill: {message[2]}")
-                continue
-            _, rid, params, first, hit, start, end = message
-            published_ids.add(rid)
-            r = results[rid]
-            r.prefill_hit_tokens, r.queue_s, r.prefill_s = hit, start - arrival[rid], end - start
-            if not peer_known:
-                t = time.monotonic()
-                try:
-                    peer_meta = transfer.add_peer(params.engine_id, params.addresses)
-                except Exception as error:  # noqa: BLE001 - fails this request
-                    fail(rid, f"handshake: {type(error).__name__}: {error}")
-                    continue
-                r.handshake_s = time.monotonic() - t
-                peer_known = True
-            m = engine.manager
-            prompt = prompts[int(rid.split("-")[1])]
-            m.add_request(rid, prompt)
-            local_hit = m.get_computed_blocks(rid, max_hit_tokens=len(prompt))
-            alloc = m.allocate_slots(
-                rid, len(prompt) - local_hit.num_computed_tokens, local_hit, delay_caching=True
-            )
-            if alloc is None:
-                fail(rid, "decode: no free blocks")
-                continue
-            r.decode_hit_tokens = local_hit.num_computed_tokens
-            r.blocks_read = len(alloc.new_block_ids[0])
-            warm_s = 0.0
-            if not post_warm:
-                # Compiles the post-processing (permute / merge) now, before the first read
-                # is posted, rather than inside a `poll` while other reads are in flight
-                # (the loop cannot observe their completion meanwhile). Counted in this
-                # request's post column.
-                post_warm, t = True, time.monotonic()
-                try:
-                    _warm_post_processing(engine, transfer, peer_meta, params,
-                                          alloc.new_block_ids[0])
-                except Exception as error:  # noqa: BLE001 - fails this request
-                    fail(rid, f"post-processing warm-up: {type(error).__name__}: {error}")
-                    continue
-                warm_s = time.monotonic() - t
-            reading[rid] = {"first": first, "start": time.monotonic(), "warm_s": warm_s}
-            samples[rid] = {"request_id": rid, "remote_ids": list(params.block_ids),
-                            "local_ids": list(alloc.new_block_ids[0])}
-            transfer.start_read(params, list(alloc.new_block_ids[0]))
-        if (
-            settings.kill_prefill_after
-            and not killed
-            and finished_reads >= settings.kill_prefill_after
-        ):
-            process.kill()
-            process.join(timeout=10)
-            killed = True
-        if not process.is_alive():
-            for rid in results:
-                if rid not in published_ids:
-                    fail(rid, f"prefill process exited (code {process.exitcode}) before "
-                              "publishing it")
+                self.peer_meta = transfer.add_peer(params.engine_id, params.addresses)
+            except Exception as error:  # noqa: BLE001 - fails this request
+                router.fail(rid, f"handshake: {type(error).__name__}: {error}")
+                return
+            r.handshake_s = time.monotonic() - t
+            self._peer_known = True
+        m = engine.manager
+        prompt = router.prompt(rid)
+        m.add_request(rid, prompt)
+        local_hit = m.get_computed_blocks(rid, max_hit_tokens=len(prompt))
+        alloc = m.allocate_slots(
+            rid, len(prompt) - local_hit.num_computed_tokens, local_hit, delay_caching=True
+        )
+        if alloc is None:
+            router.fail(rid, "decode: no free blocks")
+            return
+        r.decode_hit_tokens = local_hit.num_computed_tokens
+        r.blocks_read = len(alloc.new_block_ids[0])
+        warm_s = 0.0
+        if not self._post_warm:
+            # Compiles the post-processing (permute / merge) now, before the first read is
+            # posted, rather than inside a `poll` while other reads are in flight (the loop
+            # cannot observe their completion meanwhile). Counted in this request's post
+            # column.
+            self._post_warm, t = True, time.monotonic()
+            try:
+                _warm_post_processing(engine, transfer, self.peer_meta, params,
+                                      alloc.new_block_ids[0])
+            except Exception as error:  # noqa: BLE001 - fails this request
+                router.fail(rid, f"post-processing warm-up: {type(error).__name__}: {error}")
+                return
+            warm_s = time.monotonic() - t
+        self.reading[rid] = {"first": first, "start": time.monotonic(), "warm_s": warm_s}
+        self.samples[rid] = {"request_id": rid, "remote_ids": list(params.block_ids),
+                             "local_ids": list(alloc.new_block_ids[0])}
+        transfer.start_read(params, list(alloc.new_block_ids[0]))
+
+    def advance(self, router) -> None:
+        engine, transfer, results = self.engine, self.transfer, router.results
         poll = transfer.poll()
         for failed in poll.failed:
-            reading.pop(failed.request_id, None)
-            fail(failed.request_id, f"transfer: {failed.reason}")
+            self.reading.pop(failed.request_id, None)
+            router.fail(failed.request_id, f"transfer: {failed.reason}")
         for rid in poll.finished:
-            info = reading.pop(rid)
-            finished_reads += 1
+            info = self.reading.pop(rid)
+            self.finished_reads += 1
             r = results[rid]
             now = time.monotonic()
             record = next(
                 (x for x in reversed(transfer.stats.records) if x.request_id == rid), None
             )
-            if record is not None:
+            if record is not None:  # the engine's own measurement of the read
                 r.bytes, r.descriptors = record.bytes, record.descriptors
                 r.nixl_descriptors = record.expanded_descriptors
                 r.transfer_s = record.duration_s + record.confirm_s
                 r.read_s, r.post_s = record.duration_s, record.post_s + info["warm_s"]
             else:
                 r.transfer_s = now - info["start"]
-            r.ttft_s = now - arrival[rid]
+            r.ttft_s = now - router.arrival[rid]
             engine.manager.cache_blocks(rid)
-            ready.append((rid, info["first"]))
+            self.ready.append((rid, info["first"]))
         if poll.failed or poll.finished:
-            report()
-        while ready and engine.free_slots():
-            rid, first = ready.pop(0)
-            engine.admit(rid, len(prompts[int(rid.split("-")[1])]), first)
+            router.report()
+        while self.ready and engine.free_slots():
+            rid, first = self.ready.pop(0)
+            engine.admit(rid, len(router.prompt(rid)), first)
         done = engine.finish_ready()
         if any(s is not None for s in engine.slots):
             # While the step computes only the NIXL agent is progressed (READ data lands,
             # notifications are kept): a full `poll` could post-process a finished read on
             # the cache the step has consumed (donated); that waits for the next poll.
             done += engine.decode_step(
-                transfer.agent.progress if settings.poll_during_steps else None
+                transfer.agent.progress if self.settings.poll_during_steps else None
             )
             transfer.update_cache(engine.runner.cache)  # raises if the step moved a buffer
         for rid in done:
-            r = results[rid]
-            r.tokens = list(engine.state[rid]["tokens"])
-            r.total_s = time.monotonic() - arrival[rid]
-            ref = reference.get(rid)
-            r.tokens_match = ref is not None and ref["tokens"] == r.tokens
-            kv = engine.prompt_kv(rid)
-            r.kv_match = ref is not None and np.array_equal(
-                kv.view(np.uint8), ref["kv"].view(np.uint8)
-            )
+            r = router.finish(rid, list(engine.state[rid]["tokens"]),
+                              functools.partial(engine.prompt_kv, rid))
             r.status = "done"
             engine.manager.free(rid)
         if done:
-            report()
+            router.report()
         if not done and not any(s is not None for s in engine.slots):
             time.sleep(0.0005)
-        if unsent and not process.is_alive():
-            unsent.clear()
-    return peer_meta

@@ -17,15 +17,19 @@ def _ms(seconds: float) -> float:
 
 
 def build_report(
-    settings, results, reference, bare, stats: dict, timings: dict
+    settings, results, reference, engine_alone, stats: dict, timings: dict
 ) -> dict[str, Any]:
     """Assembles the JSON-serialisable report of a disaggregated run.
+
+    Every transfer time in it is the transfer engine's own measurement (its records of each
+    read); the bare-transport floor is `benchmarks/bench_transfer.py`'s business.
 
     Args:
       settings: the `DemoSettings`.
       results: the `RequestResult` of every request.
       reference: the colocated run's results (for the prefix-hit comparison).
-      bare: the bare NIXL READ measurement (or None).
+      engine_alone: the engine-alone replay of one read (``{"landed_ms", "confirmed_ms",
+        "repeats", "bytes", "descriptors"}``), or None.
       stats: the decode transfer engine's `stats.summary()`.
       timings: phase durations in seconds.
 
@@ -56,7 +60,7 @@ def build_report(
     # READ throughput: bytes over the time from posting the reads to their completion (the
     # confirmation round trip and the decode loop's other work excluded as far as measured).
     read_mbps = total_bytes / read_s / 1e6 if read_s > 0 else None
-    like = _like_for_like(done, bare)
+    same_size = _same_size_reads(done, engine_alone)
     prompt_tokens = settings.prompt_len * settings.num_requests
     try:
         from importlib.metadata import version
@@ -85,12 +89,7 @@ def build_report(
             "descriptors": sum(r.descriptors for r in done),
             "blocks_read": sum(r.blocks_read for r in done),
             "read_MBps": read_mbps,
-            "bare_nixl_read": bare,
-            "vs_bare": (
-                read_mbps / bare["one_descriptor"]["MBps"]
-                if (bare and read_mbps and "one_descriptor" in bare) else None
-            ),
-            "like_for_like": like,
+            "same_size_reads": same_size,
             "engine_stats": stats,
         },
         "prefix_cache": {
@@ -112,47 +111,47 @@ def _median_ms(values) -> float:
     return round(float(np.median(values)) * 1e3, 3)
 
 
-def _like_for_like(done, bare) -> dict[str, Any] | None:
-    """jaxkv's transfer time of the requests of the bare READ's size (bytes and descriptors
-    posted to NIXL) next to the bare READ of the same descriptors, medians in ms.
+def _same_size_reads(done, engine_alone=None) -> dict[str, Any] | None:
+    """The transfer engine's times for the requests of one read size, medians in ms: the
+    size of the first completed request with the most bytes (bytes and descriptors posted to
+    NIXL; the request the engine-alone replay reads again).
 
-    ``read_ms``: reads posted -> every READ seen complete by the decode loop (data landed);
-    ``confirm_ms``: -> every producer rank acknowledged it still held the blocks;
-    ``transfer_ms``: the two together (what the table's transfer column shows)."""
-    if not bare or "same_descriptors" not in bare:
+    ``read_ms``: reads posted -> every READ seen complete by the engine's progress (data
+    landed); ``confirm_ms``: -> every producer rank acknowledged it still held the blocks;
+    ``transfer_ms``: the two together (what the table's transfer column shows). With
+    `engine_alone`, it is added under ``"engine_alone"``.
+
+    Returns:
+      The summary, or None when no completed request read anything.
+
+    Example:
+      >>> from jaxkv.demo._engines import RequestResult
+      >>> done = [RequestResult("req-0", status="done", bytes=8, nixl_descriptors=2,
+      ...                       read_s=0.002, transfer_s=0.003)]
+      >>> s = _same_size_reads(done)
+      >>> s["requests"], s["read_ms"], s["confirm_ms"]
+      (1, 2.0, 1.0)
+    """
+    reads = [r for r in done if r.bytes]
+    if not reads:
         return None
-    same = bare["same_descriptors"]
-    rows = [
-        r for r in done
-        if (r.bytes, r.nixl_descriptors) == (same["bytes"], same["descriptors"])
-    ]
-    if not rows:
-        return None
+    largest = max(reads, key=lambda r: (r.bytes, -int(r.request_id.split("-")[1])))
+    size = (largest.bytes, largest.nixl_descriptors)
+    rows = [r for r in reads if (r.bytes, r.nixl_descriptors) == size]
     read_ms = _median_ms([r.read_s for r in rows])
     transfer_ms = _median_ms([r.transfer_s for r in rows])
-    bare_ms = same["median_s"] * 1e3
-    out = {
-        "bytes": same["bytes"],
-        "descriptors": same["descriptors"],
+    out: dict[str, Any] = {
+        "bytes": size[0],
+        "descriptors": size[1],
         "requests": len(rows),
         "read_ms": read_ms,
         "confirm_ms": _median_ms([r.transfer_s - r.read_s for r in rows]),
         "transfer_ms": transfer_ms,
-        "read_MBps": same["bytes"] / read_ms / 1e3 if read_ms > 0 else None,
-        "transfer_MBps": same["bytes"] / transfer_ms / 1e3 if transfer_ms > 0 else None,
-        "bare_same_descriptors_ms": round(bare_ms, 3),
-        "bare_same_descriptors_MBps": same["MBps"],
-        "read_vs_bare": read_ms / bare_ms if bare_ms > 0 else None,
-        "transfer_vs_bare": transfer_ms / bare_ms if bare_ms > 0 else None,
+        "read_MBps": size[0] / read_ms / 1e3 if read_ms > 0 else None,
+        "transfer_MBps": size[0] / transfer_ms / 1e3 if transfer_ms > 0 else None,
     }
-    alone = bare.get("engine_alone")
-    if alone:
-        out["engine_alone"] = alone
-    one = bare.get("one_descriptor")
-    if one:
-        out["bare_one_descriptor_ms"] = round(one["median_s"] * 1e3, 3)
-        out["bare_one_descriptor_bytes"] = one["bytes"]
-        out["bare_one_descriptor_MBps"] = one["MBps"]
+    if engine_alone:
+        out["engine_alone"] = engine_alone
     return out
 
 
@@ -196,39 +195,20 @@ def format_report(report: dict[str, Any]) -> str:
         f"moved {t['bytes'] / 2**20:.2f} MiB in {t['descriptors']} descriptors "
         f"({t['blocks_read']} decode blocks)"
     )
-    like = t.get("like_for_like")
-    if like:
+    same = t.get("same_size_reads")
+    if same:
         lines.append(
-            f"transfer of a {like['bytes'] / 1024:.0f} KiB read ({like['descriptors']} descs; "
-            f"median of {like['requests']}): posted -> landed {like['read_ms']:.2f} ms "
-            f"({like['read_MBps']:.0f} MB/s), -> confirmed {like['transfer_ms']:.2f} ms "
-            f"({like['transfer_MBps']:.0f} MB/s)"
+            f"transfer of a {same['bytes'] / 1024:.0f} KiB read ({same['descriptors']} descs; "
+            f"median of {same['requests']}; as the decode loop saw them, polling between model "
+            f"steps): posted -> landed {same['read_ms']:.2f} ms ({same['read_MBps']:.0f} MB/s), "
+            f"-> confirmed {same['transfer_ms']:.2f} ms ({same['transfer_MBps']:.0f} MB/s)"
         )
-        line = (
-            f"bare NIXL READ, same {like['descriptors']} descs: "
-            f"{like['bare_same_descriptors_ms']:.2f} ms ({like['bare_same_descriptors_MBps']:.0f}"
-            f" MB/s; as the decode loop saw them, polling between model steps: landed "
-            f"{like['read_vs_bare']:.1f}x, confirmed {like['transfer_vs_bare']:.1f}x its time)"
-        )
-        if "bare_one_descriptor_ms" in like:
-            size = like["bare_one_descriptor_bytes"]
-            line += (
-                f"; {'the same bytes' if size == like['bytes'] else f'{size / 1024:.0f} KiB'}"
-                f" as 1 desc: {like['bare_one_descriptor_ms']:.2f} ms "
-                f"({like['bare_one_descriptor_MBps']:.0f} MB/s)"
-            )
-        lines.append(line)
-        alone = like.get("engine_alone")
+        alone = same.get("engine_alone")
         if alone:
-            bare_ms = alone.get("bare_same_descriptors_ms")
-            ratio = (f" = {alone['landed_ms'] / bare_ms:.1f}x / "
-                     f"{alone['confirmed_ms'] / bare_ms:.1f}x a bare READ of its "
-                     f"{alone.get('descriptors', '?')} descs ({bare_ms:.2f} ms)"
-                     if bare_ms else "")
             lines.append(
                 f"the engine alone (the same request read again, polled back to back, median "
                 f"of {alone['repeats']}): landed {alone['landed_ms']:.2f} ms, confirmed "
-                f"{alone['confirmed_ms']:.2f} ms{ratio}")
+                f"{alone['confirmed_ms']:.2f} ms")
     p = report["prefix_cache"]
     lines.append(
         f"prefix cache: prefill hits {p['prefill_hit_tokens']}/{p['prompt_tokens']} prompt "
@@ -293,8 +273,8 @@ def _title(report: dict[str, Any]) -> str:
 
 def plot_figure(report: dict[str, Any]):
     """The demo's figure: each request's TTFT as stacked segments that add up to it (with
-    its prefix-cache hits marked), and the transfer of one request against the bare
-    transport (NIXL READs of the same descriptors, and of the same bytes as one descriptor).
+    its prefix-cache hits marked), and the transfer engine's times for one read size (as the
+    decode loop saw them, and the engine alone reading the same request again).
 
     Args:
       report: a report of `build_report` (or its JSON).
@@ -340,19 +320,23 @@ def plot_figure(report: dict[str, Any]):
     ttft_ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     ttft_ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
 
-    like = report["transfer"].get("like_for_like")
-    if like:
+    same = report["transfer"].get("same_size_reads")
+    if same:
+        # The transfer engine's own measurements: as the decode loop saw them, and (when
+        # measured) the engine alone reading the same request again.
         bars = [
-            ("jaxkv: posted -> landed", like["read_ms"], like["read_MBps"]),
-            ("jaxkv: -> confirmed", like["transfer_ms"], like["transfer_MBps"]),
-            (f"bare NIXL READ, same {like['descriptors']} descs",
-             like["bare_same_descriptors_ms"], like["bare_same_descriptors_MBps"]),
+            ("jaxkv: posted -> landed", same["read_ms"], same["read_MBps"]),
+            ("jaxkv: -> confirmed", same["transfer_ms"], same["transfer_MBps"]),
         ]
-        if "bare_one_descriptor_ms" in like:
-            bars.append((
-                f"bare NIXL READ, {like['bare_one_descriptor_bytes'] / 1024:.0f} KiB as 1 desc",
-                like["bare_one_descriptor_ms"], like["bare_one_descriptor_MBps"],
-            ))
+        alone = same.get("engine_alone")
+        if alone:
+            bars += [
+                ("engine alone: posted -> landed", alone["landed_ms"],
+                 alone["bytes"] / alone["landed_ms"] / 1e3 if alone["landed_ms"] > 0 else None),
+                ("engine alone: -> confirmed", alone["confirmed_ms"],
+                 alone["bytes"] / alone["confirmed_ms"] / 1e3
+                 if alone["confirmed_ms"] > 0 else None),
+            ]
         labels = [b[0] for b in bars]
         times = [max(b[1], 1e-6) for b in bars]
         transfer_ax.barh(labels, times, color=["C3", "C3", "C7", "C7"][: len(bars)])
@@ -365,13 +349,13 @@ def plot_figure(report: dict[str, Any]):
         transfer_ax.set_xlim(min(times) / 2, max(times) * 20)
         transfer_ax.set_xlabel("ms (log scale)")
         transfer_ax.set_title(
-            f"one request's read: {like['bytes'] / 1024:.0f} KiB in {like['descriptors']} "
-            f"descriptors (median of {like['requests']})", fontsize=8)
+            f"one request's read: {same['bytes'] / 1024:.0f} KiB in {same['descriptors']} "
+            f"descriptors (median of {same['requests']})", fontsize=8)
         transfer_ax.tick_params(axis="y", labelsize=7)
     else:
         transfer_ax.set_axis_off()
-        transfer_ax.text(0.5, 0.5, "no bare-transport measurement\n(no completed read to "
-                         "replay, or NIXL unavailable)", ha="center", va="center", fontsize=8,
+        transfer_ax.text(0.5, 0.5, "no transfer measurement\n(no completed request read "
+                         "any blocks)", ha="center", va="center", fontsize=8,
                          transform=transfer_ax.transAxes)
     fig.tight_layout()
     return fig

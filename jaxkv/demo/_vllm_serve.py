@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import os
 import sys
@@ -40,10 +41,10 @@ from jaxkv.demo._engines import (
     await_prefill_ready,
     make_prompts,
     run_colocated,
-    send_arrived,
     stop_prefill,
     wait_ready,
 )
+from jaxkv.demo._router import Router
 
 __all__ = ["run_with_vllm_scheduler"]
 
@@ -385,8 +386,8 @@ def run_with_vllm_scheduler(
         await_prefill_ready(parent, process, settings.timeout_s)
         timings["prefill_ready_s"] = time.monotonic() - t_begin
         t_serve = time.monotonic()
-        _serve(settings, engine, parent, process, make_prompts(settings), results, reference,
-               progress, t_serve)
+        Router(settings, parent, process, make_prompts(settings), results, reference, progress,
+               t_serve).run(_VllmDecode(settings, engine))
         timings["serve_s"] = time.monotonic() - t_serve
         stats = engine.worker.engine.stats.summary() if engine.worker.engine else {}
     finally:
@@ -416,96 +417,56 @@ def _record_read(engine: _VllmEngine, r: RequestResult, admitted_s: float) -> No
     r.read_s, r.post_s = record.duration_s, record.post_s
 
 
-def _serve(settings, engine: _VllmEngine, conn, process, prompts, results, reference, progress,
-           t_serve: float) -> None:
-    """The decode loop: hands prompts to the prefill process as they arrive, admits
-    published ones into vLLM's consumer scheduler, steps it, checks finished requests."""
-    deadline = t_serve + settings.timeout_s
-    arrival = {f"req-{i}": t_serve + i * settings.request_interval_s for i in range(len(prompts))}
-    unsent = list(results)
-    generated: dict[str, list[int]] = {}
-    admitted: dict[str, float] = {}
-    finished_reads = 0
-    killed = False
+class _VllmDecode:
+    """The decode side of ``--serve_with=vllm-scheduler`` (a
+    `jaxkv.demo._router.DecodeSide`): admits published requests into vLLM's consumer
+    scheduler with their ``kv_transfer_params``, steps it, and hands finished requests back
+    to the router."""
 
-    def fail(rid: str, error: str) -> None:
-        r = results[rid]
-        if r.status == "pending":
-            r.status, r.error = "failed", error
-            r.total_s = time.monotonic() - arrival[rid]
+    def __init__(self, settings: DemoSettings, engine: _VllmEngine) -> None:
+        self.settings, self.engine = settings, engine
+        self.generated: dict[str, list[int]] = {}
+        self.admitted: dict[str, float] = {}
+        self.finished_reads = 0
 
-    def report() -> None:
-        if progress is not None:
-            progress(list(results.values()))
+    def release(self, request_id: str) -> None:
+        """Nothing to free: vLLM's scheduler owns the request's blocks."""
 
-    while any(r.status == "pending" for r in results.values()):
-        now = time.monotonic()
-        send_arrived(conn, process, unsent, arrival, prompts, now)
-        if now > deadline:
-            for rid in results:
-                fail(rid, f"timed out after {settings.timeout_s:.0f}s")
-            break
-        while conn.poll(0):
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                break
-            rid = message[1]
-            if message[0] == "error":
-                fail(rid, f"prefill: {message[2]}")
-                continue
-            _, rid, params, _first, hit, start, end = message
-            r = results[rid]
-            r.prefill_hit_tokens, r.queue_s, r.prefill_s = hit, start - arrival[rid], end - start
-            admitted[rid] = time.monotonic()
-            engine.add(rid, prompts[int(rid.split("-")[1])], params, settings.max_new_tokens)
-        if settings.kill_prefill_after and not killed and finished_reads >= \
-                settings.kill_prefill_after:
-            process.kill()
-            process.join(timeout=10)
-            killed = True
-        if not process.is_alive():
-            for rid in unsent:
-                fail(rid, f"prefill process exited (code {process.exitcode}) before "
-                          "publishing it")
-            for rid, r in results.items():
-                if rid not in admitted and r.status == "pending":
-                    fail(rid, f"prefill process exited (code {process.exitcode}) before "
-                              "publishing it")
-            unsent.clear()
+    def admit(self, router, rid: str, params, first: int) -> None:
+        del first  # vLLM re-computes the last prompt token to sample from
+        self.admitted[rid] = time.monotonic()
+        self.engine.add(rid, router.prompt(rid), params, self.settings.max_new_tokens)
+
+    def advance(self, router) -> None:
+        engine, generated = self.engine, self.generated
         if not engine.busy():
             time.sleep(_POLL_S)
-            continue
+            return
         changed = False
         for output in engine.step():
             rid = output.request_id
-            r = results[rid]
+            r = router.results[rid]
             if output.new_token_ids:
                 if not generated.get(rid):
-                    r.ttft_s = time.monotonic() - arrival[rid]
-                    finished_reads += 1
-                    _record_read(engine, r, time.monotonic() - admitted[rid])
+                    r.ttft_s = time.monotonic() - router.arrival[rid]
+                    self.finished_reads += 1
+                    _record_read(engine, r, time.monotonic() - self.admitted[rid])
                 generated.setdefault(rid, []).extend(int(t) for t in output.new_token_ids)
             if output.finish_reason is None:
                 continue
             changed = True
-            r.tokens = generated.get(rid, [])
-            r.total_s = time.monotonic() - arrival[rid]
-            prompt = prompts[int(rid.split("-")[1])]
+            prompt = router.prompt(rid)
+            r = router.finish(rid, generated.get(rid, []),
+                              functools.partial(engine.prompt_kv, rid, len(prompt)))
             r.decode_hit_tokens = engine.hit_tokens.get(rid, 0)
             if r.bytes:
                 size = engine.block_size
                 r.blocks_read = -(-len(prompt) // size) - r.decode_hit_tokens // size
             if rid in engine.failed:
                 r.error = engine.failed[rid]  # vLLM recomputed the prompt locally
-            ref = reference.get(rid)
-            r.tokens_match = ref is not None and ref["tokens"] == r.tokens
-            kv = engine.prompt_kv(rid, len(prompt))
-            r.kv_match = ref is not None and np.array_equal(kv.view(np.uint8),
-                                                            ref["kv"].view(np.uint8))
-            r.status = "done" if len(r.tokens) == settings.max_new_tokens else "failed"
+            r.status = "done" if len(r.tokens) == self.settings.max_new_tokens else "failed"
             if r.status == "failed":
                 r.error = r.error or f"vLLM finished it ({output.finish_reason}) after " \
                                      f"{len(r.tokens)} tokens"
         if changed:
-            report()
+            router.report()
