@@ -428,12 +428,14 @@ def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
     return LandedPieces(rr, pos, lr, img, lg, lo, length, image_len, local_block_len)
 
 
-def _covers(img: np.ndarray, length: np.ndarray, total: int) -> bool:
-    """Whether pieces (sorted by image offset) tile ``[0, total)`` exactly."""
-    if not len(img) or img[0] != 0:
-        return False
-    ends = img + length
-    return bool((img[1:] == ends[:-1]).all() and ends[-1] == total)
+def _covers(pieces: list[tuple[int, int, int, int, int]], total: int) -> bool:
+    """Whether pieces ``(image offset, length, ...)`` sorted by offset tile ``[0, total)``."""
+    end = 0
+    for img, length, *_ in pieces:
+        if img != end:
+            return False
+        end += length
+    return end == total
 
 
 @dataclasses.dataclass
@@ -466,73 +468,57 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
       holds only part of the image, or a device landing that does not map whole blocks).
     """
     out: dict[tuple[int, int], LandedDigest] = {}
-    n = len(pieces.remote_rank)
-    if not n:
-        return out
-    key = pieces.remote_rank * (1 << 32) + pieces.position
-    bounds = np.flatnonzero(np.diff(key)) + 1
-    starts = np.concatenate([[0], bounds])
-    stops = np.concatenate([bounds, [n]])
+    # Plain Python over the pieces: a group is usually a few pieces (one per region), and
+    # per-group numpy calls would cost more than the hashing of small blocks.
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
+    for rr, pos, lr, img, lg, lo, length in zip(
+            pieces.remote_rank.tolist(), pieces.position.tolist(), pieces.local_rank.tolist(),
+            pieces.image_offset.tolist(), pieces.local_region.tolist(),
+            pieces.local_offset.tolist(), pieces.length.tolist()):
+        if wanted is None or (rr, pos) in wanted:
+            groups.setdefault((rr, pos), []).append((img, length, lr, lg, lo))
     views: dict[tuple[int, int], np.ndarray] = {}
     device_jobs: list[tuple[tuple[int, int], int, list[int]]] = []
-    for a, b in zip(starts.tolist(), stops.tolist()):
-        rr, pos = int(pieces.remote_rank[a]), int(pieces.position[a])
-        if wanted is not None and (rr, pos) not in wanted:
-            continue
+    for (rr, pos), group in groups.items():
         total = pieces.image_len[rr]
-        lrs = pieces.local_rank[a:b]
         blocks: set[int] = set()
-        for j in range(a, b):
-            lr = int(pieces.local_rank[j])
+        by_rank: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        for piece in group:
+            img, length, lr, lg, lo = piece
             blen = pieces.local_block_len[lr]
-            lo = int(pieces.local_offset[j])
-            for blk in range(lo // blen, (lo + int(pieces.length[j]) - 1) // blen + 1):
-                blocks.add(blk)
+            blocks.update(range(lo // blen, (lo + length - 1) // blen + 1))
+            by_rank.setdefault(lr, []).append(piece)
         # Each local rank holding the whole image alone (same TP, fewer consumer ranks, MLA
         # replicas) is one cover; else the local ranks' pieces together must tile it.
-        groups: list[tuple[int, int]] = []
-        split = np.flatnonzero(np.diff(lrs)) + 1
-        rank_starts = np.concatenate([[0], split]) + a
-        rank_stops = np.concatenate([split, [b - a]]) + a
-        if all(_covers(pieces.image_offset[s:e], pieces.length[s:e], total)
-               for s, e in zip(rank_starts, rank_stops)):
-            groups = list(zip(rank_starts.tolist(), rank_stops.tolist()))
-            merged = None
-        else:
-            order = np.argsort(pieces.image_offset[a:b], kind="stable") + a
-            merged = order
-            if not _covers(pieces.image_offset[order], pieces.length[order], total):
+        covers = [sorted(p) for p in by_rank.values()]
+        if not all(_covers(c, total) for c in covers):
+            covers = [sorted(group)]
+            if not _covers(covers[0], total):
                 out[(rr, pos)] = LandedDigest([], blocks, False)
                 continue
         algorithm = algorithms[rr]
-        covers = [np.arange(s, e) for s, e in groups] if merged is None else [merged]
         values: list[int] = []
         verifiable = True
         for cover in covers:
-            kinds = {local_regions[int(pieces.local_rank[j])][int(pieces.local_region[j])][1]
-                     for j in cover}
-            if kinds != {"DRAM"}:
-                job = _device_job(pieces, cover, total)
+            if any(local_regions[lr][lg][1] != "DRAM" for _, _, lr, lg, _ in cover):
+                job = _device_job(cover, pieces.local_block_len)
                 if job is None or algorithm != "sum32":
                     verifiable = False
                     break
-                device_jobs.append(((rr, pos), int(pieces.local_rank[cover[0]]), job))
+                device_jobs.append(((rr, pos), cover[0][2], job))
                 continue
             h = xxhash.xxh3_64() if algorithm == "xxh3" else None
             s1 = s2 = 0
-            for j in cover.tolist():
-                lr, lg = int(pieces.local_rank[j]), int(pieces.local_region[j])
+            for img, length, lr, lg, lo in cover:
                 view = views.get((lr, lg))
                 if view is None:
                     base, _, nbytes = local_regions[lr][lg]
                     view = views[(lr, lg)] = host_view(base, nbytes)
-                lo = int(pieces.local_offset[j])
-                chunk = view[lo:lo + int(pieces.length[j])]
+                chunk = view[lo:lo + length]
                 if h is not None:
                     h.update(chunk.data)
                 else:
-                    img = int(pieces.image_offset[j])
-                    if img % 4 or len(chunk) % 4:
+                    if img % 4 or length % 4:
                         verifiable = False
                         break
                     p1, p2 = sum32_numpy(chunk, img // 4)
@@ -541,29 +527,26 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
                 break
             values.append(h.intdigest() if h is not None else _combine(s1, s2))
         out[(rr, pos)] = LandedDigest(values, blocks, verifiable)
-    if device_jobs:
-        by_rank: dict[int, list[tuple[tuple[int, int], list[int]]]] = {}
-        for key2, lr, job in device_jobs:
-            by_rank.setdefault(lr, []).append((key2, job))
-        for lr, jobs in by_rank.items():
-            table = np.asarray([job for _, job in jobs], np.int64)
-            values_dev = device_digests(local_device_arrays[lr], table)
-            for (key2, _), value in zip(jobs, values_dev):
-                out[key2].values.append(int(value))
+    by_local: dict[int, list[tuple[tuple[int, int], list[int]]]] = {}
+    for key, lr, job in device_jobs:
+        by_local.setdefault(lr, []).append((key, job))
+    for lr, jobs in by_local.items():
+        table = np.asarray([job for _, job in jobs], np.int64)
+        for (key, _), value in zip(jobs, device_digests(local_device_arrays[lr], table)):
+            out[key].values.append(int(value))
     return out
 
 
-def _device_job(pieces: LandedPieces, cover: np.ndarray, total: int) -> list[int] | None:
+def _device_job(cover: list[tuple[int, int, int, int, int]],
+                local_block_len: dict[int, int]) -> list[int] | None:
     """For a device landing: the local block of each image region when every piece is one
-    whole region of a whole block landed at a local block boundary in the same region
-    index (identity geometry), else None (not verifiable on the device)."""
-    lr = int(pieces.local_rank[cover[0]])
-    blen = pieces.local_block_len[lr]
+    whole region of a whole block, landed at a local block boundary of the same region
+    index in one local rank (identity geometry), else None (not verifiable on the device)."""
+    lr = cover[0][2]
+    blen = local_block_len[lr]
     out = []
-    for k, j in enumerate(cover):
-        if (int(pieces.length[j]) != blen or int(pieces.image_offset[j]) != k * blen
-                or int(pieces.local_offset[j]) % blen or int(pieces.local_region[j]) != k):
+    for k, (img, length, rank, lg, lo) in enumerate(cover):
+        if rank != lr or length != blen or img != k * blen or lo % blen or lg != k:
             return None
-        out.append(int(pieces.local_offset[j]) // blen)
-    del total
+        out.append(lo // blen)
     return out
