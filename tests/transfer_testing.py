@@ -560,10 +560,10 @@ class TransferTestBase(parameterized.TestCase):
 
     def consumer(self, spec, tp, pp=1, pp_rank=0, **kwargs):
         from jaxkv import PagedKVCache
-        from jaxkv.transfer import TransferEngine
+        from jaxkv.transfer._engine import KVTransferEngine  # the core: tests reach into it
 
         config = EngineConfig(spec, tp, pp)
-        engine = TransferEngine("decode", config, **kwargs)
+        engine = KVTransferEngine("decode", config, **kwargs)
         self._engines.append(engine)
         cache = PagedKVCache.allocate(config.local_spec(pp_rank), NUM_BLOCKS, mesh=_mesh(tp))
         engine.register_cache(cache, pp_rank=pp_rank)

@@ -2,7 +2,7 @@
 
 * Prefill (a spawned process with its own TP, layout and block size): computes each prompt
   (reusing cached prefix blocks of its `KVCacheManager`), samples the first token, publishes
-  the request's blocks with `KVTransferEngine.publish_request` and hands the
+  the request's blocks with `TransferEngine.publish_request` and hands the
   `TransferParams` to the router (this process) over a pipe; frees blocks when the transfer
   layer says so.
 * Decode (this process): allocates blocks with its own `KVCacheManager` (a local prefix hit
@@ -423,7 +423,7 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     settings = DemoSettings(**settings_kwargs)
     _child_env(settings, settings.prefill_tp)
     from jaxkv._parallel import EngineConfig
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import TransferEngine
 
     engine = _Engine(
         settings,
@@ -435,7 +435,7 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     engine.warm_up()
     config = EngineConfig(engine.runner.spec, settings.prefill_tp)
     queue: list[tuple[str, list[int]]] = []
-    with KVTransferEngine(
+    with TransferEngine(
         "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
         block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
     ) as transfer:
@@ -478,8 +478,8 @@ def prefill_mc_main(conn, settings_kwargs: dict, process_id: int, port: int) -> 
     holding ``prefill_tp / prefill_processes`` devices of the engine's mesh. Process 0 runs
     the scheduler (block manager) and talks to the router over `conn` as `prefill_main` does;
     it broadcasts each step's inputs to the others (`StepChannel`); every process runs the
-    step, and every process publishes its shards (`MultiControllerEngine`). The other
-    processes get ``conn=None``."""
+    step, and every process publishes its shards (`TransferEngine` with a `JaxDistributed`
+    coordinator). The other processes get ``conn=None``."""
     settings = DemoSettings(**settings_kwargs)
     count = settings.prefill_processes
     _child_env(settings, settings.prefill_tp // count)
@@ -488,7 +488,7 @@ def prefill_mc_main(conn, settings_kwargs: dict, process_id: int, port: int) -> 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=process_id)
     from jaxkv._parallel import EngineConfig
-    from jaxkv.transfer import KVTransferEngine, MultiControllerEngine, StepChannel
+    from jaxkv.transfer import JaxDistributed, StepChannel, TransferEngine
 
     engine = _Engine(
         settings,
@@ -500,29 +500,29 @@ def prefill_mc_main(conn, settings_kwargs: dict, process_id: int, port: int) -> 
     engine.warm_up()
     config = EngineConfig(engine.runner.spec, settings.prefill_tp)
     channel = StepChannel("jaxkv-demo-prefill", timeout_s=settings.timeout_s)
-    with KVTransferEngine(
+    with TransferEngine(
         "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
         block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
+        coordinator=JaxDistributed(timeout_s=settings.timeout_s),
     ) as transfer:
         transfer.register_cache(engine.runner.cache)  # this process's shards
-        with MultiControllerEngine(transfer, timeout_s=settings.timeout_s) as mc:
-            mc.publish_metadata()
-            if process_id == 0:
-                _prefill_scheduler(conn, settings, engine, transfer, mc, channel)
-            else:
-                _prefill_follower(settings, engine, transfer, mc, channel)
+        transfer.publish_metadata()  # a collective: every process
+        if process_id == 0:
+            _prefill_scheduler(conn, settings, engine, transfer, channel)
+        else:
+            _prefill_follower(settings, engine, transfer, channel)
 
 
-def _prefill_scheduler(conn, settings, engine, transfer, mc, channel) -> None:
+def _prefill_scheduler(conn, settings, engine, transfer, channel) -> None:
     """Process 0 of a multi-process prefill engine: `prefill_main`'s loop, with each step's
     inputs broadcast and each request published by every process."""
     queue: list[tuple[str, list[int]]] = []
 
     def serve_transfers() -> None:
-        for rid in mc.poll().freeable:  # freed by every process
+        for rid in transfer.poll().freeable:  # freed by every process
             engine.manager.free(rid)
 
-    conn.send(("ready", mc.address))
+    conn.send(("ready", transfer.address))
     while True:
         if conn.poll(0 if queue else POLL_INTERVAL_S):
             command = conn.recv()
@@ -546,7 +546,7 @@ def _prefill_scheduler(conn, settings, engine, transfer, mc, channel) -> None:
                     serve_transfers if settings.poll_during_steps else None,
                 )
                 transfer.update_cache(engine.runner.cache)  # raises if a buffer moved
-                params = mc.publish_request(rid, block_ids)  # once every process pinned it
+                params = transfer.publish_request(rid, block_ids)  # once every process pinned it
             except Exception as error:  # noqa: BLE001 - reported to the router
                 conn.send(("error", rid, f"{type(error).__name__}: {error}"))
                 continue
@@ -554,26 +554,26 @@ def _prefill_scheduler(conn, settings, engine, transfer, mc, channel) -> None:
         serve_transfers()
 
 
-def _prefill_follower(settings, engine, transfer, mc, channel) -> None:
+def _prefill_follower(settings, engine, transfer, channel) -> None:
     """Another process of a multi-process prefill engine: runs the steps process 0
     broadcasts and publishes its shards of each request."""
     while True:
         try:
             step = channel.broadcast(None, timeout_s=0)
         except TimeoutError:
-            mc.poll()  # applies aborts, reports this process's freed parts to process 0
+            transfer.poll()  # applies aborts, reports this process's freed parts to process 0
             time.sleep(POLL_INTERVAL_S)
             continue
         if step[0] == "exit":
             break
         _, rid, tokens, positions, table, n, block_ids = step
         engine.run_prefill(
-            tokens, positions, list(table), n, mc.poll if settings.poll_during_steps else None
+            tokens, positions, list(table), n, transfer.poll if settings.poll_during_steps else None
         )
         transfer.update_cache(engine.runner.cache)
         with contextlib.suppress(Exception):  # a failure is reported to process 0 (aborted)
-            mc.publish_request(rid, block_ids)
-        mc.poll()
+            transfer.publish_request(rid, block_ids)
+        transfer.poll()
 
 
 class _ProcessGroup:
@@ -688,7 +688,7 @@ def run_disaggregated(
       RuntimeError: the prefill process did not start in time.
     """
     from jaxkv._parallel import EngineConfig
-    from jaxkv.transfer import KVTransferEngine
+    from jaxkv.transfer import TransferEngine
 
     t_begin = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
@@ -708,7 +708,7 @@ def run_disaggregated(
         )
         engine.warm_up_decode()
         config = EngineConfig(engine.runner.spec, settings.decode_tp)
-        transfer = KVTransferEngine(
+        transfer = TransferEngine(
             "decode", config, agent_options=_agent_options(settings),
             read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s,
             block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
@@ -919,7 +919,7 @@ class _DemoDecode:
             # notifications are kept): a full `poll` could post-process a finished read on
             # the cache the step has consumed (donated); that waits for the next poll.
             done += engine.decode_step(
-                transfer.agent.progress if self.settings.poll_during_steps else None
+                transfer.progress if self.settings.poll_during_steps else None
             )
             transfer.update_cache(engine.runner.cache)  # raises if the step moved a buffer
         for rid in done:

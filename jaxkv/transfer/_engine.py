@@ -614,6 +614,13 @@ class KVTransferEngine:
             result.extend(self._poll(allow_jax=True))
             return result
 
+    def progress(self) -> None:
+        """Moves what is in flight (peers' READs, notifications, completions) without any JAX
+        work: safe while a jitted step computes on the registered cache. What it finds is
+        reported by the next `poll`."""
+        with self._lock:
+            self._stashed.extend(self._poll(allow_jax=False))
+
     def _poll(self, allow_jax: bool) -> PollResult:
         result = PollResult()
         now = time.monotonic()

@@ -97,7 +97,7 @@ class TransferEngine:
         ``host_staging``, ``block_hashing``, ``progress_interval_s``,
         ``early_read_grace_s``, ``transport`` (``"nixl"``, ``"jax"``, ``"auto"``),
         ``control``, ``jax_transport_options``, ``agent_options``, ``auth_key``,
-        ``allow_unauthenticated`` — see docs/transfer.md ("Engine options").
+        ``allow_unauthenticated``, ``digests`` — see docs/transfer.md ("Engine options").
 
     Raises:
       ValueError: no group, options of unknown groups, bad options, or a coordinator with
@@ -247,6 +247,11 @@ class TransferEngine:
     def local_ranks(self) -> tuple[int, ...]:
         """The ranks whose shards this process registered (the only group)."""
         return self._cores[self._group(None)].local_ranks
+
+    @property
+    def transport_name(self) -> str:
+        """What moves the KV: ``"nixl"`` or ``"jax"`` (``transport="auto"`` resolved)."""
+        return self._cores[self.groups[0]].transport.name
 
     @property
     def registers_memory(self) -> bool:
@@ -546,6 +551,18 @@ class TransferEngine:
             else:
                 out.finished.append(read_id)
         return out
+
+    def progress(self) -> None:
+        """Moves what is in flight without any JAX work (safe while a jitted step computes on
+        the registered caches, e.g. between a decode step's dispatch and its result); what it
+        finds is reported by the next `poll`. The engine's progress thread does the same in
+        the background (``progress_interval_s``).
+
+        Example:
+          >>> engine.progress()  # doctest: +SKIP
+        """
+        for core in self._cores.values():
+            core.progress()
 
     def _poll_group(self, group: str) -> PollResult:
         processes = self._processes.get(group)

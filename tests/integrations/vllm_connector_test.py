@@ -244,7 +244,8 @@ def test_producer_abort_after_publish(pair):
     (prompt,) = prompts_of([30], seed=6)
     req = vh.request(prompt, 8, {"do_remote_decode": True}, 4)  # not finished by its prefill
     producer.add(req)
-    vh.run_until([producer], lambda: req.request_id in producer.worker.engine._pinned)
+    engine = producer.worker.engine
+    vh.run_until([producer], lambda: engine.published_layers(req.request_id) is not None)
     from vllm.v1.request import RequestStatus
 
     producer.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)

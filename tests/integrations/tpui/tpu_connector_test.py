@@ -58,7 +58,7 @@ def consumer_side(tp: int = 1, transport: str = "nixl", **kwargs) -> th.Side:
     extra = {"engine_id": f"decode-{transport}", "read_timeout_s": 20.0,
              **_settings(transport), **kwargs.pop("extra", {})}
     side = th.Side("kv_consumer", tp, 256, extra, **kwargs)
-    assert side.worker.engine.transport.name == _settings(transport)["transport"]
+    assert side.worker.engine.transport_name == _settings(transport)["transport"]
     return side
 
 

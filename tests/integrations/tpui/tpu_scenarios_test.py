@@ -417,7 +417,7 @@ def test_transport_setting_is_passed_to_the_engine():
     name is refused by name."""
     worker, _ = _worker("kv_producer", {"engine_id": "p-t", "transport": "jax"})
     try:
-        assert worker.engine.transport.name == "jax"
+        assert worker.engine.transport_name == "jax"
         assert not worker.engine.registers_memory
         # the exact packed description, not NIXL's word-column view
         assert worker.engine.config.spec == worker.layout.spec
