@@ -835,7 +835,8 @@ class FileTier:
         every read).
 
         Raises:
-          As `read_async`.
+          ValueError: a destination that does not hold one block payload (`read_async`).
+          RuntimeError: the tier is closed.
 
         Example:
           >>> tier.queue_checked_read([(h, regions, [])], [], future)   # doctest: +SKIP
