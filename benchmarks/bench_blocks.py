@@ -44,6 +44,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv import blocks  # noqa: E402
+from jaxkv.blocks._hashing import sha256, sha256_cbor, xxhash128  # noqa: E402
+from jaxkv.blocks._pool import BlockPool  # noqa: E402
 
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result to this path.")
 _REPEATS = flags.DEFINE_integer("repeats", 30, "Timed repetitions per measurement (best kept).")
@@ -100,7 +102,7 @@ def _rate(timing: dict, count: int, unit: str) -> dict:
 
 
 def bench_pool(num_blocks: int, batch: int, repeats: int) -> dict:
-    pool = blocks.BlockPool(num_blocks)
+    pool = BlockPool(num_blocks)
     held: list = []
 
     def release() -> None:
@@ -133,7 +135,7 @@ def bench_pool(num_blocks: int, batch: int, repeats: int) -> dict:
     out["free_cached"] = _rate(timing, batch, "blocks")
 
     # Allocate when every free block caches a hash (each allocation evicts one).
-    pool = blocks.BlockPool(batch + 1)
+    pool = BlockPool(batch + 1)
     ids = pool.allocate(batch)
 
     def fill_cached() -> None:
@@ -149,7 +151,7 @@ def bench_pool(num_blocks: int, batch: int, repeats: int) -> dict:
     out["allocate_evicting"] = _rate(timing, batch, "blocks")
 
     # One block at a time (decode-sized calls).
-    pool = blocks.BlockPool(num_blocks)
+    pool = BlockPool(num_blocks)
 
     def one_by_one() -> None:
         for _ in range(256):
@@ -161,7 +163,7 @@ def bench_pool(num_blocks: int, batch: int, repeats: int) -> dict:
     }
 
     # Pool-level full prefix hit: lookup + touch.
-    pool = blocks.BlockPool(num_blocks)
+    pool = BlockPool(num_blocks)
     ids = pool.allocate(batch)
     hashes = [i.to_bytes(8, "little") * 4 for i in range(batch)]
     pool.cache_blocks(ids, hashes)
@@ -185,8 +187,8 @@ def bench_hashing(num_tokens: int, block_size: int, repeats: int) -> dict:
     tokens = _tokens(num_tokens)
     array = np.asarray(tokens, dtype=np.int64)
     out = {}
-    for name, hash_fn in (("sha256", blocks.sha256), ("xxh3_128", blocks.xxhash128),
-                          ("sha256_cbor", blocks.sha256_cbor)):
+    for name, hash_fn in (("sha256", sha256), ("xxh3_128", xxhash128),
+                          ("sha256_cbor", sha256_cbor)):
         for kind, given in (("list", tokens), ("numpy", array)):
             timing = _time(
                 lambda given=given, hash_fn=hash_fn: blocks.hash_request_tokens(
@@ -482,9 +484,9 @@ def bench_decode(num_requests: int, block_size: int, repeats: int, reference: bo
     calls = 512
     out: dict = {"jaxkv": {}, "reference": {}}
     for k in (1, 2, 4):
-        pool = blocks.BlockPool(16384)
+        pool = BlockPool(16384)
 
-        def pairs(pool: blocks.BlockPool = pool, k: int = k) -> None:
+        def pairs(pool: BlockPool = pool, k: int = k) -> None:
             allocate, free = pool.allocate, pool.free
             for _ in range(calls):
                 free(allocate(k)[::-1])

@@ -44,13 +44,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv import EngineConfig, KVCacheSpec  # noqa: E402
-from jaxkv.transfer import (  # noqa: E402
-    AgentInfo,
-    RankInfo,
-    RegionInfo,
-    engine_metadata,
-    plan_read,  # noqa: E402
-)
+from jaxkv.transfer._metadata import AgentInfo, RankInfo, RegionInfo, engine_metadata
+from jaxkv.transfer._plan import plan_read
 
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the JSON result to this path.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per case (median reported).")

@@ -173,8 +173,8 @@ def small_requests(args) -> dict:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import plan_read
     from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
+    from jaxkv.transfer._plan import plan_read
 
     spec = KVCacheSpec(**SMALL_SPEC)
     ctx = multiprocessing.get_context("spawn")
@@ -777,8 +777,8 @@ def main(argv=None) -> dict:
     import jax
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
-    from jaxkv.transfer import plan_read
     from jaxkv.transfer._engine import KVTransferEngine  # the core: its agent times bare READs
+    from jaxkv.transfer._plan import plan_read
 
     spec = KVCacheSpec(**SPEC)
     block = spec.block_nbytes()

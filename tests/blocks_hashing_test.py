@@ -10,19 +10,24 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jaxkv import blocks
-from jaxkv.blocks import (
+from jaxkv.blocks import hash_request_tokens
+from jaxkv.blocks._errors import PartialBlockError
+from jaxkv.blocks._hashing import (
+    NONE_HASH,
+    HashFunction,
     MultiModalInput,
-    PartialBlockError,
     RequestBlockHasher,
     block_extra_keys,
     encode_key,
     hash_block_tokens,
-    hash_request_tokens,
     none_hash,
+    random_hash_seed,
+    sha256,
+    xxhash128,
 )
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_HASH_FNS = (("sha256", blocks.sha256), ("xxhash", blocks.xxhash128))
+_HASH_FNS = (("sha256", sha256), ("xxhash", xxhash128))
 
 
 def _reference_hash(parent, tokens, extra, digest):
@@ -99,12 +104,12 @@ class HashBlockTokensTest(parameterized.TestCase):
             hash_block_tokens(None, np.array([2**63], np.uint64))
 
     def test_custom_hash_function(self):
-        md5 = blocks.HashFunction("md5", 16, lambda data: hashlib.md5(data).digest())
+        md5 = HashFunction("md5", 16, lambda data: hashlib.md5(data).digest())
         hashes = hash_request_tokens(list(range(8)), 4, md5)
         self.assertLen(hashes, 2)
         self.assertTrue(all(len(h) == 16 for h in hashes))
         with self.assertRaises(ValueError):
-            blocks.HashFunction("bad", 0, lambda data: data)
+            HashFunction("bad", 0, lambda data: data)
 
 
 class EncodeKeyTest(parameterized.TestCase):
@@ -154,7 +159,7 @@ class NoneHashTest(parameterized.TestCase):
         manager = blocks.KVCacheManager(16, 4)
         manager.add_request("r", list(range(10)), cache_salt="s")
         self.assertEqual(first[3:5], [h.hex() for h in manager.get_block_hashes("r")])
-        self.assertEqual(first[0], blocks.NONE_HASH.hex())
+        self.assertEqual(first[0], NONE_HASH.hex())
 
     def test_environment_plays_no_part(self):
         self.assertEqual(self._child(self._HASHES, env_seed="123"),
@@ -164,7 +169,7 @@ class NoneHashTest(parameterized.TestCase):
         expected = hashlib.sha256(b"jaxkv.blocks.NONE_HASH\x00" + b"0").digest()
         self.assertEqual(blocks.DEFAULT_HASH_SEED, "0")
         self.assertEqual(none_hash(), expected)
-        self.assertEqual(blocks.NONE_HASH, expected)
+        self.assertEqual(NONE_HASH, expected)
 
     def test_seed_changes_every_hash(self):
         self.assertNotEqual(none_hash(seed="a"), none_hash(seed="b"))
@@ -177,7 +182,7 @@ class NoneHashTest(parameterized.TestCase):
         self.assertEqual(hasher.block_hashes, a)
 
     def test_random_only_when_asked(self):
-        seeds = {blocks.random_hash_seed() for _ in range(4)}
+        seeds = {random_hash_seed() for _ in range(4)}
         self.assertLen(seeds, 4)
         one = blocks.KVCacheManager(8, 2, hash_seed="random")
         two = blocks.KVCacheManager(8, 2, hash_seed="random")

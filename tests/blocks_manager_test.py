@@ -10,11 +10,10 @@ from jaxkv.blocks import (
     BlockStored,
     CacheHit,
     KVCacheManager,
-    MultiModalInput,
     UnknownRequestError,
-    hash_block_tokens,
     hash_request_tokens,
 )
+from jaxkv.blocks._hashing import MultiModalInput, hash_block_tokens
 
 BS = 16
 COMMON = [i for i in range(3) for _ in range(BS)]  # Three full blocks.

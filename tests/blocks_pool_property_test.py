@@ -12,13 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxkv.blocks import (
-    BlockError,
-    BlockPool,
-    DoubleFreeError,
-    InvalidBlockIdError,
-    OutOfBlocksError,
-)
+from jaxkv.blocks import BlockError, OutOfBlocksError
+from jaxkv.blocks._errors import DoubleFreeError, InvalidBlockIdError
+from jaxkv.blocks._pool import BlockPool
 
 NUM_BLOCKS = 24
 HASHES = [f"h{i}".encode() for i in range(10)]

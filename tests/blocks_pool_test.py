@@ -3,17 +3,10 @@
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jaxkv.blocks import (
-    AllBlocksCleared,
-    BlockError,
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    DoubleFreeError,
-    FreeBlockQueue,
-    InvalidBlockIdError,
-    OutOfBlocksError,
-)
+from jaxkv.blocks import AllBlocksCleared, BlockError, BlockRemoved, BlockStored, OutOfBlocksError
+from jaxkv.blocks._errors import DoubleFreeError, InvalidBlockIdError
+from jaxkv.blocks._free_queue import FreeBlockQueue
+from jaxkv.blocks._pool import BlockPool
 
 # Lists of up to 8 ids take the pool's scalar path, longer lists and arrays the numpy path.
 _PATHS = (("scalar", list), ("numpy", np.array))

@@ -9,11 +9,11 @@ from jaxkv.blocks import (
     AttentionLayers,
     InsufficientMemoryError,
     KVCacheManager,
-    blocks_per_request,
     estimate_max_model_len,
     num_blocks_for_memory,
     plan_kv_cache,
 )
+from jaxkv.blocks._sizing import blocks_per_request
 
 GIB = 1 << 30
 

@@ -16,14 +16,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from jaxkv import blocks
-from jaxkv.blocks import (
-    AllBlocksCleared,
-    BlockPool,
-    BlockRemoved,
-    BlockStored,
-    KVCacheManager,
-    MultiModalInput,
-)
+from jaxkv.blocks import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
+from jaxkv.blocks._hashing import MultiModalInput, RequestBlockHasher, hash_block_tokens, none_hash
+from jaxkv.blocks._pool import BlockPool
 
 # ----------------------------------------------------------------------------- the spec
 
@@ -93,20 +88,20 @@ class Sha256CborTest(parameterized.TestCase):
 
     @parameterized.parameters("0", "123", "", "a seed")
     def test_none_hash_is_vllms(self, seed):
-        self.assertEqual(blocks.none_hash("sha256_cbor", seed), _vllm_none_hash(seed))
+        self.assertEqual(none_hash("sha256_cbor", seed), _vllm_none_hash(seed))
 
     def test_default_seed_is_vllm_pythonhashseed_zero(self):
-        self.assertEqual(blocks.none_hash("sha256_cbor"), _vllm_none_hash("0"))
+        self.assertEqual(none_hash("sha256_cbor"), _vllm_none_hash("0"))
 
     def test_canonical_cbor_bytes_by_hand(self):
         # (parent, (0, 1, 24, 1000, -3), None): array(3), bytes(32), array(5) of shortest ints.
         parent = bytes(range(32))
         message = (b"\x83\x58\x20" + parent + b"\x85\x00\x01\x18\x18\x19\x03\xe8\x22" + b"\xf6")
-        self.assertEqual(blocks.hash_block_tokens(parent, [0, 1, 24, 1000, -3], None,
+        self.assertEqual(hash_block_tokens(parent, [0, 1, 24, 1000, -3], None,
                                                   "sha256_cbor"),
                          hashlib.sha256(message).digest())
         seed_cbor = b"\x63abc"  # text(3) "abc"
-        self.assertEqual(blocks.none_hash("sha256_cbor", "abc"),
+        self.assertEqual(none_hash("sha256_cbor", "abc"),
                          hashlib.sha256(seed_cbor).digest())
 
     @parameterized.parameters("0", "42")
@@ -129,7 +124,7 @@ class Sha256CborTest(parameterized.TestCase):
 
     def test_incremental_hasher_matches(self):
         tokens = list(range(1000, 1050))
-        hasher = blocks.RequestBlockHasher(8, "sha256_cbor", seed="7")
+        hasher = RequestBlockHasher(8, "sha256_cbor", seed="7")
         for token in tokens:
             hasher.extend([token])
         self.assertEqual(hasher.block_hashes, _vllm_chain(tokens, 8, None, "7"))
@@ -147,7 +142,7 @@ class Sha256CborTest(parameterized.TestCase):
 
     def test_unencodable_extra_key(self):
         with self.assertRaises(TypeError):
-            blocks.hash_block_tokens(None, [1], (object(),), "sha256_cbor")
+            hash_block_tokens(None, [1], (object(),), "sha256_cbor")
 
 
 class RemovalEventsTest(parameterized.TestCase):

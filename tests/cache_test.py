@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from absl.testing import absltest, parameterized
 
-from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, BufferMovedError, KVCacheSpec, PagedKVCache
+from jaxkv import LAYOUT_PRESETS, BufferMovedError, KVCacheSpec, PagedKVCache
+from jaxkv._spec import SUPPORTED_DTYPES
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 

@@ -10,7 +10,8 @@ import kv_testing
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jaxkv import SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
+from jaxkv import KVCacheSpec, PagedKVCache, ops
+from jaxkv._spec import SUPPORTED_DTYPES
 
 
 @absltest.skipIf(not kv_testing.gpus(), "no GPU visible to JAX")

@@ -12,24 +12,23 @@ from absl.testing import absltest, parameterized  # noqa: E402
 from kv_testing import bits  # noqa: E402
 
 from jaxkv import KVCacheSpec  # noqa: E402
-from jaxkv.demo import (  # noqa: E402
-    DemoSettings,
-    ModelConfig,
-    ModelRunner,
-    init_params,
-    make_mesh,
+from jaxkv.demo import DemoSettings, run_colocated
+from jaxkv.demo._attention import (
+    attend,  # noqa: E402
     read_pages,
-    run_colocated,
     write_tokens,
 )
-from jaxkv.demo._attention import attend  # noqa: E402
 from jaxkv.demo._engines import RequestResult, wait_ready  # noqa: E402
 from jaxkv.demo._model import (  # noqa: E402
+    ModelConfig,
+    ModelRunner,
     _linear,
     _norm,
     _per_head,
     _rope,
     _weights,
+    init_params,
+    make_mesh,
     quantize_params,
 )
 

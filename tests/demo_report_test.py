@@ -10,9 +10,11 @@ import os  # noqa: E402
 
 from absl.testing import absltest  # noqa: E402
 
-from jaxkv.demo import DemoSettings, RequestResult, build_report  # noqa: E402
+from jaxkv.demo import DemoSettings
+from jaxkv.demo._engines import RequestResult
 from jaxkv.demo._report import (  # noqa: E402
     TTFT_SEGMENTS,
+    build_report,
     format_report,
     plot_figure,
     ttft_segments,

@@ -23,7 +23,8 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec  # noqa: E402
-from jaxkv.transfer import TransferStats, WorkerAggregator, nixl_available  # noqa: E402
+from jaxkv.transfer import TransferStats, nixl_available
+from jaxkv.transfer._stats import WorkerAggregator
 
 REMOTE_IDS, LOCAL_IDS, WAIT_S = tt.REMOTE_IDS, tt.LOCAL_IDS, tt.WAIT_S
 

@@ -13,19 +13,10 @@ import transfer_testing as tt
 from absl.testing import absltest
 
 from jaxkv import EngineConfig, KVCacheSpec
-from jaxkv.transfer import (
-    AgentInfo,
-    FailedRead,
-    MetadataError,
-    PollResult,
-    RankInfo,
-    StepChannel,
-    TransferParams,
-    broadcast_block_ids,
-    engine_metadata,
-    fetch_metadata,
-)
+from jaxkv.transfer import FailedRead, PollResult, StepChannel, TransferParams, broadcast_block_ids
+from jaxkv.transfer._metadata import AgentInfo, MetadataError, RankInfo, engine_metadata
 from jaxkv.transfer._multicontroller import MultiControllerEngine  # the coordination state machine
+from jaxkv.transfer._side_channel import fetch_metadata
 
 
 class Store:

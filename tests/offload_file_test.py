@@ -16,15 +16,9 @@ import numpy as np
 import offload_testing as ot
 from absl.testing import absltest, parameterized
 
-from jaxkv.offload import (
-    FileTier,
-    IncompatibleTierError,
-    OffloadManager,
-    OffloadTimeoutError,
-    TierFuture,
-    UnknownSlotError,
-    _file,
-)
+from jaxkv.offload import FileTier, OffloadManager, _file
+from jaxkv.offload._file import TierFuture
+from jaxkv.offload._types import IncompatibleTierError, OffloadTimeoutError, UnknownSlotError
 from jaxkv.transfer import nixl_available
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -12,8 +12,8 @@ import offload_testing as ot
 import pytest
 from absl.testing import absltest, parameterized
 
-from jaxkv import SUPPORTED_DTYPES
 from jaxkv import ops as jaxkv_ops
+from jaxkv._spec import SUPPORTED_DTYPES
 from jaxkv.offload import FileTier, HostPool, OffloadManager, offload_blocks, onboard_blocks
 from jaxkv.transfer import nixl_available
 

@@ -18,8 +18,10 @@ from absl.testing import absltest, parameterized
 
 import jaxkv
 from jaxkv import offload
-from jaxkv.blocks import BlockPool, KVCacheManager
-from jaxkv.offload import FileTier, HostPool, HostPoolFullError, OffloadManager, UnknownSlotError
+from jaxkv.blocks import KVCacheManager
+from jaxkv.blocks._pool import BlockPool
+from jaxkv.offload import FileTier, HostPool, OffloadManager
+from jaxkv.offload._types import HostPoolFullError, UnknownSlotError
 
 _SPEC = ot.spec_for("THD", "float32")
 

@@ -16,15 +16,9 @@ import offload_testing as ot
 import pytest
 from absl.testing import absltest, parameterized
 
-from jaxkv.offload import (
-    FileTier,
-    OffloadManager,
-    OffloadTimeoutError,
-    SlotKey,
-    SlotOrdering,
-    Tier,
-    UnknownSlotError,
-)
+from jaxkv.offload import FileTier, OffloadManager
+from jaxkv.offload._ordering import SlotOrdering
+from jaxkv.offload._types import OffloadTimeoutError, SlotKey, Tier, UnknownSlotError
 
 
 class _DelayedIO:

@@ -20,7 +20,8 @@ from absl.testing import absltest, parameterized
 from jax.experimental.pallas import tpu as pltpu
 from reshape_testing import DST_IDS, FAST, GRID, SRC_IDS, numpy_merge, numpy_prefix, round_trip
 
-from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, EngineConfig, KVCacheSpec, PagedKVCache, ops
+from jaxkv import LAYOUT_PRESETS, EngineConfig, KVCacheSpec, PagedKVCache, ops
+from jaxkv._spec import SUPPORTED_DTYPES
 from jaxkv.ops import _pallas
 
 IMPLS = ("ffi", "pallas", "reference")

@@ -15,7 +15,8 @@ from absl.testing import absltest, parameterized
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv import SUPPORTED_DTYPES, KVCacheSpec, ops
+from jaxkv import KVCacheSpec, ops
+from jaxkv._spec import SUPPORTED_DTYPES
 from jaxkv.ops import _pallas
 
 # Every dtype the Pallas kernels move: the cache dtypes and the other 8-, 16- and 32-bit ones.

@@ -11,7 +11,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 from hypothesis import strategies as st
 
-from jaxkv import SUPPORTED_DTYPES, ops
+from jaxkv import ops
+from jaxkv._spec import SUPPORTED_DTYPES
 from jaxkv.ops import reference
 
 DTYPES = [d.name for d in SUPPORTED_DTYPES]

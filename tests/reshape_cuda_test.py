@@ -11,7 +11,8 @@ import numpy as np
 import reshape_testing as ref
 from absl.testing import absltest, parameterized
 
-from jaxkv import SUPPORTED_DTYPES, ops
+from jaxkv import ops
+from jaxkv._spec import SUPPORTED_DTYPES
 
 
 def _on_gpu(host):

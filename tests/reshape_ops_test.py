@@ -20,7 +20,8 @@ from reshape_testing import SIZES, numpy_merge, numpy_prefix
 from reshape_testing import block_shape as _shape
 
 import jaxkv
-from jaxkv import LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec, PagedKVCache, ops
+from jaxkv import LAYOUT_PRESETS, KVCacheSpec, PagedKVCache, ops
+from jaxkv._spec import SUPPORTED_DTYPES
 from jaxkv.ops import reference
 
 DTYPES = [d.name for d in SUPPORTED_DTYPES]

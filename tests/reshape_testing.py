@@ -6,7 +6,8 @@ import dataclasses
 import kv_testing
 import numpy as np
 
-from jaxkv import SUPPORTED_DTYPES, EngineConfig, KVCacheSpec, ops
+from jaxkv import EngineConfig, KVCacheSpec, ops
+from jaxkv._spec import SUPPORTED_DTYPES
 
 SIZES = {"L": 3, "K": 2, "H": 4, "T": 8, "D": 8}
 

@@ -7,8 +7,14 @@ import ml_dtypes
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from jaxkv import CACHE_PRESETS, LAYOUT_PRESETS, SUPPORTED_DTYPES, KVCacheSpec
-from jaxkv._spec import canonical_dtype, dtype_packing, heads_per_rank, validate_layout
+from jaxkv import CACHE_PRESETS, LAYOUT_PRESETS, KVCacheSpec
+from jaxkv._spec import (
+    SUPPORTED_DTYPES,
+    canonical_dtype,
+    dtype_packing,
+    heads_per_rank,
+    validate_layout,
+)
 
 
 class LayoutTest(parameterized.TestCase):

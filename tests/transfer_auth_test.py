@@ -23,13 +23,13 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
-from jaxkv.transfer import HandshakeError, fetch_metadata, load_auth_key  # noqa: E402
+from jaxkv.transfer import HandshakeError, load_auth_key
 from jaxkv.transfer import _auth as auth  # noqa: E402
 from jaxkv.transfer._control import TcpControlChannel  # noqa: E402
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, encode_message  # noqa: E402
 from jaxkv.transfer._metadata import PROTOCOL_VERSION  # noqa: E402
-from jaxkv.transfer._side_channel import CONTROL_MAGIC, MAGIC, MetadataServer  # noqa: E402
+from jaxkv.transfer._side_channel import CONTROL_MAGIC, MAGIC, MetadataServer, fetch_metadata  # noqa: E402
 
 KEY = b"deployment-key-0123456789abcdef"
 OTHER_KEY = b"another-deployment-key-987654321"

@@ -245,7 +245,7 @@ class RecommendLayoutTest(parameterized.TestCase):
 
     def test_advice_avoids_post_processing_in_the_plan(self):
         # the recommended layout really plans without post-processing (hetero TP, HND peer)
-        from jaxkv.transfer import plan_read
+        from jaxkv.transfer._plan import plan_read
 
         spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
                            layout="KHTD")

@@ -82,7 +82,7 @@ def jax_producer_main(conn) -> None:
                     engine = KVTransferEngine("prefill", config, transport="jax",
                                               **engine_kwargs)
                     if bad_address is not None:  # publishes a malformed server address
-                        from jaxkv.transfer import AgentInfo
+                        from jaxkv.transfer._metadata import AgentInfo
 
                         engine.transport.describe = lambda e=engine.transport.endpoint, \
                             b=bad_address: [AgentInfo(name=e, metadata=b)]
@@ -536,7 +536,7 @@ class JaxEngineTest(parameterized.TestCase):
         self.assertEqual((state[0], state[3]), (0, 0))
 
     def test_bad_metadata_refused(self):
-        from jaxkv.transfer import MetadataError
+        from jaxkv.transfer._metadata import MetadataError
 
         spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
         address = self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4,

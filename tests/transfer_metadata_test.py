@@ -12,16 +12,14 @@ import transfer_testing as tt
 from absl.testing import absltest
 
 from jaxkv import EngineConfig, KVCacheSpec
-from jaxkv.transfer import (
-    HandshakeError,
-    IncompatibleEngineError,
+from jaxkv.transfer import HandshakeError, IncompatibleEngineError
+from jaxkv.transfer._metadata import (
     MetadataError,
-    MetadataServer,
     check_compatible,
     decode_metadata,
     encode_metadata,
-    fetch_metadata,
 )
+from jaxkv.transfer._side_channel import MetadataServer, fetch_metadata
 
 SPEC = KVCacheSpec(4, 4, 8, 4, "bfloat16", layout="LKHTD")
 

@@ -13,13 +13,8 @@ kv_testing.force_cpu_devices()
 
 from absl.testing import absltest, parameterized  # noqa: E402
 
-from jaxkv.transfer import (  # noqa: E402
-    PublishRecord,
-    TransferRecord,
-    TransferStats,
-    TransferStatsCollector,
-    prometheus_text,
-)
+from jaxkv.transfer import TransferStats, TransferStatsCollector, prometheus_text
+from jaxkv.transfer._stats import PublishRecord, TransferRecord
 
 try:
     import prometheus_client  # noqa: F401

@@ -26,7 +26,8 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec  # noqa: E402
-from jaxkv.transfer import PlanError, nixl_available, plan_read  # noqa: E402
+from jaxkv.transfer import nixl_available
+from jaxkv.transfer._plan import PlanError, plan_read
 
 NUM_BLOCKS = 10
 REMOTE_IDS = [3, 4, 5, 9, 2, 0]  # a run of consecutive ids and breaks
@@ -205,7 +206,7 @@ class PackedMirrorTest(absltest.TestCase):
         # The packed head axis is stored as two axes before L: a layer-wise copy into the
         # mirror must select L among the stored axes (H, h, L, T, D), not the layout letters.
         from jaxkv import PagedKVCache
-        from jaxkv.transfer import HostMirror
+        from jaxkv.transfer._staging import HostMirror
 
         spec = KVCacheSpec(2, 2, 8, 4, "bfloat16", layout="HLTD", kv_interleaved=True,
                            packing=2, head_dim_alignment=16)
@@ -228,7 +229,7 @@ class PackedJitTest(absltest.TestCase):
         import jax
 
         from jaxkv import PagedKVCache
-        from jaxkv.transfer import written_token
+        from jaxkv.transfer._jit import written_token
 
         spec = KVCacheSpec(1, 2, 8, 4, "bfloat16", layout="THD", packing=2, packed_axis="T")
         self.assertEqual(spec.block_axes(), ("T", "t", "H", "D"))

@@ -12,15 +12,10 @@ import transfer_testing as tt
 from absl.testing import absltest, parameterized
 
 from jaxkv import EngineConfig, KVCacheSpec
-from jaxkv.transfer import (
-    IncompatibleEngineError,
-    PlanError,
-    RankInfo,
-    engine_metadata,
-    plan_read,
-)
+from jaxkv.transfer import IncompatibleEngineError
 from jaxkv.transfer import _plan as plan_module
-from jaxkv.transfer._plan import read_planner
+from jaxkv.transfer._metadata import RankInfo, engine_metadata
+from jaxkv.transfer._plan import PlanError, plan_read, read_planner
 
 NUM_BLOCKS = 16
 REMOTE_IDS = [3, 4, 5, 9, 10, 2]  # runs of consecutive ids and a break

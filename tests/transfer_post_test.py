@@ -18,7 +18,8 @@ import transfer_testing as tt  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
-from jaxkv.transfer import apply_post_processing, group_post_steps, plan_read  # noqa: E402
+from jaxkv.transfer._plan import plan_read
+from jaxkv.transfer._post import apply_post_processing, group_post_steps
 
 NUM_BLOCKS = 16
 REMOTE_IDS = [3, 4, 5, 9, 10, 2]

@@ -23,7 +23,8 @@ import transfer_e2e_test as e2e  # noqa: E402  (module only: its class is not co
 from absl.testing import absltest, parameterized  # noqa: E402
 
 from jaxkv import KVCacheSpec, PagedKVCache, ops  # noqa: E402
-from jaxkv.transfer import HostMirror, nixl_available  # noqa: E402
+from jaxkv.transfer import nixl_available
+from jaxkv.transfer._staging import HostMirror
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")

@@ -17,7 +17,7 @@ from absl.testing import parameterized
 from kv_testing import bits
 
 from jaxkv import EngineConfig, KVCacheSpec
-from jaxkv.transfer import AgentInfo, RankInfo, RegionInfo, engine_metadata
+from jaxkv.transfer._metadata import AgentInfo, RankInfo, RegionInfo, engine_metadata
 
 REGION_STRIDE = 1 << 36  # fake base addresses: rank * 2^44 + region * 2^36
 

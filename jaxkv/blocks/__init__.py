@@ -1,125 +1,118 @@
-"""Host-side KV-cache block management: prefix-caching block pool, per-request manager,
-block hashing, KV-cache events, hit-rate metrics and cache sizing (vLLM v1 semantics).
+"""Host-side KV-cache block management (vLLM v1 semantics): the per-request, prefix-caching
+`KVCacheManager` with what it returns (`CacheHit`, `TieredCacheHit`, `Allocation`), block
+hashing (`hash_request_tokens`, `hash_identity`, `DEFAULT_HASH_SEED`; the hash function is
+chosen by name), KV-cache events (`KVCacheEvent`: `BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`; in vLLM's wire format with `encode_vllm_event_batch` /
+`decode_vllm_event_batch`), cache sizing (`plan_kv_cache` -> `KVCachePlan`, `AttentionLayers`,
+`num_blocks_for_memory`, `estimate_max_model_len`) and the errors (`BlockError` and the ones
+callers catch: `OutOfBlocksError`, `UnknownRequestError`, `InsufficientMemoryError`).
 
 Pure Python and numpy: importing this package never imports JAX.
 """
 
-from jaxkv.blocks._errors import BlockError as BlockError
-from jaxkv.blocks._errors import DoubleFreeError as DoubleFreeError
-from jaxkv.blocks._errors import InsufficientMemoryError as InsufficientMemoryError
-from jaxkv.blocks._errors import InvalidBlockIdError as InvalidBlockIdError
-from jaxkv.blocks._errors import OutOfBlocksError as OutOfBlocksError
-from jaxkv.blocks._errors import PartialBlockError as PartialBlockError
-from jaxkv.blocks._errors import UnknownRequestError as UnknownRequestError
-from jaxkv.blocks._events import AllBlocksCleared as AllBlocksCleared
-from jaxkv.blocks._events import BlockRemoved as BlockRemoved
-from jaxkv.blocks._events import BlockStored as BlockStored
-from jaxkv.blocks._events import KVCacheEvent as KVCacheEvent
-from jaxkv.blocks._events import VllmAllBlocksCleared as VllmAllBlocksCleared
-from jaxkv.blocks._events import VllmBlockRemoved as VllmBlockRemoved
-from jaxkv.blocks._events import VllmBlockStored as VllmBlockStored
-from jaxkv.blocks._events import VllmKVEventBatch as VllmKVEventBatch
-from jaxkv.blocks._events import decode_vllm_event_batch as decode_vllm_event_batch
-from jaxkv.blocks._events import encode_vllm_event_batch as encode_vllm_event_batch
-from jaxkv.blocks._events import to_vllm_event as to_vllm_event
-from jaxkv.blocks._free_queue import FreeBlockQueue as FreeBlockQueue
-from jaxkv.blocks._hashing import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
-from jaxkv.blocks._hashing import NONE_HASH as NONE_HASH
-from jaxkv.blocks._hashing import RANDOM_HASH_SEED as RANDOM_HASH_SEED
-from jaxkv.blocks._hashing import BlockHash as BlockHash
-from jaxkv.blocks._hashing import ExtraKeys as ExtraKeys
-from jaxkv.blocks._hashing import HashFunction as HashFunction
-from jaxkv.blocks._hashing import MultiModalInput as MultiModalInput
-from jaxkv.blocks._hashing import RequestBlockHasher as RequestBlockHasher
-from jaxkv.blocks._hashing import block_extra_keys as block_extra_keys
-from jaxkv.blocks._hashing import encode_key as encode_key
-from jaxkv.blocks._hashing import get_hash_function as get_hash_function
-from jaxkv.blocks._hashing import hash_block_tokens as hash_block_tokens
-from jaxkv.blocks._hashing import hash_identity as hash_identity
-from jaxkv.blocks._hashing import hash_request_tokens as hash_request_tokens
-from jaxkv.blocks._hashing import none_hash as none_hash
-from jaxkv.blocks._hashing import random_hash_seed as random_hash_seed
-from jaxkv.blocks._hashing import sha256 as sha256
-from jaxkv.blocks._hashing import sha256_cbor as sha256_cbor
-from jaxkv.blocks._hashing import xxhash128 as xxhash128
-from jaxkv.blocks._manager import Allocation as Allocation
-from jaxkv.blocks._manager import CacheHit as CacheHit
-from jaxkv.blocks._manager import KVCacheManager as KVCacheManager
-from jaxkv.blocks._manager import TieredCacheHit as TieredCacheHit
-from jaxkv.blocks._metrics import PrefixCacheStats as PrefixCacheStats
-from jaxkv.blocks._metrics import PrefixCachingMetrics as PrefixCachingMetrics
-from jaxkv.blocks._pool import NULL_BLOCK_ID as NULL_BLOCK_ID
-from jaxkv.blocks._pool import BlockId as BlockId
-from jaxkv.blocks._pool import BlockPool as BlockPool
-from jaxkv.blocks._pool import EvictedBlock as EvictedBlock
-from jaxkv.blocks._pool import EvictionHook as EvictionHook
-from jaxkv.blocks._pool import TieredBlock as TieredBlock
-from jaxkv.blocks._sizing import AttentionLayers as AttentionLayers
-from jaxkv.blocks._sizing import KVCacheBuffer as KVCacheBuffer
-from jaxkv.blocks._sizing import KVCacheGroup as KVCacheGroup
-from jaxkv.blocks._sizing import KVCachePlan as KVCachePlan
-from jaxkv.blocks._sizing import blocks_per_request as blocks_per_request
-from jaxkv.blocks._sizing import estimate_max_model_len as estimate_max_model_len
-from jaxkv.blocks._sizing import num_blocks_for_memory as num_blocks_for_memory
-from jaxkv.blocks._sizing import plan_kv_cache as plan_kv_cache
+from jaxkv._deprecation import deprecated_getattr as _deprecated_getattr
+from jaxkv.blocks._errors import (
+    BlockError,
+    InsufficientMemoryError,
+    OutOfBlocksError,
+    UnknownRequestError,
+)
+from jaxkv.blocks._events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    decode_vllm_event_batch,
+    encode_vllm_event_batch,
+)
+from jaxkv.blocks._hashing import DEFAULT_HASH_SEED, hash_identity, hash_request_tokens
+from jaxkv.blocks._manager import Allocation, CacheHit, KVCacheManager, TieredCacheHit
+from jaxkv.blocks._sizing import (
+    AttentionLayers,
+    KVCachePlan,
+    estimate_max_model_len,
+    num_blocks_for_memory,
+    plan_kv_cache,
+)
 
 __all__ = [
-    "DEFAULT_HASH_SEED",
-    "NONE_HASH",
-    "RANDOM_HASH_SEED",
-    "NULL_BLOCK_ID",
     "AllBlocksCleared",
     "Allocation",
     "AttentionLayers",
     "BlockError",
-    "BlockHash",
-    "BlockId",
-    "BlockPool",
     "BlockRemoved",
     "BlockStored",
     "CacheHit",
-    "DoubleFreeError",
-    "EvictedBlock",
-    "EvictionHook",
-    "ExtraKeys",
-    "FreeBlockQueue",
-    "HashFunction",
-    "InsufficientMemoryError",
-    "InvalidBlockIdError",
-    "KVCacheBuffer",
-    "KVCacheEvent",
-    "KVCacheGroup",
-    "KVCacheManager",
-    "KVCachePlan",
-    "MultiModalInput",
-    "OutOfBlocksError",
-    "PartialBlockError",
-    "PrefixCacheStats",
-    "PrefixCachingMetrics",
-    "TieredBlock",
-    "TieredCacheHit",
-    "RequestBlockHasher",
-    "UnknownRequestError",
-    "VllmAllBlocksCleared",
-    "VllmBlockRemoved",
-    "VllmBlockStored",
-    "VllmKVEventBatch",
-    "block_extra_keys",
     "decode_vllm_event_batch",
+    "DEFAULT_HASH_SEED",
     "encode_vllm_event_batch",
-    "blocks_per_request",
-    "encode_key",
     "estimate_max_model_len",
-    "get_hash_function",
-    "hash_block_tokens",
     "hash_identity",
     "hash_request_tokens",
-    "none_hash",
-    "random_hash_seed",
+    "InsufficientMemoryError",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "KVCachePlan",
     "num_blocks_for_memory",
+    "OutOfBlocksError",
     "plan_kv_cache",
-    "sha256",
-    "sha256_cbor",
-    "to_vllm_event",
-    "xxhash128",
+    "TieredCacheHit",
+    "UnknownRequestError",
 ]
+
+# Names that left the public API, kept one release (docs/guide.md, "Deprecated names"):
+# each use warns with a DeprecationWarning naming what to use instead.
+_DEPRECATED = {
+    "NONE_HASH": "jaxkv.blocks._hashing",
+    "RANDOM_HASH_SEED": "jaxkv.blocks._hashing",
+    "NULL_BLOCK_ID": "jaxkv.blocks._pool",
+    "BlockHash": "jaxkv.blocks._hashing",
+    "BlockId": "jaxkv.blocks._pool",
+    "BlockPool": "jaxkv.blocks._pool",
+    "DoubleFreeError": "jaxkv.blocks._errors",
+    "EvictedBlock": "jaxkv.blocks._pool",
+    "EvictionHook": "jaxkv.blocks._pool",
+    "ExtraKeys": "jaxkv.blocks._hashing",
+    "FreeBlockQueue": "jaxkv.blocks._free_queue",
+    "HashFunction": "jaxkv.blocks._hashing",
+    "InvalidBlockIdError": "jaxkv.blocks._errors",
+    "KVCacheBuffer": "jaxkv.blocks._sizing",
+    "KVCacheGroup": "jaxkv.blocks._sizing",
+    "MultiModalInput": "jaxkv.blocks._hashing",
+    "PartialBlockError": "jaxkv.blocks._errors",
+    "PrefixCacheStats": "jaxkv.blocks._metrics",
+    "PrefixCachingMetrics": "jaxkv.blocks._metrics",
+    "TieredBlock": "jaxkv.blocks._pool",
+    "RequestBlockHasher": "jaxkv.blocks._hashing",
+    "VllmAllBlocksCleared": "jaxkv.blocks._events",
+    "VllmBlockRemoved": "jaxkv.blocks._events",
+    "VllmBlockStored": "jaxkv.blocks._events",
+    "VllmKVEventBatch": "jaxkv.blocks._events",
+    "block_extra_keys": "jaxkv.blocks._hashing",
+    "blocks_per_request": "jaxkv.blocks._sizing",
+    "encode_key": "jaxkv.blocks._hashing",
+    "get_hash_function": "jaxkv.blocks._hashing",
+    "hash_block_tokens": "jaxkv.blocks._hashing",
+    "none_hash": "jaxkv.blocks._hashing",
+    "random_hash_seed": "jaxkv.blocks._hashing",
+    "sha256": "jaxkv.blocks._hashing",
+    "sha256_cbor": "jaxkv.blocks._hashing",
+    "to_vllm_event": "jaxkv.blocks._events",
+    "xxhash128": "jaxkv.blocks._hashing",
+}
+_USE = {
+    "BlockPool": "KVCacheManager.pool",
+    "DoubleFreeError": "BlockError (its base class) to catch it",
+    "InvalidBlockIdError": "BlockError (its base class) to catch it",
+    "PartialBlockError": "BlockError (its base class) to catch it",
+    "VllmAllBlocksCleared": "encode_vllm_event_batch / decode_vllm_event_batch",
+    "VllmBlockRemoved": "encode_vllm_event_batch / decode_vllm_event_batch",
+    "VllmBlockStored": "encode_vllm_event_batch / decode_vllm_event_batch",
+    "VllmKVEventBatch": "encode_vllm_event_batch / decode_vllm_event_batch",
+    "get_hash_function": "a name: hash_fn='sha256'",
+    "sha256": "its name: hash_fn='sha256'",
+    "sha256_cbor": "its name: hash_fn='sha256_cbor'",
+    "to_vllm_event": "encode_vllm_event_batch",
+    "xxhash128": "its name: hash_fn='xxhash128'",
+}
+__getattr__ = _deprecated_getattr('jaxkv.blocks', _DEPRECATED, _USE)

@@ -402,7 +402,7 @@ def _child_env(settings: DemoSettings, num_devices: int) -> None:
 
 
 def _agent_options(settings: DemoSettings):
-    from jaxkv.transfer import AgentOptions
+    from jaxkv.transfer._agent import AgentOptions
 
     return AgentOptions(progress_thread=settings.nixl_progress_thread)
 
@@ -744,7 +744,8 @@ def run_disaggregated(
 def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> None:
     """Runs the post-processing a read of `params` into `local_ids` will need, on padding ids
     only (nothing moves): compiles it ahead of the first read."""
-    from jaxkv.transfer import apply_post_processing, plan_read
+    from jaxkv.transfer._plan import plan_read
+    from jaxkv.transfer._post import apply_post_processing
 
     ids = np.asarray(list(local_ids), np.int64)
     if not len(ids) or peer_meta is None:

@@ -221,7 +221,7 @@ class _NixlIO:
     name = "nixl"
 
     def __init__(self) -> None:
-        from jaxkv.transfer import load_nixl
+        from jaxkv.transfer._agent import load_nixl
 
         nixl = load_nixl()
         self._name = f"jaxkv-offload-{os.getpid()}-{uuid.uuid4().hex[:8]}"

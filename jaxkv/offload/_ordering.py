@@ -122,7 +122,7 @@ class SlotOrdering:
     """Last writer and readers since that write, per `SlotKey`. Thread-safe.
 
     Example:
-      >>> from jaxkv.offload import SlotKey, Tier
+      >>> from jaxkv.offload._types import SlotKey, Tier
       >>> order = SlotOrdering()
       >>> first, second = concurrent.futures.Future(), concurrent.futures.Future()
       >>> order.claim(reads=[], writes=[SlotKey(Tier.HOST, 1)], op=first)
