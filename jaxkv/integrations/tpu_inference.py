@@ -19,7 +19,8 @@ with `jaxkv.transfer.TransferEngine`:
 The scheduler side and the flow are those of `jaxkv.integrations.vllm.JaxKVConnector`: the
 producer's workers pin a request's blocks in the step its prefill completes (``wait_for_save``)
 and its scheduler hands the consumer `kv_transfer_params` built from the configured worker
-addresses.
+addresses. The connector is that facade with its own worker side, `JaxKVTPUWorker`: the vLLM
+connector's `JaxKVWorker` bound to tpu-inference's model runner (below).
 
 tpu-inference's runner does not call ``register_kv_caches``: it calls ``register_runner(runner)``
 and reassigns ``runner.kv_caches`` (one array per layer, donated to each forward) every step.
@@ -72,7 +73,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from jaxkv.integrations.vllm import JaxKVConnectorBase, JaxKVConnectorMetadata
+from jaxkv.integrations._vllm_meta import CacheGroups, JaxKVConnectorMetadata
+from jaxkv.integrations._vllm_worker import JaxKVWorker
+from jaxkv.integrations.vllm import JaxKVConnectorBase
 from jaxkv.transfer import nixl_available
 
 if TYPE_CHECKING:
@@ -83,10 +86,11 @@ if TYPE_CHECKING:
         KVConnectorRole,
         KVConnectorTransferResults,
     )
-    from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from jaxkv import KVCacheSpec
+    from jaxkv.integrations._params import ConnectorSettings
+    from jaxkv.transfer import PollResult
 
 __all__ = [
     "JaxKVTPUConnector",
@@ -338,69 +342,64 @@ def describe_runner_caches(
     return RunnerCacheLayout(spec, view, mesh, tp_axis, data_axis, tp_size, view_error)
 
 
-class JaxKVTPUConnector(JaxKVConnectorBase):
-    """tpu-inference KV connector moving KV blocks with jaxkv (see the module docstring).
+class JaxKVTPUWorker(JaxKVWorker):
+    """The worker side of `JaxKVTPUConnector`: `JaxKVWorker` bound to tpu-inference's model
+    runner, whose ``kv_caches`` it adopts zero-copy, hands to the transfer engine before each
+    hook of a step with transfer work (`sync_runner`) and writes back after each poll when the
+    engine's writes replaced them.
 
     Args:
-      vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config`` holds
-        the `jaxkv.integrations.ConnectorSettings`.
-      role: `KVConnectorRole.SCHEDULER` or `KVConnectorRole.WORKER`.
-      kv_cache_config: vLLM's cache config (one KV cache group is supported).
+      vllm_config: the engine's config (the model's heads and head dim).
+      kv_cache_config: vLLM's cache config (one KV cache group).
+      settings: the connector's settings.
+      groups: the engine's KV cache groups (one).
 
-    Raises:
-      ValueError: bad settings, several KV cache groups, or pipeline parallelism.
+    Example:
+      >>> worker = JaxKVTPUWorker(vllm_config, None, settings, groups)  # doctest: +SKIP
+      >>> worker.register_runner(runner)  # doctest: +SKIP
     """
 
     def __init__(
         self,
         vllm_config: VllmConfig,
-        role: KVConnectorRole,
-        kv_cache_config: KVCacheConfig | None = None,
+        kv_cache_config: KVCacheConfig | None,
+        settings: ConnectorSettings,
+        groups: CacheGroups,
     ):
-        super().__init__(vllm_config, role, kv_cache_config)
-        if self.settings.pp_size != 1:
-            raise ValueError("the tpu-inference connector supports pp_size 1")
-        self._vllm_config = vllm_config
+        super().__init__(vllm_config, kv_cache_config, settings, groups)
         self.runner: Any = None
         self.layout: RunnerCacheLayout | None = None
         self._synced: tuple[Any, ...] = ()  # runner arrays the engine holds
         self._shardings: tuple[Any, ...] = ()  # the runner's shardings of its arrays
         self._exact = False  # the engine holds the exact (packed) spec, not the view
-        self._stash: Any = None  # a PollResult polled while re-registering
+        self._stash: PollResult | None = None  # polled while re-registering
         self.reregistrations = 0  # times the runner's buffers moved under the engine
-
-    # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         """Nothing: tpu-inference's runner calls `register_runner` (its ``kv_caches`` are
-        reassigned every forward, so the connector reads them from the runner)."""
+        reassigned every forward, so the worker reads them from the runner)."""
 
     def register_runner(self, runner: Any) -> None:
         """Adopts ``runner.kv_caches`` (zero-copy) and registers them with a new transfer
-        engine.
-
-        Args:
-          runner: tpu-inference's model runner (``kv_caches``: one array per layer); any object
-            with such a ``kv_caches`` list works.
+        engine (see `JaxKVTPUConnector.register_runner`).
 
         Raises:
-          ValueError: the arrays are not tpu-inference's cache for the model (see
-            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or, with
-            ``packed_transfer="words"`` over NIXL, a cache whose TP ranks' heads do not fill
-            whole words (`transfer_view`).
+          ValueError: the arrays are not tpu-inference's cache for the model, the settings'
+            ``tp_size`` is not the mesh's, or ``packed_transfer="words"`` over NIXL with a
+            cache whose TP ranks' heads do not fill whole words.
         """
         from jaxkv import EngineConfig
 
         s = self.settings
-        model = self._vllm_config.model_config
+        model = self.vllm_config.model_config
         heads = s.num_kv_heads or model.get_total_num_kv_heads()
         head_dim = s.head_dim or model.get_head_size()
         arrays = tuple(runner.kv_caches)
         layout = describe_runner_caches(arrays, heads, head_dim)
-        if layout.spec.block_size != self.block_size:
+        if layout.spec.block_size != self.groups.block_size:
             raise ValueError(
                 f"the cache's page size {layout.spec.block_size} is not vLLM's block size "
-                f"{self.block_size}"
+                f"{self.groups.block_size}"
             )
         if s.tp_size not in (1, layout.tp_size):
             raise ValueError(
@@ -419,7 +418,7 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
         cache = self._wrap(arrays)
         engine_spec = layout.spec if self._exact else layout.view
         assert engine_spec is not None
-        engine = self._new_engine(EngineConfig(engine_spec, layout.tp_size, 1))
+        engine = self.new_engine([EngineConfig(engine_spec, layout.tp_size, 1)])
         engine.register_cache(cache)
         self.runner, self._synced = runner, arrays
         self._shardings = tuple(a.sharding for a in arrays)
@@ -427,29 +426,26 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
     @property
     def address(self) -> tuple[str, int]:
         """This worker's side-channel address (after `register_runner`)."""
-        return self._engine().address
+        return self.require_engine().address
+
+    @property
+    def cache(self) -> Any:
+        """The registered cache as the engine holds it (after `sync_runner`)."""
+        return self.require_engine().caches[0]
 
     def _busy(self, meta: JaxKVConnectorMetadata | None) -> bool:
         engine = self.engine
         if engine is None or self.runner is None:
             return False
-        work = meta is not None and bool(
-            meta.to_publish or meta.to_recv or meta.to_abort or meta.to_cancel
-        )
+        work = meta is not None and meta.has_work()
         return work or engine.num_pinned > 0 or engine.num_reading > 0
 
     def sync_runner(self) -> None:
-        """Hands ``runner.kv_caches`` to the transfer engine when the runner reassigned them:
-        `TransferEngine.update_cache` when they are the registered buffers (the forward
-        donated them) or when the transport does not register memory (the JAX transport
-        formats from and writes into whichever arrays are current: moved buffers are simply
-        adopted), else a re-registration (below).
+        """Hands ``runner.kv_caches`` to the transfer engine when the runner reassigned them
+        (see `JaxKVTPUConnector.sync_runner`).
 
-        When the buffers registered with NIXL moved (a forward that did not update them in
-        place), reads in flight were writing into the old buffers: they are stopped and
-        reported failed (vLLM recomputes their blocks) before the new buffers are
-        registered; the producer's peers re-fetch its metadata (their reads planned against
-        the old buffers fail the same way).
+        Raises:
+          RuntimeError: `register_runner` was not called.
         """
         from jaxkv import BufferMovedError
 
@@ -460,7 +456,7 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
             a is b for a, b in zip(arrays, self._synced)
         ):
             return
-        engine = self._engine()
+        engine = self.require_engine()
         cache = self._wrap(arrays)
         try:
             engine.update_cache(cache)
@@ -507,47 +503,142 @@ class JaxKVTPUConnector(JaxKVConnectorBase):
         self.runner.kv_caches = list(restored)
         self._synced = restored
 
-    def _bound_meta(self) -> JaxKVConnectorMetadata | None:
-        if not self.has_connector_metadata():
-            return None
-        meta = self._get_connector_metadata()
-        return meta if isinstance(meta, JaxKVConnectorMetadata) else None
-
-    def start_load_kv(self, forward_context: ForwardContext | None = None, **kwargs: Any) -> None:
+    def start_load_kv(self, meta: JaxKVConnectorMetadata) -> None:
         """Syncs the runner's arrays, then starts this step's reads and releases aborted
         requests."""
-        if self._busy(self._bound_meta()):
+        if self._busy(meta):
             self.sync_runner()
-        super().start_load_kv(forward_context, **kwargs)
+        super().start_load_kv(meta)
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, meta: JaxKVConnectorMetadata) -> None:
         """Syncs the runner's arrays (the forward wrote them), then pins the blocks of the
         requests whose prefill completed this step."""
-        if self._busy(self._bound_meta()):
+        if self._busy(meta):
             self.sync_runner()
-        super().wait_for_save()
+        super().wait_for_save(meta)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Polls the transfer engine (see `JaxKVConnector.get_transfer_results`) on the
-        runner's current arrays and writes the engine's arrays back to the runner."""
-        if self._busy(self._bound_meta()):
+    def get_transfer_results(
+        self, meta: JaxKVConnectorMetadata | None = None
+    ) -> KVConnectorTransferResults:
+        """Polls the transfer engine on the runner's current arrays and writes the engine's
+        arrays back to the runner."""
+        if self._busy(meta):
             self.sync_runner()
-        results = super().get_transfer_results(finished_req_ids)
+        results = super().get_transfer_results(meta)
         self._write_back()
         return results
 
-    def _poll_engine(self) -> Any:
-        polled = self._engine().poll()
+    def poll(self) -> PollResult:
+        """One `TransferEngine.poll`, after what `sync_runner` polled while re-registering."""
+        polled = self.require_engine().poll()
         if self._stash is not None:
             stash, self._stash = self._stash, None
             stash.extend(polled)
             polled = stash
         return polled
 
+
+class JaxKVTPUConnector(JaxKVConnectorBase):
+    """tpu-inference KV connector moving KV blocks with jaxkv (see the module docstring): the
+    vLLM connector's facade with a `JaxKVTPUWorker` as its worker side
+    (``connector_worker``).
+
+    Args:
+      vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config`` holds
+        the `jaxkv.integrations.ConnectorSettings`.
+      role: `KVConnectorRole.SCHEDULER` or `KVConnectorRole.WORKER`.
+      kv_cache_config: vLLM's cache config (one KV cache group is supported).
+
+    Raises:
+      ValueError: bad settings, several KV cache groups, or pipeline parallelism.
+    """
+
+    connector_worker: JaxKVTPUWorker | None
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.settings.pp_size != 1:
+            raise ValueError("the tpu-inference connector supports pp_size 1")
+
+    def _make_worker(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+    ) -> JaxKVTPUWorker:
+        return JaxKVTPUWorker(vllm_config, kv_cache_config, self.settings, self.groups)
+
+    def _tpu_worker(self) -> JaxKVTPUWorker:
+        if self.connector_worker is None:
+            raise RuntimeError("a worker-side call on the connector's scheduler side")
+        return self.connector_worker
+
+    # -- worker side ----------------------------------------------------------------------
+
+    @property
+    def runner(self) -> Any:
+        """The registered model runner (None before `register_runner`)."""
+        return None if self.connector_worker is None else self.connector_worker.runner
+
+    @property
+    def layout(self) -> RunnerCacheLayout | None:
+        """How the runner's arrays map onto a jaxkv cache (after `register_runner`)."""
+        return None if self.connector_worker is None else self.connector_worker.layout
+
+    @property
+    def reregistrations(self) -> int:
+        """Times the runner's buffers moved under the engine."""
+        return 0 if self.connector_worker is None else self.connector_worker.reregistrations
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        """Nothing: tpu-inference's runner calls `register_runner` (its ``kv_caches`` are
+        reassigned every forward, so the connector reads them from the runner)."""
+
+    def register_runner(self, runner: Any) -> None:
+        """Adopts ``runner.kv_caches`` (zero-copy) and registers them with a new transfer
+        engine.
+
+        Args:
+          runner: tpu-inference's model runner (``kv_caches``: one array per layer); any object
+            with such a ``kv_caches`` list works.
+
+        Raises:
+          ValueError: the arrays are not tpu-inference's cache for the model (see
+            `describe_runner_caches`), the settings' ``tp_size`` is not the mesh's, or, with
+            ``packed_transfer="words"`` over NIXL, a cache whose TP ranks' heads do not fill
+            whole words (`transfer_view`).
+        """
+        self._tpu_worker().register_runner(runner)
+
+    def sync_runner(self) -> None:
+        """Hands ``runner.kv_caches`` to the transfer engine when the runner reassigned them:
+        `TransferEngine.update_cache` when they are the registered buffers (the forward
+        donated them) or when the transport does not register memory (the JAX transport
+        formats from and writes into whichever arrays are current: moved buffers are simply
+        adopted), else a re-registration (below).
+
+        When the buffers registered with NIXL moved (a forward that did not update them in
+        place), reads in flight were writing into the old buffers: they are stopped and
+        reported failed (vLLM recomputes their blocks) before the new buffers are
+        registered; the producer's peers re-fetch its metadata (their reads planned against
+        the old buffers fail the same way).
+
+        Raises:
+          RuntimeError: `register_runner` was not called.
+        """
+        self._tpu_worker().sync_runner()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """This worker's side-channel address (after `register_runner`)."""
+        return self._tpu_worker().address
+
     @property
     def cache(self) -> Any:
         """The registered cache as the engine holds it (after `sync_runner`)."""
-        return self._engine().caches[0]
+        return self._tpu_worker().cache
 
 
 TPUConnector = JaxKVTPUConnector

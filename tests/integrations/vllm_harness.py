@@ -344,7 +344,8 @@ def assert_empty(side: Side) -> None:
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1, "blocks not free"
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     for w in side.workers:
-        assert not w._reading and not w._awaiting_send and not w._freeable, "connector state"
+        ws = w.connector_worker
+        assert not ws.reading and not ws.awaiting_send and not ws.freeable, "connector state"
         assert w.engine.num_pinned == 0 and w.engine.num_reading == 0, "engine state left"
 
 

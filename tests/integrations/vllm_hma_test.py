@@ -241,8 +241,9 @@ class HybridSide:
         pool = s.kv_cache_manager.block_pool
         assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
         w = self.worker
-        assert not w._reading and not w._awaiting_send and not w._freeable, "connector state"
-        assert not w._cancelled and not w._releasing, "connector state"
+        ws = w.connector_worker
+        assert not ws.reading and not ws.awaiting_send and not ws.freeable, "connector state"
+        assert not ws.cancelled and not ws.releasing, "connector state"
         engine = w.engine
         assert engine is not None
         assert engine.num_pinned == 0 and engine.num_reading == 0, "engine state left"

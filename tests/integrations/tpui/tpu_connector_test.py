@@ -189,7 +189,7 @@ def test_abort_during_read(remote):
         params = remote.call("add", prompts)
         reqs = decode(consumer, prompts, params)
         consumer.step()  # the reads start
-        in_flight = reqs[0].request_id in consumer.worker._reading
+        in_flight = reqs[0].request_id in consumer.worker.connector_worker.reading
         consumer.scheduler.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
         finish(consumer, [reqs[1]], remote)
         if in_flight:  # (a read may complete within the step that started it)

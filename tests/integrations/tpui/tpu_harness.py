@@ -442,7 +442,8 @@ def leak_report(side: Side) -> str | None:
     if pool.free_block_queue.num_free_blocks != pool.num_gpu_blocks - 1:
         return "blocks not free"
     w = side.worker
-    if w._reading or w._awaiting_send or w._freeable:
+    ws = w.connector_worker
+    if ws.reading or ws.awaiting_send or ws.freeable:
         return "connector state left"
     if w.engine.num_pinned or w.engine.num_reading:
         return "engine state left"
