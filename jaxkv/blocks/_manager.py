@@ -9,8 +9,8 @@ and `allocate_slots(request_id, 1)` (or, for a whole decode step at once, `appen
 Block hashes depend on the hash function and the hash seed (`hash_seed`, deterministic by
 default): engines that must agree on hashes (disaggregated prefill and decode, a KV-aware
 router) share both, and `hash_identity` names them for the transfer handshake. With
-``hash_fn="sha256_cbor"`` hashes and events match vLLM's (see `jaxkv.blocks.sha256_cbor` and
-`jaxkv.blocks.encode_vllm_event_batch`).
+``hash_fn="sha256_cbor"`` hashes and events match vLLM's (see
+`jaxkv.blocks._hashing.sha256_cbor` and `jaxkv.blocks.encode_vllm_event_batch`).
 
 Hybrid models have several KV-cache groups (e.g. one full-attention group and sliding-window
 groups, see `plan_kv_cache`). Every group has its own block table per request, allocated from

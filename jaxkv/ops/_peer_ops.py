@@ -1,6 +1,6 @@
 """Split and concat of a cross-layer cache for peers with another TP/PP layout (TensorRT-LLM's
 cache formatter), as XLA FFI custom calls. The plan (which layers and heads go to which buffer)
-comes from `jaxkv.plan_peers`; the handlers move boxes of blocks with the shared engine.
+comes from `jaxkv.ops.plan_peers`; the handlers move boxes of blocks with the shared engine.
 """
 
 from __future__ import annotations
