@@ -324,7 +324,8 @@ def serve_engine(conn: Any, backend: str, model_dir: str, seed: int, role: str |
                 for prompt, result in zip(prompts, results):
                     params = result["kv_transfer_params"]
                     # the request is finished, its blocks pinned for the consumer: read them
-                    blocks = params["remote_block_ids"] if params else []
+                    # one block id list per KV cache group (NIXL's shape): these models have one
+                    blocks = params["remote_block_ids"][0] if params else []
                     out.append((params, _prompt_kv(llm, blocks, len(prompt)) if blocks else None))
                 conn.send(out)
             elif command[0] == "kv":

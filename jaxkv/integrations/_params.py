@@ -4,11 +4,14 @@ travels through a router as JSON), and which blocks a consumer reads."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxkv.transfer import TransferParams, make_transfer_params
+
+log = logging.getLogger("jaxkv.integrations.vllm")
 
 __all__ = [
     "ConnectorSettings",
@@ -19,7 +22,19 @@ __all__ = [
     "transfer_params_to_dict",
 ]
 
-# Keys of a consumer request's kv_transfer_params (besides vLLM's do_remote_prefill/decode).
+# kv_transfer_params, in vLLM's NIXL connector's keys and shapes where the meaning is the same
+# (``remote_block_ids``: one list per KV cache group; ``remote_host``/``remote_port``: the side
+# channel of the producer's first process, group 0), jaxkv's extra fields beside them.
+ADDRESSES_KEY = "jaxkv_addresses"  # per group, every producer process's [host, port]
+LEASE_KEY = "jaxkv_lease_s"  # how long the producer pins the blocks without a heartbeat
+BLOCK_SIZES_KEY = "jaxkv_block_sizes"  # per group, the producer's block size in tokens
+FIRST_BLOCKS_KEY = "jaxkv_first_blocks"  # per group, the position of its first block id
+_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_num_tokens",
+         "remote_block_size", ADDRESSES_KEY, LEASE_KEY)
+
+# The jaxkv shapes before NIXL's (accepted for one release, a deprecation logged once): one
+# group's flat ``remote_block_ids`` with ``remote_addresses``/``remote_lease_s``, and a hybrid
+# model's ``remote_groups``.
 _PARAM_KEYS = (
     "remote_engine_id",
     "remote_addresses",
@@ -29,6 +44,166 @@ _PARAM_KEYS = (
     "remote_num_tokens",
     "remote_block_size",
 )
+# The deprecated hybrid shape's keys (one entry of "remote_groups" per KV cache group).
+_GROUPED_KEYS = ("remote_engine_id", "remote_request_id", "remote_lease_s", "remote_num_tokens",
+                 "remote_groups")
+_GROUP_KEYS = ("addresses", "block_ids", "first_block", "block_size")
+_deprecation_logged = False
+
+
+class _ParamsError(ValueError):
+    """Params that cannot be read (its message names what is wrong)."""
+
+
+def _log_deprecated_shape(shape: str) -> None:
+    global _deprecation_logged
+    if not _deprecation_logged:
+        _deprecation_logged = True
+        log.warning(
+            "kv_transfer_params in jaxkv's deprecated %s shape: accepted for one release; "
+            "producers now send NIXL's keys (remote_block_ids per KV cache group, "
+            "remote_host/remote_port) with jaxkv_addresses/jaxkv_lease_s beside them: "
+            "upgrade the producer", shape)
+
+
+def _params_dict(
+    engine_id: str,
+    request_id: str,
+    group_addresses: Sequence[Sequence[tuple[str, int]]],
+    group_block_ids: Sequence[Sequence[int]],
+    lease_s: float,
+    num_tokens: int,
+    block_sizes: Sequence[int],
+    first_blocks: Sequence[int],
+    tp_size: int | None,
+) -> dict[str, Any]:
+    host, port = group_addresses[0][0] if group_addresses[0] else ("", 0)
+    d: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": str(host),
+        "remote_port": int(port),
+        "remote_block_ids": [[int(b) for b in ids] for ids in group_block_ids],
+        "remote_num_tokens": int(num_tokens),
+        "remote_block_size": int(block_sizes[0]),
+    }
+    if tp_size is not None:
+        d["tp_size"] = int(tp_size)
+    d[ADDRESSES_KEY] = [[[str(h), int(p)] for h, p in a] for a in group_addresses]
+    d[LEASE_KEY] = float(lease_s)
+    d[BLOCK_SIZES_KEY] = [int(b) for b in block_sizes]
+    d[FIRST_BLOCKS_KEY] = [int(f) for f in first_blocks]
+    return d
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parsed:
+    """A consumer request's params, whatever their shape, per KV cache group."""
+
+    engine_id: str
+    request_id: str
+    addresses: list[list[tuple[str, int]]]
+    block_ids: list[list[int]]
+    lease_s: float
+    num_tokens: int
+    block_sizes: list[int]
+    first_blocks: list[int]
+
+
+def _parse(params: Mapping[str, Any]) -> _Parsed:
+    """Reads any accepted shape: NIXL's keys with jaxkv's beside them, or (deprecated) the
+    one-group ``remote_addresses`` shape or the hybrid ``remote_groups`` one.
+
+    Raises:
+      ValueError: a key is missing or malformed (named in the message).
+    """
+    try:
+        if "remote_groups" in params:
+            return _parse_old_grouped(params)
+        if "remote_addresses" in params and ADDRESSES_KEY not in params:
+            return _parse_old_flat(params)
+        missing = [key for key in _KEYS if key not in params]
+        if missing:
+            raise _ParamsError(f"kv_transfer_params lack {missing}")
+        ids = params["remote_block_ids"]
+        if not isinstance(ids, Sequence) or not ids or not all(
+            isinstance(g, Sequence) and not isinstance(g, str) for g in ids
+        ):
+            raise _ParamsError(
+                "malformed kv_transfer_params: remote_block_ids must be a non-empty list of "
+                f"block id lists (one per KV cache group), got {ids!r}"
+            )
+        n = len(ids)
+        addresses = [[(str(h), int(p)) for h, p in group] for group in params[ADDRESSES_KEY]]
+        sizes = [int(b) for b in params.get(BLOCK_SIZES_KEY, [params["remote_block_size"]] * n)]
+        firsts = [int(f) for f in params.get(FIRST_BLOCKS_KEY, [0] * n)]
+        if len(addresses) != n or len(sizes) != n or len(firsts) != n:
+            raise _ParamsError(
+                f"malformed kv_transfer_params: {n} remote_block_ids lists, "
+                f"{len(addresses)} {ADDRESSES_KEY}, {len(sizes)} {BLOCK_SIZES_KEY}, "
+                f"{len(firsts)} {FIRST_BLOCKS_KEY} (one per KV cache group)"
+            )
+        return _Parsed(
+            str(params["remote_engine_id"]), str(params["remote_request_id"]), addresses,
+            [[int(b) for b in group] for group in ids], float(params[LEASE_KEY]),
+            int(params["remote_num_tokens"]), sizes, firsts,
+        )
+    except _ParamsError:
+        raise
+    except (TypeError, AttributeError, ValueError) as error:
+        raise ValueError(f"malformed kv_transfer_params: {error}") from error
+
+
+def _parse_old_flat(params: Mapping[str, Any]) -> _Parsed:
+    missing = [key for key in _PARAM_KEYS if key not in params]
+    if missing:
+        raise _ParamsError(f"kv_transfer_params lack {missing}")
+    _log_deprecated_shape("one-group (remote_addresses)")
+    return _Parsed(
+        str(params["remote_engine_id"]), str(params["remote_request_id"]),
+        [[(str(h), int(p)) for h, p in params["remote_addresses"]]],
+        [[int(b) for b in params["remote_block_ids"]]], float(params["remote_lease_s"]),
+        int(params["remote_num_tokens"]), [int(params["remote_block_size"])], [0],
+    )
+
+
+def _parse_old_grouped(params: Mapping[str, Any]) -> _Parsed:
+    missing = [key for key in _GROUPED_KEYS if key not in params]
+    if missing:
+        raise _ParamsError(f"kv_transfer_params lack {missing}")
+    groups = params["remote_groups"]
+    if not isinstance(groups, Sequence) or not groups:
+        raise _ParamsError(f"remote_groups must be a non-empty list, got {groups!r}")
+    _log_deprecated_shape("hybrid (remote_groups)")
+    addresses, ids, sizes, firsts = [], [], [], []
+    for g, entry in enumerate(groups):
+        lacking = [key for key in _GROUP_KEYS if key not in entry]
+        if lacking:
+            raise _ParamsError(f"remote_groups[{g}] lacks {lacking}")
+        addresses.append([(str(h), int(p)) for h, p in entry["addresses"]])
+        ids.append([int(b) for b in entry["block_ids"]])
+        sizes.append(int(entry["block_size"]))
+        firsts.append(int(entry["first_block"]))
+    return _Parsed(
+        str(params["remote_engine_id"]), str(params["remote_request_id"]), addresses, ids,
+        float(params["remote_lease_s"]), int(params["remote_num_tokens"]), sizes, firsts,
+    )
+
+
+def params_num_groups(params: Mapping[str, Any]) -> int:
+    """How many KV cache groups a consumer request's params carry (any accepted shape).
+
+    Raises:
+      ValueError: the params are malformed.
+    """
+    if "remote_groups" in params:
+        groups = params["remote_groups"]
+        return len(groups) if isinstance(groups, Sequence) else 0
+    if "remote_addresses" in params and ADDRESSES_KEY not in params:
+        return 1
+    return len(_parse(params).block_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,61 +396,59 @@ class ConnectorSettings:
 
 
 def transfer_params_to_dict(
-    params: TransferParams, num_tokens: int, block_size: int
+    params: TransferParams, num_tokens: int, block_size: int, tp_size: int | None = None
 ) -> dict[str, Any]:
-    """A producer's `TransferParams` as the JSON-able dict a consumer request carries.
+    """A producer's `TransferParams` (one KV cache group) as the JSON-able dict a consumer
+    request carries: vLLM NIXL connector's keys where the meaning is the same
+    (``remote_block_ids`` as one list per group, here one; ``remote_host``/``remote_port`` of
+    the first producer process), jaxkv's ``jaxkv_*`` fields beside them (every process's
+    address, the lease, per-group block sizes and first positions).
 
     Args:
       params: what the producer pins.
       num_tokens: how many tokens the blocks hold.
       block_size: the producer's block size in tokens.
+      tp_size: the producer's TP size (NIXL's ``tp_size``); None: left out.
 
     Example:
       >>> p = TransferParams("prefill", [("127.0.0.1", 5600)], "r1", [4, 7], 30.0)
-      >>> transfer_params_to_dict(p, 20, 16)["remote_block_ids"]
-      [4, 7]
+      >>> d = transfer_params_to_dict(p, 20, 16)
+      >>> d["remote_block_ids"], d["remote_host"], d["remote_port"], d["jaxkv_addresses"]
+      ([[4, 7]], '127.0.0.1', 5600, [[['127.0.0.1', 5600]]])
     """
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": params.engine_id,
-        "remote_addresses": [[host, int(port)] for host, port in params.addresses],
-        "remote_request_id": params.request_id,
-        "remote_block_ids": [int(b) for b in params.block_ids],
-        "remote_lease_s": float(params.lease_s),
-        "remote_num_tokens": int(num_tokens),
-        "remote_block_size": int(block_size),
-    }
+    if not params.addresses:
+        raise ValueError("kv_transfer_params name no producer address")
+    return _params_dict(
+        params.engine_id, params.request_id, [params.addresses], [params.block_ids],
+        params.lease_s, num_tokens, [block_size], [0], tp_size,
+    )
 
 
 def transfer_params_from_dict(params: Mapping[str, Any]) -> TransferParams:
-    """The `TransferParams` of a consumer request's dict (`transfer_params_to_dict`).
+    """The `TransferParams` of a consumer request's dict of one KV cache group
+    (`transfer_params_to_dict`; the deprecated ``remote_addresses`` shape is accepted for one
+    release).
 
     Raises:
-      ValueError: a key is missing or malformed (named in the message).
+      ValueError: a key is missing or malformed (named in the message), or the dict carries
+        several groups.
     """
     if "remote_groups" in params:
         raise ValueError(
             f"kv_transfer_params carry {len(params['remote_groups'])} KV cache groups (a hybrid "
             "model's producer): the consumer needs the same groups (GroupedTransfer.from_dict)"
         )
-    missing = [key for key in _PARAM_KEYS if key not in params]
-    if missing:
-        raise ValueError(f"kv_transfer_params lack {missing}")
-    try:
-        addresses = [(str(h), int(p)) for h, p in params["remote_addresses"]]
-        block_ids = [int(b) for b in params["remote_block_ids"]]
-        lease = float(params["remote_lease_s"])
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"malformed kv_transfer_params: {error}") from error
-    if not addresses:
+    parsed = _parse(params)
+    if len(parsed.block_ids) != 1:
+        raise ValueError(
+            f"kv_transfer_params carry {len(parsed.block_ids)} KV cache groups (a hybrid "
+            "model's producer): the consumer needs the same groups (GroupedTransfer.from_dict)"
+        )
+    if not parsed.addresses[0]:
         raise ValueError("kv_transfer_params name no producer address")
     return TransferParams(
-        str(params["remote_engine_id"]),
-        addresses,
-        str(params["remote_request_id"]),
-        block_ids,
-        lease,
+        parsed.engine_id, parsed.addresses[0], parsed.request_id, parsed.block_ids[0],
+        parsed.lease_s,
     )
 
 
@@ -325,12 +498,6 @@ def read_plan_ids(
     return [int(b) for b in remote_block_ids[:n_remote]], [
         int(b) for b in local_block_ids[:needed]
     ]
-
-
-# Keys of a hybrid model's kv_transfer_params (one entry of "remote_groups" per KV cache group).
-_GROUPED_KEYS = ("remote_engine_id", "remote_request_id", "remote_lease_s", "remote_num_tokens",
-                 "remote_groups")
-_GROUP_KEYS = ("addresses", "block_ids", "first_block", "block_size")
 
 
 def group_name(group: int) -> str:
@@ -442,68 +609,37 @@ class GroupedTransfer:
         """The producer engine's id (its groups' engines are ``f"{engine_id}.{g}"``)."""
         return self.params.groups[group_name(0)].engine_id.rsplit(".", 1)[0]
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON-able dict a consumer request carries (``remote_groups``: one entry per
-        group)."""
-        first = self.params.groups[group_name(0)]
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": self.params.request_id,
-            "remote_lease_s": float(first.lease_s),
-            "remote_num_tokens": self.num_tokens,
-            "remote_groups": [
-                {
-                    "addresses": [
-                        [host, int(port)] for host, port in self.params.groups[group_name(g)]
-                        .addresses
-                    ],
-                    "block_ids": [int(b) for b in self.params.groups[group_name(g)].block_ids],
-                    "first_block": self.first_blocks[g],
-                    "block_size": self.block_sizes[g],
-                }
-                for g in range(self.num_groups)
-            ],
-        }
+    def to_dict(self, tp_size: int | None = None) -> dict[str, Any]:
+        """The JSON-able dict a consumer request carries: ``remote_block_ids`` one list per
+        group as vLLM's NIXL connector's, jaxkv's per-group fields beside them
+        (`transfer_params_to_dict`'s shape). `tp_size`: NIXL's ``tp_size`` (None: left out)."""
+        groups = [self.params.groups[group_name(g)] for g in range(self.num_groups)]
+        return _params_dict(
+            self.engine_id, self.params.request_id, [p.addresses for p in groups],
+            [p.block_ids for p in groups], groups[0].lease_s, self.num_tokens,
+            self.block_sizes, self.first_blocks, tp_size,
+        )
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> GroupedTransfer:
-        """The `GroupedTransfer` of a consumer request's dict (`to_dict`).
+        """The `GroupedTransfer` of a consumer request's dict (`to_dict`; the deprecated
+        ``remote_groups`` shape is accepted for one release).
 
         Raises:
           ValueError: a key is missing or malformed (named in the message), or the dict is a
             single-group one.
         """
-        if "remote_groups" not in params and "remote_block_ids" in params:
+        if params_num_groups(params) == 1:
             raise ValueError(
                 "kv_transfer_params carry one KV cache group (a producer without the hybrid "
                 "allocator): the consumer has several"
             )
-        missing = [key for key in _GROUPED_KEYS if key not in params]
-        if missing:
-            raise ValueError(f"kv_transfer_params lack {missing}")
-        groups = params["remote_groups"]
-        if not isinstance(groups, Sequence) or not groups:
-            raise ValueError(f"remote_groups must be a non-empty list, got {groups!r}")
-        try:
-            addresses, ids, sizes, firsts = [], [], [], []
-            for g, entry in enumerate(groups):
-                lacking = [key for key in _GROUP_KEYS if key not in entry]
-                if lacking:
-                    raise ValueError(f"remote_groups[{g}] lacks {lacking}")
-                addresses.append([(str(h), int(p)) for h, p in entry["addresses"]])
-                ids.append([int(b) for b in entry["block_ids"]])
-                sizes.append(int(entry["block_size"]))
-                firsts.append(int(entry["first_block"]))
-            return cls.make(
-                str(params["remote_engine_id"]), addresses, str(params["remote_request_id"]),
-                ids, float(params["remote_lease_s"]),
-                num_tokens=int(params["remote_num_tokens"]), block_sizes=sizes,
-                first_blocks=firsts,
-            )
-        except (TypeError, AttributeError) as error:
-            raise ValueError(f"malformed kv_transfer_params: {error}") from error
+        parsed = _parse(params)
+        return cls.make(
+            parsed.engine_id, parsed.addresses, parsed.request_id, parsed.block_ids,
+            parsed.lease_s, num_tokens=parsed.num_tokens, block_sizes=parsed.block_sizes,
+            first_blocks=parsed.first_blocks,
+        )
 
 
 def group_read_plan_ids(

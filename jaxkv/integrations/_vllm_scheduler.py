@@ -3,8 +3,9 @@
 It decides, per step, what the workers do (`JaxKVConnectorMetadata`): which producer requests
 to pin, which consumer reads to start, stop or turn into a release; and it builds the
 ``kv_transfer_params`` a producer hands to consumers. It has no transfer engine. One KV cache
-group and several (vLLM's hybrid allocator) go through the same methods; only the params'
-dict format differs (`transfer_params_to_dict` for one group, `GroupedTransfer` for several).
+group and several (vLLM's hybrid allocator) go through the same methods and give params of
+one shape: vLLM NIXL connector's keys (``remote_block_ids`` one list per group) with jaxkv's
+beside them (`transfer_params_to_dict` for one group, `GroupedTransfer` for several).
 """
 
 from __future__ import annotations
@@ -268,15 +269,17 @@ class JaxKVScheduler:
     def _transfer_params(
         self, request_id: str, kept: list[list[int]], starts: list[int], num_tokens: int
     ) -> dict[str, Any]:
-        """The consumer's ``kv_transfer_params`` of a producer request (the one-group format,
-        or `GroupedTransfer`'s for several groups)."""
+        """The consumer's ``kv_transfer_params`` of a producer request (one shape for one
+        group and several: `transfer_params_to_dict`'s)."""
         s = self.settings
         if not self.groups.grouped:
             transfer = make_transfer_params(
                 s.engine_id, list(s.side_channel), request_id, kept[0], s.lease_s,
                 num_tokens=num_tokens, block_size=self.groups.block_size,
             )
-            return transfer_params_to_dict(transfer, num_tokens, self.groups.block_size)
+            return transfer_params_to_dict(
+                transfer, num_tokens, self.groups.block_size, tp_size=s.tp_size
+            )
         return GroupedTransfer.make(
             s.engine_id,
             s.group_addresses(self.groups.num_groups),
@@ -286,7 +289,7 @@ class JaxKVScheduler:
             num_tokens=num_tokens,
             block_sizes=list(self.groups.block_sizes),
             first_blocks=starts,
-        ).to_dict()
+        ).to_dict(tp_size=s.tp_size)
 
     def _load_outcome_params(self, request_id: str) -> dict[str, Any] | None:
         """A consumer request's read outcome as output ``kv_transfer_params`` (None for a

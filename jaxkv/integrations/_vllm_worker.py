@@ -3,8 +3,8 @@
 It owns the worker's `jaxkv.transfer.TransferEngine` (one cache group per vLLM KV cache
 group), carries out each step's `JaxKVConnectorMetadata` (pins, reads, releases, stops) and
 reports what finished. One KV cache group and several go through the same path: a read is
-planned per group (`_plan_read`, the only place that knows the two ``kv_transfer_params``
-formats) and posted as one engine read; failures, load errors and counters are kept per group.
+planned per group (`_plan_read`; `jaxkv.integrations._params` reads the ``kv_transfer_params``
+shapes) and posted as one engine read; failures, load errors and counters are kept per group.
 """
 
 from __future__ import annotations

@@ -52,6 +52,24 @@ def transfer(**overrides):
     return GroupedTransfer.make(**kwargs)
 
 
+def old_grouped_dict(t: GroupedTransfer) -> dict:
+    """The hybrid kv_transfer_params jaxkv sent before NIXL's shape (``remote_groups``)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": t.engine_id,
+        "remote_request_id": t.params.request_id,
+        "remote_lease_s": t.params.groups["0"].lease_s,
+        "remote_num_tokens": t.num_tokens,
+        "remote_groups": [
+            {"addresses": [[h, p] for h, p in t.params.groups[str(g)].addresses],
+             "block_ids": list(t.params.groups[str(g)].block_ids),
+             "first_block": t.first_blocks[g], "block_size": t.block_sizes[g]}
+            for g in range(t.num_groups)
+        ],
+    }
+
+
 def test_grouped_transfer_round_trip_through_the_router_dict():
     t = transfer()
     # cut to the blocks holding 20 tokens: 3 in the full group, positions 1-2 in the other
@@ -60,15 +78,41 @@ def test_grouped_transfer_round_trip_through_the_router_dict():
     assert t.params.groups["1"].engine_id == "prefill.1"
     assert t.params.groups["1"].addresses == [("h", 5601)]
     assert t.engine_id == "prefill" and t.params.request_id == "r-1"
-    d = t.to_dict()
+    d = t.to_dict(tp_size=1)
     assert d["do_remote_prefill"] and not d["do_remote_decode"]
-    assert [g["first_block"] for g in d["remote_groups"]] == [0, 1]
+    # NIXL's keys: one block id list per group, group 0's first process's side channel
+    assert d["remote_block_ids"] == [[4, 7, 9], [8, 3]]
+    assert (d["remote_host"], d["remote_port"], d["tp_size"]) == ("h", 5600, 1)
+    assert (d["remote_num_tokens"], d["remote_block_size"]) == (20, 8)
+    # jaxkv's beside them
+    assert d["jaxkv_addresses"] == [[["h", 5600]], [["h", 5601]]]
+    assert d["jaxkv_first_blocks"] == [0, 1] and d["jaxkv_block_sizes"] == [8, 8]
+    assert d["jaxkv_lease_s"] == 12.5 and "remote_groups" not in d
     assert GroupedTransfer.from_dict(d) == t
     # a single-group consumer refuses it by name, and the other way round
     with pytest.raises(ValueError, match="2 KV cache groups"):
         transfer_params_from_dict(d)
     with pytest.raises(ValueError, match="one KV cache group"):
-        GroupedTransfer.from_dict({"remote_block_ids": [1]})
+        GroupedTransfer.from_dict({**d, "remote_block_ids": [[4, 7, 9]],
+                                   "jaxkv_addresses": [[["h", 5600]]],
+                                   "jaxkv_first_blocks": [0], "jaxkv_block_sizes": [8]})
+    with pytest.raises(ValueError, match="one KV cache group"):
+        GroupedTransfer.from_dict({"remote_block_ids": [1], "remote_addresses": [["h", 1]]})
+
+
+def test_deprecated_grouped_params_accepted_for_one_release():
+    t = transfer()
+    d = old_grouped_dict(t)
+    assert GroupedTransfer.from_dict(d) == t
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        transfer_params_from_dict(d)
+    with pytest.raises(ValueError, match="lack"):
+        GroupedTransfer.from_dict({k: v for k, v in d.items() if k != "remote_num_tokens"})
+    broken = {**d, "remote_groups": [d["remote_groups"][0], {"block_ids": [1]}]}
+    with pytest.raises(ValueError, match=r"remote_groups\[1\] lacks"):
+        GroupedTransfer.from_dict(broken)
+    with pytest.raises(ValueError, match="non-empty list"):
+        GroupedTransfer.from_dict({**d, "remote_groups": []})
 
 
 def test_grouped_transfer_errors():
@@ -81,11 +125,12 @@ def test_grouped_transfer_errors():
     d = transfer().to_dict()
     with pytest.raises(ValueError, match="lack"):
         GroupedTransfer.from_dict({k: v for k, v in d.items() if k != "remote_num_tokens"})
-    broken = {**d, "remote_groups": [d["remote_groups"][0], {"block_ids": [1]}]}
-    with pytest.raises(ValueError, match=r"remote_groups\[1\] lacks"):
-        GroupedTransfer.from_dict(broken)
+    with pytest.raises(ValueError, match="one per KV cache group"):
+        GroupedTransfer.from_dict({**d, "jaxkv_first_blocks": [0]})
+    with pytest.raises(ValueError, match="malformed"):
+        GroupedTransfer.from_dict({**d, "jaxkv_addresses": [[["h"]], [["h", 1]]]})
     with pytest.raises(ValueError, match="non-empty list"):
-        GroupedTransfer.from_dict({**d, "remote_groups": []})
+        GroupedTransfer.from_dict({**d, "remote_block_ids": []})
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import pytest
 
 from jaxkv.integrations import (
     ConnectorSettings,
+    _params,
     read_plan_ids,
     transfer_params_from_dict,
     transfer_params_to_dict,
@@ -34,17 +37,91 @@ def test_settings():
 
 def test_params_round_trip():
     params = TransferParams("prefill", [("h", 1), ("h", 2)], "r-1", [5, 3, 9], 12.5)
-    d = transfer_params_to_dict(params, 20, 8)
+    d = transfer_params_to_dict(params, 20, 8, tp_size=2)
     assert d["do_remote_prefill"] and not d["do_remote_decode"]
+    # NIXL's keys and shapes: one block id list per KV cache group, the first process's host
+    assert d["remote_block_ids"] == [[5, 3, 9]]
+    assert (d["remote_host"], d["remote_port"], d["tp_size"]) == ("h", 1, 2)
+    assert (d["remote_num_tokens"], d["remote_block_size"]) == (20, 8)
+    # jaxkv's beside them
+    assert d["jaxkv_addresses"] == [[["h", 1], ["h", 2]]] and d["jaxkv_lease_s"] == 12.5
+    assert d["jaxkv_block_sizes"] == [8] and d["jaxkv_first_blocks"] == [0]
+    assert "remote_addresses" not in d and "remote_groups" not in d
+    assert json.loads(json.dumps(d)) == d
     back = transfer_params_from_dict(d)
     assert back == params
-    for key in ("remote_engine_id", "remote_block_ids", "remote_addresses"):
+    for key in ("remote_engine_id", "remote_block_ids", "jaxkv_addresses", "jaxkv_lease_s"):
+        with pytest.raises(ValueError, match=key):
+            transfer_params_from_dict({k: v for k, v in d.items() if k != key})
+    with pytest.raises(ValueError, match="malformed"):
+        transfer_params_from_dict({**d, "remote_block_ids": [["x"]]})
+    with pytest.raises(ValueError, match="one per KV cache group"):
+        transfer_params_from_dict({**d, "remote_block_ids": [5, 3, 9]})  # flat: not NIXL's
+    with pytest.raises(ValueError, match="no producer address"):
+        transfer_params_from_dict({**d, "jaxkv_addresses": [[]]})
+    with pytest.raises(ValueError, match="one per KV cache group"):
+        transfer_params_from_dict({**d, "jaxkv_addresses": [[["h", 1]], [["h", 2]]]})
+
+
+def old_flat_dict(params: TransferParams, num_tokens: int, block_size: int) -> dict:
+    """The one-group kv_transfer_params jaxkv sent before NIXL's shape."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": params.engine_id,
+        "remote_addresses": [[host, port] for host, port in params.addresses],
+        "remote_request_id": params.request_id,
+        "remote_block_ids": list(params.block_ids),
+        "remote_lease_s": params.lease_s,
+        "remote_num_tokens": num_tokens,
+        "remote_block_size": block_size,
+    }
+
+
+def test_deprecated_flat_params_accepted_for_one_release(caplog):
+    params = TransferParams("prefill", [("h", 1), ("h", 2)], "r-1", [5, 3, 9], 12.5)
+    d = old_flat_dict(params, 20, 8)
+    _params._deprecation_logged = False
+    with caplog.at_level(logging.WARNING, logger="jaxkv.integrations.vllm"):
+        assert transfer_params_from_dict(d) == params
+        assert transfer_params_from_dict(d) == params
+    deprecations = [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(deprecations) == 1  # logged once
+    for key in ("remote_engine_id", "remote_block_ids", "remote_lease_s"):
         with pytest.raises(ValueError, match=key):
             transfer_params_from_dict({k: v for k, v in d.items() if k != key})
     with pytest.raises(ValueError, match="malformed"):
         transfer_params_from_dict({**d, "remote_block_ids": ["x"]})
     with pytest.raises(ValueError, match="no producer address"):
         transfer_params_from_dict({**d, "remote_addresses": []})
+
+
+def test_a_nixl_router_carries_jaxkv_params_unchanged():
+    """A router or proxy that knows only vLLM NIXL connector's keys reads what it needs from
+    jaxkv's params, and passes them on as they are (JSON)."""
+    from jaxkv.integrations import GroupedTransfer
+
+    one = transfer_params_to_dict(
+        TransferParams("prefill", [("10.0.0.1", 5600), ("10.0.0.2", 5600)], "r-1", [5, 3], 30.0),
+        20, 16, tp_size=2)
+    hybrid = GroupedTransfer.make(
+        "prefill", [[("10.0.0.1", 5600)], [("10.0.0.1", 5601)]], "r-2", [[4, 7], [8]], 30.0,
+        num_tokens=20, block_sizes=[16, 16], first_blocks=[0, 1]).to_dict(tp_size=1)
+
+    def nixl_router_view(d):  # the keys NIXL's scheduler and worker read (vLLM 0.33)
+        return (d["remote_engine_id"], d["remote_request_id"], d["remote_host"],
+                d["remote_port"], [list(g) for g in d["remote_block_ids"]],
+                d.get("tp_size", 1), d.get("remote_num_tokens"), d.get("remote_block_size"))
+
+    assert nixl_router_view(one) == ("prefill", "r-1", "10.0.0.1", 5600, [[5, 3]], 2, 20, 16)
+    assert nixl_router_view(hybrid) == (
+        "prefill", "r-2", "10.0.0.1", 5600, [[4, 7], [8]], 1, 20, 16)
+    for d in (one, hybrid):
+        carried = json.loads(json.dumps(d))  # through the router
+        assert nixl_router_view(carried) == nixl_router_view(d)
+    assert transfer_params_from_dict(json.loads(json.dumps(one))).block_ids == [5, 3]
+    assert GroupedTransfer.from_dict(json.loads(json.dumps(hybrid))).params.groups[
+        "1"].block_ids == [8]
 
 
 @pytest.mark.parametrize(
@@ -94,6 +171,7 @@ def test_scheduler_params_round_trip_through_the_router_dict():
     )
     assert params.block_ids == [5, 3, 9]
     assert transfer_params_from_dict(transfer_params_to_dict(params, 20, 8)) == params
+    assert transfer_params_from_dict(old_flat_dict(params, 20, 8)) == params
 
 
 def test_reads_per_request_setting():

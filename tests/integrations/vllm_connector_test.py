@@ -178,7 +178,8 @@ def test_other_layout_block_size_tp(pair):
     # whole consumer blocks: an even number of producer blocks when the sizes differ
     prompts = prompts_of([16, 45, 64], seed=1)
     params = prefill(producer, prompts)
-    assert len(params[0]["remote_addresses"]) == len(producer.workers)  # one per worker
+    # one per worker
+    assert [len(a) for a in params[0]["jaxkv_addresses"]] == [len(producer.workers)]
     reqs = decode(consumer, prompts, params)
     finish(pair, reqs)
     for r, p in zip(reqs, prompts):
@@ -203,6 +204,31 @@ def test_partial_local_prefix_hit(pair):
     assert consumer.worker.engine.stats.bytes_total - before == 2 * block_bytes
     assert consumer.outputs[reqs2[0].request_id].kv_transfer_params["jaxkv_load"] == {
         "status": "loaded", "remote_tokens": len(second) - 24, "local_hit_tokens": 24}
+
+
+def test_prefix_cache_hit_producer_hands_over_every_block(pair):
+    """vLLM's ``test_prefix_cache_lifecycle`` (its NIXL params), re-expressed: a remote-decode
+    request whose prompt is partly a prefix-cache hit on the producer hands over every block,
+    the partial one included, as one block id list per KV cache group (NIXL's
+    ``remote_block_ids``); the consumer reads them exactly and both engines end empty."""
+    producer, consumer = pair
+    block = producer.spec.block_size
+    primer = prompts_of([block * 3 + block // 2], seed=7)[0]
+    normal = vh.request(primer, block, None, 1)
+    producer.add(normal)
+    vh.run_until([producer], lambda: normal.request_id in producer.outputs)
+    prompt = primer[: block * 2 + block // 2]
+    remote = vh.request(prompt, block, {"do_remote_decode": True}, 1)
+    hit = producer.scheduler.kv_cache_manager.get_computed_blocks(remote)[1]
+    assert hit == 2 * block  # a prefix cache hit of 2 full blocks
+    producer.add(remote)
+    vh.run_until([producer], lambda: remote.request_id in producer.sent_params)
+    params = producer.sent_params[remote.request_id]
+    assert len(params["remote_block_ids"]) == 1  # one KV cache group
+    assert len(params["remote_block_ids"][0]) == 3  # every block, the partial one included
+    reqs = decode(consumer, [prompt], [params])
+    finish(pair, reqs)
+    check_received(consumer, reqs[0], prompt)
 
 
 def test_abort_before_transfer_releases_producer(pair):

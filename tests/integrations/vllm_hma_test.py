@@ -327,15 +327,17 @@ def test_full_prompts_every_group_exact(pair):
     producer, consumer = pair
     prompts = prompts_of([5, 8, 21, 40], seed=1)
     params = prefill(producer, prompts)
-    assert [len(p["remote_groups"]) for p in params] == [2] * 4
+    # NIXL's shape: one block id list per group, jaxkv's per-group fields beside it
+    assert [len(p["remote_block_ids"]) for p in params] == [2] * 4
     assert producer.worker.engine.num_pinned == 4
     for p, prompt in zip(params, prompts):
-        full, swa = p["remote_groups"]
-        assert len(full["block_ids"]) == math.ceil(len(prompt) / BLOCK)
-        assert full["first_block"] == 0
+        full, swa = p["remote_block_ids"]
+        assert len(full) == math.ceil(len(prompt) / BLOCK)
+        assert p["jaxkv_first_blocks"][FULL] == 0
         # the sliding-window group hands over the last window's blocks only
-        assert len(swa["block_ids"]) == window_blocks(len(prompt))
-        assert swa["first_block"] == math.ceil(len(prompt) / BLOCK) - window_blocks(len(prompt))
+        assert len(swa) == window_blocks(len(prompt))
+        assert p["jaxkv_first_blocks"][SWA] == (
+            math.ceil(len(prompt) / BLOCK) - window_blocks(len(prompt)))
     reqs = decode(consumer, prompts, params)
     finish(pair, reqs)
     for r, p in zip(reqs, prompts):
@@ -436,10 +438,9 @@ def test_failure_in_one_group_is_a_failed_read_vllm_recomputes():
         prompts = prompts_of([30, 19], seed=6)
         params = prefill(producer, prompts)
         bad = dict(params[0])
-        groups = [dict(g) for g in bad["remote_groups"]]
-        groups[SWA]["block_ids"] = [NUM_BLOCKS + 5 + i for i in range(len(groups[SWA]
-                                                                            ["block_ids"]))]
-        bad["remote_groups"] = groups
+        groups = [list(ids) for ids in bad["remote_block_ids"]]
+        groups[SWA] = [NUM_BLOCKS + 5 + i for i in range(len(groups[SWA]))]
+        bad["remote_block_ids"] = groups
         reqs = decode(consumer, prompts, [bad, params[1]])
         finish((producer, consumer), reqs)
         assert consumer.failed == {reqs[0].request_id}

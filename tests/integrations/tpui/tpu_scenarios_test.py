@@ -219,11 +219,12 @@ def test_scheduler_request_finished():
                                aborted.request_id: [11, 12]}
     done.status = short.status = RequestStatus.FINISHED_LENGTH_CAPPED
     keep, params = producer.request_finished(done, [3, 4, 5, 6])
-    assert keep and params["remote_block_ids"] == [3, 4, 5]
-    assert params["remote_num_tokens"] == 40 and params["remote_addresses"] == [["127.0.0.1",
-                                                                                  5601]]
+    assert keep and params["remote_block_ids"] == [[3, 4, 5]]  # one list per group (NIXL's)
+    assert params["remote_num_tokens"] == 40
+    assert params["jaxkv_addresses"] == [[["127.0.0.1", 5601]]]
+    assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", 5601)
     keep, params = producer.request_finished(short, [9])
-    assert keep and params["remote_block_ids"] == [9]
+    assert keep and params["remote_block_ids"] == [[9]]
     aborted.status = RequestStatus.FINISHED_ABORTED
     assert producer.request_finished(aborted, [11, 12]) == (False, None)
     meta = producer.build_connector_meta(_scheduler_output())

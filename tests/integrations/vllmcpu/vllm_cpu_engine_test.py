@@ -115,7 +115,7 @@ class VllmCpuEngineTest(rh.EnginesTestCase):
         single = self.single.call("generate", prompts, None, MAX_TOKENS)
 
         def unreachable(params):  # a producer address nobody listens on
-            return [dict(p, remote_addresses=[["127.0.0.1", 9]]) for p in params]
+            return [dict(p, jaxkv_addresses=[[["127.0.0.1", 9]]]) for p in params]
 
         _, _, results = self.pd(prompts, transform=unreachable)
         for want, got in zip(single, results):
