@@ -86,8 +86,8 @@ def cuda_library(name, srcs, hdrs = [], deps = [], nvcc_flags = [], **kwargs):
 
 def jaxkv_py_tests(srcs, strip_prefix = "tests/", deps = [], data = [], env = {},
                    timeout = "long", **kwargs):
-    """One py_test per absltest file: tests/foo_test.py -> //:foo_test (tests/a/b_test.py ->
-    //:a/b_test).
+    """One py_test per absltest file: tests/a/b_test.py -> //:a/b_test (tests/foo_test.py ->
+    //:foo_test).
 
     The file is run as a script (its `absltest.main()`), with the @jaxkv_python interpreter.
     Each test also depends on @jaxkv_python//:info.bzl, whose fingerprint of the Python

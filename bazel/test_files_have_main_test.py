@@ -1,7 +1,8 @@
-"""Every tests/*_test.py must run its tests when executed as a script.
+"""Every tests/**/*_test.py must run its tests when executed as a script.
 
-Bazel runs each test file as `python tests/foo_test.py`: a file without `absltest.main()` under
-`if __name__ == "__main__":` would exit 0 having run nothing, and Bazel would call it PASSED.
+Bazel runs each test file as a script (`python tests/ops/ops_test.py`): a file without
+`absltest.main()` under `if __name__ == "__main__":` would exit 0 having run nothing, and Bazel
+would call it PASSED.
 """
 
 import ast
@@ -35,7 +36,7 @@ class TestFilesHaveMainTest(unittest.TestCase):
             if not path.startswith(os.path.join("tests", "integrations", ""))
         )
         if not files:
-            self.skipTest("no tests/*_test.py yet")
+            self.skipTest("no tests/**/*_test.py yet")
         missing = []
         for path in files:
             with open(path, encoding="utf-8") as f:

@@ -2,8 +2,8 @@
 (TP 2, a block manager) and a consumer engine (TP 1, a block manager) through a seeded random
 schedule of lifecycles (reads, double reads, aborts on either side before/during/after the
 read, lease expiry, pool pressure, producer SIGKILL and restart), checking every read bit for
-bit and every pool and pin at quiescence. See `tests/campaign_testing.py` for the events and
-invariants; `tests/transfer_campaign_test.py` runs a short seed budget.
+bit and every pool and pin at quiescence. See `tests/support/campaign.py` for the events and
+invariants; `tests/transfer/transfer_campaign_test.py` runs a short seed budget.
 
   python benchmarks/campaign.py --lifecycles=10000 --seed=7 --json_out=/tmp/campaign.json
 
@@ -73,10 +73,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
 
-    import kv_testing
+    from support import platforms
 
-    kv_testing.force_cpu_devices()
-    import campaign_testing as ct
+    platforms.force_cpu_devices()
+    from support import campaign as ct
 
     from jaxkv.transfer import nixl_available
     from jaxkv.transfer._jax_transport import jax_transfer_available

@@ -7,7 +7,7 @@
 # handler aborts the run with a report. CI-able: exits non-zero on a failure.
 #
 # Usage: scripts/sanitize.sh [--venv DIR] [pytest arguments...]
-#   defaults: .venv and the ops test files; e.g. scripts/sanitize.sh tests/ops_test.py -x
+#   defaults: .venv and the ops test files; e.g. scripts/sanitize.sh tests/ops/ops_test.py -x
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -57,8 +57,8 @@ module="$("$PY" -P -c 'import jaxkv._ffi_cpu as m; print(m.__file__)')"
 [[ "$module" == "$SITE"/* ]] || { log "FAILED: imported $module, not the sanitized module"; exit 1; }
 log "running the tests against $module"
 
-TARGETS=(tests/ops_test.py tests/ops_dtypes_test.py tests/ops_ids_test.py
-         tests/ops_sharding_test.py tests/reshape_ops_test.py tests/reshape_peers_test.py)
+TARGETS=(tests/ops/ops_test.py tests/ops/ops_dtypes_test.py tests/ops/ops_ids_test.py
+         tests/ops/ops_sharding_test.py tests/ops/reshape_ops_test.py tests/ops/reshape_peers_test.py)
 for arg in "$@"; do
   [[ "$arg" != -* && -e "${arg%%::*}" ]] && TARGETS=()
 done

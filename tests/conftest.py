@@ -1,10 +1,10 @@
 """pytest glue for the absltest suites."""
 
-import kv_testing
 from absl import flags
+from support import platforms
 
 # Sharding tests need several CPU devices; the flag must be set before JAX starts.
-kv_testing.force_cpu_devices()
+platforms.force_cpu_devices()
 
 
 def pytest_configure(config):

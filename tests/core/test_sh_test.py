@@ -1,0 +1,99 @@
+"""scripts/test.sh, the suite's one entry point, decides how pytest runs: unchanged where no GPU
+is found; where nvidia-smi finds one, the GPU test files in their own process with
+JAXKV_EXPECT_GPU=1 and the rest under JAX_PLATFORMS=cpu. Run on a copy of the script in a
+scratch tree whose setup.sh, python and nvidia-smi are stubs that record what they were
+asked (so nothing is built or tested for real)."""
+
+import os
+import shutil
+import subprocess
+
+from absl.testing import absltest
+
+# The source tree (realpath: under Bazel this file is a runfiles link into it).
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+_GPU_FILES = [
+    "tests/ops/cuda_test.py", "tests/ops/reshape_cuda_test.py", "tests/ops/cuda_paths_test.py"]
+_PYTEST = ["-P", "-m", "pytest", "-p", "no:cacheprovider"]
+
+# The stub interpreter: one line per run (platforms, expectation, arguments); fails when
+# its arguments contain $FAIL_WITH.
+_PYTHON = """#!/usr/bin/env bash
+echo "${JAX_PLATFORMS:-unset}|${JAXKV_EXPECT_GPU:-unset}|$*" >> "$RUNS"
+[[ -n "${FAIL_WITH:-}" && "$*" == *"$FAIL_WITH"* ]] && exit 3
+exit 0
+"""
+
+
+class TestShTest(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.root = self.create_tempdir().full_path
+        os.makedirs(os.path.join(self.root, "scripts"))
+        shutil.copy(os.path.join(_ROOT, "scripts", "test.sh"),
+                    os.path.join(self.root, "scripts", "test.sh"))
+        self._script("scripts/setup.sh", "#!/usr/bin/env bash\nexit 0\n")
+        self._script(".venv/bin/python", _PYTHON)
+        for name in [*_GPU_FILES, "tests/core/spec_test.py"]:
+            self._script(name, "")
+        self.bin = os.path.join(self.root, "stub-bin")
+        os.makedirs(self.bin)
+        self.runs = os.path.join(self.root, "runs.txt")
+
+    def _script(self, path, text):
+        path = os.path.join(self.root, path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+
+    def _run(self, *args, gpu, fail_with=""):
+        if gpu:
+            self._script("stub-bin/nvidia-smi",
+                         "#!/usr/bin/env bash\necho 'GPU 0: NVIDIA H100 (UUID: GPU-0)'\n")
+        # No real nvidia-smi: the system directories' tools, then the stubs.
+        path = os.pathsep.join([self.bin] + [d for d in os.environ["PATH"].split(os.pathsep)
+                                             if not os.path.exists(os.path.join(d, "nvidia-smi"))])
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("JAX_PLATFORMS", "JAXKV_EXPECT_GPU")}
+        env.update(PATH=path, RUNS=self.runs, FAIL_WITH=fail_with)
+        done = subprocess.run(["bash", os.path.join(self.root, "scripts", "test.sh"), *args],
+                              cwd=self.root, env=env, capture_output=True, text=True,
+                              timeout=120)
+        with open(self.runs) as f:
+            runs = [line.rstrip("\n").split("|") for line in f]
+        os.remove(self.runs)
+        return done.returncode, [(p, e, a.split()) for p, e, a in runs]
+
+    def test_without_a_gpu_one_run_as_before(self):
+        self.assertEqual(self._run("-q", gpu=False),
+                         (0, [("unset", "unset", [*_PYTEST, "tests", "-q"])]))
+        self.assertEqual(self._run("tests/core/spec_test.py", "-x", gpu=False),
+                         (0, [("unset", "unset", [*_PYTEST, "tests/core/spec_test.py", "-x"])]))
+
+    def test_with_a_gpu_the_gpu_files_run_alone(self):
+        ignores = [f"--ignore={f}" for f in _GPU_FILES]
+        self.assertEqual(self._run("-m", "not slow", gpu=True), (0, [
+            ("cuda,cpu", "1", [*_PYTEST, *_GPU_FILES, "-m", "not", "slow"]),
+            ("cpu", "unset", [*_PYTEST, "tests", *ignores, "-m", "not", "slow"]),
+        ]))
+
+    def test_with_a_gpu_named_files_go_where_they_belong(self):
+        ignores = [f"--ignore={f}" for f in _GPU_FILES]
+        status, runs = self._run("tests/ops/cuda_test.py::CudaOpsTest", "tests/core/spec_test.py",
+                                 "-q", gpu=True)
+        self.assertEqual((status, runs), (0, [
+            ("cuda,cpu", "1", [*_PYTEST, "tests/ops/cuda_test.py::CudaOpsTest", "-q"]),
+            ("cpu", "unset", [*_PYTEST, "tests/core/spec_test.py", *ignores, "-q"]),
+        ]))
+        _, runs = self._run("tests/core/spec_test.py", gpu=True)
+        self.assertEqual([r[0] for r in runs], ["cpu"])
+
+    def test_a_failing_gpu_run_fails_the_suite_after_the_cpu_run(self):
+        status, runs = self._run(gpu=True, fail_with="cuda_test.py")
+        self.assertEqual(status, 3)
+        self.assertEqual([r[0] for r in runs], ["cuda,cpu", "cpu"])
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,260 @@
+"""The JAX transport's split/concat formatter, in one process: a request's blocks split by
+the producer's ranks and concatenated by the consumer's, bit for bit, over the grid of TP/PP
+splits, KV heads, layouts, block ratios, MLA, dtypes and partial prefix hits."""
+
+from __future__ import annotations
+
+import doctest
+
+from support import bits, meshes, platforms
+
+platforms.force_cpu_devices()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl.testing import absltest, parameterized  # noqa: E402
+from support import transfer as tt  # noqa: E402
+
+import jaxkv  # noqa: E402
+from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
+from jaxkv.transfer import _formatter as fmt  # noqa: E402
+
+
+def _specs(heads, p_layout, c_layout, ratio, mla, dtype, num_layers=5, block_size=4):
+    if mla:
+        spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=1, head_dim=8,
+                           block_size=block_size, dtype=dtype, layout="TD", kv_factor=1, mla=True)
+        return spec, spec.replace(block_size=block_size * ratio)
+    spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=heads, head_dim=8,
+                       block_size=block_size, dtype=dtype, layout=p_layout)
+    return spec, spec.replace(layout=c_layout, block_size=block_size * ratio)
+
+
+def move(p_cfg, c_cfg, remote_ids, local_ids, g, num_blocks=tt.NUM_BLOCKS):
+    """Formats a request from every producer pipeline rank and writes it into fresh consumer
+    caches (one per consumer pipeline rank); returns them."""
+    devices = jax.devices()
+    tail = fmt.remote_tail(c_cfg, p_cfg, len(local_ids), remote_ids)
+    wire = {}
+    for pp in range(p_cfg.pp_size):
+        arrays = tt.global_arrays(p_cfg, pp, g, remote_ids, num_blocks)
+        mesh = jax.sharding.Mesh(np.array(devices[: p_cfg.tp_size]), ("tp",))
+        cache = PagedKVCache.from_arrays(p_cfg.local_spec(pp), arrays, mesh=mesh)
+        wire.update(fmt.split_request(cache, p_cfg, c_cfg, tail,
+                                      fmt.rank_devices(cache, p_cfg, pp)))
+    caches = []
+    for pp in range(c_cfg.pp_size):
+        mesh = jax.sharding.Mesh(np.array(devices[-c_cfg.tp_size:]), ("tp",))
+        cache = PagedKVCache.allocate(c_cfg.local_spec(pp), num_blocks, mesh=mesh)
+        ranks = fmt.rank_devices(cache, c_cfg, pp)
+        pulled = {
+            rank: [jax.device_put(wire[(route.producer_rank, rank)], device)
+                   for route in fmt.receive_routes(c_cfg, p_cfg, rank, len(tail))]
+            for rank, device in ranks.items()
+        }
+        caches.append(fmt.concat_request(cache, c_cfg, p_cfg, local_ids, len(tail), pulled,
+                                         ranks))
+    return caches, tail
+
+
+def _tpu_spec(heads, head_dim, page, dtype, layout):
+    """tpu-inference's packed cache (layout "tpu") or an unpacked one of the same model."""
+    if layout == "tpu":
+        return KVCacheSpec.for_tpu_inference(2, heads, head_dim, page, dtype)
+    return KVCacheSpec(num_layers=2, num_kv_heads=heads, head_dim=head_dim, block_size=page,
+                       dtype=dtype, layout=layout)
+
+
+def _cache(spec, tp, arrays):
+    mesh = meshes.tp(tp)
+    return PagedKVCache.from_arrays(spec, arrays, mesh=mesh)
+
+
+def move_packed(p_cfg, c_cfg, remote_ids, local_ids, g, num_blocks=tt.NUM_BLOCKS):
+    """`move` for caches that may be packed: producer and (packed) consumer caches hold
+    random sentinel bits outside the request; returns the consumer cache, its initial
+    arrays and the producer blocks read."""
+    tail = fmt.remote_tail(c_cfg, p_cfg, len(local_ids), remote_ids)
+    p_spec, c_spec = p_cfg.spec, c_cfg.spec
+    if p_spec.packing is not None:
+        arrays = tt.packed_arrays(p_spec, p_cfg.tp_size, g, remote_ids, num_blocks, seed=11)
+    else:
+        arrays = tt.global_arrays(p_cfg, 0, g, remote_ids, num_blocks)
+    producer = _cache(p_spec, p_cfg.tp_size, arrays)
+    wire = fmt.split_request(producer, p_cfg, c_cfg, tail, fmt.rank_devices(producer, p_cfg))
+    if c_spec.packing is not None:
+        initial = tt.packed_arrays(c_spec, c_cfg.tp_size, g, [], num_blocks, seed=12)
+    else:
+        initial = [np.zeros(c_spec.array_shape(num_blocks), c_spec.dtype)
+                   for _ in range(c_spec.num_arrays)]
+    consumer = _cache(c_spec, c_cfg.tp_size, initial)
+    ranks = fmt.rank_devices(consumer, c_cfg)
+    pulled = {rank: [jax.device_put(wire[(route.producer_rank, rank)], device)
+                     for route in fmt.receive_routes(c_cfg, p_cfg, rank, len(tail))]
+              for rank, device in ranks.items()}
+    consumer = fmt.concat_request(consumer, c_cfg, p_cfg, local_ids, len(tail), pulled, ranks)
+    return consumer, initial, tail, wire
+
+
+class PackedFormatterTest(parameterized.TestCase):
+    """tpu-inference's packed caches (K/V interleaved, heads packed into words, head dim
+    padded to 128 lanes) moved as values: bit exact, phantom heads and padding lanes of the
+    consumer left untouched, none of them on the wire."""
+
+    @parameterized.parameters(
+        # (p_tp, c_tp, p_layout, c_layout, heads, head_dim, dtype, ratio, hit)
+        (2, 1, "tpu", "tpu", 4, 96, "bfloat16", 1, 0),
+        (1, 2, "tpu", "tpu", 4, 96, "bfloat16", 1, 0),
+        (2, 2, "tpu", "tpu", 2, 128, "bfloat16", 2, 0),
+        (1, 2, "tpu", "tpu", 2, 64, "float8_e4m3fn", 1, 0),  # phantom heads on each rank
+        (2, 1, "tpu", "tpu", 2, 80, "float8_e4m3fn", 1, 1),  # ... on the producer's
+        (2, 1, "tpu", "LKHTD", 4, 100, "float32", 1, 0),
+        (1, 2, "HTD", "tpu", 4, 100, "float32", 2, 1),
+        (2, 2, "THD", "tpu", 2, 96, "bfloat16", 1, 0),
+    )
+    def test_packed_grid(self, p_tp, c_tp, p_layout, c_layout, heads, head_dim, dtype, ratio,
+                         hit):
+        page = 4
+        p_spec = _tpu_spec(heads, head_dim, page, dtype, p_layout)
+        c_spec = _tpu_spec(heads, head_dim, page * ratio, dtype, c_layout)
+        p_cfg, c_cfg = EngineConfig(p_spec, p_tp), EngineConfig(c_spec, c_tp)
+        remote_ids = tt.REMOTE_IDS[:5] if ratio > 1 else tt.REMOTE_IDS
+        local_ids = tt.LOCAL_IDS[: -(-len(remote_ids) // ratio) - hit]
+        g = tt.global_cache(p_spec, len(remote_ids) * page, seed=tt.G_SEED)
+        consumer, initial, tail, wire = move_packed(p_cfg, c_cfg, remote_ids, local_ids, g)
+        first_token = (len(remote_ids) - len(tail)) * page
+        # only values travel: n blocks x layers x K/V x heads x page x real head dim
+        sent = sum(int(np.prod(b.shape)) for b in wire.values())
+        self.assertEqual(sent, len(tail) * 2 * 2 * heads * page * head_dim
+                         * c_spec.head_replication(c_tp))
+        if c_spec.packing is not None:
+            expected = [bits.bits(a) for a in initial]
+            ids = np.asarray(local_ids)
+            # sender blocks missing from a merged last block arrive as zeros (whole blocks
+            # are written, as for unpacked caches)
+            moved = g[:, :, :, first_token:]
+            room = len(local_ids) * c_spec.block_size - moved.shape[3]
+            moved = np.pad(moved, [(0, 0)] * 3 + [(0, room), (0, 0)])
+            written = tt.packed_arrays(c_spec, c_tp, moved, local_ids, tt.NUM_BLOCKS, seed=12)
+            mask = np.broadcast_to(
+                np.concatenate([c_spec.payload_mask(c_tp)] * c_tp, axis=1)
+                if c_tp > 1 else c_spec.payload_mask(c_tp),
+                (len(ids), *c_spec.global_block_shape(c_tp)))
+            for layer, (e, w) in enumerate(zip(expected, written)):
+                blocks = e[ids]
+                blocks[mask] = bits.bits(w)[ids][mask]
+                e[ids] = blocks
+                np.testing.assert_array_equal(bits.bits(np.asarray(consumer.arrays[layer])), e,
+                                              err_msg=f"layer {layer}")
+        else:
+            FormatterTest.check(self, [consumer], c_cfg, g, local_ids, first_token)
+
+    def test_unpack_pack_round_trip_keeps_sentinels(self):
+        """`pack_into_blocks(old, unpack_blocks(x))` of other blocks' values changes exactly
+        the payload entries; every phantom head and padding lane of `old` survives."""
+        spec = KVCacheSpec.for_tpu_inference(1, 2, 72, 4, dtype="float8_e4m3fn")
+        rng = np.random.default_rng(3)
+        shape = (3, *spec.block_shape(2))
+        x = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        old = rng.integers(0, 256, size=shape, dtype=np.uint8)
+        values = fmt.unpack_blocks(jnp.asarray(x), spec, 2)
+        self.assertEqual(values.shape, (3, *fmt.values_spec(spec).block_shape(2)))
+        new = np.asarray(fmt.pack_into_blocks(jnp.asarray(old), values, spec, 2))
+        mask = np.broadcast_to(spec.payload_mask(2), shape)
+        np.testing.assert_array_equal(new[mask], x[mask])
+        np.testing.assert_array_equal(new[~mask], old[~mask])
+        self.assertEqual(int(mask.sum()) // 3, 2 * 1 * 4 * 72)  # K/V x 1 head x page x dim
+
+
+class FormatterTest(parameterized.TestCase):
+    def check(self, caches, c_cfg, g, local_ids, first_token):
+        ids = np.asarray(local_ids)
+        others = np.setdiff1d(np.arange(tt.NUM_BLOCKS), ids)
+        for pp, cache in enumerate(caches):
+            expected = tt.expected_arrays(c_cfg, pp, g, local_ids, first_token)
+            for index, (array, want) in enumerate(zip(cache.arrays, expected)):
+                got = bits.bits(np.asarray(array))
+                np.testing.assert_array_equal(got[ids], want, err_msg=f"pp {pp} array {index}")
+                self.assertFalse(got[others].any(), f"pp {pp} array {index}: other blocks")
+
+    @parameterized.parameters(
+        # (p_tp, c_tp, p_layout, c_layout, heads, ratio, p_pp, c_pp, mla, dtype, hit)
+        (1, 2, "LKHTD", "LKHTD", 4, 1, 1, 1, False, "bfloat16", 0),
+        (2, 1, "LKHTD", "LKHTD", 4, 1, 1, 1, False, "float32", 0),
+        (2, 4, "LKHTD", "LKHTD", 4, 1, 1, 1, False, "bfloat16", 0),
+        (4, 2, "KTHD", "LKTHD", 4, 1, 1, 1, False, "bfloat16", 0),
+        (1, 4, "HTD", "HTD", 1, 1, 1, 1, False, "bfloat16", 0),
+        (4, 1, "HTD", "LKHTD", 2, 1, 1, 1, False, "float32", 0),
+        (2, 4, "THD", "KTHD", 8, 1, 1, 1, False, "bfloat16", 0),
+        (4, 2, "LKHTD", "HTD", 1, 1, 1, 1, False, "bfloat16", 0),
+        (1, 2, "HTD", "HTD", 4, 2, 1, 1, False, "bfloat16", 0),
+        (2, 2, "KHTD", "KTHD", 4, 2, 1, 1, False, "bfloat16", 0),
+        (1, 1, "LKTHD", "LKHTD", 4, 2, 1, 1, False, "float32", 1),
+        (2, 1, "LKHTD", "LKHTD", 4, 1, 2, 1, False, "bfloat16", 0),
+        (1, 2, "LKHTD", "HTD", 4, 1, 1, 2, False, "bfloat16", 2),
+        (2, 2, "THD", "LKHTD", 2, 1, 2, 2, False, "float32", 0),
+        (1, 2, "", "", 1, 1, 1, 1, True, "bfloat16", 0),
+        (2, 1, "", "", 1, 2, 1, 2, True, "float32", 1),
+    )
+    def test_grid(self, p_tp, c_tp, p_layout, c_layout, heads, ratio, p_pp, c_pp, mla, dtype,
+                  hit):
+        p_spec, c_spec = _specs(heads, p_layout, c_layout, ratio, mla, dtype)
+        p_cfg, c_cfg = EngineConfig(p_spec, p_tp, p_pp), EngineConfig(c_spec, c_tp, c_pp)
+        remote_ids = tt.REMOTE_IDS[:5] if ratio > 1 else tt.REMOTE_IDS  # odd: a padded tail
+        local_ids = tt.LOCAL_IDS[: -(-len(remote_ids) // ratio) - hit]
+        g = tt.global_cache(p_spec, len(remote_ids) * p_spec.block_size, seed=tt.G_SEED)
+        caches, tail = move(p_cfg, c_cfg, remote_ids, local_ids, g)
+        first_token = (len(remote_ids) - len(tail)) * p_spec.block_size
+        self.check(caches, c_cfg, g, local_ids, first_token)
+
+    def test_nan_payloads_survive(self):
+        # random bits hold NaNs with payloads; XLA's float moves may canonicalize them
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="HTD")
+        cfg = EngineConfig(spec, 1)
+        g = tt.global_cache(spec, 6 * 4, seed=5)
+        width = g.view(np.uint16)
+        width[0, 0, 0, 0, :4] = [0x7FC1, 0xFFC3, 0x7F81, 0xFF80 | 0x7F]  # NaNs, payloads
+        caches, _ = move(cfg, EngineConfig(spec.replace(layout="THD"), 1), tt.REMOTE_IDS,
+                         tt.LOCAL_IDS, g)
+        self.check(caches, EngineConfig(spec.replace(layout="THD"), 1), g, tt.LOCAL_IDS, 0)
+
+    def test_refusals(self):
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        with self.assertRaisesRegex(fmt.FormatError, "not a multiple"):
+            fmt.send_routes(EngineConfig(spec, 1), EngineConfig(spec.replace(block_size=6), 1),
+                            0, 3)
+        with self.assertRaisesRegex(fmt.FormatError, "head_dim"):
+            fmt.receive_routes(EngineConfig(spec, 1), EngineConfig(spec.replace(head_dim=4), 1),
+                               0, 3)
+        with self.assertRaisesRegex(fmt.FormatError, "fill only"):
+            fmt.remote_tail(EngineConfig(spec, 1), EngineConfig(spec, 1), 4, [1, 2, 3])
+        mla = KVCacheSpec.for_tpu_inference_mla(2, 576, 16)
+        with self.assertRaisesRegex(fmt.FormatError, "packed on the head axis only"):
+            fmt.check_formattable(mla)
+        # a buffer of the wrong shape is refused before anything is written
+        cfg = EngineConfig(spec, 1)
+        cache = PagedKVCache.allocate(spec, 8)
+        ranks = fmt.rank_devices(cache, cfg)
+        with self.assertRaisesRegex(fmt.FormatError, "expected"):
+            fmt.concat_request(cache, cfg, cfg, [1, 2], 2, {0: [jnp.zeros((2, 2, 2, 2, 4, 4))]},
+                               ranks)
+        with self.assertRaisesRegex(fmt.FormatError, "0 buffers"):
+            fmt.concat_request(cache, cfg, cfg, [1, 2], 2, {}, ranks)
+
+    @parameterized.parameters("jaxkv.transfer._formatter", "jaxkv.transfer._jax_transport")
+    def test_docstring_examples(self, module_name):
+        import importlib
+
+        module = importlib.import_module(module_name)
+        globs = {"jax": jax, "jnp": jnp, "np": np, "jaxkv": jaxkv, "KVCacheSpec": KVCacheSpec,
+                 "EngineConfig": EngineConfig}
+        result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.ELLIPSIS,
+                                 verbose=False)
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
+
+
+if __name__ == "__main__":
+    absltest.main()
