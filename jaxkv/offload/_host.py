@@ -12,7 +12,7 @@ The block ops run with the implementation in force (`jaxkv.ops.implementation`):
 on CPU and CUDA, the Pallas kernels on TPU, the jnp reference anywhere; the host memory itself
 is only touched by XLA (copies between memory kinds, row-sized dynamic slices and updates),
 never by a custom call. Tested on CPU (which has a "pinned_host" memory) byte for byte with
-every implementation; on GPU by tests/cuda_test.py where one is present; on a TPU this path is
+every implementation; on GPU by tests/ops/cuda_test.py where one is present; on a TPU this path is
 unvalidated (no TPU was available).
 """
 
