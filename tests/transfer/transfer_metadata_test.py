@@ -269,6 +269,9 @@ class SideChannelTest(absltest.TestCase):
                 elapsed = time.monotonic() - start
                 self.assertEqual(meta.engine_id, "prefill")
                 self.assertLess(elapsed, 5.0)
+                # The good client's connection closes on the server's side just after the
+                # client got its answer: wait for that, then exactly the 16 silent ones remain.
+                _wait_for(lambda: server.open_connections == 16)
                 self.assertEqual(server.open_connections, 16)
                 for sock in silent:
                     sock.setblocking(False)
