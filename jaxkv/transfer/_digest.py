@@ -55,6 +55,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from jaxkv.transfer._plan import row_chunks
+
 __all__ = [
     "DIGEST_MODES",
     "DigestError",
@@ -393,9 +395,7 @@ def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
             image_len[remote_rank] = block_len * len(regions)
             lookup = np.full(int(regions[0].num_blocks), -1, np.int64)
             lookup[remote_ids] = np.arange(len(remote_ids))
-            counts = rows[:, 6]
-            index = np.repeat(np.arange(len(rows)), counts)
-            within = np.arange(len(index)) - np.repeat(np.cumsum(counts) - counts, counts)
+            index, within = row_chunks(rows[:, 6])  # the strided rows' chunks
             r_off = rows[index, 2] + within * rows[index, 7]
             l_off = rows[index, 4] + within * rows[index, 8]
             length = rows[index, 5]
@@ -405,8 +405,7 @@ def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
             first = r_off // block_len
             last = (r_off + length - 1) // block_len
             parts = last - first + 1
-            idx = np.repeat(np.arange(len(r_off)), parts)
-            step = np.arange(len(idx)) - np.repeat(np.cumsum(parts) - parts, parts)
+            idx, step = row_chunks(parts)
             block = first[idx] + step
             start = np.maximum(r_off[idx], block * block_len)
             stop = np.minimum(r_off[idx] + length[idx], (block + 1) * block_len)

@@ -41,6 +41,7 @@ __all__ = [
     "block_runs",
     "plan_read",
     "read_planner",
+    "row_chunks",
 ]
 
 COPY_COLUMNS = (
@@ -223,9 +224,8 @@ class ReadPlan:
             total = n * chunk
             within = np.arange(chunk, dtype=np.uint64)
         else:
-            total = int(counts.sum())
-            index = np.repeat(np.arange(n), counts)
-            within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+            index, within = row_chunks(counts)
+            total = len(index)
             within = within.astype(np.uint64)
         out = []
         for regions, region_col, offset_col, stride_col in (
@@ -251,6 +251,18 @@ class ReadPlan:
                 side[:, 2] = device[index]
             out.append(side)
         return out[0], out[1]
+
+
+def row_chunks(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per chunk of rows repeated ``counts`` times: (its row, its position within the row).
+
+    Example:
+      >>> [a.tolist() for a in row_chunks(np.array([2, 0, 3]))]
+      [[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
+    """
+    index = np.repeat(np.arange(len(counts)), counts)
+    within = np.arange(len(index)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return index, within
 
 
 def block_runs(remote_ids: np.ndarray, local_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1263,8 +1275,7 @@ class ReadPlanner:
             return None
         # One entry per chunk of a (possibly strided) per-block template.
         counts = rows[:, _CNT]
-        index = np.repeat(np.arange(len(rows)), counts)
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        index, within = row_chunks(counts)
         t = rows[index]
         entries = np.stack(
             [
