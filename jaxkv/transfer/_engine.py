@@ -683,11 +683,43 @@ class KVTransferEngine:
 
     # -- host callbacks (jaxkv.transfer._jit) ---------------------------------------------
 
-    def _callback_publish(self, handle: int, block_ids: np.ndarray, layer_stop: int) -> int:
+    def _staging_layers(self, written: Any) -> tuple[int, int, str] | None:
+        """For `publish_layer_in_jit`, at trace time: None when no registered cache is
+        host-staged; else the global layers ``[start, stop)`` of the staged cache and why
+        the announcement's callback cannot write `written`'s rows into its mirror ("": it
+        can). It can where `written` is a version of the only registered cache (same spec
+        and array shapes) whose blocks are not split over devices."""
+        with self._lock:
+            caches = self._registry.caches
+            if not any(entry.mirror is not None for entry in caches):
+                return None
+            entry = caches[0]
+            spec, arrays = getattr(written, "spec", None), getattr(written, "arrays", None)
+            reason = ""
+            if len(caches) != 1:
+                reason = "the engine holds several caches"
+            elif spec is None or arrays is None:
+                reason = "`written` is not the registered cache (pass the PagedKVCache)"
+            elif entry.cache.spec != spec or [a.shape for a in entry.cache.arrays] != [
+                    tuple(a.shape) for a in arrays]:
+                reason = "`written` is not a version of the registered cache"
+            elif entry.mirror is None or not entry.mirror.writes_rows:
+                reason = "the cache's blocks are split over devices"
+            return entry.layer_start, entry.layer_stop, reason
+
+    def _callback_publish(
+        self,
+        handle: int,
+        block_ids: np.ndarray,
+        layer_stop: int,
+        rows: tuple[int, list[np.ndarray | None]] | None = None,
+    ) -> int:
         """From a jitted step's host callback: publish (or mark written) a request's layers
-        ``[0, layer_stop)``. Returns 1, or 0 when refused (logged). Never runs JAX: with
-        host staging the copy to the mirror is left to the first `poll` (or `update_cache`)
-        after the step's output was handed to `update_cache`."""
+        ``[0, layer_stop)``. Returns 1, or 0 when refused (logged). Never runs JAX. With host
+        staging, `rows` (``(first global layer, per cache array the rows of layers [first,
+        layer_stop) or None)``, from `publish_layer_in_jit`) are written to the mirror and
+        the layers announced now; without them the copy to the mirror is left to the first
+        `poll` (or `update_cache`) after the step's output was handed to `update_cache`."""
         num_layers = self.config.spec.num_layers
         stop = num_layers if layer_stop < 0 else min(int(layer_stop), num_layers)
         if not self._lock.acquire(timeout=self.read_timeout_s):
@@ -701,7 +733,7 @@ class KVTransferEngine:
             # Subscriptions (Want) that arrived since the last poll: the announcement must
             # reach consumers that subscribed while the step ran.
             self._handle_messages(time.monotonic())
-            status = self.producer.callback_publish(request_id, block_ids, stop)
+            status = self.producer.callback_publish(request_id, block_ids, stop, rows)
             if status:
                 self.transport.progress()
             return status

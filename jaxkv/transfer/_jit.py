@@ -34,6 +34,7 @@ by the first `poll` or `update_cache` after it.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ __all__ = [
     "written_token",
 ]
 
+_log = logging.getLogger(__name__)
 _NEVER = -(1 << 30)  # a status no callback returns (keeps `after_callback`'s select unfoldable)
 
 
@@ -197,6 +199,8 @@ def publish_layer_in_jit(
     written: Any,
     layer_stop: Any,
     next_input: Any,
+    *,
+    layer_start: int | None = None,
 ) -> tuple[Any, Any]:
     """Announces layers ``[0, layer_stop)`` of a request from inside a jitted step, between two
     layers: after `written` (the cache with this layer's writes) is computed and before the
@@ -206,15 +210,35 @@ def publish_layer_in_jit(
     consumer reads layer k while the step computes the later ones. See the module docstring
     for the ordering; no copy of the cache is added.
 
+    Host staging (``host_staging=True``, NIXL's only path on TPU): the callback's operands
+    also carry the request's rows of the announced layers ``[layer_start, layer_stop)``
+    (gathered from `written` after their writes: the layer's bytes of the request's blocks,
+    not the cache), and the callback writes them into the host mirror before it announces
+    the layers, so they are readable while the step computes the later ones. This needs a
+    Python int `layer_stop` and `written` the registered `PagedKVCache` (the only one of the
+    engine); otherwise (a traced stop, only some arrays, several caches) the layers reach the
+    mirror only from the step's output, at the first `poll` / `update_cache` after the step
+    (logged as a warning at trace time). A layer missing before `layer_start` (an earlier
+    announcement that could not carry its rows) is staged from the output too, with the
+    layers after it: a layer is announced only once its bytes are in the mirror.
+
     Args:
       engine, handle, block_ids: as for `publish_in_jit`.
       written: the cache after this layer's writes (or only the arrays written).
       layer_stop: int32 scalar (or int), one past the last written global layer.
       next_input: the next layer's input (pytree of arrays, e.g. hidden states).
+      layer_start: host staging: the first global layer this call announces (its rows go
+        to the callback); default ``layer_stop - 1``, one layer per call. Pass it when
+        announcing several layers at once.
 
     Returns:
       ``(next_input, status)``: the same values, data dependent on the callback; status as
       `publish_in_jit` returns it.
+
+    Raises:
+      NotImplementedError: a multi-controller engine.
+      ValueError: (host staging) a `layer_start` outside ``[first layer of the cache,
+        layer_stop)`` or a `layer_stop` past the cache's last layer.
 
     Example:
       >>> for layer in range(num_layers):  # doctest: +SKIP
@@ -225,8 +249,98 @@ def publish_layer_in_jit(
         raise NotImplementedError(
             "publish_layer_in_jit on a multi-controller engine: announce the whole request "
             "with publish_in_jit after the step, or publish_layers outside jit")
-    status = _publish(engine, handle, block_ids, written, layer_stop)
+    rows = _staged_rows(engine, block_ids, written, layer_start, layer_stop)
+    if rows is None:
+        status = _publish(engine, handle, block_ids, written, layer_stop)
+    else:
+        status = _publish_rows(engine, handle, block_ids, layer_stop, *rows)
     return after_callback(next_input, status), status
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _staged_rows(
+    engine: Any, block_ids: Any, written: Any, layer_start: int | None, layer_stop: Any
+) -> tuple[int, list[Any]] | None:
+    """Host staging: ``(first global layer, per array of `written` its request rows of the
+    announced layers as unsigned ints, or None)`` for the announcement's callback, or None
+    when the engine is not host-staged or the rows cannot be taken (then the mirror copy
+    waits for the step's output, warned)."""
+    import jax
+    import jax.numpy as jnp
+
+    span_of = getattr(engine, "_staging_layers", None)
+    span = span_of(written) if span_of is not None else None
+    if span is None:  # not host-staged
+        return None
+    if span[2]:
+        _log.warning("publish_layer_in_jit with host staging: %s, so the layers reach the "
+                     "host mirror only after the step", span[2])
+        return None
+    if not _is_int(layer_stop):
+        _log.warning("publish_layer_in_jit with host staging: a traced layer_stop, so the "
+                     "layers reach the host mirror only after the step (pass a Python int)")
+        return None
+    stop = int(layer_stop)
+    start = stop - 1 if layer_start is None else int(layer_start)
+    if not span[0] <= start < stop <= span[1]:
+        raise ValueError(
+            f"publish_layer_in_jit: layers [{start}, {stop}) are not layers of the registered "
+            f"cache ([{span[0]}, {span[1]}))")
+    lo, hi = start - span[0], stop - span[0]
+    ids = jnp.maximum(jnp.asarray(block_ids, jnp.int32).reshape(-1), 0)  # -1: padding rows
+    axes = written.spec.block_axes()
+    axis = axes.index("L") if "L" in axes else None
+    sharding = getattr(written, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    rows: list[Any] = []
+    for (layer, _), array in zip(written.array_keys, written.arrays):
+        if layer is None and axis is not None:  # only these layers of a cross-layer array
+            part = array[(ids,) + tuple(slice(lo, hi) if a == axis else slice(None)
+                                        for a in range(len(axes)))]
+        elif layer is not None and lo <= layer < hi:
+            part = array[ids]
+        else:
+            rows.append(None)
+            continue
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[part.dtype.itemsize]
+        part = jax.lax.bitcast_convert_type(part, width)  # bits as they are
+        if mesh is not None and mesh.size > 1:
+            # The callback runs on one device: gather the (head-sharded) rows explicitly,
+            # rather than leave SPMD to rematerialise them (it warns).
+            part = jax.lax.with_sharding_constraint(
+                part, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        rows.append(part)
+    return start, rows
+
+
+def _publish_rows_callback(engine: Any, start: int, present: tuple[bool, ...], handle,
+                           block_ids, layer_stop, *parts) -> np.int32:
+    it = iter(parts)
+    rows = [np.asarray(next(it)) if here else None for here in present]
+    return np.int32(engine._callback_publish(int(handle), np.asarray(block_ids),
+                                             int(layer_stop), (start, rows)))
+
+
+def _publish_rows(engine: Any, handle: Any, block_ids: Any, layer_stop: Any, start: int,
+                  rows: list[Any]) -> Any:
+    """The publishing callback with the announced layers' rows as operands: they depend on
+    the layers' writes, so the callback runs after them (no token needed)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    present = tuple(r is not None for r in rows)
+    return io_callback(
+        functools.partial(_publish_rows_callback, engine, int(start), present),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jnp.asarray(handle, jnp.int32).reshape(()),
+        jnp.asarray(block_ids, jnp.int32).reshape(-1),
+        jnp.asarray(layer_stop, jnp.int32).reshape(()),
+        *[r for r in rows if r is not None],
+    )
 
 
 def wait_in_jit(

@@ -182,15 +182,16 @@ class Producer:
             layerwise,
         )
 
-    def publish_layers(self, pinned: Pinned, stop: int) -> None:
-        """Marks the global layers ``[0, stop)`` written: stages them (host staging), offers
-        them to the transport and announces them to the subscribers."""
+    def publish_layers(self, pinned: Pinned, stop: int, staged: bool = False) -> None:
+        """Marks the global layers ``[0, stop)`` written: stages them (host staging; not when
+        `staged`: their bytes were written to the mirror already, `write_layer_rows`),
+        offers them to the transport and announces them to the subscribers."""
         start = pinned.layer_stop
         if stop <= start:
             return
         t0 = time.perf_counter()
         for entry in self.registry.caches:
-            if entry.mirror is None:
+            if entry.mirror is None or staged:
                 continue
             lo, hi = max(start, entry.layer_start), min(stop, entry.layer_stop)
             if lo >= hi:
@@ -256,9 +257,20 @@ class Producer:
                 pinned.deadline = -1.0
         self.deferred = still
 
-    def callback_publish(self, request_id: str, block_ids: np.ndarray, stop: int) -> int:
+    def callback_publish(
+        self,
+        request_id: str,
+        block_ids: np.ndarray,
+        stop: int,
+        rows: tuple[int, list[np.ndarray | None]] | None = None,
+    ) -> int:
         """A jitted step's publication (see `KVTransferEngine._callback_publish`); the
-        engine's lock is held and the new messages handled. Returns 1 or 0 (refused)."""
+        engine's lock is held and the new messages handled. Returns 1 or 0 (refused).
+
+        With host staging, `rows` (the first global layer they hold, and per cache array the
+        request's rows of layers ``[start, stop)``, `publish_layer_in_jit`) are written into
+        the mirror and the layers announced now, from inside the step; without them (or when
+        they cannot be used, `write_layer_rows`) the copy waits for the step's output."""
         ids = [int(b) for b in np.asarray(block_ids).reshape(-1) if b >= 0]
         pinned = self.pinned.get(request_id)
         if pinned is None:
@@ -267,7 +279,15 @@ class Producer:
                 # before): a late announcement of a finished request is no error.
                 _log.debug("publish from a jitted step: %s already confirmed", request_id)
                 return 1
+            if request_id in self.released:  # aborted or expired while the step ran
+                _log.warning("publish from a jitted step: %s was aborted or expired; its "
+                             "layers are not announced", request_id)
+                return 0
             _log.error("publish from a jitted step: %s is not published", request_id)
+            return 0
+        if pinned.deadline < 0:  # aborted, not released yet: nothing more is announced
+            _log.warning("publish from a jitted step: %s was aborted; its layers are not "
+                         "announced", request_id)
             return 0
         if ids and tuple(ids) != pinned.block_ids:
             _log.error(
@@ -277,6 +297,13 @@ class Producer:
             pinned.deadline = -1.0
             return 0
         if self.registry.staged:
+            if rows is not None:
+                written = self.write_layer_rows(pinned, block_ids, stop, rows)
+                if written is None:  # the rows were bad: the request is aborted
+                    return 0
+                if written:
+                    self.publish_layers(pinned, stop, staged=True)
+                    return 1
             # The step's output is not available here: staged from it once the caller
             # hands it to update_cache (never from the donated input, see stage_deferred).
             self.deferred.append(
@@ -285,6 +312,66 @@ class Producer:
         else:
             self.publish_layers(pinned, stop)
         return 1
+
+    def write_layer_rows(
+        self,
+        pinned: Pinned,
+        block_ids: np.ndarray,
+        stop: int,
+        rows: tuple[int, list[np.ndarray | None]],
+    ) -> bool | None:
+        """Writes a jitted step's rows of layers ``[start, stop)`` (host bytes handed to its
+        announcement's callback) into the host mirror, so that they are readable before the
+        step ends. Only the layers not staged yet are written, and only where the rows can
+        stand for the device copy: one registered (staged) cache holding those layers whose
+        blocks are not split over devices, the request's blocks, and no layer missing
+        before `start` (an earlier announcement that was deferred).
+
+        Returns:
+          True: written (announce them); False: not usable, nothing written (defer the copy
+          to the step's output, as without rows); None: refused rows (bad shapes): nothing
+          written, the request is aborted (logged).
+        """
+        start, parts = rows
+        padded = np.asarray(block_ids, np.int64).reshape(-1)  # one per row (-1: padding)
+        ids = tuple(int(b) for b in padded if b >= 0)
+        caches = self.registry.caches
+        if len(caches) != 1 or caches[0].mirror is None or not caches[0].mirror.writes_rows:
+            return False
+        entry = caches[0]
+        mirror = entry.mirror
+        assert mirror is not None
+        if (ids != pinned.block_ids or len(parts) != len(entry.cache.arrays)
+                or start > max(pinned.layer_stop, entry.layer_start)
+                or any(r == pinned.request_id for r, _, _ in self.deferred)
+                or not entry.layer_start <= start < stop <= entry.layer_stop):
+            return False
+        first = max(start, pinned.layer_stop)  # layers before it are staged and announced
+        # (a pipeline rank's process holds layers from entry.layer_start on: none before)
+        if first >= stop:
+            return True
+        local = (first - entry.layer_start, stop - entry.layer_start)
+        axes = entry.cache.spec.block_axes()
+        axis = 1 + axes.index("L") if "L" in axes else None
+        new: list[np.ndarray | None] = []
+        for (layer, _), part in zip(entry.cache.array_keys, parts):
+            if layer is not None and not local[0] <= layer < local[1]:
+                new.append(None)  # another layer's array
+            elif part is None:
+                return False  # a layer's bytes are missing: never announce it from here
+            elif layer is None and axis is not None and first > start:
+                new.append(part[(slice(None),) * axis + (slice(first - start, None),)])
+            else:
+                new.append(part)
+        t0 = time.perf_counter()
+        try:
+            mirror.write_rows(padded, new, local)
+        except ValueError as error:
+            _log.error("publish from a jitted step: %s: %s", pinned.request_id, error)
+            pinned.deadline = -1.0
+            return None
+        pinned.staged_s += time.perf_counter() - t0
+        return True
 
     # -- messages ---------------------------------------------------------------------------
 

@@ -88,6 +88,20 @@ class HostMirror:
         payload = cache.spec.payload_mask(cache.tp_size)
         self._payload = None if payload.all() else payload
         self._dense: dict[int, tuple] = {}  # padded length -> reusable gather output
+        # array index -> [(device id, the shard's index of a block: its slices of the block
+        # axes)]: where `write_rows` puts the parts of rows that arrive whole (global).
+        self._shards: dict[int, list[tuple[int, tuple[slice, ...]]]] = {}
+        self._block_shapes = [tuple(a.shape[1:]) for a in cache.arrays]
+        self._itemsizes = [a.dtype.itemsize for a in cache.arrays]
+        for index, array in enumerate(cache.arrays):
+            for device, where in array.sharding.devices_indices_map(array.shape).items():
+                if (index, device.id) in self.buffers:
+                    self._shards.setdefault(index, []).append((device.id, tuple(where[1:])))
+        # Blocks split over devices (a data-parallel axis): rows are not written whole.
+        self._whole_rows = all(
+            where[0] == slice(None) or where[0].indices(self.num_blocks)[:2] == (0, self.num_blocks)
+            for array in cache.arrays
+            for where in array.sharding.devices_indices_map(array.shape).values())
         # (array, device, padded length) -> reusable host rows for `stage_in` (fresh pages
         # on every call cost more than the copies themselves)
         self._rows_in: dict[tuple[int, int, int], np.ndarray] = {}
@@ -151,6 +165,81 @@ class HostMirror:
                 target[select] = rows[(slice(0, len(ids)),) + select[1:]]
                 del rows
         self._dense[len(padded)] = dense
+
+    @property
+    def writes_rows(self) -> bool:
+        """Whether `write_rows` can take rows of this cache (its blocks are not split over
+        devices)."""
+        return self._whole_rows
+
+    def write_rows(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        rows: Sequence[np.ndarray | None],
+        layers: tuple[int, int],
+    ) -> None:
+        """Writes blocks' bytes that arrived on the host into the mirror (the producer side:
+        a jitted step's layer announcement hands its callback the layer's blocks, see
+        `jaxkv.transfer.publish_layer_in_jit`), instead of copying them from the device.
+
+        Every shape is checked before anything is written: a refused call leaves the mirror
+        as it was.
+
+        Args:
+          block_ids: one block id per row (negative: padding, skipped).
+          rows: per cache array (in `PagedKVCache.arrays` order) its rows of these blocks, as
+            the global array's ``[n, *block]`` in unsigned ints of the dtype's width; for an
+            array spanning the layers, only the local layers `layers` on its L axis; None for
+            an array that holds none of these layers.
+          layers: the local layers ``[start, stop)`` the rows hold.
+
+        Raises:
+          ValueError: rows of the wrong count, shape or width, block ids out of range, or a
+            cache whose blocks are split over devices (`writes_rows`).
+
+        Example:
+          >>> mirror.write_rows([3, 4], [rows_of_array_0], (0, 1))  # doctest: +SKIP
+        """
+        if not self._whole_rows:
+            raise ValueError("write_rows: the cache's blocks are split over devices")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        keep = ids >= 0
+        if (ids[keep] >= self.num_blocks).any():
+            raise ValueError(f"write_rows: block ids {ids[keep].tolist()} outside "
+                             f"[0, {self.num_blocks})")
+        if len(rows) != len(self._block_shapes):
+            raise ValueError(f"write_rows: {len(rows)} arrays of rows for a cache of "
+                             f"{len(self._block_shapes)}")
+        layout = self.spec.block_axes()
+        axis = layout.index("L") if "L" in layout else None
+        start, stop = layers
+        for index, part in enumerate(rows):  # check everything first
+            if part is None:
+                continue
+            want = list(self._block_shapes[index])
+            if axis is not None:
+                want[axis] = stop - start
+            if (part.shape != (len(ids), *want) or part.dtype.kind != "u"
+                    or part.dtype.itemsize != self._itemsizes[index]):
+                raise ValueError(f"write_rows: array {index}: rows {part.dtype}{list(part.shape)}, "
+                                 f"expected unsigned [{len(ids)}, {', '.join(map(str, want))}]")
+        valid = ids[keep]
+        for index, part in enumerate(rows):
+            if part is None:
+                continue
+            part = part[keep]
+            for device_id, where in self._shards[index]:
+                if axis is not None:  # the rows hold only these layers: index from 0
+                    where = where[:axis] + (slice(None),) + where[axis + 1:]
+                local = part[(slice(None),) + where]
+                shape = tuple(len(range(*s.indices(d)))  # the shard's block (every layer)
+                              for s, d in zip(where, self._block_shapes[index]))
+                target = self._rows(index, device_id, shape, local.dtype)
+                select: tuple = (valid,)
+                if axis is not None:
+                    select += tuple(slice(start, stop) if a == axis else slice(None)
+                                    for a in range(len(shape)))
+                target[select] = local
 
     def stage_in(self, cache: Any, block_ids: Sequence[int]) -> Any:
         """Copies blocks mirror -> device (the consumer side), in place, waiting for the copy.

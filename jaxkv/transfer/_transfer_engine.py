@@ -608,8 +608,13 @@ class TransferEngine:
         functions issue their callbacks per device for a multi-controller engine."""
         return self._processes.get(self._group(None))
 
-    def _callback_publish(self, handle: int, block_ids: Any, layer_stop: int) -> int:
-        return self._cores[self._group(None)]._callback_publish(handle, block_ids, layer_stop)
+    def _callback_publish(self, handle: int, block_ids: Any, layer_stop: int,
+                          rows: Any = None) -> int:
+        return self._cores[self._group(None)]._callback_publish(handle, block_ids, layer_stop,
+                                                                rows)
+
+    def _staging_layers(self, written: Any) -> tuple[int, int, str] | None:
+        return self._cores[self._group(None)]._staging_layers(written)
 
     def _callback_wait(self, handle: int, timeout_s: float) -> int:
         return self._cores[self._group(None)]._callback_wait(handle, timeout_s)

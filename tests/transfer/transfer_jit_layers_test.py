@@ -156,9 +156,13 @@ class LayeredTransferTest(tt.TransferTestBase):
         self._children.append((process, parent))
         return parent
 
-    @parameterized.parameters(("LKHTD", 1, 4 * ITERS), ("KHTD", 2, ITERS))
-    def test_first_layer_arrives_before_the_step_ends(self, layout, p_tp, iters):
-        conn = self.start_layered_producer(layout, p_tp, iters)
+    @parameterized.parameters(
+        # (layout, producer TP, iterations, producer host staging): staged, each layer's rows
+        # go to its announcement's callback, which writes them into the host mirror
+        ("LKHTD", 1, 4 * ITERS, False), ("KHTD", 2, ITERS, False),
+        ("LKHTD", 1, 4 * ITERS, True), ("KHTD", 2, ITERS, True), ("HTD", 2, ITERS, True))
+    def test_first_layer_arrives_before_the_step_ends(self, layout, p_tp, iters, staging):
+        conn = self.start_layered_producer(layout, p_tp, iters, {"host_staging": staging})
         self.ready(conn)
         params, p_handle = self.call(conn, "pin", "req-layers", REMOTE_IDS)
         spec = KVCacheSpec(**spec_kwargs(layout))
@@ -204,8 +208,9 @@ class LayeredTransferTest(tt.TransferTestBase):
         self.assertEqual(
             self.call(conn, "late", p_handle, REMOTE_IDS, spec.num_layers), (1, [])
         )
-        print(f"{layout} tp={p_tp}: step {1e3 * (step_end - step_start):.0f} ms, layer 0 "
-              f"arrived {1e3 * (step_end - arrival[0]):.0f} ms before its end")
+        print(f"{layout} tp={p_tp} staging={staging}: step "
+              f"{1e3 * (step_end - step_start):.0f} ms, layer 0 arrived "
+              f"{1e3 * (step_end - arrival[0]):.0f} ms before its end")
 
 
 if __name__ == "__main__":
