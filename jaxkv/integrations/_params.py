@@ -29,6 +29,11 @@ ADDRESSES_KEY = "jaxkv_addresses"  # per group, every producer process's [host, 
 LEASE_KEY = "jaxkv_lease_s"  # how long the producer pins the blocks without a heartbeat
 BLOCK_SIZES_KEY = "jaxkv_block_sizes"  # per group, the producer's block size in tokens
 FIRST_BLOCKS_KEY = "jaxkv_first_blocks"  # per group, the position of its first block id
+# per group, null (attention KV) or a Mamba group's state components: their names and, per
+# component, every producer process's [host, port] (each component is a cache group of the
+# producer's transfer engine with its own side channel); the group's block id list holds the
+# one block of the request's running state, read for every component
+STATES_KEY = "jaxkv_states"
 _KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_num_tokens",
          "remote_block_size", ADDRESSES_KEY, LEASE_KEY)
 
@@ -76,6 +81,7 @@ def _params_dict(
     block_sizes: Sequence[int],
     first_blocks: Sequence[int],
     tp_size: int | None,
+    states: Sequence[Sequence[tuple[str, Sequence[tuple[str, int]]]] | None] = (),
 ) -> dict[str, Any]:
     host, port = group_addresses[0][0] if group_addresses[0] else ("", 0)
     d: dict[str, Any] = {
@@ -95,6 +101,14 @@ def _params_dict(
     d[LEASE_KEY] = float(lease_s)
     d[BLOCK_SIZES_KEY] = [int(b) for b in block_sizes]
     d[FIRST_BLOCKS_KEY] = [int(f) for f in first_blocks]
+    if any(state is not None for state in states):
+        d[STATES_KEY] = [
+            None if state is None else {
+                "components": [str(name) for name, _ in state],
+                "addresses": [[[str(h), int(p)] for h, p in a] for _, a in state],
+            }
+            for state in states
+        ]
     return d
 
 
@@ -110,6 +124,30 @@ class _Parsed:
     num_tokens: int
     block_sizes: list[int]
     first_blocks: list[int]
+    states: list[list[tuple[str, list[tuple[str, int]]]] | None] = dataclasses.field(
+        default_factory=list)
+
+
+def _parse_states(params: Mapping[str, Any], n: int) -> list[Any]:
+    """The `STATES_KEY` entries (none: an empty list)."""
+    states = params.get(STATES_KEY)
+    if states is None:
+        return []
+    if not isinstance(states, Sequence) or len(states) != n:
+        raise _ParamsError(f"malformed kv_transfer_params: {STATES_KEY} must list one entry per "
+                           f"KV cache group ({n}), got {states!r}")
+    out: list[Any] = []
+    for g, state in enumerate(states):
+        if state is None:
+            out.append(None)
+            continue
+        names, addresses = state["components"], state["addresses"]
+        if not names or len(names) != len(addresses):
+            raise _ParamsError(f"malformed kv_transfer_params: {STATES_KEY}[{g}] needs one "
+                               f"address list per component, got {state!r}")
+        out.append([(str(name), [(str(h), int(p)) for h, p in a])
+                    for name, a in zip(names, addresses)])
+    return out
 
 
 def _parse(params: Mapping[str, Any]) -> _Parsed:
@@ -148,7 +186,7 @@ def _parse(params: Mapping[str, Any]) -> _Parsed:
         return _Parsed(
             str(params["remote_engine_id"]), str(params["remote_request_id"]), addresses,
             [[int(b) for b in group] for group in ids], float(params[LEASE_KEY]),
-            int(params["remote_num_tokens"]), sizes, firsts,
+            int(params["remote_num_tokens"]), sizes, firsts, _parse_states(params, n),
         )
     except _ParamsError:
         raise
@@ -515,11 +553,17 @@ class GroupedTransfer:
     (a full-attention group starts at 0). Group ``g`` is transfer engine
     ``f"{engine_id}.{g}"`` (a `jaxkv.transfer.TransferEngine` with several groups).
 
+    A Mamba (state-space) group hands over one block, its running state, read for each of
+    its state components: engine groups ``f"{g}_{component}"`` (`states`).
+
     Attributes:
-      params: the `TransferParams` (``groups``: per group name ``"0"``, ``"1"``, ...).
+      params: the `TransferParams` (``groups``: per group name ``"0"``, ``"1"``, ...; a Mamba
+        group's components ``"1_conv_x"``, ``"1_ssm"``, ...).
       num_tokens: the tokens the blocks hold.
       block_sizes: per group, the producer's block size in tokens.
       first_blocks: per group, the token-order position of its first block id.
+      states: per group, None, or a Mamba group's state component names; empty: no Mamba
+        group.
 
     Example:
       >>> t = GroupedTransfer.make("prefill", [[("h", 5600)], [("h", 5601)]], "r1",
@@ -535,10 +579,22 @@ class GroupedTransfer:
     num_tokens: int
     block_sizes: tuple[int, ...]
     first_blocks: tuple[int, ...]
+    states: tuple[tuple[str, ...] | None, ...] = ()
 
     @property
     def num_groups(self) -> int:
         return len(self.block_sizes)
+
+    def state_of(self, group: int) -> tuple[str, ...] | None:
+        """Group `group`'s state component names (None: attention KV)."""
+        return self.states[group] if self.states else None
+
+    def engine_names(self, group: int) -> list[str]:
+        """The engine groups of vLLM's group `group`: itself, or one per state component."""
+        components = self.state_of(group)
+        if components is None:
+            return [group_name(group)]
+        return [f"{int(group)}_{name}" for name in components]
 
     @classmethod
     def make(
@@ -552,6 +608,7 @@ class GroupedTransfer:
         num_tokens: int,
         block_sizes: Sequence[int],
         first_blocks: Sequence[int],
+        states: Sequence[Sequence[tuple[str, Sequence[tuple[str, int]]]] | None] = (),
     ) -> GroupedTransfer:
         """Builds a request's grouped params where no transfer engine runs (a scheduler),
         as `jaxkv.transfer.make_transfer_params` does for one group.
@@ -565,10 +622,14 @@ class GroupedTransfer:
           lease_s: the lease the producer's workers pin the blocks with.
           num_tokens: how many tokens the request's blocks hold.
           block_sizes, first_blocks: per group, as the attributes.
+          states: per group, None, or a Mamba group's state components: (name, every
+            producer process's side-channel address); its `group_addresses` entry is then
+            ignored and its block ids are the one block of the running state.
 
         Raises:
           ValueError: the per-group lists differ in length, a group has too few ids for its
-            positions, or what `make_transfer_params` refuses.
+            positions (a Mamba group: not exactly one), or what `make_transfer_params`
+            refuses.
         """
         n = len(block_sizes)
         if n < 1 or len(group_addresses) != n or len(group_block_ids) != n or len(
@@ -581,11 +642,26 @@ class GroupedTransfer:
             )
         if int(num_tokens) < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        states = list(states) if states else []
+        if states and len(states) != n:
+            raise ValueError(f"per-group lists differ: {len(states)} states, {n} block sizes")
         groups = {}
         for g in range(n):
             size, first = int(block_sizes[g]), int(first_blocks[g])
             if size < 1 or first < 0:
                 raise ValueError(f"group {g}: bad block size {size} / first block {first}")
+            state = states[g] if states else None
+            if state is not None:
+                ids = [int(b) for b in group_block_ids[g]]
+                if len(ids) != 1:
+                    raise ValueError(f"group {g} (Mamba state): one block of running state, "
+                                     f"got {len(ids)} block ids")
+                for name, component_addresses in state:
+                    name = f"{g}_{name}"
+                    groups[name] = make_transfer_params(
+                        f"{engine_id}.{name}", list(component_addresses), request_id, ids,
+                        lease_s)
+                continue
             needed = max(0, math.ceil(int(num_tokens) / size) - first)
             ids = list(group_block_ids[g])
             if len(ids) < needed:
@@ -602,22 +678,31 @@ class GroupedTransfer:
             int(num_tokens),
             tuple(int(b) for b in block_sizes),
             tuple(int(f) for f in first_blocks),
+            tuple(None if state is None else tuple(str(name) for name, _ in state)
+                  for state in states),
         )
 
     @property
     def engine_id(self) -> str:
         """The producer engine's id (its groups' engines are ``f"{engine_id}.{g}"``)."""
-        return self.params.groups[group_name(0)].engine_id.rsplit(".", 1)[0]
+        return self.params.engine_id
 
     def to_dict(self, tp_size: int | None = None) -> dict[str, Any]:
         """The JSON-able dict a consumer request carries: ``remote_block_ids`` one list per
         group as vLLM's NIXL connector's, jaxkv's per-group fields beside them
         (`transfer_params_to_dict`'s shape). `tp_size`: NIXL's ``tp_size`` (None: left out)."""
-        groups = [self.params.groups[group_name(g)] for g in range(self.num_groups)]
+        groups = [self.params.groups[self.engine_names(g)[0]] for g in range(self.num_groups)]
+        states = [
+            None if self.state_of(g) is None else [
+                (name, self.params.groups[engine_name].addresses)
+                for name, engine_name in zip(self.state_of(g) or (), self.engine_names(g))
+            ]
+            for g in range(self.num_groups)
+        ]
         return _params_dict(
             self.engine_id, self.params.request_id, [p.addresses for p in groups],
             [p.block_ids for p in groups], groups[0].lease_s, self.num_tokens,
-            self.block_sizes, self.first_blocks, tp_size,
+            self.block_sizes, self.first_blocks, tp_size, states,
         )
 
     @classmethod
@@ -638,7 +723,7 @@ class GroupedTransfer:
         return cls.make(
             parsed.engine_id, parsed.addresses, parsed.request_id, parsed.block_ids,
             parsed.lease_s, num_tokens=parsed.num_tokens, block_sizes=parsed.block_sizes,
-            first_blocks=parsed.first_blocks,
+            first_blocks=parsed.first_blocks, states=parsed.states,
         )
 
 

@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from jaxkv.integrations._mamba import StateComponent, component_group_name, components_of
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -101,6 +103,11 @@ class CacheGroups:
       block_size: vLLM's block size (``cache_config.block_size``).
       layers: per group, its layer names (empty without a ``kv_cache_config``).
       block_sizes: per group, its block size (one group: `block_size`).
+      states: per group, None for attention KV, or the state components of a Mamba group
+        (vLLM's ``MambaSpec``: `jaxkv.integrations._mamba`), each moved as its own cache
+        group of the transfer engine; empty: no Mamba group.
+      spec_blocks: per group, the speculative-decoding scratch blocks vLLM appends to a Mamba
+        group's blocks (``MambaSpec.num_speculative_blocks``; 0 otherwise); empty: none.
 
     Example:
       >>> CacheGroups(16, (), (16,)).grouped, CacheGroups(16, (), (16,)).num_groups
@@ -110,43 +117,92 @@ class CacheGroups:
     block_size: int
     layers: tuple[tuple[str, ...], ...]
     block_sizes: tuple[int, ...]
+    states: tuple[tuple[StateComponent, ...] | None, ...] = ()
+    spec_blocks: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> CacheGroups:
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+           tp_size: int = 1) -> CacheGroups:
         """The groups of `kv_cache_config` (None: one group of vLLM's block size).
 
+        Args:
+          vllm_config: the engine's config.
+          kv_cache_config: vLLM's cache config.
+          tp_size: the engine's TP size (a Mamba group's shapes are one rank's).
+
         Raises:
-          ValueError: several groups of which one is excluded from KV transfer or holds no
-            attention KV (`check_groups`).
+          ValueError: a group excluded from KV transfer, or one that holds neither attention
+            KV nor Mamba state (`check_groups`).
         """
+        from vllm.v1.kv_cache_interface import MambaSpec
+
         groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
         block_size = int(vllm_config.cache_config.block_size)
-        if len(groups) > 1:
+        if groups:
             check_groups(groups)
+        mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
+        if len(groups) > 1 or any(mamba):
             sizes = tuple(int(g.kv_cache_spec.block_size) for g in groups)
         else:
             sizes = (block_size,)
-        return cls(block_size, tuple(tuple(g.layer_names) for g in groups), sizes)
+        states: tuple[tuple[StateComponent, ...] | None, ...] = ()
+        spec_blocks: tuple[int, ...] = ()
+        if any(mamba):
+            states = tuple(
+                components_of(g.kv_cache_spec, tp_size) if m else None
+                for g, m in zip(groups, mamba)
+            )
+            spec_blocks = tuple(
+                int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0)) if m else 0
+                for g, m in zip(groups, mamba)
+            )
+        return cls(block_size, tuple(tuple(g.layer_names) for g in groups), sizes, states,
+                   spec_blocks)
 
     @property
     def grouped(self) -> bool:
-        """Several KV cache groups (vLLM's hybrid allocator)."""
-        return len(self.block_sizes) > 1
+        """Several KV cache groups (vLLM's hybrid allocator), or a Mamba group: the
+        per-group path (params, reads and failures per group)."""
+        return len(self.block_sizes) > 1 or self.has_state
 
     @property
     def num_groups(self) -> int:
         """How many KV cache groups (at least 1)."""
         return len(self.block_sizes)
 
+    @property
+    def has_state(self) -> bool:
+        """A Mamba (state-space) group is among them."""
+        return any(s is not None for s in self.states)
+
+    def state_of(self, group: int) -> tuple[StateComponent, ...] | None:
+        """The state components of group `group` (None: an attention group)."""
+        return self.states[group] if self.states else None
+
+    def engine_groups(self) -> list[tuple[int, str]]:
+        """The transfer engine's cache groups in order: (vLLM group, engine group name);
+        an attention group is one (`group_name`), a Mamba group one per state component
+        (`component_group_name`)."""
+        from jaxkv.integrations._params import group_name
+
+        out: list[tuple[int, str]] = []
+        for g in range(self.num_groups):
+            components = self.state_of(g)
+            if components is None:
+                out.append((g, group_name(g)))
+            else:
+                out.extend((g, component_group_name(g, c)) for c in components)
+        return out
+
 
 def check_groups(groups: Sequence[Any]) -> None:
     """Refuses KV cache groups the connector cannot move: groups vLLM excludes from KV
-    transfer (scratch buffers) and groups of no attention layers (e.g. Mamba state).
+    transfer (scratch buffers) and groups that hold neither attention KV nor Mamba state.
 
     Raises:
       ValueError: such a group.
     """
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     for g, group in enumerate(groups):
         if not getattr(group, "enable_kv_transfer", True):
@@ -154,10 +210,11 @@ def check_groups(groups: Sequence[Any]) -> None:
                 f"KV cache group {g} ({group.layer_names[:2]}...) is excluded from KV transfer "
                 "by vLLM: JaxKVConnector moves every group of a hybrid model"
             )
-        if not isinstance(group.kv_cache_spec, AttentionSpec):
+        if not isinstance(group.kv_cache_spec, (AttentionSpec, MambaSpec)):
             raise ValueError(
                 f"KV cache group {g} holds {type(group.kv_cache_spec).__name__}: JaxKVConnector "
-                "moves attention KV groups only (full attention, sliding window)"
+                "moves attention KV groups (full attention, sliding window) and Mamba state "
+                "groups (MambaSpec)"
             )
 
 

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxkv.integrations._mamba import clip_state_blocks
 from jaxkv.integrations._params import (
     ConnectorSettings,
     GroupedTransfer,
@@ -78,6 +79,36 @@ class JaxKVScheduler:
             raise RuntimeError("vLLM did not bind its KV cache manager to the connector")
         return self._manager
 
+    # -- Mamba groups: the last prompt token is the decode side's ---------------------------
+
+    def prefill_backoff(self) -> int:
+        """Trailing prompt tokens the producer does not compute (vLLM's NIXL rule): 1 with a
+        Mamba group, whose state after the prompt's last token cannot be handed over as
+        attention KV can: the producer stops at ``h(N-1)`` and the consumer computes token
+        ``N`` from it. 0 otherwise."""
+        return 1 if self.groups.has_state else 0
+
+    def on_new_request(self, request: Request) -> None:
+        """Producer with a Mamba group: drops the request's last prompt token and caps it at
+        one output token (the prefill hands over the state of the first ``N - 1`` tokens;
+        vLLM's NIXL connector does the same, once per request, and not for a request that
+        skips the prefix cache, whose consumer computes the whole prompt)."""
+        params = request.kv_transfer_params
+        backoff = self.prefill_backoff()
+        if (
+            not backoff
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get(_TRUNCATED_KEY)
+            or request.num_prompt_tokens <= backoff
+            or request.get_skip_reading_prefix_cache()
+            or request.prompt_token_ids is None
+        ):
+            return
+        _drop_last_prompt_tokens(request, backoff)
+        request.max_tokens = 1
+        params[_TRUNCATED_KEY] = True
+
     # -- consumer -------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
@@ -102,7 +133,11 @@ class JaxKVScheduler:
             self._refused[request.request_id] = reason
             self._local_hits[request.request_id] = num_computed_tokens
             return 0, False
-        remote_tokens = min(int(params.get("remote_num_tokens", 0)), request.num_prompt_tokens)
+        # with a Mamba group the consumer computes the last prompt token itself
+        prompt = request.num_prompt_tokens
+        backoff = self.prefill_backoff()
+        own = prompt - backoff if backoff and prompt > backoff else prompt
+        remote_tokens = min(int(params.get("remote_num_tokens", 0)), own)
         count = remote_tokens - num_computed_tokens
         self._local_hits[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -135,7 +170,11 @@ class JaxKVScheduler:
             # Everything was a local hit: the producer's blocks are only released.
             self._meta.to_recv.append(_Recv(request.request_id, dict(params), [], 0, True))
             return
-        fill = tuple(_blocks_to_fill(group) for group in blocks.blocks)
+        fill = tuple(
+            _blocks_to_fill(group) if self.groups.state_of(g) is None
+            else _state_to_fill(group, self.groups.spec_blocks[g])
+            for g, group in enumerate(blocks.blocks)
+        )
         if self.groups.grouped:
             flat = [b for _, ids in fill for b in ids]
             recv = _Recv(request.request_id, dict(params), flat, 0, local_groups=fill)
@@ -188,10 +227,13 @@ class JaxKVScheduler:
             num_tokens = request.num_prompt_tokens
             all_ids = self._kv_cache_manager().get_block_ids(request_id)
             firsts = self._window_firsts(num_tokens)
-            kept = [
-                list(ids[first : math.ceil(num_tokens / size)])
-                for ids, first, size in zip(all_ids, firsts, self.groups.block_sizes)
-            ]
+            kept = []
+            for g, (ids, size) in enumerate(zip(all_ids, self.groups.block_sizes)):
+                if self.groups.state_of(g) is None:
+                    kept.append(list(ids[firsts[g] : math.ceil(num_tokens / size)]))
+                else:  # a Mamba group: the running state's block
+                    firsts[g], state = _state_block(ids, self.groups.spec_blocks[g])
+                    kept.append(state)
             if self.groups.grouped:
                 meta.to_publish_groups[request_id] = kept
             else:
@@ -209,8 +251,9 @@ class JaxKVScheduler:
             return [0]
         managers = self._kv_cache_manager().coordinator.single_type_managers
         return [
-            manager.get_num_skipped_tokens(num_tokens) // size
-            for manager, size in zip(managers, self.groups.block_sizes)
+            0 if self.groups.state_of(g) is not None
+            else manager.get_num_skipped_tokens(num_tokens) // size
+            for g, (manager, size) in enumerate(zip(managers, self.groups.block_sizes))
         ]
 
     # -- finished requests ----------------------------------------------------------------
@@ -258,7 +301,12 @@ class JaxKVScheduler:
             return [list(block_ids[0])], [0]
         null = self._kv_cache_manager().block_pool.null_block.block_id
         kept, starts = [], []
-        for ids, first, size in zip(block_ids, firsts, self.groups.block_sizes):
+        for g, (ids, first, size) in enumerate(zip(block_ids, firsts, self.groups.block_sizes)):
+            if self.groups.state_of(g) is not None:  # a Mamba group: the running state's block
+                start, state = _state_block(ids, self.groups.spec_blocks[g], null)
+                kept.append(state)
+                starts.append(start)
+                continue
             ids = list(ids[: math.ceil(num_tokens / size)])
             gone = max((i + 1 for i, b in enumerate(ids) if b == null), default=0)
             start = max(first, gone)
@@ -280,15 +328,28 @@ class JaxKVScheduler:
             return transfer_params_to_dict(
                 transfer, num_tokens, self.groups.block_size, tp_size=s.tp_size
             )
+        engine_groups = self.groups.engine_groups()
+        addresses = s.group_addresses(len(engine_groups))
+        first_of = {}  # vLLM group -> index of its first engine group
+        for j, (g, _) in enumerate(engine_groups):
+            first_of.setdefault(g, j)
+        states = [
+            None if self.groups.state_of(g) is None else [
+                (c.name, addresses[first_of[g] + i])
+                for i, c in enumerate(self.groups.state_of(g) or ())
+            ]
+            for g in range(self.groups.num_groups)
+        ]
         return GroupedTransfer.make(
             s.engine_id,
-            s.group_addresses(self.groups.num_groups),
+            [addresses[first_of[g]] for g in range(self.groups.num_groups)],
             request_id,
             kept,
             s.lease_s,
             num_tokens=num_tokens,
             block_sizes=list(self.groups.block_sizes),
             first_blocks=starts,
+            states=states if self.groups.has_state else (),
         ).to_dict(tp_size=s.tp_size)
 
     def _load_outcome_params(self, request_id: str) -> dict[str, Any] | None:
@@ -337,6 +398,40 @@ class JaxKVScheduler:
             log.error("request %s finished before its prefill completed: not sent", request_id)
             return False
         return True
+
+
+_TRUNCATED_KEY = "_p_side_truncated"  # vLLM NIXL's mark: the prompt lost its last token once
+
+
+def _drop_last_prompt_tokens(request: Request, count: int) -> None:
+    """Drops the last `count` prompt tokens of a request that has computed nothing yet.
+
+    vLLM's `Request` has no public way to shorten a prompt; its NIXL connector edits the
+    same fields (the prompt ids, the id list the scheduler reads and the prompt length), so
+    this does exactly what it does."""
+    del request.prompt_token_ids[-count:]  # type: ignore[index]
+    del request._all_token_ids[-count:]  # vLLM's own connector edits it too (see above)
+    request.num_prompt_tokens -= count
+
+
+def _state_block(
+    ids: Sequence[int], spec_blocks: int, null: int | None = None
+) -> tuple[int, list[int]]:
+    """A Mamba group's running-state block of a request's block ids and its position
+    (``([], len)``: none, e.g. only the null block)."""
+    state = clip_state_blocks(list(ids), spec_blocks)
+    if not state or (null is not None and state[0] == null):
+        return len(ids), []
+    return len(ids) - 1 - min(spec_blocks, len(ids) - 1), state
+
+
+def _state_to_fill(group: Any, spec_blocks: int) -> tuple[int, tuple[int, ...]]:
+    """A consumer's Mamba block that a read fills: the running state's block (the last
+    one before the speculative scratch blocks), unless a local prefix hit holds it."""
+    pos, state = _state_block([b.block_id for b in group], spec_blocks)
+    if not state or group[pos].is_null or group[pos].block_hash is not None:
+        return len(group), ()
+    return pos, tuple(state)
 
 
 def _blocks_to_fill(group: Any) -> tuple[int, tuple[int, ...]]:

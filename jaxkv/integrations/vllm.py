@@ -142,7 +142,7 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
                 f"{type(self).__name__} supports one KV cache group (disable vLLM's hybrid "
                 "allocator)"
             )
-        self.groups = CacheGroups.of(vllm_config, kv_cache_config)
+        self.groups = CacheGroups.of(vllm_config, kv_cache_config, self.settings.tp_size)
         self.is_producer = transfer.is_kv_producer
         self.connector_scheduler: JaxKVScheduler | None = None
         self.connector_worker: JaxKVWorker | None = None
@@ -202,6 +202,11 @@ class JaxKVConnectorBase(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.connector_scheduler is not None:
             self.connector_scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Request) -> None:
+        """A producer of a model with Mamba layers computes all but the prompt's last token
+        (`JaxKVScheduler.on_new_request`)."""
+        self._scheduler().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
