@@ -1,9 +1,11 @@
 // Python modules jaxkv._ffi_cpu and jaxkv._ffi_cuda: the custom-call handlers as PyCapsules
 // for jax.ffi.register_ffi_target. The file is compiled once per platform; defining
 // JAXKV_PLATFORM_CUDA selects the CUDA handlers and module name.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -29,6 +31,66 @@ py::capsule Capsule(Fn* fn) {
   return py::capsule(reinterpret_cast<void*>(fn));
 }
 
+#if !defined(JAXKV_PLATFORM_CUDA)
+using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using Uint64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+
+// Byte-range copies between host memory regions (formatted reads: a producer gathers a
+// request's chunks into a send buffer, a consumer scatters them from its receive buffer).
+// Every row is checked against its regions' sizes before any byte moves: a row reaching
+// outside its region raises and nothing is copied.
+void CopyRows(const Uint64Array& src_bases, const Int64Array& src_sizes,
+              const Uint64Array& dst_bases, const Int64Array& dst_sizes, const Int64Array& rows) {
+  constexpr int kCols = 8;  // src region, src offset, dst region, dst offset, length, count,
+                            // src stride, dst stride
+  if (rows.ndim() != 2 || rows.shape(1) != kCols) {
+    throw std::invalid_argument("copy_rows: rows must be int64 [N, 8]");
+  }
+  if (src_bases.size() != src_sizes.size() || dst_bases.size() != dst_sizes.size()) {
+    throw std::invalid_argument("copy_rows: one size per region base");
+  }
+  const int64_t n = rows.shape(0);
+  const int64_t* r = rows.data();
+  const int64_t num_src = src_bases.size(), num_dst = dst_bases.size();
+  const uint64_t* sb = src_bases.data();
+  const uint64_t* db = dst_bases.data();
+  const int64_t* ss = src_sizes.data();
+  const int64_t* ds = dst_sizes.data();
+  auto inside = [](int64_t offset, int64_t length, int64_t count, int64_t stride,
+                   int64_t size) {
+    if (offset < 0 || length < 0 || count < 0 || stride < 0 || size < 0) return false;
+    if (count == 0 || length == 0) return true;
+    // offset + (count - 1) * stride + length <= size, without overflow
+    if (count > 1 && stride > (size - length) / (count - 1)) return false;
+    const int64_t last = (count - 1) * stride;
+    return length <= size && offset <= size - length - last;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* row = r + i * kCols;
+    if (row[0] < 0 || row[0] >= num_src || row[2] < 0 || row[2] >= num_dst ||
+        !inside(row[1], row[4], row[5], row[6], ss[row[0]]) ||
+        !inside(row[3], row[4], row[5], row[7], ds[row[2]])) {
+      throw std::out_of_range("copy_rows: row " + std::to_string(i) +
+                              " reaches outside its regions");
+    }
+  }
+  py::gil_scoped_release release;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* row = r + i * kCols;
+    const char* src = reinterpret_cast<const char*>(sb[row[0]]) + row[1];
+    char* dst = reinterpret_cast<char*>(db[row[2]]) + row[3];
+    const int64_t length = row[4], count = row[5], s_stride = row[6], d_stride = row[7];
+    if (count == 1 || (s_stride == length && d_stride == length)) {
+      std::memcpy(dst, src, static_cast<size_t>(length * count));
+      continue;
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      std::memcpy(dst + c * d_stride, src + c * s_stride, static_cast<size_t>(length));
+    }
+  }
+}
+#endif
+
 PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
   m.doc() = "jaxkv " JAXKV_PLATFORM_DOC " custom-call handlers";
   m.def(
@@ -51,6 +113,14 @@ PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
         return targets;
       },
       "Maps each custom-call target name to its " JAXKV_PLATFORM_DOC " handler capsule.");
+#if !defined(JAXKV_PLATFORM_CUDA)
+  m.def("copy_rows", &CopyRows, py::arg("src_bases"), py::arg("src_sizes"),
+        py::arg("dst_bases"), py::arg("dst_sizes"), py::arg("rows"),
+        "Copies host-memory byte ranges: each int64 row (src region, src offset, dst region, "
+        "dst offset, length, count, src stride, dst stride) moves `count` chunks of `length` "
+        "bytes. Regions are (base address, size) tables; a row reaching outside its regions "
+        "raises IndexError before any byte moves. Releases the GIL while copying.");
+#endif
 #if defined(JAXKV_PLATFORM_CUDA)
   // The device id checks (validate_ids) record failures on the device instead of failing the
   // custom call (which would need a host synchronisation): read them here.

@@ -39,7 +39,23 @@ from jaxkv.transfer._digest import (
     sample_seed,
     verify_landed,
 )
-from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
+from jaxkv.transfer._formatted import (
+    MIN_FORMATTED_BYTES,
+    FormattedFetch,
+    PathCosts,
+)
+from jaxkv.transfer._messages import (
+    Ack,
+    Done,
+    Format,
+    Formatted,
+    Heartbeat,
+    Hello,
+    Ready,
+    Released,
+    Want,
+    encode_message,
+)
 from jaxkv.transfer._metadata import (
     AgentInfo,
     EngineMetadata,
@@ -122,6 +138,8 @@ class Reading:
     converted: bool = False  # the JAX formatter converted layout / block size (no sender image)
     num_remote_ids: int = 0
     invalid: tuple[int, ...] | None = None  # local blocks invalid on failure (None: all)
+    # a formatted read (jaxkv.transfer._formatted): (local rank, producer rank) -> its fetch
+    formatted: dict[tuple[int, int], FormattedFetch] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -176,6 +194,10 @@ class Consumer:
         # transport can), or is sent on its own once the fetches completed (False); the
         # engine picks per control channel (benchmarks/RESULTS.md, small requests).
         self.attach_done = True
+        # Formatted reads (`jaxkv.transfer._formatted`): "auto" (by cost), "always" or
+        # "never"; the costs are calibrated per producer engine from this process's reads.
+        self.formatted_reads = "auto"
+        self.costs: dict[str, PathCosts] = {}
 
     def send(self, target: str, payload: bytes) -> bool:
         ok = self.control.send(target, payload)
@@ -330,6 +352,10 @@ class Consumer:
                 self._start_arrays(state, peer, meta, len(local_ids))
                 transition(state, ReadState.TRANSFERRING)
                 return
+            if not state.layerwise and self._formats(state, peer, meta, len(local_ids)):
+                self._start_formatted(state, peer, meta)
+                transition(state, ReadState.TRANSFERRING)
+                return
             if state.layerwise:
                 self._plan_layers(state, peer, local_ids, params.block_ids)
             if state.layerwise or self.transport.announces_reads:
@@ -403,6 +429,66 @@ class Consumer:
                 attempt=state.attempt))
             state.handles.append(self.transport.start_fetch(prepared))
 
+    def _formats(self, state: Reading, peer: Peer, meta: EngineMetadata, num_local: int) -> bool:
+        """Whether this read goes formatted (`jaxkv.transfer._formatted`): never for
+        layer-wise reads, notify-only reads or a transport without formatted reads; only
+        between host-memory caches; in ``"auto"`` mode when `PathCosts` says it is cheaper.
+
+        Raises:
+          PlanError: ``"always"`` for caches that are not both in host memory.
+        """
+        mode = self.formatted_reads
+        if mode == "never" or not num_local or not getattr(self.transport, "formats_reads",
+                                                           False):
+            return False
+        local_regions = [r for p in state.plans for r in meta.rank_info(p.local_rank).regions]
+        host = all(r.memory_kind == "DRAM" for r in local_regions) and all(
+            r.memory_kind == "DRAM" for info in peer.meta.ranks for r in info.regions)
+        if not host:
+            if mode == "always":
+                raise PlanError("formatted reads need both caches in host memory (CPU caches "
+                                "or host-staged mirrors); read these directly")
+            return False
+        if mode == "always":
+            return True
+        # A cheap upper bound first: small reads never pay a round trip per chunk.
+        if num_local * sum(r.block_len for r in local_regions) < MIN_FORMATTED_BYTES:
+            return False
+        costs = self.costs.setdefault(state.peer, PathCosts())
+        chunks = self.transport.chunk_bytes  # type: ignore[attr-defined]
+        nbytes = sum(p.num_bytes for p in state.plans)
+        pieces = sum(len(p.read_ranks) for p in state.plans)
+        descriptors = sum(int(p.copies[:, 6].sum()) for p in state.plans)
+        return costs.formatted_s(pieces + nbytes // chunks, nbytes) < costs.direct_s(
+            descriptors, nbytes)
+
+    def _start_formatted(self, state: Reading, peer: Peer, meta: EngineMetadata) -> None:
+        """One formatted fetch per (local rank, producer rank): its chunks are asked for
+        (`Format`) as receive-pool slots allow; `on_formatted` posts their READs."""
+        transport: Any = self.transport
+        for plan in state.plans:
+            for remote_rank in plan.read_ranks:
+                target = peer.targets[peer.meta.rank_info(remote_rank).agent_name]
+
+                def ask(chunk: int, rows: bytes, nbytes: int, local_rank: int = plan.local_rank,
+                        remote_rank: int = remote_rank, target: str = target) -> bool:
+                    return self.send(target, encode_message(Format(
+                        state.request_id, self.engine_id, transport.endpoint, state.read_id,
+                        state.attempt, chunk, remote_rank, local_rank,
+                        state.generations.get(remote_rank, -1), nbytes, rows)))
+
+                def released(chunk: int, local_rank: int = plan.local_rank,
+                             remote_rank: int = remote_rank) -> bytes:
+                    return encode_message(Released(
+                        state.request_id, transport.endpoint, state.attempt, chunk,
+                        remote_rank, local_rank))
+
+                fetch = transport.start_formatted(
+                    Fetch(state.request_id, state.read_id, meta, peer.meta, plan, remote_rank),
+                    ask, released)
+                state.formatted[(plan.local_rank, remote_rank)] = fetch
+                state.handles.append(fetch)
+
     def _plan_layers(self, state: Reading, peer: Peer, local_ids: np.ndarray, remote_ids) -> None:
         """Per (global layer, remote rank): a prepared fetch, posted once announced."""
         meta = self.registry.meta
@@ -470,6 +556,20 @@ class Consumer:
             reading.stale = True
             self.suspect(reading.peer)
         reading.unpublished |= message.unpublished
+
+    def on_formatted(self, message: Formatted, channel: str, sender: str) -> None:
+        """A producer's answer to a `Format`: the chunk is READ (or the read fails)."""
+        reading = self.by_attempt.get(message.attempt)
+        if reading is None or message.request_id != reading.request_id:
+            return  # an answer to an earlier attempt
+        if message.producer_rank not in self.sender_ranks(reading.peer, channel, sender):
+            self.stats.refused_messages += 1
+            return
+        fetch = reading.formatted.get((message.consumer_rank, message.producer_rank))
+        if fetch is None:
+            self.stats.refused_messages += 1
+            return
+        fetch.on_formatted(message.chunk, message.address, message.nbytes, message.error)
 
     def on_ready(self, message: Ready, channel: str, sender: str) -> None:
         for reading in self.reading.values():
@@ -772,13 +872,29 @@ class Consumer:
                 post_s=state.post_s,
                 layer_arrival=tuple(sorted(state.layer_arrival.items())),
                 started_at=state.started_wall,
+                path="formatted" if state.formatted else "direct",
             )
         )
+        self._calibrate(state)
         self._remember(state.read_id, True)
         result.finished.append(state.read_id)
         posts = [step for p in plans for step in p.post]
         if posts:
             result.post_applied[state.read_id] = posts
+
+    def _calibrate(self, state: Reading) -> None:
+        """Feeds a finished read's time to its producer's `PathCosts`."""
+        costs = self.costs.get(state.peer)
+        if costs is None or state.done_at is None or state.layerwise:
+            return
+        seconds = state.done_at - state.started
+        nbytes = sum(p.num_bytes for p in state.plans)
+        if state.formatted:
+            chunks = sum(len(f.chunks) for f in state.formatted.values())
+            costs.observe_formatted(chunks, nbytes, seconds)
+        elif nbytes >= MIN_FORMATTED_BYTES:
+            costs.observe_direct(sum(int(p.copies[:, 6].sum()) for p in state.plans), nbytes,
+                                 seconds)
 
     def _fail(self, state: Reading, result: PollResult) -> None:
         if state.state not in TERMINAL:

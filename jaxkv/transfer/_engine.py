@@ -69,13 +69,17 @@ from jaxkv.transfer._auth import DeploymentKey, check_exposure, load_auth_key
 from jaxkv.transfer._consumer import Consumer, Reading
 from jaxkv.transfer._control import TcpControlChannel
 from jaxkv.transfer._digest import DigestOptions
+from jaxkv.transfer._formatted import DEFAULT_POOL_BYTES, FORMATTED_MODES
 from jaxkv.transfer._jit import HandleTable
 from jaxkv.transfer._messages import (
     Ack,
     Done,
+    Format,
+    Formatted,
     Heartbeat,
     Hello,
     Ready,
+    Released,
     Want,
     decode_message,
 )
@@ -116,10 +120,11 @@ TRANSPORTS = ("nixl", "jax", "auto")
 
 
 def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None,
-                   **jax_options: Any) -> Transport:
+                   format_pool_bytes: int = DEFAULT_POOL_BYTES, **jax_options: Any) -> Transport:
     """The transport ``name`` (``"nixl"``, ``"jax"`` or ``"auto"``) for one process.
 
     Args:
+      format_pool_bytes: NIXL: the size of each formatted-read pool (0: none).
       jax_options: keyword arguments of `JaxTransport` (transport ``"jax"``).
 
     Raises:
@@ -137,7 +142,7 @@ def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None,
         return JaxTransport(endpoint, **jax_options)
     from jaxkv.transfer._nixl_transport import NixlTransport
 
-    return NixlTransport(endpoint, agent_options)
+    return NixlTransport(endpoint, agent_options, pool_bytes=format_pool_bytes)
 
 
 CONTROLS = ("nixl", "tcp", "auto")
@@ -227,6 +232,16 @@ class KVTransferEngine:
         or ``"sampled:K"`` (K blocks per request, the last always among them). Published in
         the metadata: both engines of a transfer must declare the same, else the handshake
         fails with `IncompatibleEngineError`.
+      formatted_reads: NIXL reads between host-memory caches may go *formatted*
+        (`jaxkv.transfer._formatted`: the producer gathers the planned byte ranges into a
+        registered send buffer, the consumer reads it in large chunks and scatters it):
+        ``"auto"`` picks per read by estimated cost (descriptors x per-descriptor cost
+        against bytes x copy cost, calibrated from the reads made with each producer),
+        ``"always"`` / ``"never"`` force either. The path taken is in
+        `TransferRecord.path` and Prometheus ``jaxkv_transfer_reads_by_path_total``.
+      format_pool_bytes: NIXL: the size of each of this process's two formatted-read
+        pools (send and receive, registered host memory touched only when used); 0: this
+        process neither makes nor serves formatted reads.
 
     Raises:
       ValueError: bad arguments, a key shorter than 16 bytes, or a non-loopback `host`
@@ -254,7 +269,12 @@ class KVTransferEngine:
         auth_key: bytes | str | None = None,
         allow_unauthenticated: bool = False,
         digests: str = "off",
+        formatted_reads: str = "auto",
+        format_pool_bytes: int = DEFAULT_POOL_BYTES,
     ):
+        if formatted_reads not in FORMATTED_MODES:
+            raise ValueError(f"formatted_reads must be one of {FORMATTED_MODES}, got "
+                             f"{formatted_reads!r}")
         digest_options = DigestOptions.parse(digests)
         raw_key = load_auth_key(auth_key)
         key = DeploymentKey(raw_key) if raw_key is not None else None
@@ -277,7 +297,8 @@ class KVTransferEngine:
         jax_options = dict(host=host, pull_timeout_s=read_timeout_s, lease_s=lease_s,
                            **(jax_transport_options or {}))
         self.transport = make_transport(
-            transport, f"{engine_id}/{os.getpid()}/{generation}", agent_options, **jax_options
+            transport, f"{engine_id}/{os.getpid()}/{generation}", agent_options,
+            format_pool_bytes, **jax_options
         )
         if self.transport.name == "jax":
             host_staging = False  # arrays are formatted from the device cache itself
@@ -311,6 +332,7 @@ class KVTransferEngine:
         # The Done rides on the READ only where control messages travel as NIXL
         # notifications anyway; over TCP it is sent apart as soon as the READ completed.
         self.consumer.attach_done = self.control.name == "nixl"
+        self.consumer.formatted_reads = formatted_reads
         self._handles = HandleTable(_MAX_HANDLES)
         self._progress_interval_s = progress_interval_s
         if progress_interval_s is not None:
@@ -650,9 +672,11 @@ class KVTransferEngine:
             # (checked by the consumer role).
             if isinstance(message, Hello):
                 producer.on_hello(message, channel_name, sender)
-            elif isinstance(message, (Ack, Ready)):
+            elif isinstance(message, (Ack, Ready, Formatted)):
                 if isinstance(message, Ack):
                     consumer.on_ack(message, channel_name, sender)
+                elif isinstance(message, Formatted):
+                    consumer.on_formatted(message, channel_name, sender)
                 else:
                     consumer.on_ready(message, channel_name, sender)
             elif not producer.from_owner(
@@ -666,6 +690,10 @@ class KVTransferEngine:
                 producer.on_done(message)
             elif isinstance(message, Want):
                 producer.on_want(message, now)
+            elif isinstance(message, Format):
+                producer.on_format(message, now)
+            elif isinstance(message, Released):
+                producer.on_released(message)
 
     def _on_control(self) -> None:
         """Control messages arrived (the TCP channel's thread): handled now when the engine

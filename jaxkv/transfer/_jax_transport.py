@@ -550,6 +550,7 @@ class JaxTransport:
     attaches_notifications = False
     announces_reads = True  # the consumer's `Want` (sent by `Consumer._start_arrays`)
     moves_arrays = True
+    formats_reads = False  # its own formatter moves arrays (no registered memory)
 
     def __init__(self, endpoint: str, host: str = "127.0.0.1", budget_bytes: int | None = None,
                  pool_bytes: int = 256 << 20, pull_timeout_s: float = 30.0,

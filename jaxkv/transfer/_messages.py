@@ -12,10 +12,13 @@ from jaxkv.transfer._metadata import MAX_METADATA_BYTES
 __all__ = [
     "Ack",
     "Done",
+    "Format",
+    "Formatted",
     "Heartbeat",
     "Hello",
     "MAX_MESSAGE_BYTES",
     "Ready",
+    "Released",
     "Want",
     "decode_message",
     "encode_message",
@@ -123,7 +126,56 @@ class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True
     layer_stop: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 
-Message = Hello | Heartbeat | Done | Ack | Want | Ready
+_Key = Annotated[str, msgspec.Meta(max_length=512)]
+_Chunk = Annotated[int, msgspec.Meta(ge=0, le=1 << 24)]
+_Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+class Format(msgspec.Struct, tag="format", frozen=True, forbid_unknown_fields=True):
+    """Consumer -> producer process: gather these byte ranges of a published request into a
+    send buffer (one chunk of a formatted read, `jaxkv.transfer._formatted`)."""
+
+    request_id: _Id
+    engine_id: _Id
+    agent_name: _Id
+    read_id: _Key
+    attempt: Annotated[int, msgspec.Meta(ge=0)]
+    chunk: _Chunk
+    producer_rank: _Rank
+    consumer_rank: _Rank
+    generation: Annotated[int, msgspec.Meta(ge=-1)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+    # int64 little-endian [N, 5]: producer region, offset, length, count, stride
+    rows: Annotated[bytes, msgspec.Meta(max_length=4 << 20)]
+
+
+class Formatted(msgspec.Struct, tag="formatted", frozen=True, forbid_unknown_fields=True):
+    """Producer -> consumer: where a chunk's gathered bytes wait (`error` empty), or why
+    they cannot be gathered."""
+
+    request_id: _Id
+    attempt: Annotated[int, msgspec.Meta(ge=0)]
+    chunk: _Chunk
+    producer_rank: _Rank
+    consumer_rank: _Rank
+    address: _Address = 0
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    error: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+class Released(msgspec.Struct, tag="released", frozen=True, forbid_unknown_fields=True):
+    """Consumer -> producer process, attached to the READ of a formatted chunk: the chunk's
+    send buffer may be reused."""
+
+    request_id: _Id
+    agent_name: _Id
+    attempt: Annotated[int, msgspec.Meta(ge=0)]
+    chunk: _Chunk
+    producer_rank: _Rank
+    consumer_rank: _Rank
+
+
+Message = Hello | Heartbeat | Done | Ack | Want | Ready | Format | Formatted | Released
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)
 

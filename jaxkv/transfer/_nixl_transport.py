@@ -4,14 +4,25 @@ channel over NIXL notifications.
 The producer's registered memory is passively readable: `offer` / `withdraw` do nothing; the
 consumer READs byte ranges planned by `ReadPlan.expanded_descriptors`. A READ may carry a
 notification, delivered to the producer once the READ completed (the consumer's `Done`).
+
+It also serves *formatted* reads (`jaxkv.transfer._formatted`, ``formats_reads``): two
+registered host pools per process, one the producer gathers requested chunks into, one the
+consumer READs them into before scattering them into its cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jaxkv.transfer._agent import AgentOptions, NixlAgent
+from jaxkv.transfer._formatted import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_POOL_BYTES,
+    FormatServer,
+    FormattedFetch,
+    HostPool,
+)
 from jaxkv.transfer._metadata import AgentInfo, EngineMetadata, MetadataError, RegionInfo
 from jaxkv.transfer._transport import ControlChannel, Fetch, Offer
 
@@ -33,6 +44,10 @@ class NixlTransport:
     Args:
       endpoint: the agent's name (unique per process and generation).
       options: NIXL agent options.
+      pool_bytes: the size of each formatted-read pool (send and receive; registered at
+        start so that the published metadata covers them; pages are touched only when used).
+        0: no formatted reads.
+      chunk_bytes: the most bytes one formatted chunk moves.
 
     Raises:
       ImportError: NIXL is not installed.
@@ -43,10 +58,25 @@ class NixlTransport:
     announces_reads = False
     moves_arrays = False  # reads registered memory by address
 
-    def __init__(self, endpoint: str, options: AgentOptions | None = None):
+    def __init__(self, endpoint: str, options: AgentOptions | None = None,
+                 pool_bytes: int = DEFAULT_POOL_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if pool_bytes < 0 or chunk_bytes <= 0:
+            raise ValueError(f"pool_bytes must be >= 0 and chunk_bytes > 0, got {pool_bytes} "
+                             f"and {chunk_bytes}")
         self.endpoint = endpoint
         self.agent = NixlAgent(endpoint, options or AgentOptions())
         self._names: dict[str, str] = {}  # published agent name -> NIXL name
+        self.format_server: FormatServer | None = None
+        self.receive_pool: HostPool | None = None
+        self.chunk_bytes = int(min(chunk_bytes, max(pool_bytes // 2, 1)))
+        if pool_bytes:
+            self.format_server = FormatServer(HostPool(self.agent, pool_bytes))
+            self.receive_pool = HostPool(self.agent, pool_bytes)
+
+    @property
+    def formats_reads(self) -> bool:
+        """Whether this process serves and makes formatted reads (it has the pools)."""
+        return self.format_server is not None
 
     # -- registration and metadata ---------------------------------------------------------
 
@@ -121,14 +151,38 @@ class NixlTransport:
     def serve(self) -> None:
         """Nothing to do: registered memory is passively readable."""
 
+    def start_formatted(self, fetch: Fetch, ask: Callable[[int, bytes, int], bool],
+                        released: Callable[[int], bytes]) -> FormattedFetch:
+        """A formatted read of one (local rank, producer rank) pair (see
+        `jaxkv.transfer._formatted`); its handle is checked and released like a READ's.
+
+        Raises:
+          ValueError: no pools, or a chunk larger than the receive pool.
+        """
+        if self.receive_pool is None:
+            raise ValueError("this engine was made without formatted-read pools")
+        info = fetch.peer.rank_info(fetch.remote_rank)
+        regions = [(r.base_address, r.block_len * r.num_blocks)
+                   for r in fetch.local.rank_info(fetch.plan.local_rank).regions]
+        return FormattedFetch(
+            self.agent, self.receive_pool, self._names[info.agent_name], fetch.plan.local_rank,
+            fetch.remote_rank, fetch.plan.copies_for(fetch.remote_rank), regions,
+            self.chunk_bytes, ask, released)
+
     def check(self, handle: Any) -> str:
+        if isinstance(handle, FormattedFetch):
+            return handle.check()
         return self.agent.state(handle)
 
     def error_of(self, handle: Any) -> str | None:
-        """NIXL reports a failed READ by its state only."""
+        """Why a formatted read failed; NIXL reports a failed READ by its state only."""
+        if isinstance(handle, FormattedFetch):
+            return handle.error
         return None
 
     def release(self, handle: Any) -> bool:
+        if isinstance(handle, FormattedFetch):
+            return handle.release()
         return self.agent.release(handle)
 
     def notifications(self) -> list[tuple[str, bytes]]:
@@ -138,6 +192,10 @@ class NixlTransport:
         self.agent.progress()
 
     def close(self) -> None:
+        if self.format_server is not None:
+            self.format_server.close()
+        if self.receive_pool is not None:
+            self.receive_pool.close()
         self.agent.close()
 
 

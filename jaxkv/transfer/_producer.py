@@ -31,7 +31,19 @@ from jaxkv.transfer._digest import (
     sample_positions,
     sample_seed,
 )
-from jaxkv.transfer._messages import Ack, Done, Heartbeat, Hello, Ready, Want, encode_message
+from jaxkv.transfer._formatted import FormatServer, _Waiting
+from jaxkv.transfer._messages import (
+    Ack,
+    Done,
+    Format,
+    Formatted,
+    Heartbeat,
+    Hello,
+    Ready,
+    Released,
+    Want,
+    encode_message,
+)
 from jaxkv.transfer._params import PollResult, TransferParams
 from jaxkv.transfer._protocol import RequestState, transition
 from jaxkv.transfer._registry import CacheRegistry
@@ -126,10 +138,13 @@ class Producer:
         # publications from host callbacks that need JAX (host staging): (request, stop,
         # the cache versions at the callback); staged from a later version (the step's output)
         self.deferred: list[tuple[str, int, tuple[int, ...]]] = []
+        # formatted reads (`jaxkv.transfer._formatted`): None where the transport has none
+        self.formats: FormatServer | None = getattr(transport, "format_server", None)
 
     @property
     def busy(self) -> bool:
-        return bool(self.pinned or self.early_dones)
+        return bool(self.pinned or self.early_dones
+                    or (self.formats is not None and self.formats.waiting))
 
     def send(self, target: Target, payload: bytes) -> None:
         channel = self.channels.get(target[0])
@@ -453,6 +468,78 @@ class Producer:
             ready = Ready(message.request_id, list(self.registry.local_ranks), pinned.layer_stop)
             self.send(target, encode_message(ready))
 
+    def on_format(self, message: Format, now: float) -> None:
+        """A consumer asks for one chunk of a formatted read (`from_owner` checked it):
+        gathered into the send pool and answered with `Formatted` (where, or why not). A
+        request not published yet, or a full pool, makes the chunk wait (`retry_formats`)
+        up to the lease."""
+        target = self.consumers.get(message.agent_name)
+        if target is None:
+            self.stats.failed_notifications += 1
+            return
+        error = self._format(message, target)
+        if error is None:
+            return
+        if error == "wait":
+            assert self.formats is not None
+            self.formats.waiting.append(_Waiting(message, target, now + self.lease_s))
+            return
+        self._answer_format(target, message, error=error)
+
+    def _format(self, message: Format, target: Target) -> str | None:
+        """Gathers and answers a chunk: None when answered, "wait", or the error to send."""
+        if self.formats is None:
+            return "this engine serves no formatted reads (no send pool)"
+        if message.producer_rank not in self.registry.ranks:
+            return f"rank {message.producer_rank} is not served by this process"
+        if message.generation not in (-1, self.registry.generation):
+            return ("stale: the producer re-registered its cache after this read was planned "
+                    f"(generation {self.registry.generation}, planned {message.generation})")
+        pinned = self.pinned.get(message.request_id)
+        if pinned is None or pinned.layer_stop < self.registry.config.spec.num_layers:
+            if message.request_id in self.released:
+                return f"request {message.request_id!r} was freed before this read"
+            return "wait"  # not (fully) published yet
+        meta = self.registry.meta
+        assert meta is not None
+        regions = [(r.base_address, r.block_len * r.num_blocks)
+                   for r in meta.rank_info(message.producer_rank).regions]
+        try:
+            got = self.formats.gather(message, regions)
+        except (ValueError, IndexError) as error:
+            self.stats.malformed_messages += 1
+            return f"{type(error).__name__}: {error}"
+        if got is None:
+            return "wait"  # the send pool is full: retried as slots free
+        self.stats.formatted_chunks_total = self.formats.formatted_chunks
+        self._answer_format(target, message, address=got[0], nbytes=got[1])
+        return None
+
+    def _answer_format(self, target: Target, message: Format, address: int = 0,
+                       nbytes: int = 0, error: str = "") -> None:
+        self.send(target, encode_message(Formatted(
+            message.request_id, message.attempt, message.chunk, message.producer_rank,
+            message.consumer_rank, address, nbytes, error[:1024])))
+
+    def retry_formats(self, now: float) -> None:
+        """Gathers the waiting chunks that can be now; fails those past their deadline."""
+        if self.formats is None or not self.formats.waiting:
+            return
+        waiting, self.formats.waiting = self.formats.waiting, []
+        for item in waiting:
+            error = self._format(item.message, item.target)
+            if error == "wait" and now <= item.expiry:
+                self.formats.waiting.append(item)
+            elif error is not None:
+                self._answer_format(item.target, item.message, error=(
+                    "timed out waiting for the request's publication or send-pool room"
+                    if error == "wait" else error))
+
+    def on_released(self, message: Released) -> None:
+        """A consumer's READ of a formatted chunk completed: its send slot is free."""
+        if self.formats is not None:
+            self.formats.release(FormatServer.key(message))
+
     def on_done(self, message: Done, hold: bool = True) -> None:
         """A consumer rank's confirmation (`from_owner` checked it): counted while the
         request is pinned, held while it may still be published, answered with `Ack`."""
@@ -525,6 +612,7 @@ class Producer:
 
     def poll(self, now: float, result: PollResult) -> None:
         """Expires held messages, releases finished requests into ``result.freeable``."""
+        self.retry_formats(now)
         for request_id, (_, expiry) in list(self.early_wants.items()):
             if now > expiry:
                 del self.early_wants[request_id]
@@ -550,6 +638,8 @@ class Producer:
                 continue
             del self.pinned[request_id]
             self.transport.withdraw(request_id, complete)
+            if self.formats is not None:
+                self.formats.drop_request(request_id)
             self.released[request_id] = complete
             while len(self.released) > MAX_OUTCOMES:
                 del self.released[next(iter(self.released))]

@@ -16,6 +16,11 @@ name                                        type      meaning
 jaxkv_transfer_requests_total               counter   reads finished
 jaxkv_transfer_bytes_total                  counter   bytes read (bytes)
 jaxkv_transfer_descriptors_total            counter   NIXL descriptors posted
+jaxkv_transfer_reads_by_path_total{path=...} counter  reads finished per path: direct
+                                                      (the plan's descriptors) or formatted
+                                                      (gathered chunks)
+jaxkv_transfer_formatted_chunks_total       counter   chunks gathered for peers' formatted
+                                                      reads (producer)
 jaxkv_transfer_duration_seconds             histogram start_read -> every READ complete (s)
 jaxkv_transfer_confirm_seconds              histogram READ complete -> producer acks (s)
 jaxkv_transfer_post_seconds                 histogram post-processing / staging in (s)
@@ -62,6 +67,12 @@ def _families(stats: Any) -> list[_Family]:
          [("", {}, float(stats.bytes_total))]),
         ("jaxkv_transfer_descriptors_total", "counter", "NIXL descriptors posted",
          [("", {}, float(stats.descriptors_total))]),
+        ("jaxkv_transfer_reads_by_path_total", "counter", "KV reads finished per path",
+         [("", {"path": "direct"}, float(stats.requests_total - stats.formatted_total)),
+          ("", {"path": "formatted"}, float(stats.formatted_total))]),
+        ("jaxkv_transfer_formatted_chunks_total", "counter",
+         "chunks gathered for peers' formatted reads",
+         [("", {}, float(stats.formatted_chunks_total))]),
     ]
     for name, field, text in (
         ("jaxkv_transfer_duration_seconds", "duration_s", "start_read to every READ complete"),

@@ -29,6 +29,7 @@ class TransferRecord:
     post_s: float = 0.0  # post-processing (layout / block-size fix; host staging -> device)
     layer_arrival: tuple[tuple[int, float], ...] = ()  # layer-wise: (global layer, wall time)
     started_at: float = 0.0  # wall time (time.time()) of start_read
+    path: str = "direct"  # "direct" (the plan's descriptors) or "formatted" (gathered chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +91,8 @@ class TransferStats:
     requests_total: int = 0
     bytes_total: int = 0
     descriptors_total: int = 0
+    formatted_total: int = 0  # reads that went formatted (`jaxkv.transfer._formatted`)
+    formatted_chunks_total: int = 0  # producer: chunks gathered for formatted reads
     publications_total: int = 0
     staged_s_total: float = 0.0
     histograms: dict[str, _Histogram] = dataclasses.field(default_factory=dict)
@@ -109,6 +112,7 @@ class TransferStats:
         self.requests_total += 1
         self.bytes_total += record.bytes
         self.descriptors_total += record.descriptors
+        self.formatted_total += record.path == "formatted"
         for field in HISTOGRAM_FIELDS:
             self.histograms[field].add(getattr(record, field))
 
@@ -146,6 +150,8 @@ class TransferStats:
             "digest_s_total",
             "bytes_total",
             "descriptors_total",
+            "formatted_total",
+            "formatted_chunks_total",
             "staged_s_total",
         ):
             setattr(out, field, getattr(self, field) + getattr(other, field))

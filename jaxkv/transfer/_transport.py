@@ -30,6 +30,10 @@ A **transport** moves a request's KV from producer ranks to consumer ranks. It i
   registered memory by address. Such a transport is given the engine's cache registry
   (`attach`), does its JAX work in `serve` (called from the engine's poll, never from a jitted
   step's callback), and its consumer reads skip the producer-side post-processing;
+* ``formats_reads``: whether it can make and serve *formatted* reads
+  (`jaxkv.transfer._formatted`: the producer gathers a read's byte ranges into a registered
+  send buffer, the consumer READs it in large chunks and scatters it; NIXL with its pools);
+  such a transport has `start_formatted` and a ``format_server``;
 * `control_channels`: the control channels it brings besides TCP (NIXL: its notifications);
 * `error_of`: why a fetch failed, when the transport knows.
 
@@ -113,6 +117,7 @@ class Transport(Protocol):
     attaches_notifications: bool
     announces_reads: bool  # the consumer sends `Want` for every read (not only layer-wise)
     moves_arrays: bool  # moves arrays with JAX ops instead of reading memory by address
+    formats_reads: bool  # gathered (formatted) reads, `jaxkv.transfer._formatted`
 
     def attach(self, registry: Any) -> None:
         """The engine's `CacheRegistry`, once (a transport that moves arrays formats from,

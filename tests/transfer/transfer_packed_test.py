@@ -247,6 +247,28 @@ G_SEED = 13
 WAIT_S = 60.0
 
 
+_READ_CASES = (
+    # (name, producer spec, producer TP, consumer spec, consumer TP)
+    ("bf16_tp2_to_tp1", packed(4, 96, 4, "bfloat16"), 2, packed(4, 96, 4, "bfloat16"), 1),
+    ("bf16_tp2_to_tp4_ratio2", packed(4, 96, 4, "bfloat16"), 2,
+     packed(4, 96, 8, "bfloat16"), 4),
+    # fp8: one head per consumer rank = 2 combined heads in a word of 4 (2 phantoms)
+    ("fp8_tp1_to_tp4", packed(4, 96, 4, "float8_e4m3fn"), 1,
+     packed(4, 96, 4, "float8_e4m3fn"), 4),
+    ("fp32_packed_to_nhd", packed(4, 96, 4, "float32"), 2, plain(4, 96, 4, "float32", "THD"),
+     1),
+    ("bf16_hnd_to_packed_ratio2", plain(4, 96, 4, "bfloat16", "KHTD"), 2,
+     packed(4, 96, 8, "bfloat16"), 1),
+    ("fp8_packed_to_hnd_tp4", packed(4, 128, 4, "float8_e4m3fn"), 4,
+     plain(4, 128, 4, "float8_e4m3fn", "HTD"), 2),
+    # MLA: fp8 tokens packed 4 per word, page 6 -> 2 phantom tokens per page
+    ("mla_fp8_to_plain", KVCacheSpec.for_tpu_inference_mla(LAYERS, 72, 6, "float8_e4m3fn"),
+     1, KVCacheSpec.for_mla(LAYERS, 72, 6, "float8_e4m3fn", layout="LKTD"), 2),
+    ("mla_plain_to_bf16_ratio2", KVCacheSpec.for_mla(LAYERS, 72, 6, "bfloat16"), 2,
+     KVCacheSpec.for_tpu_inference_mla(LAYERS, 72, 12, "bfloat16"), 1),
+)
+
+
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
 class PackedTransferTest(parameterized.TestCase):
     """Reads over NIXL between real engines: the producers live in one child process (4
@@ -317,35 +339,32 @@ class PackedTransferTest(parameterized.TestCase):
         while self.call("state", name)[1] != ["req"] and time.monotonic() < deadline:
             time.sleep(0.01)
         self.assertEqual(self.call("state", name), (0, ["req"]))
+        return engine
 
-    @parameterized.named_parameters(
-        # (name, producer spec, producer TP, consumer spec, consumer TP)
-        ("bf16_tp2_to_tp1", packed(4, 96, 4, "bfloat16"), 2, packed(4, 96, 4, "bfloat16"), 1),
-        ("bf16_tp2_to_tp4_ratio2", packed(4, 96, 4, "bfloat16"), 2,
-         packed(4, 96, 8, "bfloat16"), 4),
-        # fp8: one head per consumer rank = 2 combined heads in a word of 4 (2 phantoms)
-        ("fp8_tp1_to_tp4", packed(4, 96, 4, "float8_e4m3fn"), 1,
-         packed(4, 96, 4, "float8_e4m3fn"), 4),
-        ("fp32_packed_to_nhd", packed(4, 96, 4, "float32"), 2, plain(4, 96, 4, "float32", "THD"),
-         1),
-        ("bf16_hnd_to_packed_ratio2", plain(4, 96, 4, "bfloat16", "KHTD"), 2,
-         packed(4, 96, 8, "bfloat16"), 1),
-        ("fp8_packed_to_hnd_tp4", packed(4, 128, 4, "float8_e4m3fn"), 4,
-         plain(4, 128, 4, "float8_e4m3fn", "HTD"), 2),
-        # MLA: fp8 tokens packed 4 per word, page 6 -> 2 phantom tokens per page
-        ("mla_fp8_to_plain", KVCacheSpec.for_tpu_inference_mla(LAYERS, 72, 6, "float8_e4m3fn"),
-         1, KVCacheSpec.for_mla(LAYERS, 72, 6, "float8_e4m3fn", layout="LKTD"), 2),
-        ("mla_plain_to_bf16_ratio2", KVCacheSpec.for_mla(LAYERS, 72, 6, "bfloat16"), 2,
-         KVCacheSpec.for_tpu_inference_mla(LAYERS, 72, 12, "bfloat16"), 1),
-    )
+    @parameterized.named_parameters(*_READ_CASES)
     def test_read(self, spec_p, p_tp, spec_d, d_tp):
         self.read(self._testMethodName.replace("test_read_", ""), spec_p, p_tp, spec_d, d_tp)
+
+    @parameterized.named_parameters(*_READ_CASES)
+    def test_formatted_read(self, spec_p, p_tp, spec_d, d_tp):
+        # the same reads gathered by the producer and scattered here (few large READs
+        # instead of one chunk per value row): the same bytes land
+        engine = self.read(self._testMethodName.replace("test_formatted_read_", "fmt-"),
+                           spec_p, p_tp, spec_d, d_tp, formatted_reads="always")
+        self.assertEqual(engine.stats_of().records[-1].path, "formatted")
 
     def test_host_staged(self):
         # both engines read / serve through pinned host mirrors (as on TPU): the mirror holds
         # the padded blocks, the rows land in the cache's own padded blocks
         self.read("staged", packed(4, 96, 4, "bfloat16"), 2, packed(4, 96, 4, "bfloat16"), 4,
                   host_staging=True)
+
+    def test_host_staged_formatted(self):
+        # formatted reads gather from the producer's mirror and scatter into the consumer's
+        engine = self.read("staged-fmt", packed(4, 96, 4, "bfloat16"), 2,
+                           packed(4, 96, 4, "bfloat16"), 4, host_staging=True,
+                           formatted_reads="always")
+        self.assertEqual(engine.stats_of().records[-1].path, "formatted")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,543 @@
+"""Formatted reads over NIXL: a request's chunks gathered into one send buffer per peer rank.
+
+A direct read posts one NIXL descriptor (chunk) per contiguous byte range the plan lists: a
+fragmented request of per-layer caches, or a packed cache read across TP ranks, is hundreds of
+thousands of small chunks, and each costs the transport a couple of microseconds however small
+it is. A *formatted* read moves the same bytes as few large ones (TensorRT-LLM's cache
+formatter, generalised to any plan):
+
+1. the consumer plans the read exactly as a direct read (`jaxkv.transfer._plan`) and cuts the
+   plan's rows for one producer rank into chunks of at most ``chunk_bytes``; it reserves a
+   slot of its registered *receive pool* for a chunk and sends the chunk's producer-side rows
+   (`Format`);
+2. the producer process checks them against its registered regions and the request's
+   publication, gathers those byte ranges into a slot of its registered *send pool*, in row
+   order, and answers where they are (`Formatted`);
+3. the consumer READs the slot with one descriptor (the READ's notification, `Released`,
+   frees the producer's slot once the bytes left) and scatters it into its cache by the
+   plan's local rows;
+
+the bytes land exactly where the direct read would have put them, so everything after
+(post-processing, digests, `Done` / `Ack`, leases, generations, invalid blocks on failure)
+is the direct read's. Chunks flow as pool slots allow: the producer gathers chunk ``i + 1``
+while chunk ``i`` is on the wire and chunk ``i - 1`` is scattered.
+
+Copies run in `jaxkv._ffi_cpu.copy_rows` (C++, the GIL released), which checks every row
+against its region's bounds before any byte moves. Both caches must be in host memory (CPU
+caches, host-staged mirrors); device caches are read directly (a device-side gather is not
+built).
+
+Which path a read takes is decided per request by `PathCosts` (descriptors x per-descriptor
+cost against bytes x copy cost), calibrated from the reads made with each producer engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxkv.transfer._plan import row_chunks
+
+__all__ = [
+    "FORMATTED_MODES",
+    "FormattedFetch",
+    "HostPool",
+    "PathCosts",
+    "chunk_rows",
+    "gather_rows",
+    "scatter_rows",
+]
+
+FORMATTED_MODES = ("auto", "always", "never")
+"""`KVTransferEngine(formatted_reads=...)`: by cost, every eligible read, none."""
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+DEFAULT_POOL_BYTES = 64 << 20
+MIN_FORMATTED_BYTES = 4 << 20
+"""Reads below this many bytes per rank pair stay direct in ``"auto"`` mode: a formatted read
+costs a control round trip per chunk, which small reads do not win back."""
+MAX_FORMAT_ROWS = 1 << 16  # rows per `Format` message (5 int64 each: 2.5 MiB)
+
+_RR, _RG, _RO, _LG, _LO, _LEN, _CNT, _RS, _LS = range(9)
+
+
+def _copy_rows() -> Callable[..., None]:
+    from jaxkv import _ffi_cpu
+
+    return _ffi_cpu.copy_rows
+
+
+class HostPool:
+    """A host buffer registered with the NIXL agent once, handing out byte slots.
+
+    Slots are first-fit over a sorted free list, aligned to 64 bytes; `alloc` returns None
+    when no free range is large enough (the caller waits for `free`).
+
+    Args:
+      agent: the process's `NixlAgent` (registers the buffer; deregistered by `close`).
+      nbytes: the pool's size.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, agent: Any, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError(f"a pool needs a positive size, got {nbytes}")
+        self.nbytes = int(nbytes)
+        raw = np.empty(self.nbytes + 4096, np.uint8)
+        start = (-raw.ctypes.data) % 4096
+        self.buffer = raw[start : start + self.nbytes]
+        self.address = int(self.buffer.ctypes.data)
+        self._raw = raw
+        self._agent = agent
+        self._region = (self.address, self.nbytes, 0, "DRAM")
+        agent.register([self._region])
+        self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted
+        self._used: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._used.values())
+
+    def alloc(self, nbytes: int) -> int | None:
+        """A slot of `nbytes` (its offset in the pool), or None when none is free."""
+        size = max(self.ALIGN, -(-int(nbytes) // self.ALIGN) * self.ALIGN)
+        with self._lock:
+            for i, (offset, free) in enumerate(self._free):
+                if free >= size:
+                    if free == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (offset + size, free - size)
+                    self._used[offset] = size
+                    return offset
+        return None
+
+    def free(self, offset: int) -> None:
+        """Returns a slot (unknown offsets are ignored: a slot is freed once)."""
+        with self._lock:
+            size = self._used.pop(offset, None)
+            if size is None:
+                return
+            self._free.append((offset, size))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for start, length in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
+                else:
+                    merged.append((start, length))
+            self._free = merged
+
+    def close(self) -> None:
+        self._agent.deregister([self._region])
+
+
+def _split_rows(rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
+    """Rows cut so that none moves more than `chunk_bytes` (strided rows by count, single
+    chunks by length), in the same byte order."""
+    sizes = rows[:, _LEN] * rows[:, _CNT]
+    if not len(rows) or int(sizes.max()) <= chunk_bytes:
+        return rows
+    out = []
+    for row in rows:
+        length, count = int(row[_LEN]), int(row[_CNT])
+        if length * count <= chunk_bytes:
+            out.append(row[None])
+        elif count > 1 and length <= chunk_bytes:
+            per = max(1, chunk_bytes // length)
+            starts = np.arange(0, count, per)
+            piece = np.repeat(row[None], len(starts), axis=0)
+            piece[:, _CNT] = np.minimum(per, count - starts)
+            piece[:, _RO] += starts * row[_RS]
+            piece[:, _LO] += starts * row[_LS]
+            out.append(piece)
+        else:  # chunks longer than a wire chunk: each chunk cut by length
+            index, within = row_chunks(np.array([count]))
+            del index
+            cuts = np.arange(0, length, chunk_bytes)
+            piece = np.repeat(row[None], count * len(cuts), axis=0)
+            c = np.repeat(within, len(cuts))
+            k = np.tile(cuts, count)
+            piece[:, _CNT] = 1
+            piece[:, _LEN] = np.minimum(chunk_bytes, length - k)
+            piece[:, _RO] += c * row[_RS] + k
+            piece[:, _LO] += c * row[_LS] + k
+            out.append(piece)
+    return np.concatenate(out)
+
+
+def chunk_rows(rows: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
+    """The plan rows read from one remote rank (`ReadPlan.copies_for`), cut into wire chunks
+    of at most `chunk_bytes` each (and at most `MAX_FORMAT_ROWS` rows), in order.
+
+    Example:
+      >>> rows = np.zeros((3, 9), np.int64); rows[:, 5] = 100; rows[:, 6] = 1
+      >>> [len(c) for c in chunk_rows(rows, 200)]
+      [2, 1]
+    """
+    rows = _split_rows(np.asarray(rows, np.int64), int(chunk_bytes))
+    if not len(rows):
+        return []
+    sizes = rows[:, _LEN] * rows[:, _CNT]
+    ends = np.cumsum(sizes)
+    chunks = []
+    first = 0
+    while first < len(rows):
+        base = int(ends[first - 1]) if first else 0
+        stop = int(np.searchsorted(ends, base + chunk_bytes, side="right"))
+        stop = min(max(stop, first + 1), first + MAX_FORMAT_ROWS)
+        chunks.append(rows[first:stop])
+        first = stop
+    return chunks
+
+
+def wire_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each row's offset in the gathered buffer (rows back to back, chunks back to back) and
+    the buffer's size."""
+    sizes = lengths * counts
+    ends = np.cumsum(sizes)
+    return ends - sizes, int(ends[-1]) if len(ends) else 0
+
+
+def gather_rows(remote_rows: np.ndarray, regions: Sequence[tuple[int, int]], address: int,
+                nbytes: int) -> None:
+    """Producer: copies the byte ranges of `remote_rows` (int64 ``[N, 5]``: region, offset,
+    length, count, stride) out of `regions` (``(base address, size)`` per region index) into
+    the buffer at `address`, back to back.
+
+    Raises:
+      IndexError: a row outside its region, or more bytes than `nbytes`.
+      ValueError: malformed rows.
+    """
+    rows = np.asarray(remote_rows, np.int64)
+    if rows.ndim != 2 or rows.shape[1] != 5:
+        raise ValueError(f"format rows must be int64 [N, 5], got shape {rows.shape}")
+    offsets, total = wire_offsets(rows[:, 2], rows[:, 3])
+    if total > nbytes:
+        raise IndexError(f"the rows move {total} bytes, the buffer holds {nbytes}")
+    copy = np.empty((len(rows), 8), np.int64)
+    copy[:, 0], copy[:, 1] = rows[:, 0], rows[:, 1]
+    copy[:, 2], copy[:, 3] = 0, offsets
+    copy[:, 4], copy[:, 5] = rows[:, 2], rows[:, 3]
+    copy[:, 6], copy[:, 7] = rows[:, 4], rows[:, 2]
+    _copy_rows()(np.array([r[0] for r in regions], np.uint64),
+                 np.array([r[1] for r in regions], np.int64),
+                 np.array([address], np.uint64), np.array([nbytes], np.int64), copy)
+
+
+def scatter_rows(rows: np.ndarray, regions: Sequence[tuple[int, int]], address: int,
+                 nbytes: int) -> None:
+    """Consumer: copies the gathered buffer at `address` into the local byte ranges of the
+    plan rows `rows` (`COPY_COLUMNS`) of `regions` (local ``(base address, size)``).
+
+    Raises:
+      IndexError: a row outside its region, or more bytes than the buffer holds.
+    """
+    offsets, total = wire_offsets(rows[:, _LEN], rows[:, _CNT])
+    if total > nbytes:
+        raise IndexError(f"the rows move {total} bytes, the buffer holds {nbytes}")
+    copy = np.empty((len(rows), 8), np.int64)
+    copy[:, 0], copy[:, 1] = 0, offsets
+    copy[:, 2], copy[:, 3] = rows[:, _LG], rows[:, _LO]
+    copy[:, 4], copy[:, 5] = rows[:, _LEN], rows[:, _CNT]
+    copy[:, 6], copy[:, 7] = rows[:, _LEN], rows[:, _LS]
+    _copy_rows()(np.array([address], np.uint64), np.array([nbytes], np.int64),
+                 np.array([r[0] for r in regions], np.uint64),
+                 np.array([r[1] for r in regions], np.int64), copy)
+
+
+def remote_half(rows: np.ndarray) -> bytes:
+    """What a `Format` message carries of plan rows: int64 LE ``[N, 5]`` (remote region,
+    offset, length, count, stride)."""
+    half = np.ascontiguousarray(rows[:, [_RG, _RO, _LEN, _CNT, _RS]]).astype("<i8")
+    return half.tobytes()
+
+
+def parse_remote_half(payload: bytes) -> np.ndarray:
+    """The rows of a `Format` message.
+
+    Raises:
+      ValueError: not a whole number of 5-column int64 rows.
+    """
+    if len(payload) % 40:
+        raise ValueError(f"format rows of {len(payload)} bytes are not int64 [N, 5]")
+    return np.frombuffer(payload, "<i8").reshape(-1, 5).astype(np.int64)
+
+
+# -- the consumer's side ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Chunk:
+    index: int
+    rows: np.ndarray  # plan rows (COPY_COLUMNS)
+    nbytes: int
+    slot: int | None = None  # receive pool offset
+    handle: Any = None  # the READ
+    state: str = "queued"  # queued -> asked -> reading -> done
+
+
+class FormattedFetch:
+    """One (local rank, producer rank) pair of a formatted read: its chunks, asked for as
+    receive-pool slots allow, read when the producer answers, scattered when landed.
+
+    Args:
+      agent: the `NixlAgent` (READs).
+      pool: the receive `HostPool`.
+      remote_name: the producer agent's NIXL name.
+      local_rank, remote_rank: the pair.
+      rows: the plan rows of the pair (`ReadPlan.copies_for`).
+      local_regions: ``(base address, size)`` of the local rank's regions.
+      chunk_bytes: the wire chunk size.
+      ask: ``ask(chunk index, rows payload, nbytes) -> bool`` sends a `Format` (False: could
+        not send).
+      released: ``released(chunk index) -> bytes`` the notification a READ carries.
+    """
+
+    def __init__(self, agent: Any, pool: HostPool, remote_name: str, local_rank: int,
+                 remote_rank: int, rows: np.ndarray, local_regions: Sequence[tuple[int, int]],
+                 chunk_bytes: int, ask: Callable[[int, bytes, int], bool],
+                 released: Callable[[int], bytes]):
+        self.agent, self.pool, self.remote_name = agent, pool, remote_name
+        self.local_rank, self.remote_rank = local_rank, remote_rank
+        self.local_regions = list(local_regions)
+        self._ask, self._released = ask, released
+        self.chunks = []
+        for i, part in enumerate(chunk_rows(rows, chunk_bytes)):
+            _, nbytes = wire_offsets(part[:, _LEN], part[:, _CNT])
+            if nbytes > pool.nbytes:
+                raise ValueError(f"a formatted chunk of {nbytes} bytes exceeds the "
+                                 f"{pool.nbytes}-byte receive pool")
+            self.chunks.append(_Chunk(i, part, nbytes))
+        self.error: str | None = None
+        self.nbytes = sum(c.nbytes for c in self.chunks)
+        self.advance()
+
+    def advance(self) -> None:
+        """Asks for the queued chunks the receive pool has room for, in order."""
+        for chunk in self.chunks:
+            if chunk.state != "queued":
+                continue
+            slot = self.pool.alloc(chunk.nbytes)
+            if slot is None:
+                return  # later chunks wait for this one (order keeps the pool unfragmented)
+            chunk.slot = slot
+            if not self._ask(chunk.index, remote_half(chunk.rows), chunk.nbytes):
+                self.pool.free(slot)
+                chunk.slot = None
+                self.error = f"could not ask producer rank {self.remote_rank} for chunk " \
+                             f"{chunk.index}"
+                return
+            chunk.state = "asked"
+
+    def on_formatted(self, chunk_index: int, address: int, nbytes: int, error: str) -> None:
+        """The producer's answer for one chunk: READ it, or fail with its reason."""
+        if not 0 <= chunk_index < len(self.chunks):
+            self.error = f"producer rank {self.remote_rank} answered unknown chunk {chunk_index}"
+            return
+        chunk = self.chunks[chunk_index]
+        if chunk.state != "asked":
+            return  # a duplicate answer
+        if error:
+            self.error = f"producer rank {self.remote_rank} could not format chunk " \
+                         f"{chunk_index}: {error}"
+            return
+        if nbytes != chunk.nbytes:
+            self.error = (f"producer rank {self.remote_rank} formatted {nbytes} bytes for "
+                          f"chunk {chunk_index}, the plan moves {chunk.nbytes}")
+            return
+        assert chunk.slot is not None
+        local = np.array([[self.pool.address + chunk.slot, nbytes, 0]], np.uint64)
+        remote = np.array([[address, nbytes, 0]], np.uint64)
+        try:
+            chunk.handle = self.agent.read(local, remote, self.remote_name, "DRAM", "DRAM",
+                                           notif=self._released(chunk_index))
+        except ConnectionError as err:
+            self.error = str(err)
+            return
+        chunk.state = "reading"
+
+    def check(self) -> str:
+        """``"DONE"`` once every chunk landed in the cache, ``"ERR"``, else ``"PROC"``
+        (scatters the chunks whose READ completed)."""
+        if self.error is not None:
+            return "ERR"
+        for chunk in self.chunks:
+            if chunk.state != "reading":
+                continue
+            state = self.agent.state(chunk.handle)
+            if state == "ERR":
+                self.error = f"the READ of chunk {chunk.index} from producer rank " \
+                             f"{self.remote_rank} failed"
+                return "ERR"
+            if state != "DONE":
+                continue
+            assert chunk.slot is not None
+            try:
+                scatter_rows(chunk.rows, self.local_regions, self.pool.address + chunk.slot,
+                             chunk.nbytes)
+            except (IndexError, ValueError) as err:
+                self.error = f"scattering chunk {chunk.index}: {err}"
+                return "ERR"
+            self.agent.release(chunk.handle)
+            chunk.handle = None
+            self.pool.free(chunk.slot)
+            chunk.slot = None
+            chunk.state = "done"
+        self.advance()
+        if self.error is not None:
+            return "ERR"
+        return "DONE" if all(c.state == "done" for c in self.chunks) else "PROC"
+
+    def release(self) -> bool:
+        """Cancels what is in flight and frees the receive slots. A slot whose READ could not
+        be released stays allocated (NIXL may still write it)."""
+        clean = True
+        for chunk in self.chunks:
+            if chunk.handle is not None:
+                ok = self.agent.release(chunk.handle)
+                clean &= ok
+                chunk.handle = None
+                if not ok:
+                    chunk.slot = None  # leaked on purpose: never reused while written
+            if chunk.slot is not None:
+                self.pool.free(chunk.slot)
+                chunk.slot = None
+        return clean
+
+
+# -- the choice ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PathCosts:
+    """What a read costs one way or the other, per producer engine (calibrated from its reads).
+
+    Direct: ``descriptors x descriptor_s + bytes / wire_bps``. Formatted: ``chunks x
+    round_trip_s + bytes / wire_bps + bytes / format_bps`` (the gather and the scatter, which
+    overlap the wire chunk by chunk only partly on a small machine). Defaults measured on the
+    2-core CPU VM of benchmarks/RESULTS.md (UCX shared memory).
+    """
+
+    descriptor_s: float = 2e-6
+    wire_bps: float = 5e9
+    format_bps: float = 6e9
+    round_trip_s: float = 5e-4
+    smoothing: float = 0.5  # weight of a new measurement
+
+    def direct_s(self, descriptors: int, nbytes: int) -> float:
+        return descriptors * self.descriptor_s + nbytes / self.wire_bps
+
+    def formatted_s(self, chunks: int, nbytes: int) -> float:
+        return chunks * self.round_trip_s + nbytes / self.wire_bps + nbytes / self.format_bps
+
+    def _blend(self, old: float, new: float) -> float:
+        return (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe_direct(self, descriptors: int, nbytes: int, seconds: float) -> None:
+        """Calibrates from a finished direct read."""
+        if seconds <= 0 or nbytes <= 0:
+            return
+        if descriptors <= 64 and nbytes >= (1 << 20):
+            self.wire_bps = self._blend(self.wire_bps, nbytes / seconds)
+        elif descriptors >= 1024:
+            per = max(0.0, seconds - nbytes / self.wire_bps) / descriptors
+            self.descriptor_s = self._blend(self.descriptor_s, max(per, 1e-8))
+
+    def observe_formatted(self, chunks: int, nbytes: int, seconds: float) -> None:
+        """Calibrates from a finished formatted read."""
+        if seconds <= 0 or nbytes < (1 << 20):
+            return
+        rest = seconds - chunks * self.round_trip_s - nbytes / self.wire_bps
+        self.format_bps = self._blend(self.format_bps, nbytes / max(rest, seconds * 0.05))
+
+
+# -- the producer's side ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Waiting:
+    message: Any  # `Format`
+    target: Any  # the consumer's control target
+    expiry: float  # time.monotonic()
+
+
+class FormatServer:
+    """Producer: gathers the chunks consumers ask for (`Format`) into send-pool slots, held
+    until the consumer's READ released them (`Released`) or the request is freed.
+
+    A chunk the pool has no room for waits (`waiting`, retried by `retry`) until its expiry;
+    one larger than the whole pool is refused at once.
+
+    Args:
+      pool: the send `HostPool`.
+    """
+
+    def __init__(self, pool: HostPool):
+        self.pool = pool
+        self.slots: dict[tuple, tuple[str, int]] = {}  # chunk key -> (request id, offset)
+        self.waiting: list[_Waiting] = []
+        self.formatted_chunks = 0  # chunks gathered (stats)
+
+    @staticmethod
+    def key(message: Any) -> tuple:
+        """A chunk's key: (consumer agent, attempt, chunk, producer rank, consumer rank)."""
+        return (message.agent_name, message.attempt, message.chunk, message.producer_rank,
+                message.consumer_rank)
+
+    def gather(self, message: Any, regions: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+        """Gathers one chunk: ``(address, nbytes)`` of its slot, or None when the pool has
+        no room now (a slot already gathered for this chunk is answered again).
+
+        Raises:
+          ValueError, IndexError: malformed rows, rows outside the regions, a chunk larger
+            than the pool.
+        """
+        key = self.key(message)
+        held = self.slots.get(key)
+        if held is not None:
+            return self.pool.address + held[1], int(message.nbytes)
+        rows = parse_remote_half(message.rows)
+        if int(message.nbytes) > self.pool.nbytes:
+            raise ValueError(f"a chunk of {message.nbytes} bytes exceeds the "
+                             f"{self.pool.nbytes}-byte send pool")
+        offset = self.pool.alloc(int(message.nbytes))
+        if offset is None:
+            return None
+        try:
+            gather_rows(rows, regions, self.pool.address + offset, int(message.nbytes))
+        except BaseException:
+            self.pool.free(offset)
+            raise
+        self.slots[key] = (message.request_id, offset)
+        self.formatted_chunks += 1
+        return self.pool.address + offset, int(message.nbytes)
+
+    def release(self, key: tuple) -> None:
+        """The consumer's READ of a chunk completed: its slot is free."""
+        held = self.slots.pop(key, None)
+        if held is not None:
+            self.pool.free(held[1])
+
+    def drop_request(self, request_id: str) -> None:
+        """The request was freed (confirmed, aborted or expired): its slots and waiting
+        chunks go (a reader still at it fails: the request is no longer pinned)."""
+        for key in [k for k, (r, _) in self.slots.items() if r == request_id]:
+            self.release(key)
+        self.waiting = [w for w in self.waiting if w.message.request_id != request_id]
+
+    @property
+    def held_bytes(self) -> int:
+        return self.pool.used_bytes
+
+    def close(self) -> None:
+        self.slots.clear()
+        self.waiting.clear()
+        self.pool.close()
