@@ -9,10 +9,14 @@ import os
 os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 
 
+import time  # noqa: E402
+from unittest import mock  # noqa: E402
+
 from support import platforms  # noqa: E402
 
 platforms.force_cpu_devices()
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from support import transfer as tt  # noqa: E402
@@ -22,6 +26,84 @@ from jaxkv.transfer import nixl_available  # noqa: E402
 
 NUM_BLOCKS, REMOTE_IDS, LOCAL_IDS, G_SEED = tt.NUM_BLOCKS, tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED
 WAIT_S = tt.WAIT_S
+
+
+class _Registrar:
+    """Records what a pool registers (the pool's only use of its agent)."""
+
+    def __init__(self):
+        self.regions = []
+
+    def register(self, regions):
+        self.regions += regions
+
+    def deregister(self, regions):
+        for region in regions:
+            self.regions.remove(region)
+
+
+class FormattedPiecesTest(parameterized.TestCase):
+    def test_pool_slots_are_first_fit_aligned_and_merge_when_freed(self):
+        from jaxkv.transfer._formatted import HostPool
+
+        agent = _Registrar()
+        pool = HostPool(agent, 1024)
+        self.assertEqual(agent.regions, [(pool.address, 1024, 0, "DRAM")])
+        a, b, c = pool.alloc(100), pool.alloc(64), pool.alloc(1)
+        self.assertEqual((a, b, c), (0, 128, 192))
+        self.assertIsNone(pool.alloc(1024))
+        pool.free(b)
+        self.assertEqual(pool.alloc(64), 128)  # the freed slot, first fit
+        pool.free(a), pool.free(128), pool.free(c), pool.free(c)  # a second free is ignored
+        self.assertEqual((pool.used_bytes, pool.alloc(1024)), (0, 0))
+        pool.close()
+        self.assertEqual(agent.regions, [])
+
+    def test_chunks_cut_rows_without_reordering_bytes(self):
+        from jaxkv.transfer._formatted import chunk_rows, wire_offsets
+
+        rows = np.zeros((3, 9), np.int64)
+        rows[:, 5], rows[:, 6], rows[:, 7], rows[:, 8] = 100, 1, 100, 100  # len, count, strides
+        rows[1, 6] = 7  # a strided row of 7 chunks
+        rows[2, 5] = 1000  # a chunk longer than a wire chunk
+        chunks = chunk_rows(rows, 300)
+        self.assertTrue(all(wire_offsets(c[:, 5], c[:, 6])[1] <= 300 for c in chunks))
+        every = np.concatenate(chunks)
+        # the same byte ranges in the same order: remote starts of each chunk, in order
+        def starts(r):
+            return [int(x[2] + k * x[7] + j) for x in r for k in range(x[6])
+                    for j in range(0, x[5], 1)]
+        self.assertEqual(starts(every), starts(rows))
+
+    def test_copy_rows_checks_every_row_before_copying(self):
+        from jaxkv.transfer._formatted import gather_rows
+
+        src = np.arange(256, dtype=np.uint8)
+        dst = np.zeros(64, np.uint8)
+        regions = [(src.ctypes.data, 256)]
+        gather_rows(np.array([[0, 10, 4, 3, 100]]), regions, dst.ctypes.data, 64)
+        np.testing.assert_array_equal(dst[:12], [10, 11, 12, 13, 110, 111, 112, 113, 210, 211,
+                                                 212, 213])
+        dst[:] = 0
+        bad = np.array([[0, 0, 8, 1, 0], [0, 250, 8, 1, 0]])  # the second reaches past 256
+        with self.assertRaisesRegex(IndexError, "row 1 reaches outside"):
+            gather_rows(bad, regions, dst.ctypes.data, 64)
+        self.assertFalse(dst.any())  # not even the first row moved
+        with self.assertRaisesRegex(IndexError, "the buffer holds 4"):
+            gather_rows(np.array([[0, 0, 8, 1, 0]]), regions, dst.ctypes.data, 4)
+        with self.assertRaisesRegex(IndexError, "outside"):
+            gather_rows(np.array([[1, 0, 8, 1, 0]]), regions, dst.ctypes.data, 64)  # region 1
+
+    def test_costs_pick_the_cheaper_path_and_calibrate(self):
+        from jaxkv.transfer._formatted import PathCosts
+
+        costs = PathCosts()
+        nbytes = 64 << 20
+        # 350k value rows (packed head_dim 96): formatted; 64 whole-block runs: direct
+        self.assertLess(costs.formatted_s(8, nbytes), costs.direct_s(350_000, nbytes))
+        self.assertGreater(costs.formatted_s(8, nbytes), costs.direct_s(64, nbytes))
+        costs.observe_direct(100_000, nbytes, 1.0)  # much slower descriptors than assumed
+        self.assertGreater(costs.descriptor_s, 2e-6)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -50,15 +132,81 @@ class FormattedReadTest(tt.TransferTestBase):
         self.read_case(p_tp, d_tp, "LKTD", "LKTD", ratio=ratio, mla=True)
 
     def test_small_chunks_pipeline_through_small_pools(self):
-        # 64-byte-ish chunks through pools that hold only a few at a time: every chunk waits
-        # for a free slot on both sides, and the bytes still land exactly.
-        engine, _ = self.read_case(2, 1, "HTD", "HTD", pool_bytes=4096, chunk_bytes=512)
-        chunks = sum(len(f.chunks) for f in [])  # the read is gone: count from the producer
-        del chunks
-        self.assertEqual(engine.stats.records[-1].path, "formatted")
+        # 256-byte chunks through 2 KiB pools: most chunks wait for a free slot on both
+        # sides (the producer's freed by the READ's notification), the bytes still land.
+        engine, _ = self.read_case(2, 1, "HTD", "HTD", pool_bytes=2048, chunk_bytes=256)
+        record = engine.stats.records[-1]
+        self.assertEqual(record.path, "formatted")
+        self.assertGreater(record.bytes, 2 * 2048)  # more than both pools hold at once
+
+    @parameterized.parameters((1e-3, "formatted"), (1e-12, "direct"))
+    def test_auto_picks_by_cost(self, descriptor_s, path):
+        # "auto" compares the two estimates: with a per-descriptor cost this high (or low)
+        # the same read goes formatted (or direct); both land the same bytes.
+        from jaxkv.transfer import _consumer
+        from jaxkv.transfer._formatted import PathCosts
+
+        self.enter_context(mock.patch.object(_consumer, "MIN_FORMATTED_BYTES", 0))
+        costs = PathCosts(descriptor_s=descriptor_s)
+        engine, _ = self.read_case(2, 1, "HTD", "HTD", mode="auto",
+                                   before_read=lambda e: e.consumer.costs.update(prefill=costs))
+        self.assertEqual(engine.stats.records[-1].path, path)
+        self.assertIs(engine.consumer.costs["prefill"], costs)
+
+    def test_small_reads_stay_direct_in_auto_mode(self):
+        engine, _ = self.read_case(2, 1, "HTD", "HTD", mode="auto")
+        self.assertEqual(engine.stats.records[-1].path, "direct")
+        self.assertEqual(engine.stats.formatted_total, 0)
+
+    def test_chunk_larger_than_the_send_pool_fails_clearly(self):
+        # the producer's pool cannot hold one chunk: its answer names the pool, the read
+        # fails with every local block invalid, the consumer's slots are all returned
+        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="HTD")
+        _, conn = self.start_producer(spec_kwargs, 1, engine_kwargs=dict(format_pool_bytes=256))
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
+        engine, cache, _ = self.consumer(KVCacheSpec(**spec_kwargs), 1,
+                                         formatted_reads="always")
+        engine.start_read(params, LOCAL_IDS)
+        finished, failed = self.wait(engine, ["req-1"])
+        self.assertEqual(finished, [])
+        self.assertRegex(failed[0].reason, "exceeds the 256-byte send pool")
+        self.assertEqual(sorted(failed[0].invalid_block_ids), sorted(LOCAL_IDS))
+        self.assertEqual(engine.transport.receive_pool.used_bytes, 0)
+        self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())  # nothing landed
+
+    def test_producer_killed_mid_read_fails_the_read(self):
+        # a producer that serves one chunk at a time (4 KiB pool, slow polls) dies after the
+        # read started: the read fails by its deadline with every block invalid, and every
+        # receive slot is returned
+        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="HTD")
+        process, conn = self.start_producer(spec_kwargs, 1,
+                                            engine_kwargs=dict(format_pool_bytes=1024))
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
+        self.call(conn, "slow", 0.2)
+        engine, _, _ = self.consumer(KVCacheSpec(**spec_kwargs), 1, formatted_reads="always",
+                                     format_pool_bytes=1024, read_timeout_s=3.0)
+        engine.transport.chunk_bytes = 256
+        engine.start_read(params, LOCAL_IDS)
+        deadline = time.monotonic() + WAIT_S
+        while (time.monotonic() < deadline and not any(
+                c.state == "done" for f in engine.consumer.reading["req-1"].formatted.values()
+                for c in f.chunks)):
+            engine.poll()
+        process.kill()
+        finished, failed = self.wait(engine, ["req-1"])
+        self.assertEqual(finished, [])
+        self.assertEqual(sorted(failed[0].invalid_block_ids), sorted(LOCAL_IDS))
+        self.assertEqual(engine.transport.receive_pool.used_bytes, 0)
 
     def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
-                  mla=False, pool_bytes=None, chunk_bytes=None, mode="always"):
+                  mla=False, pool_bytes=None, chunk_bytes=None, mode="always",
+                  before_read=None):
         spec_kwargs = dict(num_layers=2, num_kv_heads=heads, head_dim=8, block_size=4,
                            dtype=dtype, layout=p_layout)
         if mla:
@@ -73,6 +221,8 @@ class FormattedReadTest(tt.TransferTestBase):
                                               **engine_kwargs)
         if chunk_bytes is not None:
             engine.transport.chunk_bytes = chunk_bytes
+        if before_read is not None:
+            before_read(engine)
         local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio]
         engine.start_read(params, local_ids)
         finished, failed = self.wait(engine, ["req-1"])
