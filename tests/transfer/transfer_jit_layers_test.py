@@ -19,7 +19,7 @@ import re  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 
-from support import bits, meshes, platforms, processes  # noqa: E402
+from support import bits, layerwise, meshes, platforms, processes  # noqa: E402
 
 platforms.force_cpu_devices()
 
@@ -47,11 +47,24 @@ class _NoEngine:
     """Stands in for an engine when only compiling (the callbacks never run)."""
 
 
-def compiled(layout: str, tp: int, naive: bool) -> tuple[str, PagedKVCache]:
+class _StagedNoEngine:
+    """Stands in for a host-staged engine when only compiling: its one cache holds every
+    layer, so each announcement's callback takes its layer's rows."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+
+    def _staging_layers(self, written):
+        return 0, self.num_layers, ""
+
+
+def compiled(layout: str, tp: int, naive: bool, staged: bool = False
+             ) -> tuple[str, PagedKVCache]:
     spec = KVCacheSpec(**spec_kwargs(layout))
     mesh = meshes.tp(tp)
     cache = PagedKVCache.allocate(spec, NUM_BLOCKS, mesh=mesh)
-    step = tt.make_layered_prefill_step(_NoEngine(), 10, naive=naive)
+    engine = _StagedNoEngine(spec.num_layers) if staged else _NoEngine()
+    step = tt.make_layered_prefill_step(engine, 10, naive=naive)
     ids = np.asarray(REMOTE_IDS, np.int32)
     text = step.lower(cache, ids, np.int32(1), np.uint32(SEED)).compile().as_text()
     return text, cache
@@ -101,6 +114,18 @@ def callback_ancestry(text: str) -> dict[str, int]:
     return {name: len(set(callbacks) & visit(name)) for name in callbacks}
 
 
+def callback_operand_shapes(text: str) -> list[list[str]]:
+    """Per host-callback custom call (in any computation), the shapes of its operands."""
+    out = []
+    for line in text.splitlines():
+        if "python_cpu_callback" in line and "operand_layout_constraints={" in line:
+            operands = line.split("operand_layout_constraints={", 1)[1].split("}, ", )
+            shapes = re.findall(r"\w+\[[\d,]*\]", ",".join(
+                o for o in operands if not o.startswith(("custom_call", "api_version"))))
+            out.append(shapes)
+    return out
+
+
 def cache_copies(text: str, cache: PagedKVCache) -> list[str]:
     """Copy instructions whose shape is a (per-device) cache array's."""
     shapes = {",".join(map(str, a.sharding.shard_shape(a.shape))) for a in cache.arrays}
@@ -122,6 +147,48 @@ class LayeredLoweringTest(parameterized.TestCase):
         # Each callback depends (through the next layer's writes) on every earlier one: a
         # total order by data, so they run in layer order, each before the next layer.
         self.assertEqual(sorted(earlier.values()), list(range(cache.spec.num_layers)))
+
+    @parameterized.parameters(("LKHTD", 1), ("LKHTD", 2), ("KHTD", 2), ("HTD", 1), ("HTD", 2))
+    def test_staged_chain_carries_layer_rows_without_copies(self, layout, tp):
+        # Host staging: each announcement's callback takes its layer's rows of the request
+        # (to write them into the host mirror from inside the step): still no copy of a
+        # cache array, still a chain, and no operand is a cache array (only 4 blocks' rows
+        # of one layer, gathered to the callback's device).
+        text, cache = compiled(layout, tp, naive=False, staged=True)
+        self.assertEqual(cache_copies(text, cache), [])
+        earlier = callback_ancestry(text)
+        self.assertEqual(sorted(earlier.values()), list(range(cache.spec.num_layers)))
+        spec = cache.spec
+        per_layer = [list(a.shape[1:]) for a in cache.arrays]
+        if "L" in spec.layout:  # the rows of one layer: the L axis is 1 long
+            axis = spec.layout.index("L")
+            per_layer = [s[:axis] + [1] + s[axis + 1:] for s in per_layer]
+        arrays_per_layer = len(cache.arrays) // (1 if "L" in spec.layout else spec.num_layers)
+        row = f"u32[{','.join(map(str, [len(REMOTE_IDS), *per_layer[0]]))}]"
+        sites = callback_operand_shapes(text)
+        self.assertLen(sites, spec.num_layers)
+        whole = {f"f32[{','.join(map(str, a.shape))}]" for a in cache.arrays}
+        for shapes in sites:  # handle, ids, stop, then the layer's rows
+            self.assertEqual(shapes[3:], [row] * arrays_per_layer, shapes)
+            self.assertFalse(set(shapes) & whole)
+
+    def test_staged_with_a_traced_stop_falls_back_and_warns(self):
+        from jaxkv.transfer import publish_layer_in_jit
+
+        spec = KVCacheSpec(**spec_kwargs("LKHTD"))
+        cache = PagedKVCache.allocate(spec, NUM_BLOCKS)
+        ids = np.asarray(REMOTE_IDS, np.int32)
+        engine = _StagedNoEngine(spec.num_layers)
+
+        def step(c, stop):
+            return publish_layer_in_jit(engine, 1, ids, c, stop, stop)[1]
+
+        with self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
+            text = jax.jit(step).lower(cache, np.int32(1)).compile().as_text()
+        self.assertIn("traced layer_stop", logs.output[0])
+        self.assertEqual([len(s) for s in callback_operand_shapes(text)], [4])  # the token
+        with self.assertRaisesRegex(ValueError, r"layers \[4, 5\) are not layers"):
+            jax.jit(lambda c: publish_layer_in_jit(engine, 1, ids, c, 5, 0)[1]).lower(cache)
 
     @parameterized.parameters(("LKHTD", 1), ("KHTD", 2))
     def test_per_layer_publish_callbacks_copy_the_cache(self, layout, tp):
@@ -211,6 +278,125 @@ class LayeredTransferTest(tt.TransferTestBase):
         print(f"{layout} tp={p_tp} staging={staging}: step "
               f"{1e3 * (step_end - step_start):.0f} ms, layer 0 arrived "
               f"{1e3 * (step_end - arrival[0]):.0f} ms before its end")
+
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+class LayeredFailureTest(tt.TransferTestBase):
+    """Layers announced from inside the step when the rest never comes: a step that
+    announces only some layers, a producer killed between two layers, a request aborted
+    between two layers; directly registered and host-staged producers. The consumer
+    (registered directly, so landed bytes are in its cache at once) must never report more
+    layers than were announced, every layer it reports is bit exact, the unannounced ones
+    untouched, and a read that cannot finish fails with its blocks invalid."""
+
+    NUM_LAYERS = 4
+
+    def spec_kwargs(self):
+        return dict(spec_kwargs("LKHTD"), num_layers=self.NUM_LAYERS)
+
+    def start(self, staging, **kwargs):
+        process, conn = processes.spawn(
+            layerwise.gated_producer_main, self.spec_kwargs(), 1, NUM_BLOCKS, ITERS // 4,
+            {"host_staging": staging}, *[kwargs.get(k) for k in ("announce",)],
+            kwargs.get("group", 1), kwargs.get("gate_after"))
+        self._children.append((process, conn))
+        self.ready(conn)
+        params, handle = self.call(conn, "pin", "req", REMOTE_IDS)
+        spec = KVCacheSpec(**self.spec_kwargs())
+        engine, _, _ = self.consumer(spec, 1, read_timeout_s=4.0)
+        engine.start_read(params, LOCAL_IDS)
+        return process, conn, handle, engine, spec
+
+    def poll_until(self, engine, seen, predicate, what, timeout=WAIT_S):
+        deadline = time.monotonic() + timeout
+        while not predicate(seen):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}: {seen}")
+            result = engine.poll()
+            seen["finished"] += result.finished
+            seen["failed"] += result.failed
+            seen["progress"].append(result.layers.get("req", 0))
+        return seen
+
+    def check_layers(self, engine, spec, landed):
+        """Layers < `landed` of the local blocks hold the step's bytes, the others zeros."""
+        cache = engine.caches[0]
+        got = bits.bits(np.asarray(cache.arrays[0]))[LOCAL_IDS]
+        (want,) = tt.expected_layer_values(spec, cache.array_keys, [cache.arrays[0].shape],
+                                           len(LOCAL_IDS), SEED, ITERS // 4)
+        axis = spec.layout.index("L") + 1
+        for layer in range(spec.num_layers):
+            g, w = np.take(got, layer, axis=axis), np.take(want, layer, axis=axis)
+            if layer < landed:
+                np.testing.assert_array_equal(g, w, err_msg=f"layer {layer}")
+            else:
+                self.assertFalse(g.any(), f"layer {layer} was never announced, yet written")
+
+    @staticmethod
+    def fresh():
+        return {"finished": [], "failed": [], "progress": [0]}
+
+    @parameterized.parameters(False, True)
+    def test_unannounced_layers_are_never_read(self, staging):
+        # The step announces layers 0-1 (two per announcement: layer_start=0) and writes all
+        # four; 2-3 are announced only later, outside jit.
+        _, conn, handle, engine, spec = self.start(staging, announce=2, group=2)
+        conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED))
+        seen = self.poll_until(engine, self.fresh(), lambda s: max(s["progress"]) >= 2,
+                               "layers 0-1")
+        if not conn.poll(WAIT_S):
+            raise TimeoutError("the producer's step did not return")
+        statuses, _, _ = conn.recv()
+        self.assertEqual(statuses, [1])  # one announcement: layers [0, 2)
+        end = time.monotonic() + 1.0  # the step is over: nothing else may arrive
+        self.poll_until(engine, seen, lambda s: time.monotonic() > end, "a second")
+        self.assertEqual((max(seen["progress"]), seen["finished"], seen["failed"]), (2, [], []))
+        self.check_layers(engine, spec, 2)
+        self.call(conn, "publish", "req", spec.num_layers)  # outside jit: the rest
+        self.poll_until(engine, seen, lambda s: s["finished"] or s["failed"], "the request")
+        self.assertEqual((seen["finished"], seen["failed"]), (["req"], []))
+        self.check_layers(engine, spec, spec.num_layers)
+        (publication,) = self.call(conn, "publications")
+        self.assertEqual([stop for stop, _ in publication.layers], [2, spec.num_layers])
+
+    @parameterized.parameters(False, True)
+    def test_producer_killed_between_layers(self, staging):
+        # The step holds after announcing layers 0-1; the producer dies there.
+        process, conn, handle, engine, spec = self.start(staging, gate_after=1)
+        conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED))
+        seen = self.poll_until(engine, self.fresh(), lambda s: max(s["progress"]) >= 2,
+                               "layers 0-1")
+        process.kill()
+        process.join(timeout=WAIT_S)
+        self.poll_until(engine, seen, lambda s: s["finished"] or s["failed"], "the failure")
+        self.assertEqual(seen["finished"], [])
+        (failed,) = seen["failed"]
+        self.assertEqual(failed.invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.assertEqual(max(seen["progress"]), 2)  # never a layer that was not announced
+        self.check_layers(engine, spec, 2)
+        self.assertEqual(engine.num_reading, 0)
+
+    @parameterized.parameters(False, True)
+    def test_abort_between_layers(self, staging):
+        # The producer aborts the request while the step holds after layers 0-1: the later
+        # announcements are refused (status 0), nothing more is announced or read.
+        _, conn, handle, engine, spec = self.start(staging, gate_after=1)
+        conn.send(("prefill_abort", "req", handle, np.asarray(REMOTE_IDS, np.int32), SEED, 2))
+        seen = self.poll_until(engine, self.fresh(), lambda s: s["finished"] or s["failed"],
+                               "the failure")
+        if not conn.poll(WAIT_S):
+            raise TimeoutError("the producer's step did not return")
+        statuses, _, _ = conn.recv()
+        self.assertEqual(statuses, [1, 1, 0, 0])
+        self.assertEqual(seen["finished"], [])
+        (failed,) = seen["failed"]
+        self.assertEqual(failed.invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.assertLessEqual(max(seen["progress"]), 2)
+        self.check_layers(engine, spec, max(seen["progress"]))
+        self.assertIsNone(self.call(conn, "published", "req"))
+        self.assert_freed(conn, "req")
+        self.assertEqual(self.call(conn, "publications"), [])  # never complete
 
 
 if __name__ == "__main__":

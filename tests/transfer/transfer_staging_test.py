@@ -102,6 +102,72 @@ class HostMirrorTest(parameterized.TestCase):
         self.assertFalse(rows[[0, 1, 3]].any())
 
 
+class HostMirrorRowsTest(parameterized.TestCase):
+    """`HostMirror.write_rows`: rows a jitted step's layer announcement received on the host
+    (global arrays, one layer) land in the mirror exactly where `stage_out` copies them."""
+
+    @staticmethod
+    def cache_of(layout, tp, seed=0):
+        mla = "H" not in layout
+        spec = KVCacheSpec(
+            num_layers=3, num_kv_heads=1 if mla else 2, head_dim=4, block_size=2,
+            dtype="bfloat16", layout=layout, kv_factor=1 if mla else 2, mla=mla,
+        )
+        rng = np.random.default_rng(seed)
+        shape = spec.array_shape(8)
+        arrays = [rng.integers(1, 1 << 16, size=shape, dtype=np.uint16)
+                  for _ in spec.array_keys()]
+        cache = PagedKVCache.from_arrays(spec, [a.view(spec.dtype) for a in arrays],
+                                         mesh=meshes.tp(tp))
+        return spec, cache, arrays
+
+    @staticmethod
+    def layer_rows(spec, arrays, ids, layers):
+        """What `publish_layer_in_jit` hands the callback: per array the rows of `layers`."""
+        safe = np.maximum(np.asarray(ids), 0)
+        rows = []
+        for (layer, _), array in zip(spec.array_keys(), arrays):
+            if layer is None:
+                axis = 1 + spec.layout.index("L")
+                index = tuple(slice(*layers) if a == axis else slice(None)
+                              for a in range(1, array.ndim))
+                rows.append(array[safe][(slice(None),) + index])
+            else:
+                rows.append(array[safe] if layers[0] <= layer < layers[1] else None)
+        return rows
+
+    @parameterized.parameters(("LKHTD", 2), ("KTHD", 2), ("HTD", 1), ("LKTD", 1))
+    def test_rows_equal_the_device_copy(self, layout, tp):
+        spec, cache, arrays = self.cache_of(layout, tp)
+        staged, written = HostMirror(cache), HostMirror(cache)
+        self.assertTrue(written.writes_rows)
+        ids = [5, -1, 1]  # -1: a padding row, skipped
+        for layers in ((0, 1), (1, 3)):  # one layer, then two at once
+            staged.stage_out(cache, [5, 1], layers=layers)
+            written.write_rows(ids, self.layer_rows(spec, arrays, ids, layers), layers)
+            for key, want in staged.buffers.items():
+                np.testing.assert_array_equal(written.buffers[key], want, err_msg=str(key))
+        for key, buffer in written.buffers.items():  # every other block untouched
+            rows = buffer.reshape(8, -1)
+            self.assertFalse(rows[[0, 2, 3, 4, 6, 7]].any(), str(key))
+            self.assertTrue(rows[[1, 5]].any(axis=1).all(), str(key))
+
+    def test_refused_rows_write_nothing(self):
+        spec, cache, arrays = self.cache_of("KHTD", 2)
+        mirror = HostMirror(cache)
+        good = self.layer_rows(spec, arrays, [3], (1, 3))  # arrays 1 and 2 (one per layer)
+        self.assertEqual([r is None for r in good], [True, False, False])
+        bad_shape = [None, good[1], good[2][:, :1]]  # array 1 is fine: still nothing written
+        wide = [r if r is None else r.astype(np.uint32) for r in good]
+        for rows, ids, what in ((bad_shape, [3], "expected unsigned"),
+                                (wide, [3], "expected unsigned"),
+                                (good, [8], "outside"),
+                                (good[:-1], [3], "arrays of rows")):
+            with self.assertRaisesRegex(ValueError, what):
+                mirror.write_rows(ids, rows, (1, 3))
+        self.assertFalse(any(b.any() for b in mirror.buffers.values()))
+
+
 class HostMirrorWithoutCustomCallsTest(parameterized.TestCase):
     """The mirror copies with the Pallas kernels (interpret mode here) or the jnp reference,
     directly or through pinned host memory: exact bytes, and no custom call built."""
