@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from jaxkv.integrations._mamba import StateComponent, component_group_name
 from jaxkv.integrations._params import (
     ConnectorSettings,
     GroupedTransfer,
@@ -156,8 +157,15 @@ class JaxKVWorker:
         else:
             caches = self._group_caches(kv_caches)
         s = self.settings
-        configs = {}
+        configs: dict[str, EngineConfig] = {}
+        registered: list[tuple[str, Any]] = []
         for g, cache in enumerate(caches):
+            components = self.groups.state_of(g)
+            if components is not None:  # a Mamba group: one engine group per state component
+                for name, part, config in self._state_configs(g, components, cache):
+                    configs[name] = config
+                    registered.append((name, part))
+                continue
             block_size = self.groups.block_sizes[g]
             if cache.spec.block_size != block_size:
                 where = f" of KV cache group {g}" if self.groups.grouped else ""
@@ -170,9 +178,49 @@ class JaxKVWorker:
                 # one TP rank's cache holds its heads only; the engine describes the model's
                 spec = spec.replace(num_kv_heads=s.num_kv_heads or spec.num_kv_heads * s.tp_size)
             configs[group_name(g)] = EngineConfig(spec, s.tp_size, s.pp_size)
-        engine = self.new_engine(list(configs.values()))
-        for g, cache in enumerate(caches):
-            engine.register_cache(cache, tp_rank=s.tp_rank, group=engine.groups[g])
+            registered.append((group_name(g), cache))
+        engine = self.new_engine(list(configs.values()), list(configs))
+        for name, cache in registered:
+            engine.register_cache(cache, tp_rank=s.tp_rank, group=name)
+
+    def _state_configs(
+        self, group: int, components: tuple[StateComponent, ...], caches: Any
+    ) -> list[tuple[str, Any, EngineConfig]]:
+        """A Mamba group's state caches (one `jaxkv.PagedKVCache` per state component, in
+        `jaxkv.integrations._mamba.state_components` order) as (engine group, cache, config).
+
+        Raises:
+          TypeError: not one cache per component.
+          ValueError: a cache whose spec is not its component's (heads, head size, dtype,
+            one state per block; any layout).
+        """
+        from jaxkv import EngineConfig, PagedKVCache
+
+        s = self.settings
+        names = [c.name for c in components]
+        if not isinstance(caches, (list, tuple)) or len(caches) != len(components) or not all(
+            isinstance(c, PagedKVCache) for c in caches
+        ):
+            raise TypeError(
+                f"register_kv_caches: KV cache group {group} holds Mamba state: it takes one "
+                f"jaxkv.PagedKVCache per state component {names} (a list or tuple), got "
+                f"{type(caches).__name__}"
+            )
+        out = []
+        for component, cache in zip(components, caches):
+            want = component.spec(cache.spec.num_layers, cache.spec.layout)
+            local = want
+            if s.tp_rank is not None and not want.mla:  # one rank's cache holds its heads
+                local = want.replace(num_kv_heads=want.heads_per_rank(s.tp_size))
+            if cache.spec != local:
+                raise ValueError(
+                    f"register_kv_caches: the cache of state component {component.name!r} of "
+                    f"KV cache group {group} is {cache.spec}, expected {local} (vLLM's "
+                    "MambaSpec, one state per block)"
+                )
+            out.append((component_group_name(group, component), cache,
+                        EngineConfig(want, s.tp_size, s.pp_size)))
+        return out
 
     def _adopt_torch(self, kv_caches: Mapping[str, Any]) -> list[Any]:
         """Per KV cache group, the `PagedKVCache` over GPU vLLM's torch tensors of its layers
@@ -180,6 +228,12 @@ class JaxKVWorker:
         from jaxkv.integrations import _torch
 
         s = self.settings
+        if self.groups.has_state:
+            raise ValueError(
+                "register_kv_caches: torch caches of a model with Mamba layers (vLLM's "
+                "MambaSpec groups) are not adopted (their conv and SSM states share one page "
+                "per block); register jaxkv.PagedKVCache objects, one per state component"
+            )
         if not self.groups.grouped:
             return [_torch.adopt_for_vllm(kv_caches, self.vllm_config, self.kv_cache_config,
                                           s.tp_size, s.tp_rank)]
@@ -203,7 +257,10 @@ class JaxKVWorker:
         parts = self._split_by_group(kv_caches)
         if not self.groups.grouped:
             return [_adopt_group(parts[0], kv_caches, None)]
-        return [_adopt_group(values, kv_caches, g) for g, values in enumerate(parts)]
+        return [
+            _adopt_group(values, kv_caches, g, self.groups.state_of(g) is not None)
+            for g, values in enumerate(parts)
+        ]
 
     def _split_by_group(self, kv_caches: Any) -> list[list[Any]]:
         """Per KV cache group, the values handed over for its layers (in the order given; an
@@ -244,10 +301,13 @@ class JaxKVWorker:
             f"{type(kv_caches).__name__}"
         )
 
-    def new_engine(self, configs: list[EngineConfig]) -> TransferEngine:
+    def new_engine(
+        self, configs: list[EngineConfig], names: list[str] | None = None
+    ) -> TransferEngine:
         """Closes the current transfer engine, if any, and starts one with a cache group per
-        KV cache group (`configs`, in group order), each on its side-channel address, with
-        the settings' timeouts and transport.
+        KV cache group (`configs`, in group order; a Mamba group: one per state component,
+        named by `names`), each on its side-channel address (the `j`-th group's: the
+        settings' port + `j`, or `group_ports`), with the settings' timeouts and transport.
 
         Returns:
           The new engine (also `engine`).
@@ -267,17 +327,18 @@ class JaxKVWorker:
             early_read_grace_s=s.early_read_grace_s,
             **s.engine_options(),
         )
-        if len(configs) == 1:  # the engine's default group
+        if len(configs) == 1 and not self.groups.grouped:  # the engine's default group
             host, port = addresses[0]
             self.engine = TransferEngine(s.engine_id, configs[0], host=host, port=port,
                                          **common)
             return self.engine
+        names = names or [group_name(g) for g in range(len(configs))]
         self.engine = TransferEngine(
             s.engine_id,
-            {group_name(g): config for g, config in enumerate(configs)},
+            dict(zip(names, configs, strict=True)),
             group_options={
-                group_name(g): {"host": host, "port": port}
-                for g, (host, port) in enumerate(addresses)
+                name: {"host": host, "port": port}
+                for name, (host, port) in zip(names, addresses, strict=True)
             },
             **common,
         )
@@ -316,10 +377,12 @@ class JaxKVWorker:
         published = {rid: [ids] for rid, ids in meta.to_publish.items()}
         published.update(meta.to_publish_groups)
         for request_id, group_ids in published.items():
+            if self.groups.grouped:  # a Mamba group's state block: for each component
+                by_name = {name: group_ids[g] for g, name in self.groups.engine_groups()}
+            else:
+                by_name = dict(zip(engine.groups, group_ids, strict=True))
             engine.publish_request(
-                request_id,
-                dict(zip(engine.groups, group_ids, strict=True)),
-                expected_reads=self.settings.reads_per_request,
+                request_id, by_name, expected_reads=self.settings.reads_per_request
             )
 
     def _start_read(self, recv: _Recv) -> None:
@@ -393,12 +456,27 @@ class JaxKVWorker:
                 f"the producer has {transfer.num_groups} KV cache groups, this engine "
                 f"{self.groups.num_groups}", None)
         release = _ReadPlan(transfer.params, {name: [] for name in transfer.params.groups})
+        mine = [tuple(c.name for c in self.groups.state_of(g) or ()) or None
+                for g in range(self.groups.num_groups)]
+        theirs = [transfer.state_of(g) for g in range(transfer.num_groups)]
+        if mine != theirs:
+            raise _PlanError(
+                f"the producer's Mamba state components per KV cache group {theirs} are not "
+                f"this engine's {mine}", release)
         if recv.release_only:
             return release
         remote_groups, local = {}, {}
         try:
             for g in range(self.groups.num_groups):
                 first, ids = recv.local_groups[g]
+                if mine[g] is not None:  # a Mamba group: its running state, per component
+                    for name in transfer.engine_names(g):
+                        remote = transfer.params.groups[name]
+                        take = bool(ids) and bool(remote.block_ids)
+                        remote_groups[name] = msgspec.structs.replace(
+                            remote, block_ids=list(remote.block_ids[:1]) if take else [])
+                        local[name] = list(ids[:1]) if take else []
+                    continue
                 name = group_name(g)
                 remote = transfer.params.groups[name]
                 remote_ids, local[name] = group_read_plan_ids(
@@ -459,8 +537,10 @@ class JaxKVWorker:
                 continue
             log.warning("read of %s failed: %s", consumer_id, failure.reason)
             by_group = failure.invalid_by_group or {names[0]: failure.invalid_block_ids}
+            vllm_group = {name: g for g, name in self.groups.engine_groups()}
             for name, ids in by_group.items():
-                self._load_errors.setdefault(names.index(name), set()).update(ids)
+                g = vllm_group.get(name, names.index(name))
+                self._load_errors.setdefault(g, set()).update(ids)
             if known:
                 results.finished_recving.add(consumer_id)
                 results.failed_recving.add(consumer_id)
@@ -482,14 +562,14 @@ class JaxKVWorker:
         """One KV cache group: the local blocks of failed reads since the last call. Several:
         always empty (vLLM 0.33 refuses block-level load errors with several groups; see
         `get_group_block_ids_with_load_errors`)."""
-        if self.groups.grouped:
+        if self.groups.num_groups > 1:
             return set()
         return self._load_errors.pop(0, set())
 
     def get_group_block_ids_with_load_errors(self) -> dict[int, set[int]]:
         """Several KV cache groups: per group, the local blocks of failed reads since the
         last call (one group: empty, see `get_block_ids_with_load_errors`)."""
-        if not self.groups.grouped:
+        if self.groups.num_groups == 1:
             return {}
         errors, self._load_errors = self._load_errors, {}
         return errors
@@ -547,7 +627,7 @@ class JaxKVWorker:
             self.engine = None
 
 
-def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
+def _adopt_group(values: list[Any], given: Any, group: int | None, state: bool = False) -> Any:
     """What vLLM's ``register_kv_caches`` hands over for the layers of one KV cache group,
     as the `jaxkv.PagedKVCache` the transfer engine registers (one that holds all of the
     group's layers).
@@ -562,6 +642,8 @@ def _adopt_group(values: list[Any], given: Any, group: int | None) -> Any:
     """
     from jaxkv import PagedKVCache
 
+    if state and len(values) == 1:  # a Mamba group: its state caches (`_state_configs`)
+        return values[0]
     if len(values) == 1 and isinstance(values[0], PagedKVCache):
         return values[0]
     if group is None:
