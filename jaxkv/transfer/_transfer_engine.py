@@ -97,7 +97,8 @@ class TransferEngine:
         ``host_staging``, ``block_hashing``, ``progress_interval_s``,
         ``early_read_grace_s``, ``transport`` (``"nixl"``, ``"jax"``, ``"auto"``),
         ``control``, ``jax_transport_options``, ``agent_options``, ``auth_key``,
-        ``allow_unauthenticated``, ``digests`` — see docs/transfer.md ("Engine options").
+        ``allow_unauthenticated``, ``digests``, ``formatted_reads``, ``format_pool_bytes``
+        — see docs/transfer.md ("Engine options").
 
     Raises:
       ValueError: no group, options of unknown groups, bad options, or a coordinator with
