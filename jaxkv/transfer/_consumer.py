@@ -316,8 +316,7 @@ class Consumer:
             # The producer draws the same positions (`sample_seed`): known to both sides
             # before the Ack arrives, so only they are digested when the bytes land.
             state.digest_positions = sample_positions(
-                len(params.block_ids), self.digests,
-                np.random.default_rng(sample_seed(request_id, params.generation)))
+                len(params.block_ids), self.digests, sample_seed(request_id, params.generation))
         self.reading[key] = state
         self.by_attempt[state.attempt] = state
         self.outcomes.pop(key, None)
@@ -668,39 +667,29 @@ class Consumer:
                         "producer's block images")
             if peer.meta.padded:
                 raise DigestError("the producer's blocks store padding, which is never moved")
+            from jaxkv.transfer._digest import device_arrays, rank_regions
+
             remote_ids = np.asarray(state.plans[0].remote_block_ids, np.int64)
-            pieces = landed_pieces(state.plans, plan_local, plan_peer, remote_ids)
+            positions = None
+            if state.digest_positions is not None:
+                # The request's positions -> the read's (it reads the request's tail).
+                offset = state.num_remote_ids - len(remote_ids)
+                chosen = state.digest_positions
+                positions = chosen[chosen >= offset] - offset
+            # Cached per geometry (the plans' planners): only `positions` are mapped.
+            pieces = landed_pieces(state.plans, plan_local, plan_peer, remote_ids, positions)
             algorithms = {
                 info.rank: algorithm_for([r.memory_kind for r in info.regions])
                 for info in peer.meta.ranks
             }
-            local_regions: dict[int, list[tuple[int, str, int]]] = {}
-            device_arrays: dict[int, list] = {}
+            local_regions: dict[int, Any] = {}
+            arrays: dict[int, list] = {}
             for plan in state.plans:
-                lr = plan.local_rank
-                entry = self.registry.rank_cache[lr]
-                device_id = entry.rank_devices[lr]
-                buffers = sorted((b for b in entry.cache.shard_buffers()
-                                  if b.device.id == device_id), key=lambda b: b.array_index)
-                if entry.mirror is not None:
-                    local_regions[lr] = [
-                        (entry.mirror.address(b.array_index, device_id), "DRAM", b.nbytes)
-                        for b in buffers]
-                else:
-                    local_regions[lr] = [(b.address, b.memory_kind, b.nbytes) for b in buffers]
-                    if any(b.memory_kind != "DRAM" for b in buffers):
-                        device_arrays[lr] = [
-                            next(s.data for s in entry.cache.arrays[b.array_index]
-                                 .addressable_shards if s.device.id == device_id)
-                            for b in buffers]
-            wanted = None
-            if state.digest_positions is not None:
-                offset = state.num_remote_ids - len(remote_ids)
-                chosen = {int(p) for p in state.digest_positions}
-                wanted = {(r, p) for r in set(pieces.remote_rank.tolist())
-                          for p in range(len(remote_ids)) if p + offset in chosen}
-            state.landed = verify_landed(pieces, algorithms, local_regions, device_arrays,
-                                         wanted)
+                entry = self.registry.rank_cache[plan.local_rank]
+                regions = local_regions[plan.local_rank] = rank_regions(entry, plan.local_rank)
+                if not regions.on_host:
+                    arrays[plan.local_rank] = device_arrays(entry, regions)
+            state.landed = verify_landed(pieces, algorithms, local_regions, arrays)
         except (DigestError, KeyError, ValueError) as error:
             state.digest_error = f"{type(error).__name__}: {error}"
         finally:

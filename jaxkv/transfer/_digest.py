@@ -49,6 +49,8 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,14 +63,21 @@ __all__ = [
     "DIGEST_MODES",
     "DigestError",
     "DigestOptions",
+    "LandedDigest",
+    "LandedPieces",
+    "LandingMap",
+    "Piece",
     "RankDigests",
+    "RankRegions",
     "algorithm_for",
+    "device_arrays",
     "device_digests",
     "host_view",
     "landed_pieces",
+    "landing_map",
+    "plan_pieces",
     "producer_digests",
-    "LandedDigest",
-    "LandedPieces",
+    "rank_regions",
     "sample_positions",
     "sample_seed",
     "sum32_numpy",
@@ -156,24 +165,42 @@ class RankDigests:
         return {int(p): int(v) for p, v in zip(self.positions, self.values)}
 
 
+_MASK64 = (1 << 64) - 1
+
+
 def sample_positions(num_blocks: int, options: DigestOptions,
-                     rng: np.random.Generator | None = None) -> np.ndarray:
+                     seed: int | None = None) -> np.ndarray:
     """The block positions a publication digests: every one (full), or the last (read by
-    every partial prefix hit) and ``samples - 1`` others drawn at random (sampled).
+    every partial prefix hit) and ``samples - 1`` others drawn pseudo-randomly from `seed`
+    (sampled; None: a random seed).
+
+    The draw is Floyd's sampling over a splitmix64 stream, in plain Python integers: the
+    producer and its consumers derive the same positions from the same seed (`sample_seed`)
+    on any platform, and each side pays a few microseconds per request (seeding a numpy
+    generator cost more than hashing a sampled block's worth of overhead).
 
     Example:
       >>> sample_positions(5, DigestOptions("full")).tolist()
       [0, 1, 2, 3, 4]
       >>> sample_positions(5, DigestOptions("sampled", 1)).tolist()
       [4]
+      >>> sample_positions(100, DigestOptions("sampled", 3), seed=7).tolist()
+      [9, 33, 99]
     """
     if num_blocks <= 0 or not options.enabled:
         return np.zeros(0, np.int64)
     if options.mode == "full" or options.samples >= num_blocks:
         return np.arange(num_blocks, dtype=np.int64)
-    rng = rng or np.random.default_rng()
-    others = rng.choice(num_blocks - 1, size=options.samples - 1, replace=False)
-    return np.sort(np.append(others, num_blocks - 1)).astype(np.int64)
+    state = (int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)) & _MASK64
+    n, k = num_blocks - 1, options.samples - 1  # k distinct of the first n positions
+    chosen: set[int] = set()
+    for j in range(n - k, n):
+        state = (state + 0x9E3779B97F4A7C15) & _MASK64  # splitmix64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        t = (z ^ (z >> 31)) % (j + 1)
+        chosen.add(j if t in chosen else t)
+    return np.asarray(sorted(chosen) + [num_blocks - 1], np.int64)
 
 
 def sample_seed(request_id: str, generation: int) -> int:
@@ -281,27 +308,92 @@ def device_digests(regions: Sequence[Any], ids: np.ndarray) -> np.ndarray:
     return (out[:, 1].astype(np.uint64) << np.uint64(32)) | out[:, 0].astype(np.uint64)
 
 
-# -- producer ------------------------------------------------------------------------------
+# -- where a rank's bytes are (both sides) ---------------------------------------------------
 
 
-def _rank_sources(entry: Any, rank: int) -> tuple[list[int], list[str], list[Any], int]:
-    """(host base addresses or None, memory kinds, device arrays, block_len) of a rank's
-    regions in one registered cache (`jaxkv.transfer._registry.Registered`)."""
+@dataclasses.dataclass(frozen=True)
+class RankRegions:
+    """Where one rank's registered regions are now, in region (array index) order: the host
+    mirror with host staging, else the cache's own buffers (`Registered.buffers`, which the
+    engine keeps current: registered in place over NIXL, replaced by ``update_cache`` or a
+    landing over the JAX transport).
+
+    Attributes:
+      bases: base address per region.
+      kinds: memory kind per region (``"DRAM"`` for a mirror).
+      nbytes: bytes per region.
+      views: per region a byte memoryview of host memory (None for device memory).
+      block_len: bytes of one block in one region.
+      array_indices: the cache array of each region.
+      device_id: the rank's device.
+    """
+
+    bases: tuple[int, ...]
+    kinds: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    views: tuple[memoryview | None, ...]
+    block_len: int
+    array_indices: tuple[int, ...]
+    device_id: int
+
+    @property
+    def on_host(self) -> bool:
+        return all(kind == "DRAM" for kind in self.kinds)
+
+
+# (id(entry), rank) -> (entry.buffers, weakref to entry.mirror, RankRegions). The buffers
+# tuple (ShardBuffers: addresses and devices, no arrays) is held and compared by identity: a
+# re-registration makes a new entry with its own tuple, a move over the JAX transport
+# replaces the tuple. Neither the entry nor its mirror is held (a cached entry must not keep
+# a replaced cache's memory alive); the views point into memory the engine keeps alive
+# while the tuple is current, and are never used once it is not.
+_RANK_REGIONS: dict[tuple[int, int], tuple[Any, Any, RankRegions]] = {}
+_RANK_REGIONS_SIZE = 256
+
+
+def rank_regions(entry: Any, rank: int) -> RankRegions:
+    """The `RankRegions` of `rank` in one registered cache (`jaxkv.transfer._registry.Registered`),
+    cached until the entry's buffers or mirror are other objects.
+
+    Example:
+      >>> regions = rank_regions(engine._registry.rank_cache[0], 0)  # doctest: +SKIP
+    """
+    key = (id(entry), int(rank))
+    hit = _RANK_REGIONS.get(key)
+    mirror = entry.mirror
+    if hit is not None and hit[0] is entry.buffers and (
+            (hit[1] is None and mirror is None) or (hit[1] is not None and hit[1]() is mirror)):
+        return hit[2]
     device_id = entry.rank_devices[rank]
-    buffers = sorted((b for b in entry.cache.shard_buffers() if b.device.id == device_id),
+    buffers = sorted((b for b in entry.buffers if b.device.id == device_id),
                      key=lambda b: b.array_index)
-    block_len = buffers[0].nbytes // entry.cache.num_blocks
-    if entry.mirror is not None:
-        bases = [entry.mirror.address(b.array_index, device_id) for b in buffers]
-        return bases, ["DRAM"] * len(buffers), [], block_len
-    kinds = [b.memory_kind for b in buffers]
-    arrays = []
-    if algorithm_for(kinds) == "sum32":
-        for b in buffers:
-            array = entry.cache.arrays[b.array_index]
-            arrays.append(next(s.data for s in array.addressable_shards
-                               if s.device.id == device_id))
-    return [b.address for b in buffers], kinds, arrays, block_len
+    if mirror is not None:
+        bases = [mirror.address(b.array_index, device_id) for b in buffers]
+        kinds = ["DRAM"] * len(buffers)
+    else:
+        bases = [int(b.address) for b in buffers]
+        kinds = [b.memory_kind for b in buffers]
+    sizes = [int(b.nbytes) for b in buffers]
+    views = [host_view(base, size).data if kind == "DRAM" else None
+             for base, kind, size in zip(bases, kinds, sizes)]
+    regions = RankRegions(tuple(bases), tuple(kinds), tuple(sizes), tuple(views),
+                          sizes[0] // entry.cache.num_blocks,
+                          tuple(b.array_index for b in buffers), device_id)
+    if len(_RANK_REGIONS) >= _RANK_REGIONS_SIZE:
+        _RANK_REGIONS.pop(next(iter(_RANK_REGIONS)))
+    _RANK_REGIONS[key] = (entry.buffers, None if mirror is None else weakref.ref(mirror),
+                          regions)
+    return regions
+
+
+def device_arrays(entry: Any, regions: RankRegions) -> list[Any]:
+    """The single-device arrays of a rank's regions in the entry's current cache (looked up
+    on each call: donated updates replace the arrays)."""
+    return [next(s.data for s in entry.cache.arrays[index].addressable_shards
+                 if s.device.id == regions.device_id) for index in regions.array_indices]
+
+
+# -- producer ------------------------------------------------------------------------------
 
 
 def producer_digests(registry: Any, block_ids: Sequence[int],
@@ -319,51 +411,69 @@ def producer_digests(registry: Any, block_ids: Sequence[int],
     Example:
       >>> digests = producer_digests(engine._registry, [3, 4], np.arange(2))  # doctest: +SKIP
     """
-    ids = np.asarray(block_ids, np.int64)[positions]
+    ids = np.asarray(block_ids, np.int64)[positions].tolist()
     out: dict[int, RankDigests] = {}
     for entry in registry.caches:
+        if entry.mirror is None:
+            # The bytes a step wrote asynchronously are the published ones (the mirror was
+            # written synchronously from the finished cache).
+            entry.cache.block_until_ready()
         for rank in entry.ranks:
-            bases, kinds, arrays, block_len = _rank_sources(entry, rank)
-            nbytes = block_len * entry.cache.num_blocks
-            algorithm = algorithm_for(kinds)
-            if algorithm == "sum32":
-                table = np.repeat(ids[:, None], len(arrays), axis=1)
-                values = device_digests(arrays, table)
+            regions = rank_regions(entry, rank)
+            if not regions.on_host:
+                table = np.repeat(np.asarray(ids, np.int64)[:, None], len(regions.kinds), axis=1)
+                values = device_digests(device_arrays(entry, regions), table)
+                out[rank] = RankDigests("sum32", positions.astype(np.int64), values)
+                continue
+            block_len = regions.block_len
+            views = regions.views
+            if len(views) == 1:  # one region (cross-layer blocks): one call per block
+                view = views[0]
+                assert view is not None
+                digests = [xxhash.xxh3_64_intdigest(view[b * block_len:(b + 1) * block_len])
+                           for b in ids]
             else:
-                views = [host_view(base, nbytes) for base in bases]
-                values = np.empty(len(ids), np.uint64)
-                for n, block in enumerate(ids):
+                digests = []
+                for b in ids:
                     h = xxhash.xxh3_64()
-                    lo = int(block) * block_len
+                    lo = b * block_len
                     for view in views:
-                        h.update(view[lo:lo + block_len].data)
-                    values[n] = h.intdigest()
-            out[rank] = RankDigests(algorithm, positions.astype(np.int64), values)
+                        assert view is not None
+                        h.update(view[lo:lo + block_len])
+                    digests.append(h.intdigest())
+            out[rank] = RankDigests("xxh3", positions.astype(np.int64),
+                                    np.asarray(digests, np.uint64))
     return out
 
 
 # -- consumer ------------------------------------------------------------------------------
 
+Piece = tuple[int, int, int, int, int]
+"""One landed byte range of a producer block image: (image offset, length, local rank, local
+region, offset from the local region's base)."""
+
 
 @dataclasses.dataclass
 class LandedPieces:
-    """Where the bytes of each producer block image landed in this process, sorted by
-    (remote rank, position, local rank, image offset); int64 columns of equal length."""
+    """Where the bytes of producer block images landed in this process.
 
-    remote_rank: np.ndarray
-    position: np.ndarray
-    local_rank: np.ndarray
-    image_offset: np.ndarray  # in the producer's image: region * L + offset in the block
-    local_region: np.ndarray
-    local_offset: np.ndarray  # from the local region's base
-    length: np.ndarray
-    image_len: dict[int, int]  # remote rank -> K * L
-    local_block_len: dict[int, int]  # local rank -> its block_len
+    Attributes:
+      groups: (remote rank, position) -> its `Piece`s sorted by (local rank, image offset);
+        keys in (remote rank, position) order.
+      image_len: remote rank -> bytes of its image (``K * L``).
+      local_block_len: local rank -> its block_len.
+    """
+
+    groups: dict[tuple[int, int], list[Piece]]
+    image_len: dict[int, int]
+    local_block_len: dict[int, int]
 
 
-def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
-                  remote_ids: np.ndarray) -> LandedPieces:
-    """Maps every byte range a read's plans land back to the producer's block images.
+def plan_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
+                remote_ids: np.ndarray) -> LandedPieces:
+    """Maps every byte range a read's plans land back to the producer's block images, from
+    the plans' expanded copies: the reference `LandingMap` is checked against, and the path
+    of plans made without a planner.
 
     Args:
       plans: the read's `ReadPlan` of each local rank (whole request).
@@ -371,10 +481,11 @@ def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
       remote_ids: the request's blocks on the producer, every one (the positions' ids).
 
     Returns:
-      The `LandedPieces`.
+      The `LandedPieces` of every position.
 
     Raises:
-      DigestError: a remote block id repeats in the request (its position is ambiguous).
+      DigestError: a remote block id repeats in the request (mapped back by id here, its
+        position would be ambiguous).
     """
     remote_ids = np.asarray(remote_ids, np.int64)
     if len(np.unique(remote_ids)) != len(remote_ids):
@@ -422,12 +533,149 @@ def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
             cols["len"].append(stop - start)
     joined = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in cols.items()}
     order = np.lexsort((joined["img"], joined["lr"], joined["pos"], joined["rr"]))
-    rr, pos, lr, img, lg, lo, length = (
-        joined[k][order] for k in ("rr", "pos", "lr", "img", "lg", "lo", "len"))
-    return LandedPieces(rr, pos, lr, img, lg, lo, length, image_len, local_block_len)
+    groups: dict[tuple[int, int], list[Piece]] = {}
+    for rr, pos, lr, img, lg, lo, length in zip(*(
+            joined[k][order].tolist() for k in ("rr", "pos", "lr", "img", "lg", "lo", "len"))):
+        groups.setdefault((rr, pos), []).append((img, length, lr, lg, lo))
+    return LandedPieces(groups, image_len, local_block_len)
 
 
-def _covers(pieces: list[tuple[int, int, int, int, int]], total: int) -> bool:
+@dataclasses.dataclass(frozen=True)
+class LandingMap:
+    """Where each byte of a producer block image lands, relative to the local block that
+    receives it: one geometry's `plan_pieces`, derived once from a read of one local block.
+
+    A planner's copies are affine in the blocks (`jaxkv.transfer._plan._expand`): the bytes
+    of the read's remote block at position ``p`` land in local block ``p // ratio`` at the
+    same offsets whatever the ids (runs of consecutive ids only merge descriptors). So the
+    pieces of a one-block read (local block 0, remote blocks ``0 .. ratio - 1``) are those of
+    every block, shifted by its local block; a read instantiates them for the positions it
+    digests only (the sampled ones), by position (no lookup by block id).
+
+    Attributes:
+      planners: the read's planners (one per local rank), which the map belongs to.
+      ratio: local / remote block size.
+      templates: remote rank -> per sub-block (``p % ratio``) its pieces ``(image offset,
+        length, local rank index, local region, offset in the local block)``, sorted by
+        (local rank, image offset).
+      local_ranks: the local rank of each local rank index (the planners' order).
+      image_len, local_block_len: as in `LandedPieces`.
+    """
+
+    planners: tuple[Any, ...]
+    ratio: int
+    templates: dict[int, tuple[tuple[Piece, ...], ...]]
+    local_ranks: tuple[int, ...]
+    image_len: dict[int, int]
+    local_block_len: dict[int, int]
+
+    @classmethod
+    def build(cls, planners: Sequence[Any]) -> LandingMap:
+        """The map of the planners of one read (one per local rank, one remote engine).
+
+        Raises:
+          PlanError: a planner cannot plan the one-block read (`ReadPlanner.plan`).
+        """
+        ratio = int(planners[0].ratio)
+        probe = [p.plan(np.zeros(1, np.int64), np.arange(ratio, dtype=np.int64))
+                 for p in planners]
+        pieces = plan_pieces(probe, planners[0].local, planners[0].remote,
+                             np.arange(ratio, dtype=np.int64))
+        local_ranks = tuple(int(p.local_rank) for p in planners)
+        index_of = {r: i for i, r in enumerate(local_ranks)}
+        templates: dict[int, list[tuple[Piece, ...]]] = {}
+        for (rr, sub), group in pieces.groups.items():
+            per_sub = templates.setdefault(rr, [()] * ratio)
+            # local block 0: the local offset is the offset in the block
+            per_sub[sub] = tuple((img, length, index_of[lr], lg, lo)
+                                 for img, length, lr, lg, lo in group)
+        return cls(tuple(planners), ratio, {rr: tuple(t) for rr, t in templates.items()},
+                   local_ranks, dict(pieces.image_len), dict(pieces.local_block_len))
+
+    def pieces(self, local_ids: Sequence[Sequence[int]],
+               positions: Sequence[int]) -> LandedPieces:
+        """The `LandedPieces` of the read's `positions` (ascending indices of its remote
+        blocks), ``local_ids[i]`` the local blocks of local rank index ``i``."""
+        ratio, lranks = self.ratio, self.local_ranks
+        lbl = [self.local_block_len[r] for r in lranks]
+        groups: dict[tuple[int, int], list[Piece]] = {}
+        for rr, per_sub in self.templates.items():
+            for p in positions:
+                template = per_sub[p % ratio]
+                if template:
+                    i = p // ratio
+                    groups[(rr, p)] = [
+                        (img, length, lranks[ri], lg, local_ids[ri][i] * lbl[ri] + off)
+                        for img, length, ri, lg, off in template]
+        return LandedPieces(groups, self.image_len, self.local_block_len)
+
+
+# (id of each planner) -> LandingMap; the map holds its planners (small: metadata and
+# templates, no cache memory) and is returned only for those very objects. A planner belongs
+# to two metadata objects (`read_planner`): a re-registration on either side, or a peer of
+# another geometry, makes other planners, hence another map.
+_LANDING_MAPS: dict[tuple[int, ...], LandingMap] = {}
+_LANDING_MAPS_SIZE = 256
+
+
+def landing_map(planners: Sequence[Any]) -> LandingMap:
+    """The cached `LandingMap` of a read's planners (built on first use).
+
+    Raises:
+      PlanError: see `LandingMap.build`.
+    """
+    key = tuple(id(p) for p in planners)
+    hit = _LANDING_MAPS.get(key)
+    if hit is not None and len(hit.planners) == len(planners) and all(
+            a is b for a, b in zip(hit.planners, planners)):
+        return hit
+    built = LandingMap.build(planners)
+    if len(_LANDING_MAPS) >= _LANDING_MAPS_SIZE:
+        _LANDING_MAPS.pop(next(iter(_LANDING_MAPS)))
+    _LANDING_MAPS[key] = built
+    return built
+
+
+def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
+                  remote_ids: np.ndarray, positions: Sequence[int] | np.ndarray | None = None,
+                  ) -> LandedPieces:
+    """Maps the byte ranges a read's plans land back to the producer's block images, for the
+    read's `positions` (None: every one): from the cached `LandingMap` of the plans'
+    planners (per read, work in proportion to the positions), else (plans made without a
+    planner) from the plans' copies (`plan_pieces`).
+
+    Args:
+      plans: the read's `ReadPlan` of each local rank (whole request).
+      local_meta, remote_meta: the metadata the plans were made from.
+      remote_ids: the read's blocks on the producer (``plans[i].remote_block_ids``).
+      positions: ascending indices into `remote_ids` (None: all).
+
+    Returns:
+      The `LandedPieces` of those positions.
+
+    Raises:
+      DigestError: see `plan_pieces`.
+      PlanError: see `LandingMap.build`.
+    """
+    planners = [plan.planner for plan in plans]
+    usable = bool(plans) and all(
+        p is not None and p.local is local_meta and p.remote is remote_meta
+        and plan.expanded is None and p.local_rank == plan.local_rank
+        and len(plan.local_block_ids) == len(plans[0].local_block_ids)
+        for plan, p in zip(plans, planners))
+    if positions is None:
+        positions = range(len(remote_ids))
+    if not usable:
+        pieces = plan_pieces(plans, local_meta, remote_meta, remote_ids)
+        wanted = {int(p) for p in positions}
+        pieces.groups = {k: v for k, v in pieces.groups.items() if k[1] in wanted}
+        return pieces
+    return landing_map(planners).pieces(
+        [plan.local_block_ids.tolist() for plan in plans],
+        [int(p) for p in positions])
+
+
+def _covers(pieces: list[Piece], total: int) -> bool:
     """Whether pieces ``(image offset, length, ...)`` sorted by offset tile ``[0, total)``."""
     end = 0
     for img, length, *_ in pieces:
@@ -447,20 +695,18 @@ class LandedDigest:
 
 
 def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
-                  local_regions: dict[int, list[tuple[int, str, int]]],
+                  local_regions: dict[int, RankRegions],
                   local_device_arrays: dict[int, list[Any]],
-                  wanted: set[tuple[int, int]] | None = None,
                   ) -> dict[tuple[int, int], LandedDigest]:
     """Digests of the producer block images this process received (see the module docs).
 
     Args:
-      pieces: `landed_pieces` of the read.
+      pieces: `landed_pieces` of the read (the positions to digest).
       algorithms: remote rank -> the algorithm of its digests (`algorithm_for`).
-      local_regions: local rank -> per region (base address, memory kind, bytes): where
-        its bytes are now (the host mirror with host staging).
+      local_regions: local rank -> where its bytes are now (`rank_regions`: the host mirror
+        with host staging).
       local_device_arrays: local rank -> per region its single-device array (device
         landings; may be empty for host landings).
-      wanted: only these (remote rank, position) (None: every one).
 
     Returns:
       (remote rank, position) -> `LandedDigest` (``verifiable`` False where this process
@@ -469,19 +715,11 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
     out: dict[tuple[int, int], LandedDigest] = {}
     # Plain Python over the pieces: a group is usually a few pieces (one per region), and
     # per-group numpy calls would cost more than the hashing of small blocks.
-    groups: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
-    for rr, pos, lr, img, lg, lo, length in zip(
-            pieces.remote_rank.tolist(), pieces.position.tolist(), pieces.local_rank.tolist(),
-            pieces.image_offset.tolist(), pieces.local_region.tolist(),
-            pieces.local_offset.tolist(), pieces.length.tolist()):
-        if wanted is None or (rr, pos) in wanted:
-            groups.setdefault((rr, pos), []).append((img, length, lr, lg, lo))
-    views: dict[tuple[int, int], np.ndarray] = {}
     device_jobs: list[tuple[tuple[int, int], int, list[int]]] = []
-    for (rr, pos), group in groups.items():
+    for (rr, pos), group in pieces.groups.items():
         total = pieces.image_len[rr]
         blocks: set[int] = set()
-        by_rank: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        by_rank: dict[int, list[Piece]] = {}
         for piece in group:
             img, length, lr, lg, lo = piece
             blen = pieces.local_block_len[lr]
@@ -499,28 +737,32 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
         values: list[int] = []
         verifiable = True
         for cover in covers:
-            if any(local_regions[lr][lg][1] != "DRAM" for _, _, lr, lg, _ in cover):
+            if any(local_regions[lr].kinds[lg] != "DRAM" for _, _, lr, lg, _ in cover):
                 job = _device_job(cover, pieces.local_block_len)
                 if job is None or algorithm != "sum32":
                     verifiable = False
                     break
                 device_jobs.append(((rr, pos), cover[0][2], job))
                 continue
+            if algorithm == "xxh3" and len(cover) == 1:  # one piece: one call
+                _, length, lr, lg, lo = cover[0]
+                view = local_regions[lr].views[lg]
+                assert view is not None  # DRAM
+                values.append(xxhash.xxh3_64_intdigest(view[lo:lo + length]))
+                continue
             h = xxhash.xxh3_64() if algorithm == "xxh3" else None
             s1 = s2 = 0
             for img, length, lr, lg, lo in cover:
-                view = views.get((lr, lg))
-                if view is None:
-                    base, _, nbytes = local_regions[lr][lg]
-                    view = views[(lr, lg)] = host_view(base, nbytes)
+                view = local_regions[lr].views[lg]
+                assert view is not None  # DRAM
                 chunk = view[lo:lo + length]
                 if h is not None:
-                    h.update(chunk.data)
+                    h.update(chunk)
                 else:
                     if img % 4 or length % 4:
                         verifiable = False
                         break
-                    p1, p2 = sum32_numpy(chunk, img // 4)
+                    p1, p2 = sum32_numpy(np.frombuffer(chunk, np.uint8), img // 4)
                     s1, s2 = (s1 + p1) & 0xFFFFFFFF, (s2 + p2) & 0xFFFFFFFF
             if not verifiable:
                 break
@@ -536,7 +778,7 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
     return out
 
 
-def _device_job(cover: list[tuple[int, int, int, int, int]],
+def _device_job(cover: list[Piece],
                 local_block_len: dict[int, int]) -> list[int] | None:
     """For a device landing: the local block of each image region when every piece is one
     whole region of a whole block, landed at a local block boundary of the same region

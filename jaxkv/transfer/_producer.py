@@ -220,7 +220,7 @@ class Producer:
             t1 = time.perf_counter()
             positions = sample_positions(
                 len(pinned.block_ids), self.digests,
-                np.random.default_rng(sample_seed(pinned.request_id, self.registry.generation)))
+                sample_seed(pinned.request_id, self.registry.generation))
             pinned.digests = producer_digests(self.registry, pinned.block_ids, positions)
             pinned.digest_s = time.perf_counter() - t1
             self.stats.digest_s_total += pinned.digest_s

@@ -8,6 +8,7 @@ handshake refuses engines that disagree; the device reduction equals its numpy r
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import time
 
@@ -30,11 +31,17 @@ from jaxkv.transfer import nixl_available, prometheus_text  # noqa: E402
 from jaxkv.transfer._digest import (  # noqa: E402
     DigestOptions,
     device_digests,
+    landed_pieces,
+    landing_map,
+    plan_pieces,
+    rank_regions,
     sample_positions,
+    sample_seed,
     sum32_numpy,
 )
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 from jaxkv.transfer._messages import Ack, decode_message, encode_message  # noqa: E402
+from jaxkv.transfer._plan import plan_read  # noqa: E402
 
 NUM_BLOCKS, REMOTE_IDS, LOCAL_IDS, G_SEED = tt.NUM_BLOCKS, tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED
 WAIT_S = 60.0
@@ -70,6 +77,8 @@ def digest_producer_main(conn, spec_kwargs: dict, tp: int, engine_kwargs: dict) 
     ("pin", request_id, corruption) -> TransferParams: publishes REMOTE_IDS, then (corruption
     not None: (array index, block id, byte offset, device index)) inverts that byte of the
     memory peers read, before polling again (so before any consumer read it);
+    ("reregister",) -> address: registers a new cache of the same contents, then inverts a
+    byte of REMOTE_IDS[1] in every buffer of the replaced one (kept alive);
     ("state",) -> (pinned, freed, stats summary); ("exit",)."""
     processes.child_env(max(tp, 1))
     from jaxkv.transfer._engine import KVTransferEngine
@@ -79,6 +88,7 @@ def digest_producer_main(conn, spec_kwargs: dict, tp: int, engine_kwargs: dict) 
     g = tt.global_cache(spec, len(REMOTE_IDS) * spec.block_size, seed=G_SEED)
     mesh = meshes.tp(tp)
     freed: list[str] = []
+    replaced: list = []  # caches replaced by "reregister" (kept alive)
     with KVTransferEngine("prefill", config, **engine_kwargs) as engine:
         arrays = tt.global_arrays(config, 0, g, REMOTE_IDS, NUM_BLOCKS)
         engine.register_cache(PagedKVCache.from_arrays(spec, arrays, mesh=mesh))
@@ -98,6 +108,16 @@ def digest_producer_main(conn, spec_kwargs: dict, tp: int, engine_kwargs: dict) 
                     conn.send(params)
                 elif command[0] == "state":
                     conn.send((engine.num_pinned, list(freed), engine.stats.summary()))
+                elif command[0] == "reregister":
+                    # A new cache with the same contents in new buffers; the old one is kept
+                    # alive and then changed, so that digests taken from it would not match.
+                    old = engine.caches[0]
+                    replaced.append(old)
+                    arrays = tt.global_arrays(config, 0, g, REMOTE_IDS, NUM_BLOCKS)
+                    engine.register_cache(PagedKVCache.from_arrays(spec, arrays, mesh=mesh))
+                    for buffer in old.shard_buffers():
+                        _flip(buffer.address + REMOTE_IDS[1] * (buffer.nbytes // NUM_BLOCKS) + 5)
+                    conn.send(engine.address)
             freed.extend(engine.poll().freeable)
 
 
@@ -156,23 +176,29 @@ class _Base(tt.TransferTestBase):
         engine, config = self.consumer(spec_d, d_tp, digests=digests, host_staging=staging,
                                        **kwargs)
         if wire is not None:
-            check = engine.transport.check
-            flipped = []
-
-            def corrupting_check(handle):
-                state = check(handle)
-                if state == "DONE" and not flipped:
-                    array, block, offset = wire
-                    _flip(_buffer_address(engine, array, 0) + block * _block_len(engine, array)
-                          + offset)
-                    flipped.append(True)
-                return state
-
-            engine.transport.check = corrupting_check
+            self.corrupt_on_landing(engine, wire)
         engine.start_read(params, LOCAL_IDS[: len(REMOTE_IDS) // ratio])
         finished, failed = self.wait(engine)
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         return engine, config, finished, failed, g
+
+    @staticmethod
+    def corrupt_on_landing(engine, wire):
+        """Inverts the landed byte ``wire`` = (array index, local block id, byte offset) of
+        the engine's current cache once its transport first reports a fetch complete."""
+        check = engine.transport.check
+        flipped = []
+
+        def corrupting_check(handle):
+            state = check(handle)
+            if state == "DONE" and not flipped:
+                array, block, offset = wire
+                _flip(_buffer_address(engine, array, 0) + block * _block_len(engine, array)
+                      + offset)
+                flipped.append(True)
+            return state
+
+        engine.transport.check = corrupting_check
 
     def landed(self, engine, config, g, ratio=1):
         """(got, want) per array: the uint views of the read's local blocks and G's."""
@@ -315,6 +341,151 @@ class DigestCleanReadTest(_Base):
         self.assertIn("digests: 'prefill' declares 'full', 'decode' 'off'", failed[0].reason)
         self.assertEqual(engine.stats.failed_handshakes, 1)
 
+    @pytest.mark.skipif(not nixl_available(), reason="NIXL is not available")
+    def test_reregistered_caches_are_digested_where_they_are_now(self):
+        # The per-geometry landing maps and the cached region views must follow a
+        # re-registration on either side: the producer's replaced buffer is changed after
+        # it is replaced (digested from it, block 1 would mismatch), the consumer's replaced
+        # buffer still holds the first read's clean bytes (digested from it, the corrupted
+        # landing would verify).
+        spec_kwargs = dict(SPEC, layout="LKHTD")
+        spec = KVCacheSpec(**spec_kwargs)
+        conn = self.producer(spec_kwargs, 1, transport="nixl", digests="full")
+        engine, config = self.consumer(spec, 1, transport="nixl", digests="full")
+        ids = LOCAL_IDS[: len(REMOTE_IDS)]
+        engine.start_read(self.call(conn, "pin", "req-1", None), ids)
+        self.assertEqual(self.wait(engine, "req-1"), (["req-1"], []))
+        self.assertEqual(engine.stats.digest_verified, len(REMOTE_IDS))
+        self.call(conn, "reregister")
+        replaced = engine.caches[0]  # kept alive: a stale view would read valid memory
+        engine.register_cache(PagedKVCache.allocate(spec, NUM_BLOCKS, mesh=meshes.tp(1)))
+        self.corrupt_on_landing(engine, (0, LOCAL_IDS[4], 11))
+        engine.start_read(self.call(conn, "pin", "req-2", None), ids, read_id="req-2")
+        finished, failed = self.wait(engine, "req-2")
+        self.assertEqual(finished, [])
+        self.assertEqual(len(failed), 1)
+        self.assertIn("integrity digest mismatch: producer (rank, block position) (0, 4) landed",
+                      failed[0].reason)
+        self.assertEqual(failed[0].invalid_block_ids, (LOCAL_IDS[4],))
+        self.assertEqual(engine.stats.digest_mismatches, 1)  # not block 1: the new buffer's
+        self.assertEqual(engine.stats.digest_verified, 2 * len(REMOTE_IDS) - 1)
+        g = tt.global_cache(spec, len(REMOTE_IDS) * spec.block_size, seed=G_SEED)
+        (got, want), = self.landed(engine, config, g)
+        mask = np.arange(len(ids)) != 4
+        np.testing.assert_array_equal(got[mask], want[mask])  # landed in the new cache
+        self.assertIsNot(engine.caches[0], replaced)
+
+
+class LandingMapTest(parameterized.TestCase):
+    """The per-geometry landing maps equal the mapping through the read's own plans, and are
+    never handed to the planners of other metadata."""
+
+    def plans(self, p_tp, d_tp, p_layout, d_layout, ratio, hit=0, seed=0, meta_p=None,
+              meta_d=None):
+        spec = KVCacheSpec(**dict(SPEC, layout=p_layout))
+        meta_p = meta_p or tt.fake_metadata("p", EngineConfig(spec, p_tp), 64)
+        spec_d = spec.replace(layout=d_layout, block_size=spec.block_size * ratio)
+        meta_d = meta_d or tt.fake_metadata("d", EngineConfig(spec_d, d_tp), 64)
+        rng = np.random.default_rng(seed)
+        # a run of consecutive ids on both sides (merged descriptors), then scattered ones
+        remote = np.concatenate([np.arange(10, 22), rng.permutation(np.arange(30, 64))[:9]])
+        n_local = -(-len(remote) // ratio) - hit
+        run = n_local // 2
+        local = np.concatenate([np.arange(40, 40 + run),
+                                rng.permutation(np.arange(0, 40))[: n_local - run]])
+        plans = [plan_read(meta_d, rank, meta_p, local, remote) for rank in range(d_tp)]
+        return plans, meta_d, meta_p
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_layout, d_layout, ratio, hit)
+        (1, 1, "LKHTD", "LKHTD", 1, 0),
+        (1, 1, "HTD", "HTD", 1, 2),  # a partial prefix hit: the read is the request's tail
+        (2, 1, "HTD", "HTD", 1, 0),  # one consumer rank reads two producer ranks
+        (1, 2, "HTD", "HTD", 1, 0),  # two local ranks tile one producer image
+        (2, 1, "KHTD", "KTHD", 1, 0),  # landed in the sender's order, permuted later
+        (1, 1, "HTD", "HTD", 2, 0),  # block-size ratio 2 (staged sub-blocks)
+        (1, 1, "HTD", "HTD", 2, 1),
+        (4, 2, "THD", "THD", 2, 0),
+        (2, 4, "LKHTD", "LKHTD", 1, 1),
+    )
+    def test_map_equals_the_plans_mapping(self, p_tp, d_tp, p_layout, d_layout, ratio, hit):
+        plans, meta_d, meta_p = self.plans(p_tp, d_tp, p_layout, d_layout, ratio, hit)
+        remote_ids = plans[0].remote_block_ids
+        want = plan_pieces(plans, meta_d, meta_p, remote_ids)
+        self.assertLen(want.groups, len(remote_ids) * p_tp)  # every image of every rank
+        got = landed_pieces(plans, meta_d, meta_p, remote_ids)
+        self.assertIn(landing_map([p.planner for p in plans]).planners[0], [plans[0].planner])
+        self.assertEqual(list(got.groups.items()), list(want.groups.items()))  # exact, ordered
+        self.assertEqual((got.image_len, got.local_block_len),
+                         (want.image_len, want.local_block_len))
+        positions = [1, 8, len(remote_ids) - 1]
+        sub = landed_pieces(plans, meta_d, meta_p, remote_ids, np.asarray(positions))
+        self.assertEqual(sub.groups, {k: v for k, v in want.groups.items() if k[1] in positions})
+
+    def test_maps_are_per_planners(self):
+        plans, meta_d, meta_p = self.plans(1, 1, "HTD", "HTD", 1)
+        planners = [p.planner for p in plans]
+        first = landing_map(planners)
+        self.assertIs(landing_map(planners), first)  # cached
+        # Another producer geometry read by the same consumer (the same metadata object): its
+        # own map, equal to its own plans' mapping (a map keyed by the consumer's side alone
+        # would be the first one, which maps one producer rank).
+        spec2 = KVCacheSpec(**dict(SPEC, layout="HTD"))
+        other, _, meta_2 = self.plans(2, 1, "HTD", "HTD", 1, meta_d=meta_d,
+                                      meta_p=tt.fake_metadata("p2", EngineConfig(spec2, 2), 64))
+        ids = other[0].remote_block_ids
+        self.assertIsNot(landing_map([p.planner for p in other]), first)
+        self.assertEqual(landed_pieces(other, meta_d, meta_2, ids).groups,
+                         plan_pieces(other, meta_d, meta_2, ids).groups)
+        # The producer re-registered (new metadata object and generation): new planners, a
+        # new map, which holds exactly those planners.
+        again = tt.fake_metadata("p", EngineConfig(KVCacheSpec(**dict(SPEC, layout="HTD")), 1),
+                                 64, generation=1)
+        moved, _, _ = self.plans(1, 1, "HTD", "HTD", 1, meta_p=again, meta_d=meta_d)
+        fresh = landing_map([p.planner for p in moved])
+        self.assertIsNot(fresh, first)
+        self.assertIs(fresh.planners[0], moved[0].planner)
+        # plans without a planner are mapped through their copies
+        bare = [dataclasses.replace(p, planner=None, expanded=p.copies) for p in plans]
+        self.assertEqual(landed_pieces(bare, meta_d, meta_p, ids).groups,
+                         plan_pieces(plans, meta_d, meta_p, ids).groups)
+
+    def test_region_views_follow_the_entry(self):
+        from jaxkv.transfer._registry import Registered
+        from jaxkv.transfer._staging import HostMirror
+
+        spec = KVCacheSpec(**dict(SPEC, layout="HTD"))
+        device = jax.devices()[0]
+
+        def cache(seed):
+            rng = np.random.default_rng(seed)
+            arrays = [bits.random_bits(rng, spec.array_shape(8), spec.dtype)
+                      for _ in spec.array_keys()]
+            return PagedKVCache.from_arrays(spec, [jax.device_put(a, device) for a in arrays])
+
+        def contents(c):
+            return [np.asarray(a).reshape(-1).view(np.uint8).tobytes() for a in c.arrays]
+
+        first_cache = cache(1)
+        entry = Registered(first_cache, first_cache.shard_buffers(), (0,), None, 0, 2,
+                           rank_devices={0: device.id})
+        first = rank_regions(entry, 0)
+        self.assertIs(rank_regions(entry, 0), first)  # cached
+        self.assertEqual([bytes(v) for v in first.views], contents(first_cache))
+        # an update that moved the buffers (the JAX transport adopts them): new views
+        second_cache = cache(2)
+        entry.cache, entry.buffers = second_cache, second_cache.shard_buffers()
+        second = rank_regions(entry, 0)
+        self.assertEqual([bytes(v) for v in second.views], contents(second_cache))
+        self.assertNotEqual(second.bases, first.bases)
+        # host staging: the mirror's buffers, and a new mirror's
+        for _ in range(2):
+            entry.mirror = HostMirror(second_cache)
+            staged = rank_regions(entry, 0)
+            self.assertEqual(staged.bases, tuple(entry.mirror.address(i, device.id)
+                                                 for i in range(len(spec.array_keys()))))
+        self.assertIsNot(rank_regions(entry, 0), second)
+
 
 class DigestUnitTest(parameterized.TestCase):
     def test_options(self):
@@ -330,12 +501,25 @@ class DigestUnitTest(parameterized.TestCase):
                              digests="yes")
 
     def test_sample_positions(self):
-        rng = np.random.default_rng(0)
-        positions = sample_positions(100, DigestOptions("sampled", 4), rng)
+        positions = sample_positions(100, DigestOptions("sampled", 4), seed=0)
         self.assertEqual(len(positions), 4)
         self.assertEqual(positions[-1], 99)
         self.assertEqual(len(set(positions.tolist())), 4)
         self.assertEqual(sample_positions(3, DigestOptions("sampled", 4)).tolist(), [0, 1, 2])
+        # both sides derive the same positions from the same seed; other seeds, others
+        seed = sample_seed("req-1", 3)
+        self.assertEqual(sample_positions(64, DigestOptions("sampled", 8), seed).tolist(),
+                         sample_positions(64, DigestOptions("sampled", 8), seed).tolist())
+        draws = {tuple(sample_positions(64, DigestOptions("sampled", 4), s).tolist())
+                 for s in range(200)}
+        self.assertGreater(len(draws), 150)
+        # every position but the last is drawn about equally often (Floyd's sampling)
+        counts = np.zeros(63)
+        for s in range(3000):
+            counts[sample_positions(64, DigestOptions("sampled", 4), s)[:-1]] += 1
+        self.assertEqual(counts.sum(), 3 * 3000)
+        self.assertGreater(counts.min(), 0.6 * counts.mean())
+        self.assertLess(counts.max(), 1.4 * counts.mean())
 
     def test_ack_carries_digests(self):
         values = np.array([1, 2**64 - 1], np.uint64)
