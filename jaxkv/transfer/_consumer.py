@@ -465,6 +465,7 @@ class Consumer:
         """One formatted fetch per (local rank, producer rank): its chunks are asked for
         (`Format`) as receive-pool slots allow; `on_formatted` posts their READs."""
         transport: Any = self.transport
+        generation = self.registry.generation  # the regions the plans write into
         for plan in state.plans:
             for remote_rank in plan.read_ranks:
                 target = peer.targets[peer.meta.rank_info(remote_rank).agent_name]
@@ -484,7 +485,7 @@ class Consumer:
 
                 fetch = transport.start_formatted(
                     Fetch(state.request_id, state.read_id, meta, peer.meta, plan, remote_rank),
-                    ask, released)
+                    ask, released, lambda: self.registry.generation == generation)
                 state.formatted[(plan.local_rank, remote_rank)] = fetch
                 state.handles.append(fetch)
 

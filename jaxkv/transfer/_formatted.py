@@ -299,12 +299,16 @@ class FormattedFetch:
       ask: ``ask(chunk index, rows payload, nbytes) -> bool`` sends a `Format` (False: could
         not send).
       released: ``released(chunk index) -> bytes`` the notification a READ carries.
+      regions_current: whether `local_regions` are still registered as they were (a chunk
+        is never scattered into memory the cache no longer owns).
     """
 
     def __init__(self, agent: Any, pool: HostPool, remote_name: str, local_rank: int,
                  remote_rank: int, rows: np.ndarray, local_regions: Sequence[tuple[int, int]],
                  chunk_bytes: int, ask: Callable[[int, bytes, int], bool],
-                 released: Callable[[int], bytes]):
+                 released: Callable[[int], bytes],
+                 regions_current: Callable[[], bool] = lambda: True):
+        self.regions_current = regions_current
         self.agent, self.pool, self.remote_name = agent, pool, remote_name
         self.local_rank, self.remote_rank = local_rank, remote_rank
         self.local_regions = list(local_regions)
@@ -380,6 +384,10 @@ class FormattedFetch:
             if state != "DONE":
                 continue
             assert chunk.slot is not None
+            if not self.regions_current():
+                self.error = ("the local cache was re-registered during the read: its "
+                              "chunks are not written into memory it no longer owns")
+                return "ERR"
             try:
                 scatter_rows(chunk.rows, self.local_regions, self.pool.address + chunk.slot,
                              chunk.nbytes)

@@ -152,7 +152,8 @@ class NixlTransport:
         """Nothing to do: registered memory is passively readable."""
 
     def start_formatted(self, fetch: Fetch, ask: Callable[[int, bytes, int], bool],
-                        released: Callable[[int], bytes]) -> FormattedFetch:
+                        released: Callable[[int], bytes],
+                        regions_current: Callable[[], bool] = lambda: True) -> FormattedFetch:
         """A formatted read of one (local rank, producer rank) pair (see
         `jaxkv.transfer._formatted`); its handle is checked and released like a READ's.
 
@@ -167,7 +168,7 @@ class NixlTransport:
         return FormattedFetch(
             self.agent, self.receive_pool, self._names[info.agent_name], fetch.plan.local_rank,
             fetch.remote_rank, fetch.plan.copies_for(fetch.remote_rank), regions,
-            self.chunk_bytes, ask, released)
+            self.chunk_bytes, ask, released, regions_current)
 
     def check(self, handle: Any) -> str:
         if isinstance(handle, FormattedFetch):

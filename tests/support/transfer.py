@@ -273,7 +273,8 @@ def producer_main(
     Layer-wise: ("register", block_ids, written) -> the request's layers >= `written` hold
     scrambled bytes; ("pin_lw", request_id, block_ids, lease_s) -> TransferParams (layer-wise);
     ("layers", request_id, stop) -> writes layers [.., stop) correctly, then publishes them;
-    ("publications",) -> the engine's PublishRecords."""
+    ("publications",) -> the engine's PublishRecords; ("pool",) -> bytes its formatted-read
+    send pool holds."""
     processes.child_env(1 if tp_rank is not None else max(tp, 1))
     import time
 
@@ -324,6 +325,9 @@ def producer_main(
                     conn.send(True)
                 elif command[0] == "publications":
                     conn.send(list(engine.stats.publications))
+                elif command[0] == "pool":  # bytes held for formatted reads (send pool)
+                    server = engine.transport.format_server
+                    conn.send(-1 if server is None else server.held_bytes)
                 elif command[0] == "pin":
                     _, request_id, block_ids, lease, *reads = command
                     conn.send(

@@ -176,6 +176,7 @@ class FormattedReadTest(tt.TransferTestBase):
         self.assertEqual(sorted(failed[0].invalid_block_ids), sorted(LOCAL_IDS))
         self.assertEqual(engine.transport.receive_pool.used_bytes, 0)
         self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())  # nothing landed
+        self.assertEqual(self.call(conn, "pool"), 0)  # nothing gathered, nothing held
 
     def test_producer_killed_mid_read_fails_the_read(self):
         # a producer that serves one chunk at a time (4 KiB pool, slow polls) dies after the
@@ -204,6 +205,49 @@ class FormattedReadTest(tt.TransferTestBase):
         self.assertEqual(sorted(failed[0].invalid_block_ids), sorted(LOCAL_IDS))
         self.assertEqual(engine.transport.receive_pool.used_bytes, 0)
 
+    def test_read_planned_before_producer_reregistered_fails_as_stale(self):
+        # the consumer planned against the producer's old regions: the producer refuses to
+        # gather (its answer says stale), the read fails with every block invalid
+        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="HTD")
+        _, conn = self.start_producer(spec_kwargs, 1)
+        self.ready(conn)
+        address = self.call(conn, "register", REMOTE_IDS)
+        engine, _, _ = self.consumer(KVCacheSpec(**spec_kwargs), 1, formatted_reads="always")
+        engine.add_peer("prefill", [address])
+        old = self.call(conn, "pin", "req-a", REMOTE_IDS, 30.0)
+        self.call(conn, "register", REMOTE_IDS)  # new buffers, a new generation
+        engine.start_read(old, LOCAL_IDS)
+        finished, failed = self.wait(engine, ["req-a"])
+        self.assertEqual(finished, [])
+        self.assertRegex(failed[0].reason, "stale")
+        self.assertEqual(sorted(failed[0].invalid_block_ids), sorted(LOCAL_IDS))
+        self.assertEqual(self.call(conn, "pool"), 0)
+
+    def test_local_cache_reregistered_mid_read_is_not_written(self):
+        # the consumer's cache is replaced while a chunk is on its way: the chunk is not
+        # scattered into the old buffers, the read fails
+        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="HTD")
+        _, conn = self.start_producer(spec_kwargs, 1)
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
+        spec = KVCacheSpec(**spec_kwargs)
+        # no background progress: nothing moves here before the poll after re-registering
+        engine, old_cache, config = self.consumer(spec, 1, formatted_reads="always",
+                                                  progress_interval_s=None)
+        engine.start_read(params, LOCAL_IDS)
+        from jaxkv import PagedKVCache
+
+        new_cache = PagedKVCache.allocate(config.local_spec(0), NUM_BLOCKS)
+        engine.register_cache(new_cache)  # replaces the registration: a new generation
+        finished, failed = self.wait(engine, ["req-1"])
+        self.assertEqual(finished, [])
+        self.assertRegex(failed[0].reason, "local cache was re-registered")
+        for cache in (old_cache, new_cache):
+            self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())
+
     def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
                   mla=False, pool_bytes=None, chunk_bytes=None, mode="always",
                   before_read=None):
@@ -229,9 +273,9 @@ class FormattedReadTest(tt.TransferTestBase):
         self.assertEqual((finished, [f.reason for f in failed]), (["req-1"], []))
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, local_ids)
-        state = self.assert_freed(conn, "req-1")
-        del state
+        self.assert_freed(conn, "req-1")
         self.assertEqual(engine.transport.receive_pool.used_bytes, 0)
+        self.assertEqual(self.call(conn, "pool"), 0)  # every send slot released
         return engine, cache
 
 
