@@ -3,9 +3,10 @@
 A serving loop runs its prefill and decode steps as jitted programs. These two functions let
 such a program publish the blocks it just wrote and wait for blocks being received, through a
 host callback (``jax.experimental.io_callback``) whose operands are only a request handle
-(`TransferEngine.handle`), block ids and a layer count: small int32 arrays. KV bytes never
-go through the callback (on a GPU, callback operands are copied to host and the stream is
-synchronised; NIXL reads the registered cache buffers directly instead).
+(`TransferEngine.handle`), block ids and a layer count: small int32 arrays. KV bytes go
+through the callback only with host staging (below); otherwise never (on a GPU, callback
+operands are copied to host and the stream is synchronised; NIXL reads the registered cache
+buffers directly instead).
 
 Ordering is by data dependence, never by barriers or callback ordering: XLA drops
 ``optimization_barrier`` after SPMD partitioning without leaving control dependencies (seen in
@@ -25,10 +26,21 @@ instructions), and ``ordered=True`` only orders callbacks among themselves. So:
   in layer order (each depends on the previous one) under SPMD as well, and XLA needs no copy
   of the cache: every later write of a buffer the token read is ordered after the read.
 
+Host staging (``host_staging=True``: NIXL reads a host mirror of the cache, the only NIXL path
+on TPU): `publish_layer_in_jit` passes the request's rows of the announced layers (gathered
+from `written` after their writes: ``[blocks, ...]`` of one layer, bit-cast to unsigned ints,
+gathered to the callback's device under SPMD) as the callback's operands, in place of the
+token: the operand copy to host is the device -> host copy of the layer, ordered after its
+writes by data, and the callback writes the rows into the mirror (`HostMirror.write_rows`)
+before it announces the layer. A layer so reaches the wire while the step computes the later
+ones, and is announced only once its bytes are in the mirror. The compiled step gains one
+gather of the request's rows per announcement, no copy of a cache array.
+
 Pass the cache with ``donate_argnums`` so that it stays in its registered buffers, and hand
 the step's output to `TransferEngine.update_cache`: with host staging, a publication from
-inside a step is copied to the host mirror from that output (the step's input was donated),
-by the first `poll` or `update_cache` after it.
+inside a step that carried no rows (`publish_in_jit`, or `publish_layer_in_jit` where rows
+cannot be taken: see there) is copied to the host mirror from that output (the step's input
+was donated), by the first `poll` or `update_cache` after it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ cache and the read planner works unchanged on the mirror's addresses:
 
 * the producer copies the published blocks device -> mirror: `jaxkv.ops` gather custom call
   into a reused dense buffer (``gather_blocks(out=...)``), then one host copy per shard into
-  the mirror rows (only the published layers' bytes for a layer-wise publication);
+  the mirror rows (only the published layers' bytes for a layer-wise publication); or, for a
+  layer announced from inside a jitted step (`jaxkv.transfer.publish_layer_in_jit`), the
+  layer's rows arrive on the host as the announcement callback's operands and
+  `HostMirror.write_rows` puts each shard's part in place, before the layer is announced;
 * the consumer's READs land in its mirror; the received rows go mirror -> device with the
   scatter custom call (``scatter_blocks``), in place in the registered cache, before the
   post-processing and before the request is reported finished. A cache whose blocks store
