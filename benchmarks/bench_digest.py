@@ -9,11 +9,16 @@ equal modes). Rounds alternate the modes so that all see the same machine load. 
   the consumer's verification included), the consumer polling in a loop;
 * ``publish_ms``: `publish_request` on the producer (its digests included);
 * ``producer_digest_ms``: the producer's digest time alone (`TransferStats.digest_s_total`
-  per publication).
+  per publication);
+* ``consumer_digest_ms``: the consumer's digest time alone (inside the pull);
+* ``xxh3_floor_ms``: the physical limit, xxh3 alone over the bytes one side digests per read
+  (the same number of 1 MiB blocks of the consumer's cache), measured in this process after
+  the rounds.
 
-Overheads are ratios of medians against ``off``: ``pull`` (what the consumer sees) and
+Overheads are ratios of medians against ``off``: ``pull`` (what the consumer sees),
 ``pull+publish`` (the producer's digest time added, as for a request published right before
-its read). Prints one JSON object (and writes it with ``--json_out``):
+its read), and each side's digest time as a fraction of the ``off`` pull. Prints one JSON
+object (and writes it with ``--json_out``):
 
   python benchmarks/bench_digest.py --mib=64 --repeats=15 --transport=nixl \
       --json_out=benchmarks/results/digest_cpu.json
@@ -22,6 +27,7 @@ its read). Prints one JSON object (and writes it with ``--json_out``):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
@@ -160,10 +166,34 @@ def main() -> None:
                 s["consumer_digest_ms"].append((engine.stats.digest_s_total - before) * 1e3)
     parent.send(("exit",))
     process.join(timeout=30)
+    # The physical limit: xxh3 alone over the bytes one side digests per read (the blocks of
+    # the consumer's cache one by one, as the digests hash them), same process and load.
+    cache = consumers["full"].caches[0]
+    buffer = cache.shard_buffers()[0]
+    view = memoryview(np.ctypeslib.as_array(
+        (ctypes.c_uint8 * buffer.nbytes).from_address(buffer.address)))
+    block_len = buffer.nbytes // cache.num_blocks
+    floor: dict[str, float] = {}
+    for mode in MODES:
+        if mode == "off":
+            floor[mode] = 0.0
+            continue
+        count = blocks if mode == "full" else min(blocks, int(mode.split(":")[1]))
+        times = []
+        for rep in range(args.repeats):
+            # other blocks each time (the 64 MiB do not fit the caches): as cold as a read's
+            chosen = [local_ids[(rep * count + j) % blocks] for j in range(count)]
+            t0 = time.perf_counter()
+            for b in chosen:
+                xxhash.xxh3_64_intdigest(view[b * block_len:(b + 1) * block_len])
+            times.append((time.perf_counter() - t0) * 1e3)
+        floor[mode] = statistics.median(times)
     for engine in consumers.values():
         engine.close()
 
     med = {m: {k: statistics.median(v) for k, v in s.items()} for m, s in samples.items()}
+    for mode in MODES:
+        med[mode]["xxh3_floor_ms"] = floor[mode]
     base = med["off"]
     ratios = {
         m: {
@@ -173,6 +203,9 @@ def main() -> None:
             "overhead_pull": med[m]["pull_ms"] / base["pull_ms"] - 1.0,
             "overhead_digests_of_pull": (med[m]["producer_digest_ms"]
                                          + med[m]["consumer_digest_ms"]) / base["pull_ms"],
+            "consumer_digest_of_pull": med[m]["consumer_digest_ms"] / base["pull_ms"],
+            "producer_digest_of_pull": med[m]["producer_digest_ms"] / base["pull_ms"],
+            "xxh3_floor_of_pull": med[m]["xxh3_floor_ms"] / base["pull_ms"],
         }
         for m in MODES
     }

@@ -675,8 +675,7 @@ class Consumer:
             if state.digest_positions is not None:
                 # The request's positions -> the read's (it reads the request's tail).
                 offset = state.num_remote_ids - len(remote_ids)
-                chosen = state.digest_positions
-                positions = chosen[chosen >= offset] - offset
+                positions = [p - offset for p in state.digest_positions.tolist() if p >= offset]
             # Cached per geometry (the plans' planners): only `positions` are mapped.
             pieces = landed_pieces(state.plans, plan_local, plan_peer, remote_ids, positions)
             algorithms = {

@@ -48,7 +48,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import os
 import weakref
 from collections.abc import Sequence
@@ -212,8 +211,7 @@ def sample_seed(request_id: str, generation: int) -> int:
       >>> sample_seed("req-1", 7) == sample_seed("req-1", 7)
       True
     """
-    text = f"{request_id}\x00{int(generation)}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+    return xxhash.xxh3_64_intdigest(f"{request_id}\x00{int(generation)}".encode())
 
 
 def algorithm_for(memory_kinds: Sequence[str]) -> str:
@@ -411,11 +409,12 @@ def producer_digests(registry: Any, block_ids: Sequence[int],
     Example:
       >>> digests = producer_digests(engine._registry, [3, 4], np.arange(2))  # doctest: +SKIP
     """
-    ids = np.asarray(block_ids, np.int64)[positions].tolist()
+    ids = [int(block_ids[p]) for p in positions.tolist()]
+    positions = positions.astype(np.int64)
     out: dict[int, RankDigests] = {}
     for entry in registry.caches:
-        if entry.mirror is None:
-            # The bytes a step wrote asynchronously are the published ones (the mirror was
+        if entry.mirror is None and not all(a.is_ready() for a in entry.cache.arrays):
+            # The bytes a step writes asynchronously are the published ones (the mirror was
             # written synchronously from the finished cache).
             entry.cache.block_until_ready()
         for rank in entry.ranks:
@@ -423,7 +422,7 @@ def producer_digests(registry: Any, block_ids: Sequence[int],
             if not regions.on_host:
                 table = np.repeat(np.asarray(ids, np.int64)[:, None], len(regions.kinds), axis=1)
                 values = device_digests(device_arrays(entry, regions), table)
-                out[rank] = RankDigests("sum32", positions.astype(np.int64), values)
+                out[rank] = RankDigests("sum32", positions, values)
                 continue
             block_len = regions.block_len
             views = regions.views
@@ -441,8 +440,7 @@ def producer_digests(registry: Any, block_ids: Sequence[int],
                         assert view is not None
                         h.update(view[lo:lo + block_len])
                     digests.append(h.intdigest())
-            out[rank] = RankDigests("xxh3", positions.astype(np.int64),
-                                    np.asarray(digests, np.uint64))
+            out[rank] = RankDigests("xxh3", positions, np.asarray(digests, np.uint64))
     return out
 
 
@@ -716,29 +714,44 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
     # Plain Python over the pieces: a group is usually a few pieces (one per region), and
     # per-group numpy calls would cost more than the hashing of small blocks.
     device_jobs: list[tuple[tuple[int, int], int, list[int]]] = []
+    image_len, local_block_len = pieces.image_len, pieces.local_block_len
     for (rr, pos), group in pieces.groups.items():
-        total = pieces.image_len[rr]
-        blocks: set[int] = set()
-        by_rank: dict[int, list[Piece]] = {}
-        for piece in group:
-            img, length, lr, lg, lo = piece
-            blen = pieces.local_block_len[lr]
-            blocks.update(range(lo // blen, (lo + length - 1) // blen + 1))
-            by_rank.setdefault(lr, []).append(piece)
-        # Each local rank holding the whole image alone (same TP, fewer consumer ranks, MLA
-        # replicas) is one cover; else the local ranks' pieces together must tile it.
-        covers = [sorted(p) for p in by_rank.values()]
-        if not all(_covers(c, total) for c in covers):
-            covers = [sorted(group)]
-            if not _covers(covers[0], total):
+        total = image_len[rr]
+        if len(group) == 1:  # the image in one piece (one region per block): the cover
+            img, length, lr, lg, lo = group[0]
+            blen = local_block_len[lr]
+            blocks = set(range(lo // blen, (lo + length - 1) // blen + 1))
+            if img or length != total:
                 out[(rr, pos)] = LandedDigest([], blocks, False)
                 continue
+            covers = [group]
+        else:
+            blocks = set()
+            by_rank: dict[int, list[Piece]] = {}
+            for piece in group:
+                img, length, lr, lg, lo = piece
+                blen = local_block_len[lr]
+                blocks.update(range(lo // blen, (lo + length - 1) // blen + 1))
+                by_rank.setdefault(lr, []).append(piece)
+            # Each local rank holding the whole image alone (same TP, fewer consumer ranks,
+            # MLA replicas) is one cover; else the local ranks' pieces together must tile it.
+            covers = [sorted(p) for p in by_rank.values()]
+            if not all(_covers(c, total) for c in covers):
+                covers = [sorted(group)]
+                if not _covers(covers[0], total):
+                    out[(rr, pos)] = LandedDigest([], blocks, False)
+                    continue
         algorithm = algorithms[rr]
         values: list[int] = []
         verifiable = True
         for cover in covers:
-            if any(local_regions[lr].kinds[lg] != "DRAM" for _, _, lr, lg, _ in cover):
-                job = _device_job(cover, pieces.local_block_len)
+            if len(cover) == 1:
+                on_device = local_regions[cover[0][2]].kinds[cover[0][3]] != "DRAM"
+            else:
+                on_device = any(local_regions[lr].kinds[lg] != "DRAM"
+                                for _, _, lr, lg, _ in cover)
+            if on_device:
+                job = _device_job(cover, local_block_len)
                 if job is None or algorithm != "sum32":
                     verifiable = False
                     break
