@@ -181,7 +181,9 @@ class JaxKVWorker:
             registered.append((group_name(g), cache))
         engine = self.new_engine(list(configs.values()), list(configs))
         for name, cache in registered:
-            engine.register_cache(cache, tp_rank=s.tp_rank, group=name)
+            # one plain group: the engine's default group
+            group = name if self.groups.grouped else engine.groups[0]
+            engine.register_cache(cache, tp_rank=s.tp_rank, group=group)
 
     def _state_configs(
         self, group: int, components: tuple[StateComponent, ...], caches: Any
