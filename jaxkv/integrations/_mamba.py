@@ -35,6 +35,7 @@ __all__ = [
     "clip_state_blocks",
     "component_group_name",
     "components_of",
+    "split_state",
     "state_components",
     "state_specs",
 ]
@@ -221,3 +222,35 @@ def clip_state_blocks(block_ids: Sequence[int], num_speculative_blocks: int) -> 
     if scratch:
         ids = ids[:-scratch]
     return ids[-1:]
+
+
+def split_state(
+    states: Sequence[Any], components: Sequence[StateComponent], tp_size: int
+) -> list[Any]:
+    """One TP rank's states in vLLM's layout (per state, ``[blocks, *shape]``; the conv state
+    ``[blocks, dim, rows]``) as its component arrays ``[blocks, heads, head_size]`` (this
+    rank's heads): each component is a contiguous run of its state's elements, in component
+    order. numpy or JAX arrays.
+
+    Example:
+      >>> import numpy as np
+      >>> comps = state_components("MAMBA2", [(24, 3), (2, 8, 4)], ["float32"], 1)
+      >>> conv, ssm = np.zeros((5, 24, 3)), np.zeros((5, 2, 8, 4))
+      >>> [a.shape for a in split_state([conv, ssm], comps, 1)]
+      [(5, 2, 24), (5, 4, 3), (5, 4, 3), (5, 2, 32)]
+    """
+    out = []
+    offsets = [0] * len(states)
+    for c in components:
+        state = states[c.state]
+        flat = state.reshape(state.shape[0], -1)
+        heads = c.heads if c.replicated else c.heads // int(tp_size)
+        size = heads * c.head_size
+        start = offsets[c.state]
+        out.append(flat[:, start:start + size].reshape(state.shape[0], heads, c.head_size))
+        offsets[c.state] = start + size
+    for s, (state, used) in enumerate(zip(states, offsets)):
+        if used != math.prod(state.shape[1:]):
+            raise ValueError(f"state {s}: the components cover {used} of its "
+                             f"{math.prod(state.shape[1:])} elements per block")
+    return out
