@@ -18,6 +18,10 @@ per-geometry planner and templates are cached as in an engine's steady state):
 * ``nixl_lists_ms``: on top of the plan, ``plan.expanded_descriptors`` for every remote rank
   read (the ``Nx3`` lists a NIXL READ is posted with when the request is not posted from
   prepared tables, which caches of this size never are).
+* ``formatted_start_ms``: a formatted read's start instead (`jaxkv.transfer._formatted`):
+  the plan, its 8 MiB wire chunks per producer rank and each chunk's producer-side ranges as
+  its `Format` message carries them (per-block templates where the rows have that form,
+  else the rows; ``formatted_message_bytes`` in all).
 
 ``bare_read_ms`` is the time a single-descriptor READ of the same bytes takes at
 ``--wire_gbps`` (default: the bare NIXL READ measured on this machine, 5.8 GB/s,
@@ -44,6 +48,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv import EngineConfig, KVCacheSpec  # noqa: E402
+from jaxkv.transfer._formatted import DEFAULT_CHUNK_BYTES, describe_share, remote_half
 from jaxkv.transfer._metadata import AgentInfo, RankInfo, RegionInfo, engine_metadata
 from jaxkv.transfer._plan import plan_read
 
@@ -151,9 +156,29 @@ def bench_case(name: str, spec_p: KVCacheSpec, spec_d: KVCacheSpec, p_tp: int, d
     if _NIXL_LISTS.value:
         lists_ms, _ = _median_ms(plan_and_lists, repeats)
         out["nixl_lists_ms"] = round(lists_ms, 3)
+
+    def formatted():
+        # what the consumer computes to start a formatted read: the plan, its wire chunks per
+        # producer rank and the producer-side ranges each `Format` message carries
+        plan = plan_read(meta_d, 0, meta_p, local, remote)
+        messages = []
+        for rr in plan.read_ranks:
+            lens = [r.block_len for r in meta_p.rank_info(rr).regions]
+            rows, bounds, templates = describe_share(plan.copies_for(rr), DEFAULT_CHUNK_BYTES,
+                                                     plan.remote_block_ids, lens)
+            for first, stop in bounds:
+                messages.append(templates.tobytes() if templates is not None
+                                else remote_half(rows[first:stop]))
+        return messages
+
+    formatted_ms, _ = _median_ms(formatted, repeats)
+    out["formatted_start_ms"] = round(formatted_ms, 3)
+    out["formatted_chunks"] = len(formatted())
+    out["formatted_message_bytes"] = sum(len(m) for m in formatted())
     del p
     print(f"{name:10s} {out['tp']:5s} {tokens:7d} {out['ids']:10s} desc={out['descriptors']:8d} "
           f"plan={plan_ms:9.2f} ms lists={out.get('nixl_lists_ms', 0):9.2f} ms "
+          f"formatted={formatted_ms:9.2f} ms ({out['formatted_message_bytes'] >> 10} KiB) "
           f"({100 * out['plan_fraction']:.2f}% of bare READ)", file=sys.stderr, flush=True)
     return out
 

@@ -470,12 +470,12 @@ class Consumer:
             for remote_rank in plan.read_ranks:
                 target = peer.targets[peer.meta.rank_info(remote_rank).agent_name]
 
-                def ask(chunk: int, rows: bytes, nbytes: int, local_rank: int = plan.local_rank,
+                def ask(chunk: int, nbytes: int, fields: dict, local_rank: int = plan.local_rank,
                         remote_rank: int = remote_rank, target: str = target) -> bool:
                     return self.send(target, encode_message(Format(
                         state.request_id, self.engine_id, transport.endpoint, state.read_id,
                         state.attempt, chunk, remote_rank, local_rank,
-                        state.generations.get(remote_rank, -1), nbytes, rows)))
+                        state.generations.get(remote_rank, -1), nbytes, **fields)))
 
                 def released(chunk: int, local_rank: int = plan.local_rank,
                              remote_rank: int = remote_rank) -> bytes:

@@ -173,6 +173,96 @@ def _split_rows(rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
     return np.concatenate(out)
 
 
+def chunk_bounds(rows: np.ndarray, chunk_bytes: int) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The plan rows read from one remote rank, cut into wire chunks of at most `chunk_bytes`
+    each (and at most `MAX_FORMAT_ROWS` rows): ``(rows, [(start, stop), ...])``, `rows` with
+    any row larger than a chunk split first (the same bytes, in the same order)."""
+    rows = _split_rows(np.asarray(rows, np.int64), int(chunk_bytes))
+    if not len(rows):
+        return rows, []
+    ends = np.cumsum(rows[:, _LEN] * rows[:, _CNT])
+    bounds = []
+    first = 0
+    while first < len(rows):
+        base = int(ends[first - 1]) if first else 0
+        stop = int(np.searchsorted(ends, base + chunk_bytes, side="right"))
+        stop = min(max(stop, first + 1), first + MAX_FORMAT_ROWS)
+        bounds.append((first, stop))
+        first = stop
+    return rows, bounds
+
+
+def template_form(rows: np.ndarray, remote_ids: np.ndarray,
+                  block_lens: np.ndarray) -> np.ndarray | None:
+    """The producer-side ranges of `rows` as per-block templates, when the rows are one per
+    (template, block) in template-major order, each at ``offset + block_len * block id`` of
+    its region (a fragmented request: the large case): int64 ``[m, 5]`` (region, offset in
+    the block, length, count, stride), or None. A chunk is then named by its first row and
+    row count: O(templates) bytes instead of O(rows) (`expand_templates`).
+
+    Args:
+      rows: the plan rows (`COPY_COLUMNS`) read from one remote rank.
+      remote_ids: the remote blocks read, in order.
+      block_lens: the remote rank's regions' bytes per block.
+    """
+    n, total = len(remote_ids), len(rows)
+    if n < 2 or total % n or not total:
+        return None
+    grid = rows.reshape(total // n, n, 9)
+    first = grid[:, 0]
+    # column by column on views: millions of rows, no fancy-indexed copies
+    for column in (_RG, _LEN, _CNT, _RS):
+        if not np.array_equal(grid[:, :, column], np.broadcast_to(
+                first[:, column, None], (len(first), n))):
+            return None
+    regions = first[:, _RG]
+    if regions.min() < 0 or regions.max() >= len(block_lens):
+        return None
+    base = first[:, _RO] - block_lens[regions] * remote_ids[0]
+    expected = base[:, None] + np.multiply.outer(block_lens[regions], remote_ids)
+    if not np.array_equal(grid[:, :, _RO], expected):
+        return None
+    return np.stack([first[:, _RG], base, first[:, _LEN], first[:, _CNT], first[:, _RS]],
+                    axis=1).astype(np.int64)
+
+
+def expand_templates(templates: np.ndarray, block_lens: Sequence[int], remote_ids: np.ndarray,
+                     first_row: int, num_rows: int) -> np.ndarray:
+    """Producer: rows ``[first_row, first_row + num_rows)`` of a template form (see
+    `template_form`) over `remote_ids`: int64 ``[num_rows, 5]``.
+
+    Raises:
+      ValueError: templates that are malformed or name a region that does not exist, rows
+        past the form's end.
+    """
+    templates = np.asarray(templates, np.int64).reshape(-1, 5)
+    n = len(remote_ids)
+    if not n or first_row < 0 or num_rows < 0 or first_row + num_rows > len(templates) * n:
+        raise ValueError(f"rows [{first_row}, {first_row + num_rows}) are outside the "
+                         f"{len(templates)} x {n} rows of the form")
+    lens = np.asarray(block_lens, np.int64)
+    if len(templates) and (templates[:, 0].min() < 0 or templates[:, 0].max() >= len(lens)):
+        raise ValueError("a template names a region this rank does not have")
+    index = np.arange(first_row, first_row + num_rows)
+    picked = templates[index // n]
+    picked[:, 1] += lens[picked[:, 0]] * np.asarray(remote_ids, np.int64)[index % n]
+    return picked
+
+
+def describe_share(rows: np.ndarray, chunk_bytes: int, remote_ids: np.ndarray | None,
+                   block_lens: Sequence[int]) -> tuple[np.ndarray, list[tuple[int, int]],
+                                                        np.ndarray | None]:
+    """How one (local rank, remote rank) share of a formatted read is cut and described:
+    ``(rows, chunk bounds, templates)`` (`chunk_bounds`; `template_form` where the rows have
+    one, else None: each chunk's rows travel explicitly)."""
+    split, bounds = chunk_bounds(rows, chunk_bytes)
+    templates = None
+    if remote_ids is not None and len(split) == len(rows):  # no row was split
+        templates = template_form(split, np.asarray(remote_ids, np.int64),
+                                  np.asarray(block_lens, np.int64))
+    return split, bounds, templates
+
+
 def chunk_rows(rows: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
     """The plan rows read from one remote rank (`ReadPlan.copies_for`), cut into wire chunks
     of at most `chunk_bytes` each (and at most `MAX_FORMAT_ROWS` rows), in order.
@@ -182,20 +272,8 @@ def chunk_rows(rows: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
       >>> [len(c) for c in chunk_rows(rows, 200)]
       [2, 1]
     """
-    rows = _split_rows(np.asarray(rows, np.int64), int(chunk_bytes))
-    if not len(rows):
-        return []
-    sizes = rows[:, _LEN] * rows[:, _CNT]
-    ends = np.cumsum(sizes)
-    chunks = []
-    first = 0
-    while first < len(rows):
-        base = int(ends[first - 1]) if first else 0
-        stop = int(np.searchsorted(ends, base + chunk_bytes, side="right"))
-        stop = min(max(stop, first + 1), first + MAX_FORMAT_ROWS)
-        chunks.append(rows[first:stop])
-        first = stop
-    return chunks
+    rows, bounds = chunk_bounds(rows, chunk_bytes)
+    return [rows[a:b] for a, b in bounds]
 
 
 def wire_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
@@ -279,6 +357,7 @@ class _Chunk:
     index: int
     rows: np.ndarray  # plan rows (COPY_COLUMNS)
     nbytes: int
+    first_row: int = 0  # its rows' place in the share's rows (template form)
     slot: int | None = None  # receive pool offset
     handle: Any = None  # the READ
     state: str = "queued"  # queued -> asked -> reading -> done
@@ -296,8 +375,11 @@ class FormattedFetch:
       rows: the plan rows of the pair (`ReadPlan.copies_for`).
       local_regions: ``(base address, size)`` of the local rank's regions.
       chunk_bytes: the wire chunk size.
-      ask: ``ask(chunk index, rows payload, nbytes) -> bool`` sends a `Format` (False: could
-        not send).
+      ask: ``ask(chunk index, nbytes, fields) -> bool`` sends a `Format` with `fields` (its
+        ranges: explicit ``rows``, or ``templates`` / ``first_row`` / ``num_rows`` /
+        ``num_remote``; False: could not send).
+      remote_ids: the remote blocks read (the template form's blocks).
+      remote_block_lens: the producer rank's regions' bytes per block.
       released: ``released(chunk index) -> bytes`` the notification a READ carries.
       regions_current: whether `local_regions` are still registered as they were (a chunk
         is never scattered into memory the cache no longer owns).
@@ -305,21 +387,27 @@ class FormattedFetch:
 
     def __init__(self, agent: Any, pool: HostPool, remote_name: str, local_rank: int,
                  remote_rank: int, rows: np.ndarray, local_regions: Sequence[tuple[int, int]],
-                 chunk_bytes: int, ask: Callable[[int, bytes, int], bool],
+                 chunk_bytes: int, ask: Callable[[int, int, dict], bool],
                  released: Callable[[int], bytes],
-                 regions_current: Callable[[], bool] = lambda: True):
+                 regions_current: Callable[[], bool] = lambda: True,
+                 remote_ids: np.ndarray | None = None,
+                 remote_block_lens: Sequence[int] = ()):
         self.regions_current = regions_current
         self.agent, self.pool, self.remote_name = agent, pool, remote_name
         self.local_rank, self.remote_rank = local_rank, remote_rank
         self.local_regions = list(local_regions)
         self._ask, self._released = ask, released
         self.chunks = []
-        for i, part in enumerate(chunk_rows(rows, chunk_bytes)):
+        split, bounds, self.templates = describe_share(rows, chunk_bytes, remote_ids,
+                                                       remote_block_lens)
+        self.num_remote = 0 if remote_ids is None else len(remote_ids)
+        for i, (first, stop) in enumerate(bounds):
+            part = split[first:stop]
             _, nbytes = wire_offsets(part[:, _LEN], part[:, _CNT])
             if nbytes > pool.nbytes:
                 raise ValueError(f"a formatted chunk of {nbytes} bytes exceeds the "
                                  f"{pool.nbytes}-byte receive pool")
-            self.chunks.append(_Chunk(i, part, nbytes))
+            self.chunks.append(_Chunk(i, part, nbytes, first))
         self.error: str | None = None
         self.nbytes = sum(c.nbytes for c in self.chunks)
         self.advance()
@@ -333,7 +421,13 @@ class FormattedFetch:
             if slot is None:
                 return  # later chunks wait for this one (order keeps the pool unfragmented)
             chunk.slot = slot
-            if not self._ask(chunk.index, remote_half(chunk.rows), chunk.nbytes):
+            if self.templates is not None:
+                fields = dict(templates=self.templates.astype("<i8").tobytes(),
+                              first_row=chunk.first_row, num_rows=len(chunk.rows),
+                              num_remote=self.num_remote)
+            else:
+                fields = dict(rows=remote_half(chunk.rows))
+            if not self._ask(chunk.index, chunk.nbytes, fields):
                 self.pool.free(slot)
                 chunk.slot = None
                 self.error = f"could not ask producer rank {self.remote_rank} for chunk " \
@@ -500,9 +594,16 @@ class FormatServer:
         return (message.agent_name, message.attempt, message.chunk, message.producer_rank,
                 message.consumer_rank)
 
-    def gather(self, message: Any, regions: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
+    def gather(self, message: Any, regions: Sequence[tuple[int, int]],
+               block_lens: Sequence[int], block_ids: Sequence[int]) -> tuple[int, int] | None:
         """Gathers one chunk: ``(address, nbytes)`` of its slot, or None when the pool has
         no room now (a slot already gathered for this chunk is answered again).
+
+        Args:
+          message: the `Format`.
+          regions: ``(base address, size)`` of the producer rank's regions.
+          block_lens: their bytes per block (a template form's offsets).
+          block_ids: the published request's blocks (a template form reads their tail).
 
         Raises:
           ValueError, IndexError: malformed rows, rows outside the regions, a chunk larger
@@ -512,7 +613,17 @@ class FormatServer:
         held = self.slots.get(key)
         if held is not None:
             return self.pool.address + held[1], int(message.nbytes)
-        rows = parse_remote_half(message.rows)
+        if message.templates:
+            if not 0 < message.num_remote <= len(block_ids):
+                raise ValueError(f"the chunk reads {message.num_remote} of the request's "
+                                 f"{len(block_ids)} blocks")
+            if len(message.templates) % 40:
+                raise ValueError("format templates are not int64 [N, 5]")
+            ids = np.asarray(block_ids[len(block_ids) - message.num_remote:], np.int64)
+            rows = expand_templates(np.frombuffer(message.templates, "<i8"), block_lens, ids,
+                                    message.first_row, message.num_rows)
+        else:
+            rows = parse_remote_half(message.rows)
         if int(message.nbytes) > self.pool.nbytes:
             raise ValueError(f"a chunk of {message.nbytes} bytes exceeds the "
                              f"{self.pool.nbytes}-byte send pool")

@@ -145,8 +145,15 @@ class Format(msgspec.Struct, tag="format", frozen=True, forbid_unknown_fields=Tr
     consumer_rank: _Rank
     generation: Annotated[int, msgspec.Meta(ge=-1)]
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
-    # int64 little-endian [N, 5]: producer region, offset, length, count, stride
-    rows: Annotated[bytes, msgspec.Meta(max_length=4 << 20)]
+    # The ranges, explicit: int64 little-endian [N, 5] (producer region, offset, length,
+    # count, stride); or as per-block templates (same columns, offsets within a block) over
+    # the tail of `num_remote` of the request's blocks, rows [first_row, first_row + num_rows)
+    # of templates x blocks in template-major order (`jaxkv.transfer._formatted`).
+    rows: Annotated[bytes, msgspec.Meta(max_length=4 << 20)] = b""
+    templates: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""
+    first_row: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
+    num_rows: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    num_remote: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
 
 
 class Formatted(msgspec.Struct, tag="formatted", frozen=True, forbid_unknown_fields=True):

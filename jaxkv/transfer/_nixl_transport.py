@@ -72,11 +72,8 @@ class NixlTransport:
         if pool_bytes:
             self.format_server = FormatServer(HostPool(self.agent, pool_bytes))
             self.receive_pool = HostPool(self.agent, pool_bytes)
-
-    @property
-    def formats_reads(self) -> bool:
-        """Whether this process serves and makes formatted reads (it has the pools)."""
-        return self.format_server is not None
+        # whether this process serves and makes formatted reads (it has the pools)
+        self.formats_reads = self.format_server is not None
 
     # -- registration and metadata ---------------------------------------------------------
 
@@ -151,7 +148,7 @@ class NixlTransport:
     def serve(self) -> None:
         """Nothing to do: registered memory is passively readable."""
 
-    def start_formatted(self, fetch: Fetch, ask: Callable[[int, bytes, int], bool],
+    def start_formatted(self, fetch: Fetch, ask: Callable[[int, int, dict], bool],
                         released: Callable[[int], bytes],
                         regions_current: Callable[[], bool] = lambda: True) -> FormattedFetch:
         """A formatted read of one (local rank, producer rank) pair (see
@@ -168,7 +165,9 @@ class NixlTransport:
         return FormattedFetch(
             self.agent, self.receive_pool, self._names[info.agent_name], fetch.plan.local_rank,
             fetch.remote_rank, fetch.plan.copies_for(fetch.remote_rank), regions,
-            self.chunk_bytes, ask, released, regions_current)
+            self.chunk_bytes, ask, released, regions_current,
+            remote_ids=fetch.plan.remote_block_ids,
+            remote_block_lens=[r.block_len for r in info.regions])
 
     def check(self, handle: Any) -> str:
         if isinstance(handle, FormattedFetch):

@@ -502,10 +502,11 @@ class Producer:
             return "wait"  # not (fully) published yet
         meta = self.registry.meta
         assert meta is not None
-        regions = [(r.base_address, r.block_len * r.num_blocks)
-                   for r in meta.rank_info(message.producer_rank).regions]
+        info = meta.rank_info(message.producer_rank)
+        regions = [(r.base_address, r.block_len * r.num_blocks) for r in info.regions]
         try:
-            got = self.formats.gather(message, regions)
+            got = self.formats.gather(message, regions, [r.block_len for r in info.regions],
+                                      pinned.block_ids)
         except (ValueError, IndexError) as error:
             self.stats.malformed_messages += 1
             return f"{type(error).__name__}: {error}"

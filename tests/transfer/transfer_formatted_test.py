@@ -75,6 +75,54 @@ class FormattedPiecesTest(parameterized.TestCase):
                     for j in range(0, x[5], 1)]
         self.assertEqual(starts(every), starts(rows))
 
+    @parameterized.parameters(
+        # (p_tp, d_tp, layout, packed): fragmented ids, every form a real plan makes
+        (8, 4, "HTD", False), (2, 1, "LKHTD", False), (1, 2, "KTHD", False), (2, 1, None, True))
+    def test_template_form_names_the_same_ranges(self, p_tp, d_tp, layout, packed):
+        # a fragmented request's rows as per-block templates: the producer's expansion of
+        # every chunk equals the explicit ranges, chunk by chunk
+        from jaxkv import EngineConfig
+        from jaxkv.transfer._formatted import (
+            chunk_bounds,
+            expand_templates,
+            remote_half,
+            template_form,
+        )
+        from jaxkv.transfer._plan import plan_read
+
+        spec = (KVCacheSpec.for_tpu_inference(4, 8, 96, 16, "bfloat16") if packed
+                else KVCacheSpec(4, 8, 32, 16, "bfloat16", layout=layout))
+        meta_p = tt.fake_metadata("prefill", EngineConfig(spec, p_tp), 64)
+        meta_d = tt.fake_metadata("decode", EngineConfig(spec, d_tp), 64)
+        rng = np.random.default_rng(0)
+        remote, local = rng.permutation(64)[:20], rng.permutation(64)[:20]
+        plan = plan_read(meta_d, 0, meta_p, local, remote)
+        for rr in plan.read_ranks:
+            lens = np.array([r.block_len for r in meta_p.rank_info(rr).regions])
+            rows, bounds = chunk_bounds(plan.copies_for(rr), 4096)
+            templates = template_form(rows, plan.remote_block_ids, lens)
+            self.assertIsNotNone(templates)
+            self.assertLess(templates.size, rows.size // 10)  # far smaller than the rows
+            self.assertGreater(len(bounds), 1)
+            for first, stop in bounds:
+                got = expand_templates(templates, lens, plan.remote_block_ids, first,
+                                       stop - first)
+                self.assertEqual(got.astype("<i8").tobytes(), remote_half(rows[first:stop]))
+        # contiguous ids: rows merged over runs have no template form; where they did not
+        # merge, the form (if any) still names the same ranges
+        plan = plan_read(meta_d, 0, meta_p, np.arange(20), np.arange(20) + 3)
+        for rr in plan.read_ranks:
+            rows = plan.copies_for(rr)
+            lens = np.array([r.block_len for r in meta_p.rank_info(rr).regions])
+            templates = template_form(rows, plan.remote_block_ids, lens)
+            if len(rows) % 20:
+                self.assertIsNone(templates)
+            elif templates is not None:
+                got = expand_templates(templates, lens, plan.remote_block_ids, 0, len(rows))
+                self.assertEqual(got.astype("<i8").tobytes(), remote_half(rows))
+        with self.assertRaisesRegex(ValueError, "outside"):
+            expand_templates(np.zeros((2, 5), np.int64), lens, np.arange(3), 5, 2)
+
     def test_copy_rows_checks_every_row_before_copying(self):
         from jaxkv.transfer._formatted import gather_rows
 
