@@ -330,7 +330,7 @@ class JaxKVScheduler:
             )
         engine_groups = self.groups.engine_groups()
         addresses = s.group_addresses(len(engine_groups))
-        first_of = {}  # vLLM group -> index of its first engine group
+        first_of: dict[int, int] = {}  # vLLM group -> index of its first engine group
         for j, (g, _) in enumerate(engine_groups):
             first_of.setdefault(g, j)
         states = [
@@ -409,7 +409,7 @@ def _drop_last_prompt_tokens(request: Request, count: int) -> None:
     vLLM's `Request` has no public way to shorten a prompt; its NIXL connector edits the
     same fields (the prompt ids, the id list the scheduler reads and the prompt length), so
     this does exactly what it does."""
-    del request.prompt_token_ids[-count:]  # type: ignore[index]
+    del request.prompt_token_ids[-count:]
     del request._all_token_ids[-count:]  # vLLM's own connector edits it too (see above)
     request.num_prompt_tokens -= count
 
