@@ -175,6 +175,14 @@ class FormattedReadTest(tt.TransferTestBase):
         self.assertEqual(engine.stats.records[-1].path, "formatted")
         self.assertEqual(engine.stats.formatted_total, 1)
 
+    @parameterized.parameters("full", "sampled:2")
+    def test_digests_verify_formatted_reads(self, digests):
+        # the bytes land where a direct read puts them: the producer's digests verify them
+        engine, _ = self.read_case(2, 1, "KHTD", "KTHD", digests=digests)
+        self.assertEqual(engine.stats.records[-1].path, "formatted")
+        self.assertGreater(engine.stats.digest_verified, 0)
+        self.assertEqual(engine.stats.digest_mismatches, 0)
+
     @parameterized.parameters((1, 2, 1), (2, 1, 2))
     def test_mla(self, p_tp, d_tp, ratio):
         self.read_case(p_tp, d_tp, "LKTD", "LKTD", ratio=ratio, mla=True)
@@ -298,12 +306,13 @@ class FormattedReadTest(tt.TransferTestBase):
 
     def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
                   mla=False, pool_bytes=None, chunk_bytes=None, mode="always",
-                  before_read=None):
+                  before_read=None, digests="off"):
         spec_kwargs = dict(num_layers=2, num_kv_heads=heads, head_dim=8, block_size=4,
                            dtype=dtype, layout=p_layout)
         if mla:
             spec_kwargs.update(num_kv_heads=1, kv_factor=1, mla=True)
         engine_kwargs = {} if pool_bytes is None else dict(format_pool_bytes=pool_bytes)
+        engine_kwargs["digests"] = digests
         _, conn = self.start_producer(spec_kwargs, p_tp, engine_kwargs=engine_kwargs)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
