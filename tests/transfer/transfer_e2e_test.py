@@ -142,7 +142,8 @@ class TransferE2ETest(tt.TransferTestBase):
             self.assertEqual(engine.agent.prepped_reads, 0)
         return engine, cache
 
-    def test_pipeline_parallel_producer(self):
+    @parameterized.parameters("never", "always")  # direct, formatted (few large READs)
+    def test_pipeline_parallel_producer(self, formatted):
         spec_kwargs = dict(
             num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", layout="LKHTD"
         )
@@ -159,19 +160,22 @@ class TransferE2ETest(tt.TransferTestBase):
             }
         )
         spec = KVCacheSpec(**spec_kwargs)
-        engine, cache, config = self.consumer(spec, 1)
+        engine, cache, config = self.consumer(spec, 1, formatted_reads=formatted)
         engine.start_read(params, LOCAL_IDS)
         finished, failed = self.wait(engine, ["req-pp"])
         self.assertEqual((finished, failed), (["req-pp"], []))
+        self.assertEqual(engine.stats.records[-1].path,
+                         "formatted" if formatted == "always" else "direct")
         g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, LOCAL_IDS)
 
     @parameterized.parameters(
         # producer TP=2 as one process per rank -> decode in this process
-        (1, "KHTD", "KHTD"),
-        (2, "THD", "HTD"),  # two CPU devices here; NHD -> HND permuted after the read
+        (1, "KHTD", "KHTD", "never"),
+        (2, "THD", "HTD", "never"),  # two CPU devices here; NHD -> HND permuted after the read
+        (2, "THD", "HTD", "always"),  # formatted: each producer process gathers its rank's
     )
-    def test_tp_rank_per_process(self, d_tp, p_layout, d_layout):
+    def test_tp_rank_per_process(self, d_tp, p_layout, d_layout, formatted):
         spec_kwargs = dict(
             num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16",
             layout=p_layout,
@@ -184,7 +188,7 @@ class TransferE2ETest(tt.TransferTestBase):
         self.assertEqual([p.addresses for p in params], [[a] for a in addresses])
         merged = _with_addresses(params[0], addresses)
         spec = KVCacheSpec(**dict(spec_kwargs, layout=d_layout))
-        engine, cache, config = self.consumer(spec, d_tp)
+        engine, cache, config = self.consumer(spec, d_tp, formatted_reads=formatted)
         meta = engine.add_peer("prefill", addresses)  # one agent per producer rank
         self.assertEqual(meta.world_size, 2)
         self.assertEqual(len({info.agent_name for info in meta.ranks}), 2)
@@ -198,7 +202,8 @@ class TransferE2ETest(tt.TransferTestBase):
         record = engine.stats.records[-1]
         self.assertEqual(record.bytes, spec.cache_nbytes(len(LOCAL_IDS)))
 
-    def test_pipeline_parallel_consumer(self):
+    @parameterized.parameters("never", "always")
+    def test_pipeline_parallel_consumer(self, formatted):
         # decode PP=2 (3 layers: 2 + 1), one engine object per pipeline rank, TP 2 -> 1
         spec_kwargs = dict(
             num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", layout="KHTD"
@@ -208,7 +213,8 @@ class TransferE2ETest(tt.TransferTestBase):
         self.call(conn, "register", REMOTE_IDS)
         params = self.call(conn, "pin", "req-dpp", REMOTE_IDS, 30.0)
         spec = KVCacheSpec(**dict(spec_kwargs, layout="KTHD"))
-        consumers = [self.consumer(spec, 1, pp=2, pp_rank=r) for r in range(2)]
+        consumers = [self.consumer(spec, 1, pp=2, pp_rank=r, formatted_reads=formatted)
+                     for r in range(2)]
         for engine, _, _ in consumers:
             engine.start_read(params, LOCAL_IDS)
         for engine, _, _ in consumers:
