@@ -226,13 +226,15 @@ def publish_layer_in_jit(
     also carry the request's rows of the announced layers ``[layer_start, layer_stop)``
     (gathered from `written` after their writes: the layer's bytes of the request's blocks,
     not the cache), and the callback writes them into the host mirror before it announces
-    the layers, so they are readable while the step computes the later ones. This needs a
-    Python int `layer_stop` and `written` the registered `PagedKVCache` (the only one of the
-    engine); otherwise (a traced stop, only some arrays, several caches) the layers reach the
-    mirror only from the step's output, at the first `poll` / `update_cache` after the step
-    (logged as a warning at trace time). A layer missing before `layer_start` (an earlier
-    announcement that could not carry its rows) is staged from the output too, with the
-    layers after it: a layer is announced only once its bytes are in the mirror.
+    the layers, so they are readable while the step computes the later ones. This needs
+    `written` to be the registered `PagedKVCache` (the only one of the engine), and a Python
+    int `layer_stop` unless the layout has an L axis (then a traced one, as in a loop over the
+    layers, announces one layer per call); otherwise (an array per layer with a traced stop,
+    only some arrays, several caches) the layers reach the mirror only from the step's
+    output, at the first `poll` / `update_cache` after the step (warned at trace time). A
+    layer missing before `layer_start` (an earlier announcement that could not carry its
+    rows) is staged from the output too, with the layers after it: a layer is announced only
+    once its bytes are in the mirror.
 
     Args:
       engine, handle, block_ids: as for `publish_in_jit`.
@@ -240,8 +242,8 @@ def publish_layer_in_jit(
       layer_stop: int32 scalar (or int), one past the last written global layer.
       next_input: the next layer's input (pytree of arrays, e.g. hidden states).
       layer_start: host staging: the first global layer this call announces (its rows go
-        to the callback); default ``layer_stop - 1``, one layer per call. Pass it when
-        announcing several layers at once.
+        to the callback); default ``layer_stop - 1``, one layer per call. Pass it (with a
+        Python int `layer_stop`) when announcing several layers at once.
 
     Returns:
       ``(next_input, status)``: the same values, data dependent on the callback; status as
@@ -250,7 +252,8 @@ def publish_layer_in_jit(
     Raises:
       NotImplementedError: a multi-controller engine.
       ValueError: (host staging) a `layer_start` outside ``[first layer of the cache,
-        layer_stop)`` or a `layer_stop` past the cache's last layer.
+        layer_stop)``, a `layer_stop` past the cache's last layer, or a `layer_start` with a
+        traced `layer_stop`.
 
     Example:
       >>> for layer in range(num_layers):  # doctest: +SKIP
@@ -275,11 +278,11 @@ def _is_int(value: Any) -> bool:
 
 def _staged_rows(
     engine: Any, block_ids: Any, written: Any, layer_start: int | None, layer_stop: Any
-) -> tuple[int, list[Any]] | None:
-    """Host staging: ``(first global layer, per array of `written` its request rows of the
-    announced layers as unsigned ints, or None)`` for the announcement's callback, or None
-    when the engine is not host-staged or the rows cannot be taken (then the mirror copy
-    waits for the step's output, warned)."""
+) -> tuple[Any, list[Any]] | None:
+    """Host staging: ``(first global layer (an int, or an int32 scalar for a traced stop),
+    per array of `written` its request rows of the announced layers as unsigned ints, or
+    None)`` for the announcement's callback, or None when the engine is not host-staged or
+    the rows cannot be taken (then the mirror copy waits for the step's output, warned)."""
     import jax
     import jax.numpy as jnp
 
@@ -291,25 +294,42 @@ def _staged_rows(
         _log.warning("publish_layer_in_jit with host staging: %s, so the layers reach the "
                      "host mirror only after the step", span[2])
         return None
-    if not _is_int(layer_stop):
-        _log.warning("publish_layer_in_jit with host staging: a traced layer_stop, so the "
-                     "layers reach the host mirror only after the step (pass a Python int)")
-        return None
-    stop = int(layer_stop)
-    start = stop - 1 if layer_start is None else int(layer_start)
-    if not span[0] <= start < stop <= span[1]:
-        raise ValueError(
-            f"publish_layer_in_jit: layers [{start}, {stop}) are not layers of the registered "
-            f"cache ([{span[0]}, {span[1]}))")
-    lo, hi = start - span[0], stop - span[0]
-    ids = jnp.maximum(jnp.asarray(block_ids, jnp.int32).reshape(-1), 0)  # -1: padding rows
     axes = written.spec.block_axes()
     axis = axes.index("L") if "L" in axes else None
+    traced = not _is_int(layer_stop)
+    if traced:
+        # A loop over layers (scan / fori_loop): one layer per call, cross-layer arrays only
+        # (an array per layer cannot be picked by a traced index without touching them all).
+        if layer_start is not None:
+            raise ValueError("publish_layer_in_jit: layer_start needs a Python int layer_stop "
+                             "(a traced layer_stop announces one layer per call)")
+        if axis is None:
+            _log.warning("publish_layer_in_jit with host staging: a traced layer_stop and a "
+                         "layout with an array per layer, so the layers reach the host mirror "
+                         "only after the step (pass a Python int, or use a layout with L)")
+            return None
+        start: Any = jnp.asarray(layer_stop, jnp.int32).reshape(()) - 1
+        lo: Any = start - span[0]
+        hi: Any = None
+    else:
+        stop = int(layer_stop)
+        start = stop - 1 if layer_start is None else int(layer_start)
+        if not span[0] <= start < stop <= span[1]:
+            raise ValueError(
+                f"publish_layer_in_jit: layers [{start}, {stop}) are not layers of the "
+                f"registered cache ([{span[0]}, {span[1]}))")
+        lo, hi = start - span[0], stop - span[0]
+    ids = jnp.maximum(jnp.asarray(block_ids, jnp.int32).reshape(-1), 0)  # -1: padding rows
     sharding = getattr(written, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     rows: list[Any] = []
     for (layer, _), array in zip(written.array_keys, written.arrays):
-        if layer is None and axis is not None:  # only these layers of a cross-layer array
+        if layer is None and axis is not None and traced:
+            # one gather of the request's rows of layer `lo` (the L axis kept, 1 long)
+            part = array[(ids,) + tuple(lo if a == axis else slice(None)
+                                        for a in range(len(axes)))]
+            part = jnp.expand_dims(part, 1 + axis)
+        elif layer is None and axis is not None:  # only these layers of a cross-layer array
             part = array[(ids,) + tuple(slice(lo, hi) if a == axis else slice(None)
                                         for a in range(len(axes)))]
         elif layer is not None and lo <= layer < hi:
@@ -328,15 +348,15 @@ def _staged_rows(
     return start, rows
 
 
-def _publish_rows_callback(engine: Any, start: int, present: tuple[bool, ...], handle,
-                           block_ids, layer_stop, *parts) -> np.int32:
+def _publish_rows_callback(engine: Any, present: tuple[bool, ...], handle, block_ids,
+                           layer_stop, start, *parts) -> np.int32:
     it = iter(parts)
     rows = [np.asarray(next(it)) if here else None for here in present]
     return np.int32(engine._callback_publish(int(handle), np.asarray(block_ids),
-                                             int(layer_stop), (start, rows)))
+                                             int(layer_stop), (int(start), rows)))
 
 
-def _publish_rows(engine: Any, handle: Any, block_ids: Any, layer_stop: Any, start: int,
+def _publish_rows(engine: Any, handle: Any, block_ids: Any, layer_stop: Any, start: Any,
                   rows: list[Any]) -> Any:
     """The publishing callback with the announced layers' rows as operands: they depend on
     the layers' writes, so the callback runs after them (no token needed)."""
@@ -346,11 +366,12 @@ def _publish_rows(engine: Any, handle: Any, block_ids: Any, layer_stop: Any, sta
 
     present = tuple(r is not None for r in rows)
     return io_callback(
-        functools.partial(_publish_rows_callback, engine, int(start), present),
+        functools.partial(_publish_rows_callback, engine, present),
         jax.ShapeDtypeStruct((), jnp.int32),
         jnp.asarray(handle, jnp.int32).reshape(()),
         jnp.asarray(block_ids, jnp.int32).reshape(-1),
         jnp.asarray(layer_stop, jnp.int32).reshape(()),
+        jnp.asarray(start, jnp.int32).reshape(()),
         *[r for r in rows if r is not None],
     )
 

@@ -128,3 +128,67 @@ def gated_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters
     tt._jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs,
                              lambda engine: make(engine), handle,
                              lambda engine, freed: (engine.num_pinned, list(freed)))
+
+
+def make_loop_step(engine, iters):
+    """`tt.make_layered_prefill_step`'s writes and announcements (one per layer), as a
+    `jax.lax.fori_loop` over the layers of a cache with an L axis (the layer index traced, as
+    in a scanned model). Returns the jitted step ``(cache, ids, handle, seed) -> (cache,
+    statuses)``."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.transfer import publish_layer_in_jit
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def prefill(cache, ids, handle, seed):
+        spec = cache.spec
+        axis = spec.layout.index("L")
+        structure = jax.tree.structure(cache)
+
+        def body(layer, carry):
+            arrays, x, statuses = carry
+            arrays = list(arrays)
+            for index, array in enumerate(arrays):
+                shape = tt.layer_part_shape(spec, array.shape, None, ids.shape[0])
+                seed_k = x + jnp.uint32(16) * layer.astype(jnp.uint32) + jnp.uint32(index)
+                values = jax.lax.bitcast_convert_type(
+                    tt.slow_values(shape, seed_k, iters), array.dtype)
+                arrays[index] = array.at[(ids, *([slice(None)] * axis), layer)].set(values)
+            cache = jax.tree.unflatten(structure, arrays)
+            x, status = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
+            return tuple(cache.arrays), x, statuses.at[layer].set(status)
+
+        arrays, _, statuses = jax.lax.fori_loop(
+            0, spec.num_layers, body,
+            (tuple(cache.arrays), jnp.asarray(seed, jnp.uint32),
+             jnp.zeros(spec.num_layers, jnp.int32)))
+        return jax.tree.unflatten(structure, list(arrays)), statuses
+
+    return prefill
+
+
+def loop_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters: int,
+                       engine_kwargs=None) -> None:
+    """A producer process running `make_loop_step`: ("pin", request_id, block_ids) ->
+    (params, handle); ("prefill", handle, ids, seed) -> (statuses, wall time at dispatch,
+    wall time once the step finished); ("publications",) -> the PublishRecords; ("state",) ->
+    (pinned, freed)."""
+    def handle(engine, prefill, command, freed):
+        if command[0] == "publications":
+            conn.send(list(engine.stats.publications))
+            return True
+        if command[0] != "prefill":
+            return False
+        _, handle_id, ids, seed = command
+        args = (engine.caches[0], ids, np.int32(handle_id), np.uint32(seed))
+        step = prefill.lower(*args).compile()  # not timed
+        start = time.time()
+        cache, statuses = step(*args)
+        engine.update_cache(cache)
+        conn.send((np.asarray(statuses).tolist(), start, time.time()))
+        return True
+
+    tt._jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs,
+                             lambda engine: make_loop_step(engine, iters), handle,
+                             lambda engine, freed: (engine.num_pinned, list(freed)))

@@ -133,6 +133,14 @@ def callback_operand_shapes(text: str) -> list[list[str]]:
     return out
 
 
+def copies_anywhere(text: str, cache: PagedKVCache) -> list[str]:
+    """Copy instructions of any computation (loop bodies too) whose shape is a (per-device)
+    cache array's."""
+    shapes = {",".join(map(str, a.sharding.shard_shape(a.shape))) for a in cache.arrays}
+    found = re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]\{[^}]*\} copy(?:-start)?\(", text)
+    return [name for name, shape in found if shape in shapes]
+
+
 def cache_copies(text: str, cache: PagedKVCache) -> list[str]:
     """Copy instructions whose shape is a (per-device) cache array's."""
     shapes = {",".join(map(str, a.sharding.shard_shape(a.shape))) for a in cache.arrays}
@@ -175,16 +183,37 @@ class LayeredLoweringTest(parameterized.TestCase):
         sites = callback_operand_shapes(text)
         self.assertLen(sites, spec.num_layers)
         whole = {f"f32[{','.join(map(str, a.shape))}]" for a in cache.arrays}
-        for shapes in sites:  # handle, ids, stop, then the layer's rows
-            self.assertEqual(shapes[3:], [row] * arrays_per_layer, shapes)
+        for shapes in sites:  # handle, ids, stop, start, then the layer's rows
+            self.assertEqual(shapes[4:], [row] * arrays_per_layer, shapes)
             self.assertFalse(set(shapes) & whole)
 
-    def test_staged_with_a_traced_stop_falls_back_and_warns(self):
+    @parameterized.parameters(("LKHTD", 1), ("LKHTD", 2), ("LKTHD", 2))
+    def test_staged_layer_loop_carries_rows_without_copies(self, layout, tp):
+        # A loop over the layers (fori_loop: the layer index, so the stop, traced), cache
+        # with an L axis: the callback in the loop body takes one layer's rows (one gather by
+        # the traced index), and nothing anywhere copies a cache array.
+        spec = KVCacheSpec(**spec_kwargs(layout))
+        cache = PagedKVCache.allocate(spec, NUM_BLOCKS, mesh=meshes.tp(tp))
+        step = layerwise.make_loop_step(_StagedNoEngine(spec.num_layers), 10)
+        ids = np.asarray(REMOTE_IDS, np.int32)
+        text = step.lower(cache, ids, np.int32(1), np.uint32(SEED)).compile().as_text()
+        self.assertEqual(copies_anywhere(text, cache), [])
+        (shapes,) = callback_operand_shapes(text)  # one site: the loop body's
+        axis = spec.layout.index("L")
+        block = list(cache.arrays[0].shape[1:])
+        block[axis] = 1
+        self.assertEqual(shapes[4:], [f"u32[{','.join(map(str, [len(ids), *block]))}]"])
+        # (a loop body runs whole before the next iteration, so its callback precedes the
+        # next layer's writes anyway.) The detector's negative control: it finds the copies
+        # of the unrolled per-layer publish_in_jit step.
+        self.assertNotEqual(copies_anywhere(compiled(layout, tp, naive=True)[0], cache), [])
+
+    def test_staged_fallbacks_warn(self):
         from jaxkv.transfer import publish_layer_in_jit
 
-        spec = KVCacheSpec(**spec_kwargs("LKHTD"))
-        cache = PagedKVCache.allocate(spec, NUM_BLOCKS)
         ids = np.asarray(REMOTE_IDS, np.int32)
+        spec = KVCacheSpec(**spec_kwargs("KHTD"))  # an array per layer
+        cache = PagedKVCache.allocate(spec, NUM_BLOCKS)
         engine = _StagedNoEngine(spec.num_layers)
 
         def step(c, stop):
@@ -192,10 +221,21 @@ class LayeredLoweringTest(parameterized.TestCase):
 
         with self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
             text = jax.jit(step).lower(cache, np.int32(1)).compile().as_text()
-        self.assertIn("traced layer_stop", logs.output[0])
+        self.assertIn("a traced layer_stop and a layout with an array per layer",
+                      logs.output[0])
         self.assertEqual([len(s) for s in callback_operand_shapes(text)], [4])  # the token
         with self.assertRaisesRegex(ValueError, r"layers \[4, 5\) are not layers"):
             jax.jit(lambda c: publish_layer_in_jit(engine, 1, ids, c, 5, 0)[1]).lower(cache)
+        with self.assertRaisesRegex(ValueError, "layer_start needs a Python int"):
+            jax.jit(lambda c, s: publish_layer_in_jit(engine, 1, ids, c, s, 0, layer_start=0)[1]
+                    ).lower(cache, np.int32(1))
+        staged_elsewhere = types.SimpleNamespace(
+            _staging_layers=lambda written: (0, spec.num_layers, "several caches"))
+        with self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
+            jax.jit(lambda c: publish_layer_in_jit(staged_elsewhere, 1, ids, c, 1, 0)[1]
+                    ).lower(cache)
+        self.assertIn("several caches, so the layers reach the host mirror only after",
+                      logs.output[0])
 
     @parameterized.parameters(("LKHTD", 1), ("KHTD", 2))
     def test_per_layer_publish_callbacks_copy_the_cache(self, layout, tp):
@@ -286,6 +326,38 @@ class LayeredTransferTest(tt.TransferTestBase):
               f"{1e3 * (step_end - step_start):.0f} ms, layer 0 arrived "
               f"{1e3 * (step_end - arrival[0]):.0f} ms before its end")
 
+
+    @parameterized.parameters(("LKHTD", 1, True), ("LKTHD", 2, True), ("LKHTD", 1, False))
+    def test_layer_loop_arrives_before_the_step_ends(self, layout, p_tp, staging):
+        # The layers as a fori_loop (a traced layer index): staged, each iteration's callback
+        # takes its layer's rows too.
+        process, conn = processes.spawn(
+            layerwise.loop_producer_main, spec_kwargs(layout), p_tp, NUM_BLOCKS, ITERS,
+            {"host_staging": staging})
+        self._children.append((process, conn))
+        self.ready(conn)
+        params, p_handle = self.call(conn, "pin", "req-loop", REMOTE_IDS)
+        spec = KVCacheSpec(**spec_kwargs(layout))
+        engine, _, _ = self.consumer(spec, 1)
+        engine.start_read(params, LOCAL_IDS)
+        conn.send(("prefill", p_handle, np.asarray(REMOTE_IDS, np.int32), SEED))
+        finished, failed = self.wait(engine, ["req-loop"])
+        self.assertEqual((finished, failed), (["req-loop"], []))
+        if not conn.poll(WAIT_S):
+            raise TimeoutError("the producer's step did not return")
+        statuses, _, step_end = conn.recv()
+        self.assertEqual(statuses, [1] * spec.num_layers)
+        (publication,) = self.call(conn, "publications")
+        self.assertEqual([stop for stop, _ in publication.layers],
+                         list(range(1, spec.num_layers + 1)))
+        arrival = dict(engine.stats.records[-1].layer_arrival)
+        self.assertLess(arrival[0], step_end)
+        got = engine.caches[0].gather_blocks(np.asarray(LOCAL_IDS, np.int32))
+        want = tt.expected_layer_values(spec, engine.caches[0].array_keys,
+                                        [a.shape for a in engine.caches[0].arrays],
+                                        len(LOCAL_IDS), SEED, ITERS)
+        for index, (g, w) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(bits.bits(np.asarray(g)), w, err_msg=f"array {index}")
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
