@@ -7,6 +7,8 @@ equal modes). Rounds alternate the modes so that all see the same machine load. 
 
 * ``pull_ms``: start_read -> `poll` reports the read finished (planning, READs, Done/Ack,
   the consumer's verification included), the consumer polling in a loop;
+* ``confirm_ms``: the part of the pull after the bytes landed (`TransferRecord.confirm_s`:
+  the producers' Acks and the consumer's digests, which overlap the Ack round trip);
 * ``publish_ms``: `publish_request` on the producer (its digests included);
 * ``producer_digest_ms``: the producer's digest time alone (`TransferStats.digest_s_total`
   per publication);
@@ -135,7 +137,7 @@ def main() -> None:
         consumers[mode] = engine
     local_ids = list(range(1, blocks + 1))
     samples: dict[str, dict[str, list[float]]] = {
-        m: {"pull_ms": [], "publish_ms": [], "producer_digest_ms": [],
+        m: {"pull_ms": [], "confirm_ms": [], "publish_ms": [], "producer_digest_ms": [],
             "consumer_digest_ms": []} for m in MODES}
     for round_ in range(args.repeats + 1):  # round 0 warms up (handshakes, compilation)
         for mode in MODES:
@@ -161,6 +163,7 @@ def main() -> None:
             if round_:
                 s = samples[mode]
                 s["pull_ms"].append(pull_s * 1e3)
+                s["confirm_ms"].append(engine.stats.records[-1].confirm_s * 1e3)
                 s["publish_ms"].append(publish_s * 1e3)
                 s["producer_digest_ms"].append(digest_s * 1e3)
                 s["consumer_digest_ms"].append((engine.stats.digest_s_total - before) * 1e3)
@@ -168,7 +171,7 @@ def main() -> None:
     process.join(timeout=30)
     # The physical limit: xxh3 alone over the bytes one side digests per read (the blocks of
     # the consumer's cache one by one, as the digests hash them), same process and load.
-    cache = consumers["full"].caches[0]
+    cache = consumers[MODES[-1]].caches[0]
     buffer = cache.shard_buffers()[0]
     view = memoryview(np.ctypeslib.as_array(
         (ctypes.c_uint8 * buffer.nbytes).from_address(buffer.address)))

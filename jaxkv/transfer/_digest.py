@@ -450,6 +450,10 @@ Piece = tuple[int, int, int, int, int]
 """One landed byte range of a producer block image: (image offset, length, local rank, local
 region, offset from the local region's base)."""
 
+Covers = tuple[tuple[int, ...], ...]
+"""The covers of a group of pieces (`cover_indices`): per cover, its pieces' indices in the
+group, in image order."""
+
 
 @dataclasses.dataclass
 class LandedPieces:
@@ -460,11 +464,15 @@ class LandedPieces:
         keys in (remote rank, position) order.
       image_len: remote rank -> bytes of its image (``K * L``).
       local_block_len: local rank -> its block_len.
+      resolved: (remote rank, position) -> (`cover_indices` of its group, the local blocks
+        holding it), where a `LandingMap` resolved them once per geometry (else None, and
+        `verify_landed` resolves each group).
     """
 
     groups: dict[tuple[int, int], list[Piece]]
     image_len: dict[int, int]
     local_block_len: dict[int, int]
+    resolved: dict[tuple[int, int], tuple[Covers | None, set[int]]] | None = None
 
 
 def plan_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
@@ -556,6 +564,9 @@ class LandingMap:
       templates: remote rank -> per sub-block (``p % ratio``) its pieces ``(image offset,
         length, local rank index, local region, offset in the local block)``, sorted by
         (local rank, image offset).
+      resolved: remote rank -> per sub-block (its `cover_indices`, the local rank indices
+        whose block holds its pieces), or None where a piece is not inside one local block
+        (then `verify_landed` resolves each group as it comes).
       local_ranks: the local rank of each local rank index (the planners' order).
       image_len, local_block_len: as in `LandedPieces`.
     """
@@ -563,6 +574,7 @@ class LandingMap:
     planners: tuple[Any, ...]
     ratio: int
     templates: dict[int, tuple[tuple[Piece, ...], ...]]
+    resolved: dict[int, tuple[tuple[Covers | None, tuple[int, ...]] | None, ...]]
     local_ranks: tuple[int, ...]
     image_len: dict[int, int]
     local_block_len: dict[int, int]
@@ -582,13 +594,23 @@ class LandingMap:
         local_ranks = tuple(int(p.local_rank) for p in planners)
         index_of = {r: i for i, r in enumerate(local_ranks)}
         templates: dict[int, list[tuple[Piece, ...]]] = {}
+        resolved: dict[int, list[tuple[Covers | None, tuple[int, ...]] | None]] = {}
         for (rr, sub), group in pieces.groups.items():
             per_sub = templates.setdefault(rr, [()] * ratio)
             # local block 0: the local offset is the offset in the block
             per_sub[sub] = tuple((img, length, index_of[lr], lg, lo)
                                  for img, length, lr, lg, lo in group)
+            # Which pieces make a cover depends on image offsets and local ranks only, and
+            # every piece inside one local block lands in that rank's block of the position:
+            # both resolved here, once.
+            inside = all(lo + length <= pieces.local_block_len[lr]
+                         for _, length, lr, _, lo in group)
+            ranks = tuple(sorted({index_of[lr] for _, _, lr, _, _ in group}))
+            resolved.setdefault(rr, [None] * ratio)[sub] = (
+                (cover_indices(group, pieces.image_len[rr]), ranks) if inside else None)
         return cls(tuple(planners), ratio, {rr: tuple(t) for rr, t in templates.items()},
-                   local_ranks, dict(pieces.image_len), dict(pieces.local_block_len))
+                   {rr: tuple(r) for rr, r in resolved.items()}, local_ranks,
+                   dict(pieces.image_len), dict(pieces.local_block_len))
 
     def pieces(self, local_ids: Sequence[Sequence[int]],
                positions: Sequence[int]) -> LandedPieces:
@@ -597,7 +619,9 @@ class LandingMap:
         ratio, lranks = self.ratio, self.local_ranks
         lbl = [self.local_block_len[r] for r in lranks]
         groups: dict[tuple[int, int], list[Piece]] = {}
+        resolved: dict[tuple[int, int], tuple[Covers | None, set[int]]] = {}
         for rr, per_sub in self.templates.items():
+            per_resolved = self.resolved[rr]
             for p in positions:
                 template = per_sub[p % ratio]
                 if template:
@@ -605,7 +629,10 @@ class LandingMap:
                     groups[(rr, p)] = [
                         (img, length, lranks[ri], lg, local_ids[ri][i] * lbl[ri] + off)
                         for img, length, ri, lg, off in template]
-        return LandedPieces(groups, self.image_len, self.local_block_len)
+                    known = per_resolved[p % ratio]
+                    if known is not None:
+                        resolved[(rr, p)] = (known[0], {local_ids[ri][i] for ri in known[1]})
+        return LandedPieces(groups, self.image_len, self.local_block_len, resolved)
 
 
 # (id of each planner) -> LandingMap; the map holds its planners (small: metadata and
@@ -673,7 +700,7 @@ def landed_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
         [int(p) for p in positions])
 
 
-def _covers(pieces: list[Piece], total: int) -> bool:
+def _covers(pieces: Sequence[Piece], total: int) -> bool:
     """Whether pieces ``(image offset, length, ...)`` sorted by offset tile ``[0, total)``."""
     end = 0
     for img, length, *_ in pieces:
@@ -681,6 +708,30 @@ def _covers(pieces: list[Piece], total: int) -> bool:
             return False
         end += length
     return end == total
+
+
+def cover_indices(group: Sequence[Piece], total: int) -> Covers | None:
+    """The covers of one producer block image's landed pieces, as indices into `group`:
+    each local rank holding the whole image alone (same TP, fewer consumer ranks, MLA
+    replicas) is one cover; else the local ranks' pieces together must tile it; None when
+    they do not (this process holds only part of the image).
+
+    Example:
+      >>> cover_indices([(4, 4, 0, 0, 12), (0, 4, 0, 0, 8)], 8)
+      ((1, 0),)
+      >>> cover_indices([(0, 4, 0, 0, 0), (4, 4, 1, 0, 0)], 8), cover_indices([(0, 4, 0, 0, 0)], 8)
+      (((0, 1),), None)
+    """
+    if len(group) == 1:  # one region per block: the image in one piece
+        return ((0,),) if group[0][0] == 0 and group[0][1] == total else None
+    by_rank: dict[int, list[int]] = {}
+    for k, piece in enumerate(group):
+        by_rank.setdefault(piece[2], []).append(k)
+    covers = [tuple(sorted(ks, key=group.__getitem__)) for ks in by_rank.values()]
+    if all(_covers([group[k] for k in ks], total) for ks in covers):
+        return tuple(covers)
+    whole = tuple(sorted(range(len(group)), key=group.__getitem__))
+    return (whole,) if _covers([group[k] for k in whole], total) else None
 
 
 @dataclasses.dataclass
@@ -715,32 +766,21 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
     # per-group numpy calls would cost more than the hashing of small blocks.
     device_jobs: list[tuple[tuple[int, int], int, list[int]]] = []
     image_len, local_block_len = pieces.image_len, pieces.local_block_len
+    resolved = pieces.resolved or {}
     for (rr, pos), group in pieces.groups.items():
-        total = image_len[rr]
-        if len(group) == 1:  # the image in one piece (one region per block): the cover
-            img, length, lr, lg, lo = group[0]
-            blen = local_block_len[lr]
-            blocks = set(range(lo // blen, (lo + length - 1) // blen + 1))
-            if img or length != total:
-                out[(rr, pos)] = LandedDigest([], blocks, False)
-                continue
-            covers = [group]
+        known = resolved.get((rr, pos))
+        if known is not None:
+            indices, blocks = known
         else:
+            indices = cover_indices(group, image_len[rr])
             blocks = set()
-            by_rank: dict[int, list[Piece]] = {}
-            for piece in group:
-                img, length, lr, lg, lo = piece
+            for _, length, lr, _, lo in group:
                 blen = local_block_len[lr]
                 blocks.update(range(lo // blen, (lo + length - 1) // blen + 1))
-                by_rank.setdefault(lr, []).append(piece)
-            # Each local rank holding the whole image alone (same TP, fewer consumer ranks,
-            # MLA replicas) is one cover; else the local ranks' pieces together must tile it.
-            covers = [sorted(p) for p in by_rank.values()]
-            if not all(_covers(c, total) for c in covers):
-                covers = [sorted(group)]
-                if not _covers(covers[0], total):
-                    out[(rr, pos)] = LandedDigest([], blocks, False)
-                    continue
+        if indices is None:
+            out[(rr, pos)] = LandedDigest([], blocks, False)
+            continue
+        covers = [[group[k] for k in ks] for ks in indices]
         algorithm = algorithms[rr]
         values: list[int] = []
         verifiable = True

@@ -30,6 +30,7 @@ from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache  # noqa: E402
 from jaxkv.transfer import nixl_available, prometheus_text  # noqa: E402
 from jaxkv.transfer._digest import (  # noqa: E402
     DigestOptions,
+    RankRegions,
     device_digests,
     landed_pieces,
     landing_map,
@@ -38,6 +39,7 @@ from jaxkv.transfer._digest import (  # noqa: E402
     sample_positions,
     sample_seed,
     sum32_numpy,
+    verify_landed,
 )
 from jaxkv.transfer._jax_transport import jax_transfer_available  # noqa: E402
 from jaxkv.transfer._messages import Ack, decode_message, encode_message  # noqa: E402
@@ -421,6 +423,25 @@ class LandingMapTest(parameterized.TestCase):
         positions = [1, 8, len(remote_ids) - 1]
         sub = landed_pieces(plans, meta_d, meta_p, remote_ids, np.asarray(positions))
         self.assertEqual(sub.groups, {k: v for k, v in want.groups.items() if k[1] in positions})
+        # The digests over the same (random) local bytes: the covers and blocks the map
+        # resolved once per geometry give what resolving each group gives.
+        rng = np.random.default_rng(3)
+        regions = {}
+        for plan in plans:
+            info = meta_d.rank_info(plan.local_rank).regions
+            size = info[0].block_len * info[0].num_blocks
+            buffers = [rng.integers(0, 256, size, dtype=np.uint8) for _ in info]
+            regions[plan.local_rank] = RankRegions(
+                tuple(b.ctypes.data for b in buffers), ("DRAM",) * len(info),
+                (size,) * len(info), tuple(memoryview(b) for b in buffers),
+                info[0].block_len, tuple(range(len(info))), 0)
+        algorithms = {rank: "xxh3" for rank in range(p_tp)}
+        self.assertIsNotNone(got.resolved)
+        fast = verify_landed(got, algorithms, regions, {})
+        self.assertEqual(fast, verify_landed(want, algorithms, regions, {}))
+        self.assertTrue(all(d.verifiable and d.values for d in fast.values()))
+        self.assertEqual(verify_landed(sub, algorithms, regions, {}),
+                         {k: v for k, v in fast.items() if k[1] in positions})
 
     def test_maps_are_per_planners(self):
         plans, meta_d, meta_p = self.plans(1, 1, "HTD", "HTD", 1)
