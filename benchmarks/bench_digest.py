@@ -45,20 +45,21 @@ import numpy as np  # noqa: E402
 MODES = ("off", "full", "sampled:4", "sampled:1")
 
 
-def _spec(mib: int) -> tuple[dict, int]:
-    # 1 MiB blocks (16 layers x K/V x 8 heads x 16 tokens x 128 x bf16), `mib` of them.
+def _spec(mib: int, layout: str = "LKHTD") -> tuple[dict, int]:
+    # 1 MiB blocks (16 layers x K/V x 8 heads x 16 tokens x 128 x bf16), `mib` of them: one
+    # region per block with LKHTD, 32 regions of 32 KiB (one per layer and K/V) with HTD.
     spec = dict(num_layers=16, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16",
-                layout="LKHTD")
+                layout=layout)
     return spec, mib
 
 
-def producer_main(conn, mib: int, transport: str) -> None:
+def producer_main(conn, mib: int, transport: str, layout: str) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
     from jaxkv.transfer._engine import KVTransferEngine
 
-    spec_kwargs, blocks = _spec(mib)
+    spec_kwargs, blocks = _spec(mib, layout)
     spec = KVCacheSpec(**spec_kwargs)
     config = EngineConfig(spec, 1)
     rng = np.random.default_rng(0)
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--transport", default="nixl", choices=("nixl", "jax"))
+    parser.add_argument("--layout", default="LKHTD", choices=("LKHTD", "HTD"))
     parser.add_argument("--json_out", default="")
     args = parser.parse_args()
     load_start = os.getloadavg()
@@ -120,13 +122,13 @@ def main() -> None:
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=producer_main, args=(child, args.mib, args.transport),
+    process = ctx.Process(target=producer_main, args=(child, args.mib, args.transport, args.layout),
                           daemon=True)
     process.start()
     if not parent.poll(300):
         raise TimeoutError("the producer did not start")
     parent.recv()  # the producer's side-channel addresses (its params name them)
-    spec_kwargs, blocks = _spec(args.mib)
+    spec_kwargs, blocks = _spec(args.mib, args.layout)
     spec = KVCacheSpec(**spec_kwargs)
     config = EngineConfig(spec, 1)
     consumers = {}
@@ -172,10 +174,9 @@ def main() -> None:
     # The physical limit: xxh3 alone over the bytes one side digests per read (the blocks of
     # the consumer's cache one by one, as the digests hash them), same process and load.
     cache = consumers[MODES[-1]].caches[0]
-    buffer = cache.shard_buffers()[0]
-    view = memoryview(np.ctypeslib.as_array(
-        (ctypes.c_uint8 * buffer.nbytes).from_address(buffer.address)))
-    block_len = buffer.nbytes // cache.num_blocks
+    views = [memoryview(np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(
+        b.address))) for b in sorted(cache.shard_buffers(), key=lambda b: b.array_index)]
+    block_len = len(views[0]) // cache.num_blocks
     floor: dict[str, float] = {}
     for mode in MODES:
         if mode == "off":
@@ -188,7 +189,10 @@ def main() -> None:
             chosen = [local_ids[(rep * count + j) % blocks] for j in range(count)]
             t0 = time.perf_counter()
             for b in chosen:
-                xxhash.xxh3_64_intdigest(view[b * block_len:(b + 1) * block_len])
+                h = xxhash.xxh3_64()  # a block image: its bytes in every region, in order
+                for view in views:
+                    h.update(view[b * block_len:(b + 1) * block_len])
+                h.intdigest()
             times.append((time.perf_counter() - t0) * 1e3)
         floor[mode] = statistics.median(times)
     for engine in consumers.values():
@@ -223,6 +227,7 @@ def main() -> None:
         "numpy": np.__version__,
         "xxhash": xxhash.VERSION,
         "transport": args.transport,
+        "layout": args.layout,
         "request_mib": args.mib,
         "repeats": args.repeats,
         "medians": med,
