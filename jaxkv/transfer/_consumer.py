@@ -198,6 +198,7 @@ class Consumer:
         # "never"; the costs are calibrated per producer engine from this process's reads.
         self.formatted_reads = "auto"
         self.costs: dict[str, PathCosts] = {}
+        self._block_bytes = (-1, 0)  # (registry generation, local bytes per block id)
 
     def send(self, target: str, payload: bytes) -> bool:
         ok = self.control.send(target, payload)
@@ -440,8 +441,15 @@ class Consumer:
         if mode == "never" or not num_local or not getattr(self.transport, "formats_reads",
                                                            False):
             return False
-        local_regions = [r for p in state.plans for r in meta.rank_info(p.local_rank).regions]
-        host = all(r.memory_kind == "DRAM" for r in local_regions) and all(
+        # A cheap upper bound first (per registration, not per read): small reads never pay
+        # a round trip per chunk, nor this check's walk over the regions.
+        if self._block_bytes[0] != self.registry.generation:
+            self._block_bytes = (self.registry.generation, sum(
+                r.block_len for info in meta.ranks for r in info.regions))
+        if mode == "auto" and num_local * self._block_bytes[1] < MIN_FORMATTED_BYTES:
+            return False
+        host = all(r.memory_kind == "DRAM" for p in state.plans
+                   for r in meta.rank_info(p.local_rank).regions) and all(
             r.memory_kind == "DRAM" for info in peer.meta.ranks for r in info.regions)
         if not host:
             if mode == "always":
@@ -450,9 +458,6 @@ class Consumer:
             return False
         if mode == "always":
             return True
-        # A cheap upper bound first: small reads never pay a round trip per chunk.
-        if num_local * sum(r.block_len for r in local_regions) < MIN_FORMATTED_BYTES:
-            return False
         costs = self.costs.setdefault(state.peer, PathCosts())
         chunks = self.transport.chunk_bytes  # type: ignore[attr-defined]
         nbytes = sum(p.num_bytes for p in state.plans)
