@@ -22,7 +22,10 @@ all see the same machine load. Per mode:
 
 Overheads are ratios of medians against ``off``: ``pull`` (what the consumer sees),
 ``pull+publish`` (the producer's digest time added, as for a request published right before
-its read), and each side's digest time as a fraction of the ``off`` pull. Prints one JSON
+its read), each side's digest time and the growth of ``confirm_ms`` as fractions of the
+``off`` pull. The READs themselves (``land_ms``) differ by a few percent between engine pairs
+whatever their digests (creating the engines in the reverse order moves which pair is
+fastest): digests act only after the landing (``confirm_ms``) and at publication. Prints one JSON
 object (and writes it with ``--json_out``):
 
   python benchmarks/bench_digest.py --mib=64 --repeats=15 --transport=nixl \
@@ -222,6 +225,9 @@ def main() -> None:
             "overhead_digests_of_pull": (med[m]["producer_digest_ms"]
                                          + med[m]["consumer_digest_ms"]) / base["pull_ms"],
             "consumer_digest_of_pull": med[m]["consumer_digest_ms"] / base["pull_ms"],
+            # what the reader waits for after its bytes landed, beyond the Acks alone
+            "confirm_delta_of_pull": (med[m]["confirm_ms"] - base["confirm_ms"])
+            / base["pull_ms"],
             "producer_digest_of_pull": med[m]["producer_digest_ms"] / base["pull_ms"],
             "xxh3_floor_of_pull": med[m]["xxh3_floor_ms"] / base["pull_ms"],
         }
