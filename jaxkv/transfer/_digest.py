@@ -765,6 +765,7 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
     # Plain Python over the pieces: a group is usually a few pieces (one per region), and
     # per-group numpy calls would cost more than the hashing of small blocks.
     device_jobs: list[tuple[tuple[int, int], int, list[int]]] = []
+    xxh3_jobs: list[tuple[list[int], list[memoryview]]] = []  # (the digest's values, chunks)
     image_len, local_block_len = pieces.image_len, pieces.local_block_len
     resolved = pieces.resolved or {}
     for (rr, pos), group in pieces.groups.items():
@@ -782,8 +783,7 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
             continue
         covers = [[group[k] for k in ks] for ks in indices]
         algorithm = algorithms[rr]
-        values: list[int] = []
-        verifiable = True
+        digest = out[(rr, pos)] = LandedDigest([], blocks, True)
         for cover in covers:
             if len(cover) == 1:
                 on_device = local_regions[cover[0][2]].kinds[cover[0][3]] != "DRAM"
@@ -793,34 +793,38 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
             if on_device:
                 job = _device_job(cover, local_block_len)
                 if job is None or algorithm != "sum32":
-                    verifiable = False
+                    digest.verifiable = False
                     break
                 device_jobs.append(((rr, pos), cover[0][2], job))
                 continue
-            if algorithm == "xxh3" and len(cover) == 1:  # one piece: one call
-                _, length, lr, lg, lo = cover[0]
+            chunks = []
+            for _, length, lr, lg, lo in cover:
                 view = local_regions[lr].views[lg]
                 assert view is not None  # DRAM
-                values.append(xxhash.xxh3_64_intdigest(view[lo:lo + length]))
+                chunks.append(view[lo:lo + length])
+            if algorithm == "xxh3":
+                xxh3_jobs.append((digest.values, chunks))
                 continue
-            h = xxhash.xxh3_64() if algorithm == "xxh3" else None
             s1 = s2 = 0
-            for img, length, lr, lg, lo in cover:
-                view = local_regions[lr].views[lg]
-                assert view is not None  # DRAM
-                chunk = view[lo:lo + length]
-                if h is not None:
-                    h.update(chunk)
-                else:
-                    if img % 4 or length % 4:
-                        verifiable = False
-                        break
-                    p1, p2 = sum32_numpy(np.frombuffer(chunk, np.uint8), img // 4)
-                    s1, s2 = (s1 + p1) & 0xFFFFFFFF, (s2 + p2) & 0xFFFFFFFF
-            if not verifiable:
+            for (img, length, *_), chunk in zip(cover, chunks):
+                if img % 4 or length % 4:
+                    digest.verifiable = False
+                    break
+                p1, p2 = sum32_numpy(np.frombuffer(chunk, np.uint8), img // 4)
+                s1, s2 = (s1 + p1) & 0xFFFFFFFF, (s2 + p2) & 0xFFFFFFFF
+            if not digest.verifiable:
                 break
-            values.append(h.intdigest() if h is not None else _combine(s1, s2))
-        out[(rr, pos)] = LandedDigest(values, blocks, verifiable)
+            digest.values.append(_combine(s1, s2))
+    # Hashed apart from the bookkeeping above: a block hashed streams through the CPU caches
+    # and evicts the interpreter's working set, which a loop of only hash calls barely needs.
+    for values, chunks in xxh3_jobs:
+        if len(chunks) == 1:
+            values.append(xxhash.xxh3_64_intdigest(chunks[0]))
+        else:
+            h = xxhash.xxh3_64()
+            for chunk in chunks:
+                h.update(chunk)
+            values.append(h.intdigest())
     by_local: dict[int, list[tuple[tuple[int, int], list[int]]]] = {}
     for key, lr, job in device_jobs:
         by_local.setdefault(lr, []).append((key, job))
