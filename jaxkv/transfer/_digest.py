@@ -26,6 +26,13 @@ mirror with host staging, else the cache's own buffers.
   the bytes of the mismatched producer blocks listed invalid, and counts
   `TransferStats.digest_mismatches`.
 
+Per read, both sides do work in proportion to the blocks they digest only: what depends on
+the geometry is cached. The consumer's `LandingMap` (where each byte of a block image lands,
+relative to its local block, and which pieces make its covers) is derived once per read's
+planners, so per metadata pair: a re-registration on either side or a peer of another
+geometry derives its own. Where a rank's bytes are (`RankRegions`, host views included) is
+cached per registered entry and rank until the entry's buffers or mirror are other objects.
+
 Algorithms: ``"xxh3"`` (xxh3-64 of the image, on host memory views: CPU caches and host
 mirrors) and ``"sum32"`` (a jitted JAX reduction computed where the cache lives, for device
 memory that is not host-addressable: the image as little-endian 32-bit words ``w_i``,
