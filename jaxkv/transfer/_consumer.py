@@ -138,8 +138,10 @@ class Reading:
     converted: bool = False  # the JAX formatter converted layout / block size (no sender image)
     num_remote_ids: int = 0
     invalid: tuple[int, ...] | None = None  # local blocks invalid on failure (None: all)
-    # a formatted read (jaxkv.transfer._formatted): (local rank, producer rank) -> its fetch
-    formatted: dict[tuple[int, int], FormattedFetch] = dataclasses.field(default_factory=dict)
+    # a formatted read (jaxkv.transfer._formatted): its fetches (one per local rank,
+    # producer rank and, layer-wise, layer), each numbering its chunks from its own first
+    formatted: list[FormattedFetch] = dataclasses.field(default_factory=list)
+    formatted_path: bool = False  # the read goes formatted (layer-wise: as layers come)
 
     @property
     def key(self) -> str:
@@ -352,8 +354,11 @@ class Consumer:
                 self._start_arrays(state, peer, meta, len(local_ids))
                 transition(state, ReadState.TRANSFERRING)
                 return
-            if not state.layerwise and self._formats(state, peer, meta, len(local_ids)):
-                self._start_formatted(state, peer, meta)
+            state.formatted_path = self._formats(state, peer, meta, len(local_ids))
+            if state.formatted_path and not state.layerwise:
+                for plan in state.plans:
+                    for remote_rank in plan.read_ranks:
+                        self._start_formatted(state, peer, meta, plan, remote_rank)
                 transition(state, ReadState.TRANSFERRING)
                 return
             if state.layerwise:
@@ -403,13 +408,20 @@ class Consumer:
                       num_local: int) -> None:
         """A read over a transport that moves arrays (`transport.moves_arrays`): the producer
         processes format the request for this process's ranks once asked (`Want` with the
-        read and this engine's geometry, layer-wise requests once every layer is written);
-        one fetch per local rank pulls its buffers from every source rank and writes them
-        in the local layout (no post-processing left)."""
+        read and this engine's geometry); one fetch per local rank pulls its buffers from
+        every source rank and writes them in the local layout (no post-processing left).
+
+        A layer-wise request (with the transport's ``layer_group_bytes`` > 0) is pulled in
+        layer groups (`JaxTransport.read_groups`, the ranges the producer derives from the
+        Want): every group's pulls are posted now, the producer offers each once its layers
+        are written, and each group is written into the cache as it arrives (its layers
+        count as landed then); otherwise the request is pulled whole once every layer is
+        written."""
         state.converted = any(p.post for p in state.plans)
         state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
         state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
-        state.layerwise = False  # a layer-wise request is pulled whole, once fully written
+        group_bytes = int(getattr(self.transport, "layer_group_bytes", 0))
+        state.layerwise = False
         if not num_local:
             return  # notify only
         config = self.registry.config
@@ -419,15 +431,28 @@ class Consumer:
             address=[self.address[0], self.address[1]], attempt=state.attempt,
             layout=config.spec.layout, block_size=config.spec.block_size,
             tp_size=config.tp_size, pp_size=config.pp_size,
-            layers_per_pp=list(config.layer_split), ranks=list(self.registry.local_ranks)))
+            layers_per_pp=list(config.layer_split), ranks=list(self.registry.local_ranks),
+            layer_group_bytes=group_bytes if state.layerwise else 0))
         for target in peer.targets.values():
             if not self.control.send(target, want):
                 raise ConnectionError(f"could not ask producer {target!r} for the request")
+        transport: Any = self.transport
         for plan in state.plans:
-            prepared = self.transport.prepare_fetch(Fetch(
-                state.request_id, state.read_id, meta, peer.meta, plan, -1,
-                attempt=state.attempt))
-            state.handles.append(self.transport.start_fetch(prepared))
+            fetch = Fetch(state.request_id, state.read_id, meta, peer.meta, plan, -1,
+                          attempt=state.attempt)
+            if not state.layerwise:
+                state.handles.append(transport.start_fetch(transport.prepare_fetch(fetch)))
+                continue
+            prepared = [(layers, transport.prepare_layers(fetch, layers))
+                        for layers in transport.read_groups(fetch)]
+            for layers, piece in prepared:
+                if piece is None:
+                    continue  # another pipeline stage's layers
+                handle = transport.start_fetch(piece)
+                state.handles.append(handle)
+                for layer in range(*layers):
+                    state.layer_handles.setdefault(layer, []).append(handle)
+        state.layers_total = tuple(sorted(state.layer_handles))
 
     def _formats(self, state: Reading, peer: Peer, meta: EngineMetadata, num_local: int) -> bool:
         """Whether this read goes formatted (`jaxkv.transfer._formatted`): never for
@@ -466,33 +491,41 @@ class Consumer:
         return costs.formatted_s(pieces + nbytes // chunks, nbytes) < costs.direct_s(
             descriptors, nbytes)
 
-    def _start_formatted(self, state: Reading, peer: Peer, meta: EngineMetadata) -> None:
-        """One formatted fetch per (local rank, producer rank): its chunks are asked for
-        (`Format`) as receive-pool slots allow; `on_formatted` posts their READs."""
+    def _start_formatted(self, state: Reading, peer: Peer, meta: EngineMetadata,
+                         plan: ReadPlan, remote_rank: int, layer: int | None = None
+                         ) -> FormattedFetch:
+        """The formatted fetch of one (local rank, producer rank) share of `plan` (a layer's
+        sub-plan: the producer gathers it once the layer is published): its chunks are asked
+        for (`Format`) as receive-pool slots allow; `on_formatted` posts their READs."""
         transport: Any = self.transport
         generation = self.registry.generation  # the regions the plans write into
-        for plan in state.plans:
-            for remote_rank in plan.read_ranks:
-                target = peer.targets[peer.meta.rank_info(remote_rank).agent_name]
+        target = peer.targets[peer.meta.rank_info(remote_rank).agent_name]
+        first = sum(len(f.chunks) for f in state.formatted)  # chunk ids unique per read
+        layer_stop = 0 if layer is None else layer + 1
 
-                def ask(chunk: int, nbytes: int, fields: dict, local_rank: int = plan.local_rank,
-                        remote_rank: int = remote_rank, target: str = target) -> bool:
-                    return self.send(target, encode_message(Format(
-                        state.request_id, self.engine_id, transport.endpoint, state.read_id,
-                        state.attempt, chunk, remote_rank, local_rank,
-                        state.generations.get(remote_rank, -1), nbytes, **fields)))
+        def ask(chunk: int, nbytes: int, fields: dict) -> bool:
+            return self.send(target, encode_message(Format(
+                state.request_id, self.engine_id, transport.endpoint, state.read_id,
+                state.attempt, chunk, remote_rank, plan.local_rank,
+                state.generations.get(remote_rank, -1), nbytes, layer_stop=layer_stop,
+                **fields)))
 
-                def released(chunk: int, local_rank: int = plan.local_rank,
-                             remote_rank: int = remote_rank) -> bytes:
-                    return encode_message(Released(
-                        state.request_id, transport.endpoint, state.attempt, chunk,
-                        remote_rank, local_rank))
+        def released(chunk: int) -> bytes:
+            return encode_message(Released(
+                state.request_id, transport.endpoint, state.attempt, chunk, remote_rank,
+                plan.local_rank))
 
-                fetch = transport.start_formatted(
-                    Fetch(state.request_id, state.read_id, meta, peer.meta, plan, remote_rank),
-                    ask, released, lambda: self.registry.generation == generation)
-                state.formatted[(plan.local_rank, remote_rank)] = fetch
-                state.handles.append(fetch)
+        try:
+            fetch = transport.start_formatted(
+                Fetch(state.request_id, state.read_id, meta, peer.meta, plan, remote_rank,
+                      layer),
+                ask, released, lambda: self.registry.generation == generation,
+                first_chunk=first)
+        except ValueError as error:  # e.g. a chunk larger than the receive pool
+            raise PlanError(f"formatted read: {error}") from error
+        state.formatted.append(fetch)
+        state.handles.append(fetch)
+        return fetch
 
     def _plan_layers(self, state: Reading, peer: Peer, local_ids: np.ndarray, remote_ids) -> None:
         """Per (global layer, remote rank): a prepared fetch, posted once announced."""
@@ -515,6 +548,9 @@ class Consumer:
                     layers=(layer, layer + 1),
                 )
                 for remote_rank in sub.read_ranks:
+                    if state.formatted_path:  # gathered once the layer is announced
+                        state.pending.append((layer, remote_rank, sub))
+                        continue
                     fetch = Fetch(
                         state.request_id, state.read_id, meta, peer.meta, sub, remote_rank, layer
                     )
@@ -570,7 +606,9 @@ class Consumer:
         if message.producer_rank not in self.sender_ranks(reading.peer, channel, sender):
             self.stats.refused_messages += 1
             return
-        fetch = reading.formatted.get((message.consumer_rank, message.producer_rank))
+        fetch = next((f for f in reading.formatted if f.owns(message.chunk)
+                      and (f.local_rank, f.remote_rank)
+                      == (message.consumer_rank, message.producer_rank)), None)
         if fetch is None:
             self.stats.refused_messages += 1
             return
@@ -602,8 +640,19 @@ class Consumer:
         for item in state.pending:
             layer, remote_rank, prepared = item
             if state.ready.get(remote_rank, 0) > layer:
-                handle = self.transport.start_fetch(prepared)
-                state.handles.append(handle)
+                if state.formatted_path:  # `prepared` is the layer's sub-plan
+                    peer = self.peers[state.peer]
+                    meta = self.registry.meta
+                    assert meta is not None
+                    try:
+                        handle = self._start_formatted(state, peer, meta, prepared,
+                                                       remote_rank, layer)
+                    except PlanError as error:
+                        state.error = str(error)
+                        return
+                else:
+                    handle = self.transport.start_fetch(prepared)
+                    state.handles.append(handle)
                 state.layer_handles[layer].append(handle)
                 if state.state is ReadState.WAITING_READY:
                     transition(state, ReadState.TRANSFERRING)
@@ -626,6 +675,9 @@ class Consumer:
             states = [self.transport.check(h) for h in handles]
             if "ERR" in states:
                 state.error = f"a {self.transport.name} fetch of layer {layer} failed"
+                reason = next((r for r in map(self.transport.error_of, handles) if r), None)
+                if reason:
+                    state.error += f": {reason}"
                 self.suspect(state.peer)
                 return False
             if all(st == "DONE" for st in states):
@@ -866,7 +918,7 @@ class Consumer:
                 post_s=state.post_s,
                 layer_arrival=tuple(sorted(state.layer_arrival.items())),
                 started_at=state.started_wall,
-                path="formatted" if state.formatted else "direct",
+                path="formatted" if state.formatted_path else "direct",
             )
         )
         self._calibrate(state)
@@ -884,7 +936,7 @@ class Consumer:
         seconds = state.done_at - state.started
         nbytes = sum(p.num_bytes for p in state.plans)
         if state.formatted:
-            chunks = sum(len(f.chunks) for f in state.formatted.values())
+            chunks = sum(len(f.chunks) for f in state.formatted)
             costs.observe_formatted(chunks, nbytes, seconds)
         elif nbytes >= MIN_FORMATTED_BYTES:
             costs.observe_direct(sum(int(p.copies[:, 6].sum()) for p in state.plans), nbytes,

@@ -380,6 +380,7 @@ class FormattedFetch:
         ``num_remote``; False: could not send).
       remote_ids: the remote blocks read (the template form's blocks).
       remote_block_lens: the producer rank's regions' bytes per block.
+      first_chunk: the id of its first chunk (ids are unique within a read).
       released: ``released(chunk index) -> bytes`` the notification a READ carries.
       regions_current: whether `local_regions` are still registered as they were (a chunk
         is never scattered into memory the cache no longer owns).
@@ -391,8 +392,9 @@ class FormattedFetch:
                  released: Callable[[int], bytes],
                  regions_current: Callable[[], bool] = lambda: True,
                  remote_ids: np.ndarray | None = None,
-                 remote_block_lens: Sequence[int] = ()):
+                 remote_block_lens: Sequence[int] = (), first_chunk: int = 0):
         self.regions_current = regions_current
+        self.first_chunk = first_chunk
         self.agent, self.pool, self.remote_name = agent, pool, remote_name
         self.local_rank, self.remote_rank = local_rank, remote_rank
         self.local_regions = list(local_regions)
@@ -407,7 +409,7 @@ class FormattedFetch:
             if nbytes > pool.nbytes:
                 raise ValueError(f"a formatted chunk of {nbytes} bytes exceeds the "
                                  f"{pool.nbytes}-byte receive pool")
-            self.chunks.append(_Chunk(i, part, nbytes, first))
+            self.chunks.append(_Chunk(first_chunk + i, part, nbytes, first))
         self.error: str | None = None
         self.nbytes = sum(c.nbytes for c in self.chunks)
         self.advance()
@@ -435,12 +437,16 @@ class FormattedFetch:
                 return
             chunk.state = "asked"
 
+    def owns(self, chunk_index: int) -> bool:
+        """Whether chunk id `chunk_index` is one of this fetch's."""
+        return 0 <= chunk_index - self.first_chunk < len(self.chunks)
+
     def on_formatted(self, chunk_index: int, address: int, nbytes: int, error: str) -> None:
         """The producer's answer for one chunk: READ it, or fail with its reason."""
-        if not 0 <= chunk_index < len(self.chunks):
+        if not self.owns(chunk_index):
             self.error = f"producer rank {self.remote_rank} answered unknown chunk {chunk_index}"
             return
-        chunk = self.chunks[chunk_index]
+        chunk = self.chunks[chunk_index - self.first_chunk]
         if chunk.state != "asked":
             return  # a duplicate answer
         if error:

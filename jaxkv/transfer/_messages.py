@@ -115,6 +115,9 @@ class Want(msgspec.Struct, tag="want", frozen=True, forbid_unknown_fields=True):
     layers_per_pp: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]],
                              msgspec.Meta(max_length=1 << 16)] = []
     ranks: Annotated[list[_Rank], msgspec.Meta(max_length=1 << 16)] = []
+    # JAX transport, a layer-wise read: pulled in layer groups of at least this many bytes
+    # (`jaxkv.transfer._formatter.layer_groups`, the same ranges on both sides; 0: whole)
+    layer_group_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True, forbid_unknown_fields=True):
@@ -154,6 +157,8 @@ class Format(msgspec.Struct, tag="format", frozen=True, forbid_unknown_fields=Tr
     first_row: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 0
     num_rows: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
     num_remote: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+    # the global layers [0, layer_stop) the ranges read must be published first (0: all)
+    layer_stop: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
 
 
 class Formatted(msgspec.Struct, tag="formatted", frozen=True, forbid_unknown_fields=True):

@@ -150,7 +150,8 @@ class NixlTransport:
 
     def start_formatted(self, fetch: Fetch, ask: Callable[[int, int, dict], bool],
                         released: Callable[[int], bytes],
-                        regions_current: Callable[[], bool] = lambda: True) -> FormattedFetch:
+                        regions_current: Callable[[], bool] = lambda: True,
+                        first_chunk: int = 0) -> FormattedFetch:
         """A formatted read of one (local rank, producer rank) pair (see
         `jaxkv.transfer._formatted`); its handle is checked and released like a READ's.
 
@@ -167,7 +168,7 @@ class NixlTransport:
             fetch.remote_rank, fetch.plan.copies_for(fetch.remote_rank), regions,
             self.chunk_bytes, ask, released, regions_current,
             remote_ids=fetch.plan.remote_block_ids,
-            remote_block_lens=[r.block_len for r in info.regions])
+            remote_block_lens=[r.block_len for r in info.regions], first_chunk=first_chunk)
 
     def check(self, handle: Any) -> str:
         if isinstance(handle, FormattedFetch):

@@ -496,10 +496,12 @@ class Producer:
             return ("stale: the producer re-registered its cache after this read was planned "
                     f"(generation {self.registry.generation}, planned {message.generation})")
         pinned = self.pinned.get(message.request_id)
-        if pinned is None or pinned.layer_stop < self.registry.config.spec.num_layers:
+        num_layers = self.registry.config.spec.num_layers
+        needed = min(message.layer_stop or num_layers, num_layers)
+        if pinned is None or pinned.layer_stop < needed:
             if message.request_id in self.released:
                 return f"request {message.request_id!r} was freed before this read"
-            return "wait"  # not (fully) published yet
+            return "wait"  # the layers it reads are not published yet
         meta = self.registry.meta
         assert meta is not None
         info = meta.rank_info(message.producer_rank)

@@ -252,7 +252,7 @@ class FormattedReadTest(tt.TransferTestBase):
         engine.start_read(params, LOCAL_IDS)
         deadline = time.monotonic() + WAIT_S
         while (time.monotonic() < deadline and not any(
-                c.state == "done" for f in engine.consumer.reading["req-1"].formatted.values()
+                c.state == "done" for f in engine.consumer.reading["req-1"].formatted
                 for c in f.chunks)):
             engine.poll()
         process.kill()

@@ -56,9 +56,12 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         (2, 1, "KHTD", "KTHD", False),
         (1, 2, "LKTHD", "LKTHD", True),
         (2, 1, "KHTD", "KTHD", False, "nixl"),
+        # formatted reads: each announced layer gathered by the producer, read in one chunk
+        (2, 1, "KHTD", "KTHD", False, "auto", "always"),
+        (1, 2, "LKTHD", "LKTHD", True, "auto", "always"),
     )
     def test_layers_arrive_as_published(self, p_tp, d_tp, p_layout, d_layout, staging,
-                                        control="auto"):
+                                        control="auto", formatted="never"):
         spec_kwargs = dict(num_layers=NUM_LAYERS, num_kv_heads=4, head_dim=8, block_size=4,
                            dtype="bfloat16", layout=p_layout)
         _, conn = self.start_producer(spec_kwargs, p_tp, engine_kwargs={"host_staging": staging})
@@ -68,7 +71,8 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         self.assertTrue(params.layerwise)
         self.call(conn, "layers", "req-lw", 1)  # layer 0 computed and published
         spec = KVCacheSpec(**dict(spec_kwargs, layout=d_layout))
-        engine, cache, config = self.consumer(spec, d_tp, host_staging=staging, control=control)
+        engine, cache, config = self.consumer(spec, d_tp, host_staging=staging, control=control,
+                                              formatted_reads=formatted)
         engine.start_read(params, LOCAL_IDS)
 
         seen = self.poll_until(engine, lambda s: s.layers.get("req-lw", 0) >= 1, "layer 0")
@@ -84,6 +88,7 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(engine.caches[0], config, g, LOCAL_IDS)
         record = engine.stats.records[-1]
+        self.assertEqual(record.path, "formatted" if formatted == "always" else "direct")
         arrival = dict(record.layer_arrival)
         self.assertEqual(sorted(arrival), list(range(NUM_LAYERS)))
         (publication,) = self.call(conn, "publications")
