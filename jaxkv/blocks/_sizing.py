@@ -8,11 +8,11 @@ Follows vLLM's ``get_kv_cache_config`` (v1):
 * Several types with one page size per layer (e.g. full attention + sliding window): layers of
   each type are split into groups of ``group_size`` layers, ``group_size`` being the smallest
   type's layer count, or the largest one's when the largest is under 1.5x the smallest (fewer
-  padding layers; vLLM 0.33's ratio). Type ``t`` with ``n`` layers gets ``k = ceil(n / group_size)`` groups, the
-  i-th holding ``layers[i::k]`` (strided, so pipeline stages stay balanced); a group with
-  fewer layers is padded (those slots waste memory). There are ``group_size`` buffers; buffer
-  ``i`` is shared by the i-th layer of every group, and a block id indexes the same page in
-  every buffer. Each group has its own block table per request.
+  padding layers; vLLM 0.33's ratio). Type ``t`` with ``n`` layers gets ``k = ceil(n /
+  group_size)`` groups, the i-th holding ``layers[i::k]`` (strided, so pipeline stages stay
+  balanced); a group with fewer layers is padded (those slots waste memory). There are
+  ``group_size`` buffers; buffer ``i`` is shared by the i-th layer of every group, and a block
+  id indexes the same page in every buffer. Each group has its own block table per request.
   ``num_blocks = available_memory // page_nbytes // group_size``.
 * One max-length request needs, per group, ``ceil(max_model_len / block_size)`` blocks for
   full attention, or ``ceil(min(window - 1 + max_num_batched_tokens, max_model_len) /
@@ -598,9 +598,9 @@ def _group(
         if len(pages) > 1:
             raise ValueError(
                 "disable_hybrid needs every layer to have the same page size (bytes per block "
-                f"per layer; Mamba layers aside); got {sorted(pages)} bytes. vLLM then sizes each layer's "
-                "buffer separately, which jaxkv's shared buffers do not; leave disable_hybrid "
-                "off to unify page sizes by block size instead."
+                f"per layer; Mamba layers aside); got {sorted(pages)} bytes. vLLM then sizes "
+                "each layer's buffer separately, which jaxkv's shared buffers do not; leave "
+                "disable_hybrid off to unify page sizes by block size instead."
             )
     types = _unify_page_sizes(types, tp_size)
     page_nbytes = max(
