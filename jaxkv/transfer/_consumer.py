@@ -421,7 +421,7 @@ class Consumer:
         state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
         state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
         group_bytes = int(getattr(self.transport, "layer_group_bytes", 0))
-        state.layerwise = False
+        state.layerwise = state.layerwise and num_local > 0 and group_bytes > 0
         if not num_local:
             return  # notify only
         config = self.registry.config

@@ -45,14 +45,20 @@ __all__ = [
     "FormatError",
     "Route",
     "canonical_config",
+    "LAYER_GROUP_BYTES",
     "check_formattable",
+    "concat_layers",
     "concat_request",
     "from_canonical",
     "rank_devices",
+    "receive_layer_routes",
     "receive_routes",
     "pack_into_blocks",
+    "layer_groups",
     "remote_tail",
+    "send_layer_routes",
     "send_routes",
+    "split_layers",
     "split_request",
     "to_canonical",
     "unpack_blocks",
@@ -548,17 +554,26 @@ def _unpacked(dense: Any, spec: KVCacheSpec, tp_size: int) -> Any:
 
 
 @functools.partial(own_jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank",
-                                             "block_shape", "packed"))
+                                             "block_shape", "packed", "window"))
 def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
                   canon_p: EngineConfig, canon_c: EngineConfig, rank: int,
                   block_shape: tuple[int, ...] | None = None,
-                  packed: tuple[KVCacheSpec, int] | None = None) -> list[Any]:
+                  packed: tuple[KVCacheSpec, int] | None = None,
+                  window: tuple[int, int] | None = None) -> list[Any]:
     """One rank's gather of every cache array, its canonical arrangement and its split, as
     one program (one dispatch: a small request is dominated by per-op costs); a padded
-    cache's values are extracted first (`packed`: its stored spec and TP size)."""
+    cache's values are extracted first (`packed`: its stored spec and TP size). `window`:
+    only the layers ``[lo, hi)`` of arrays with an ``L`` axis are gathered (one gather of the
+    window, never a copy of the cache's layers)."""
     from jaxkv.ops import gather_blocks, split_for_peers
 
-    dense = [gather_blocks(s, ids) for s in shards]
+    if window is None:
+        dense = [gather_blocks(s, ids) for s in shards]
+    else:
+        axis = 1 + layout.index("L")
+        index = (ids,) + (slice(None),) * (axis - 1) + (slice(*window),)
+        # as raw bits: float moves may canonicalize NaN payloads
+        dense = [jax.lax.bitcast_convert_type(_as_bits(s)[index], s.dtype) for s in shards]
     if packed is not None:
         dense = [_unpacked(d, *packed) for d in dense]
     canon = to_canonical(dense, layout, keys, block_shape)
@@ -701,3 +716,297 @@ def concat_request(
         _assemble((n_local, *a.shape[1:]), a, pieces[i]) for i, a in enumerate(cache.arrays)
     ]
     return cache.scatter_blocks(dense_all, ids)
+
+
+# -- layer groups (layer-wise pulls) ----------------------------------------------------------
+
+LAYER_GROUP_BYTES = 4 << 20
+"""The default least bytes of one layer group of a layer-wise pull (`layer_groups`)."""
+
+
+def layer_groups(producer: EngineConfig, consumer_split: Sequence[int], num_blocks: int,
+                 min_bytes: int) -> tuple[tuple[int, int], ...]:
+    """The global layer ranges a layer-wise request is pulled in, the same on both sides.
+
+    Consecutive layers are grouped until a group holds at least `min_bytes` of the request
+    (all heads, the producer's blocks) or a pipeline-stage boundary of either engine is
+    reached: every group lies in one producer stage and one consumer stage.
+
+    Args:
+      producer: the producer's config (its block size and layer split).
+      consumer_split: the consumer's layers per pipeline rank.
+      num_blocks: the producer blocks the read pulls.
+      min_bytes: the least bytes of a group (<= 0: one layer per group).
+
+    Returns:
+      ``((start, stop), ...)`` covering ``[0, num_layers)`` in order.
+
+    Raises:
+      FormatError: a consumer split that does not cover the model's layers.
+
+    Example:
+      >>> spec = KVCacheSpec(num_layers=6, num_kv_heads=1, head_dim=4, block_size=4)
+      >>> layer_groups(EngineConfig(spec, 1), [6], 2, 2 * 128)   # 128 bytes per layer
+      ((0, 2), (2, 4), (4, 6))
+      >>> layer_groups(EngineConfig(spec, 1, 2), [1, 5], 2, 1 << 20)
+      ((0, 1), (1, 3), (3, 6))
+    """
+    spec = producer.spec
+    num_layers = spec.num_layers
+    split = [int(n) for n in consumer_split]
+    if sum(split) != num_layers or any(n < 1 for n in split):
+        raise FormatError(f"consumer layers per pipeline rank {split} do not cover the "
+                          f"model's {num_layers} layers")
+    layer_bytes = (int(num_blocks) * spec.block_size * spec.kv_factor * spec.num_kv_heads
+                   * spec.head_dim * spec.itemsize)
+    cuts = {0, num_layers}
+    for layers in (producer.layer_split, split):
+        cuts.update(int(c) for c in np.cumsum(layers))
+    edges = sorted(cuts)
+    groups: list[tuple[int, int]] = []
+    for start, stop in zip(edges[:-1], edges[1:]):
+        a = start
+        while a < stop:
+            b = a + 1
+            while b < stop and (b - a) * layer_bytes < min_bytes:
+                b += 1
+            groups.append((a, b))
+            a = b
+    return tuple(groups)
+
+
+def _window(config: EngineConfig, layers: tuple[int, int]) -> tuple[EngineConfig, int, int]:
+    """The one-stage engine of the global layers ``[a, b)`` (inside one pipeline stage of
+    `config`), that stage and its first global layer.
+
+    Raises:
+      FormatError: the layers are empty or span pipeline stages.
+    """
+    a, b = int(layers[0]), int(layers[1])
+    if not 0 <= a < b <= config.spec.num_layers:
+        raise FormatError(f"layers [{a}, {b}) are outside a model of "
+                          f"{config.spec.num_layers} layers")
+    stage = config.layer_owner(a)
+    start, stop = config.layer_range(stage)
+    if b > stop:
+        raise FormatError(f"layers [{a}, {b}) span pipeline stages (stage {stage} holds "
+                          f"[{start}, {stop}))")
+    return EngineConfig(config.spec.replace(num_layers=b - a), config.tp_size), stage, start
+
+
+def _window_arrays(cache: Any, lo: int, hi: int) -> tuple[list[int], tuple]:
+    """The cache arrays holding the local layers ``[lo, hi)`` and their keys, relabeled from
+    0 (every array, keys unchanged, when the layout has an ``L`` axis)."""
+    keys = tuple(cache.array_keys)
+    if "L" in cache.spec.layout:
+        return list(range(len(keys))), keys
+    chosen = [i for i, (layer, _) in enumerate(keys) if lo <= layer < hi]
+    return chosen, tuple((keys[i][0] - lo, keys[i][1]) for i in chosen)
+
+
+def _check_window_cache(cache: Any, tp_size: int, lo: int, hi: int) -> None:
+    if not 0 <= lo < hi <= cache.spec.num_layers:
+        raise FormatError(f"the cache holds {cache.spec.num_layers} layers, not local layers "
+                          f"[{lo}, {hi})")
+    if "L" in cache.spec.layout and (
+            _stored_with_padding(cache.spec)
+            or _layout_block_shape(cache.spec, tp_size, cache.arrays[0]) is not None):
+        raise FormatError("layer groups of a padded cache with an L axis are not supported")
+
+
+@no_context_mesh()
+def split_layers(
+    cache: Any,
+    producer: EngineConfig,
+    consumer: EngineConfig,
+    block_ids: Sequence[int],
+    ranks: Mapping[int, Any],
+    layers: tuple[int, int],
+) -> dict[tuple[int, int], Any]:
+    """Producer side: `split_request` of the global layers ``[a, b)`` only (one group of
+    `layer_groups`): one buffer ``[n, b - a, K, H, T, D]`` per (producer rank, consumer
+    rank) route. Only the group's layers of the request's blocks are gathered.
+
+    Args:
+      cache: the producer's `PagedKVCache` of the pipeline stage holding the layers.
+      producer, consumer: the two engines' configs.
+      block_ids: the producer blocks to send, in token order.
+      ranks: producer rank -> device of its shard (`rank_devices`); ranks of other stages
+        send nothing.
+      layers: the global layers ``[a, b)``, inside one stage of each engine.
+
+    Returns:
+      ``{(producer rank, consumer rank): buffer}`` (engine ranks), fresh arrays.
+
+    Raises:
+      FormatError: engines that cannot exchange blocks, layers spanning stages.
+    """
+    check_formattable(cache.spec)
+    w_p, p_stage, p_start = _window(producer, layers)
+    w_c, q_stage, _ = _window(consumer, layers)
+    lo, hi = int(layers[0]) - p_start, int(layers[1]) - p_start
+    _check_window_cache(cache, producer.tp_size, lo, hi)
+    ids = np.asarray(block_ids, dtype=np.int32).reshape(-1)
+    bs = producer.spec.block_size
+    canon_p, canon_c = canonical_config(w_p, bs), canonical_config(w_c, bs)
+    layout = values_spec(cache.spec).layout
+    chosen, keys = _window_arrays(cache, lo, hi)
+    window = (lo, hi) if "L" in cache.spec.layout else None
+    block_shape = _layout_block_shape(cache.spec, producer.tp_size, cache.arrays[0])
+    packed = (cache.spec, producer.tp_size) if _stored_with_padding(cache.spec) else None
+    result: dict[tuple[int, int], Any] = {}
+    for rank, device in sorted(ranks.items(), key=lambda item: item[0]):
+        tp_rank, pp_rank = producer.coordinates(rank)
+        if pp_rank != p_stage:
+            continue
+        routes = send_routes(w_p, w_c, tp_rank, len(ids))
+        if not routes:
+            continue
+        shards = [_shard(cache.arrays[i], device) for i in chosen]
+        buffers = _gather_split(shards, jax.device_put(ids, device), layout=layout, keys=keys,
+                                canon_p=canon_p, canon_c=canon_c, rank=tp_rank,
+                                block_shape=block_shape, packed=packed, window=window)
+        for route in routes:
+            buffer = buffers[route.index]
+            if tuple(buffer.shape) != route.shape:
+                raise FormatError(f"buffer {route.index} of rank {rank} has shape "
+                                  f"{tuple(buffer.shape)}, the plan says {route.shape}")
+            result[(rank, consumer.rank(route.consumer_rank, q_stage))] = buffer
+    return result
+
+
+def send_layer_routes(producer: EngineConfig, consumer: EngineConfig, producer_rank: int,
+                      num_blocks: int, layers: tuple[int, int]) -> tuple[Route, ...]:
+    """`send_routes` of one layer group (engine ranks on both ends; none when the rank's
+    stage does not hold the layers).
+
+    Raises:
+      FormatError: as `send_routes`, or layers spanning stages.
+    """
+    w_p, p_stage, _ = _window(producer, layers)
+    w_c, q_stage, _ = _window(consumer, layers)
+    tp_rank, pp_rank = producer.coordinates(producer_rank)
+    if pp_rank != p_stage:
+        return ()
+    return tuple(
+        dataclasses.replace(route, producer_rank=producer_rank,
+                            consumer_rank=consumer.rank(route.consumer_rank, q_stage))
+        for route in send_routes(w_p, w_c, tp_rank, num_blocks))
+
+
+def receive_layer_routes(consumer: EngineConfig, producer: EngineConfig, consumer_rank: int,
+                         num_remote_blocks: int, layers: tuple[int, int]) -> tuple[Route, ...]:
+    """`receive_routes` of one layer group: the buffers consumer rank `consumer_rank` pulls
+    for the global layers ``[a, b)``, producer ranks as engine ranks (none when the rank's
+    stage does not hold the layers).
+
+    Raises:
+      FormatError: as `receive_routes`, or layers spanning stages.
+    """
+    w_c, q_stage, _ = _window(consumer, layers)
+    w_p, p_stage, _ = _window(producer, layers)
+    tp_rank, pp_rank = consumer.coordinates(consumer_rank)
+    if pp_rank != q_stage:
+        return ()
+    return tuple(
+        dataclasses.replace(route, producer_rank=producer.rank(route.producer_rank, p_stage),
+                            consumer_rank=consumer_rank)
+        for route in receive_routes(w_c, w_p, tp_rank, num_remote_blocks))
+
+
+@functools.partial(own_jit, static_argnames=("axis", "window"), donate_argnums=0)
+def _scatter_window(array: Any, dense: Any, ids: Any, *, axis: int,
+                    window: tuple[int, int]) -> Any:
+    """`array` with the layers ``window`` (on `axis`) of blocks `ids` set to `dense`."""
+    index = (ids,) + (slice(None),) * (axis - 1) + (slice(*window),)
+    updated = _as_bits(array).at[index].set(_as_bits(dense))  # raw bits: NaN payloads kept
+    return jax.lax.bitcast_convert_type(updated, array.dtype)
+
+
+@no_context_mesh()
+def concat_layers(
+    cache: Any,
+    consumer: EngineConfig,
+    producer: EngineConfig,
+    local_ids: Sequence[int],
+    num_remote_blocks: int,
+    pulled: Mapping[int, Sequence[Any]],
+    ranks: Mapping[int, Any],
+    layers: tuple[int, int],
+) -> Any:
+    """Consumer side: `concat_request` of one layer group: writes the pulled buffers of the
+    global layers ``[a, b)`` into the request's local blocks, every other layer untouched.
+
+    Args:
+      cache: the consumer's `PagedKVCache` of the stage holding the layers; consumed
+        (donated): use the returned cache.
+      consumer, producer, local_ids, num_remote_blocks: as `concat_request`.
+      pulled: consumer rank -> its buffers in `receive_layer_routes` order.
+      ranks: consumer rank -> device, the ranks of `cache` in this process.
+      layers: the global layers ``[a, b)``.
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      FormatError: missing or misshapen buffers, layers spanning stages.
+    """
+    check_formattable(cache.spec)
+    w_c, _, q_start = _window(consumer, layers)
+    w_p, _, _ = _window(producer, layers)
+    lo, hi = int(layers[0]) - q_start, int(layers[1]) - q_start
+    _check_window_cache(cache, consumer.tp_size, lo, hi)
+    window_ranks = {consumer.coordinates(r)[0]: d for r, d in ranks.items()}
+    window_pulled = {consumer.coordinates(r)[0]: list(b) for r, b in pulled.items()}
+    ids = np.asarray(local_ids, dtype=np.int32).reshape(-1)
+    if len(ids) == 0:
+        return cache
+    chosen, keys = _window_arrays(cache, lo, hi)
+    if "L" not in cache.spec.layout:
+        # The group's arrays are a cache of their own: written in place, the others kept.
+        view = _layer_view(cache, w_c.spec.num_layers, [cache.arrays[i] for i in chosen])
+        updated = concat_request(view, w_c, w_p, ids.tolist(), num_remote_blocks, window_pulled,
+                                 window_ranks)
+        arrays = list(cache.arrays)
+        for i, array in zip(chosen, updated.arrays):
+            arrays[i] = array
+        return cache._with_arrays(arrays)
+    # An L axis: the group's layers of the local blocks are assembled densely, then set in
+    # one scatter per array (the other layers of those blocks are not rewritten).
+    ratio = _check_pair(producer, consumer)
+    n_local = len(ids)
+    if not (n_local - 1) * ratio < num_remote_blocks <= n_local * ratio:
+        raise FormatError(f"{num_remote_blocks} remote blocks do not fill {n_local} local "
+                          f"blocks of {ratio} remote blocks each")
+    bs = producer.spec.block_size
+    canon_c, canon_p = canonical_config(w_c, bs), canonical_config(w_p, bs)
+    layout = values_spec(cache.spec).layout
+    pieces: list[dict[Any, Any]] = [{} for _ in cache.arrays]
+    for tp_rank, device in window_ranks.items():
+        routes = receive_routes(w_c, w_p, tp_rank, num_remote_blocks)
+        got = window_pulled.get(tp_rank, [])
+        if len(got) != len(routes):
+            raise FormatError(f"consumer TP rank {tp_rank}: {len(got)} buffers of layers "
+                              f"{tuple(layers)}, expected {len(routes)}")
+        for route, buffer in zip(routes, got):
+            if tuple(buffer.shape) != route.shape or buffer.dtype != cache.spec.dtype:
+                raise FormatError(
+                    f"consumer TP rank {tp_rank}: buffer from producer TP rank "
+                    f"{route.producer_rank} has shape {tuple(buffer.shape)} {buffer.dtype}, "
+                    f"expected {route.shape} {cache.spec.dtype}")
+        dense_parts = _concat_rearrange(got, n_local=n_local, ratio=ratio, layout=layout,
+                                        keys=keys, canon_c=canon_c, canon_p=canon_p,
+                                        rank=tp_rank)
+        for index, dense in enumerate(dense_parts):
+            pieces[index][device] = dense
+    axis = 1 + cache.spec.layout.index("L")
+    arrays = []
+    for i, array in enumerate(cache.arrays):
+        dense = _assemble((n_local,), array, pieces[i])
+        arrays.append(_scatter_window(array, dense, ids, axis=axis, window=(lo, hi)))
+    return cache._with_arrays(arrays)
+
+
+def _layer_view(cache: Any, num_layers: int, arrays: Sequence[Any]) -> Any:
+    """A cache of `arrays` (some of `cache`'s per-layer arrays) holding `num_layers` layers."""
+    return type(cache)(cache.spec.replace(num_layers=num_layers), arrays, cache.sharding)

@@ -465,6 +465,10 @@ class _Want:
     message: Any
     expiry: float = 0.0  # time.monotonic() past which an unpublished request's want is dropped
     served: bool = False
+    # a layer-wise read (``message.layer_group_bytes > 0``): its layer groups
+    # (`layer_groups`) and how many of them were offered (or are not this process's)
+    groups: tuple[tuple[int, int], ...] | None = None
+    offered: int = 0
 
 
 @dataclasses.dataclass
@@ -485,7 +489,7 @@ class _ReadGroup:
     """Every piece of one read in this process: written into the caches together once all
     their pulls arrived."""
 
-    key: tuple[str, int]
+    key: tuple
     local_ids: tuple[int, ...]
     num_remote: int
     consumer: Any  # EngineConfig
@@ -493,6 +497,14 @@ class _ReadGroup:
     pieces: list[_Piece] = dataclasses.field(default_factory=list)
     written: bool = False
     error: str | None = None
+    layers: tuple[int, int] | None = None  # one layer group of a layer-wise read (else all)
+    expected: int = 0  # pieces prepared: written only once every one of them arrived
+
+
+def _group_key(key: tuple[str, str, int], layers: tuple[int, int]) -> str:
+    """The uuid key of one layer group of a read (`pull_uuid`): the read's key and the
+    group's global layer range, so that each side derives it from the range alone."""
+    return f"{key[0]}/{key[1]}/{key[2]}/layers:{int(layers[0])}-{int(layers[1])}"
 
 
 def _address_of(agent: Any) -> str:
@@ -538,12 +550,24 @@ class JaxTransport:
     fetch of the read in this process arrived, `check` writes them into the registered
     caches (`concat_request`, in place) and reports ``"DONE"``.
 
+    Layer-wise reads (``Want.layer_group_bytes > 0``): the request travels in layer groups
+    (`jaxkv.transfer._formatter.layer_groups`: consecutive layers of at least
+    ``layer_group_bytes``, never across a pipeline stage of either engine; both sides derive
+    the same ranges from the Want), each under its own uuids (the read's key and the range).
+    The consumer posts every group's pulls at once (`prepare_layers`); the producer offers a
+    group once its layers are published (`serve`, from the engine's `poll`: layers announced
+    from inside a jitted step are offered at the first poll after it), and the consumer
+    writes each group into its cache as it arrives (`concat_layers`: only those layers).
+
     Args:
       endpoint: this process's unique name.
       host: the interface the transfer server listens on.
       budget_bytes, pool_bytes: see `PullServer`.
       pull_timeout_s: a pull not complete by then fails.
       lease_s: the default lease of an offer.
+      layer_group_bytes: the least bytes of a layer group of this process's layer-wise
+        reads (sent in its `Want`; the producer follows it); 0: layer-wise requests are
+        pulled whole once every layer is written.
     """
 
     name = "jax"
@@ -554,8 +578,14 @@ class JaxTransport:
 
     def __init__(self, endpoint: str, host: str = "127.0.0.1", budget_bytes: int | None = None,
                  pool_bytes: int = 256 << 20, pull_timeout_s: float = 30.0,
-                 lease_s: float = 30.0):
+                 lease_s: float = 30.0, layer_group_bytes: int | None = None):
+        from jaxkv.transfer._formatter import LAYER_GROUP_BYTES
+
         self.endpoint = endpoint
+        self.layer_group_bytes = (LAYER_GROUP_BYTES if layer_group_bytes is None
+                                  else int(layer_group_bytes))
+        if self.layer_group_bytes < 0:
+            raise ValueError(f"layer_group_bytes must be >= 0, got {layer_group_bytes}")
         self.server = PullServer(host, budget_bytes, pool_bytes)
         self.puller = Puller(self.server)
         self.pull_timeout_s = float(pull_timeout_s)
@@ -563,8 +593,9 @@ class JaxTransport:
         self.registry: Any = None
         self._addresses: dict[str, str] = {}  # published agent name -> server address
         self._wants: dict[str, dict[tuple[str, str, int], _Want]] = {}
-        self._published: dict[str, tuple[tuple[int, ...], float]] = {}  # ids, lease
-        self._groups: dict[tuple[str, int], _ReadGroup] = {}
+        # ids, lease, layer stop (layers [0, stop) written)
+        self._published: dict[str, tuple[tuple[int, ...], float, int]] = {}
+        self._groups: dict[tuple, _ReadGroup] = {}
         self.errors: list[str] = []  # recent formatting / offering failures (producer side)
 
     def attach(self, registry: Any) -> None:
@@ -621,28 +652,99 @@ class JaxTransport:
             wants = self._wants.setdefault(offer.request_id, {})
             lease = self.lease_s if offer.lease_s is None else float(offer.lease_s)
             wants.setdefault(key, _Want(message, time.monotonic() + lease))
-        if offer.block_ids and self.registry is not None and (
-                offer.layer_stop >= self.registry.config.spec.num_layers):
+        if offer.block_ids and self.registry is not None and offer.layer_stop > 0:
             lease = self.lease_s if offer.lease_s is None else float(offer.lease_s)
-            self._published[offer.request_id] = (tuple(offer.block_ids), lease)
+            self._published[offer.request_id] = (tuple(offer.block_ids), lease,
+                                                 int(offer.layer_stop))
+
+    def _ready(self, request_id: str) -> bool:
+        """Whether a published request has a subscriber this process can offer more to now."""
+        published = self._published.get(request_id)
+        if published is None:
+            return False
+        complete = published[2] >= self.registry.config.spec.num_layers
+        return any(not w.served and (complete or w.message.layer_group_bytes > 0)
+                   for w in self._wants.get(request_id, {}).values())
 
     def _serve(self, request_id: str) -> None:
         published = self._published.get(request_id)
         wants = self._wants.get(request_id)
         if published is None or not wants:
             return
+        block_ids, lease_s, stop = published
+        complete = stop >= self.registry.config.spec.num_layers
         for key, want in wants.items():
-            if want.served:
+            if want.served or not (complete or want.message.layer_group_bytes > 0):
                 continue
             try:
-                offered = self._offer_want(request_id, key, want.message, *published)
+                if want.message.layer_group_bytes > 0:
+                    offered = self._offer_groups(request_id, key, want, block_ids, lease_s, stop)
+                else:
+                    offered = self._offer_want(request_id, key, want.message, block_ids,
+                                               lease_s)
             except Exception as error:  # noqa: BLE001 - reported to the consumer
                 message = f"request {request_id!r} for {key[0]!r}: {type(error).__name__}: {error}"
                 self.errors.append(message)
                 del self.errors[:-64]
-                self._offer_errors(request_id, key, want.message, message, published[1])
+                self._offer_errors(request_id, key, want.message, message, lease_s)
                 offered = True
             want.served = offered
+
+    def _request_groups(self, message: Any) -> tuple[tuple[int, int], ...]:
+        from jaxkv.transfer._formatter import layer_groups
+
+        return layer_groups(self.registry.config, message.layers_per_pp or [
+            self.registry.config.spec.num_layers], max(message.num_blocks, 0),
+            message.layer_group_bytes)
+
+    def _offer_groups(self, request_id: str, key: tuple[str, str, int], want: _Want,
+                      block_ids: tuple[int, ...], lease_s: float, stop: int) -> bool:
+        """Offers the layer groups of a layer-wise read whose layers are all written, in
+        order; True once every group was offered (or belongs to another process)."""
+        from jaxkv.transfer._formatter import FormatError, send_layer_routes, split_layers
+
+        message = want.message
+        if want.groups is None:
+            want.groups = self._request_groups(message)
+        producer = self.registry.config
+        consumer = self._consumer_config(message)
+        wanted = set(message.ranks)
+        if message.num_blocks < 0 or message.num_blocks > len(block_ids):
+            raise FormatError(f"the consumer reads {message.num_blocks} of the request's "
+                              f"{len(block_ids)} blocks")
+        ids = list(block_ids[len(block_ids) - message.num_blocks:])
+        while want.offered < len(want.groups):
+            layers = want.groups[want.offered]
+            if layers[1] > stop:
+                return False  # later layers are not written yet
+            entries = [e for e in self.registry.caches
+                       if e.layer_start <= layers[0] < e.layer_stop]
+            items = []
+            need = 0
+            plans = []
+            for entry in entries:
+                devices = entry_devices(entry, producer)
+                for rank in devices:
+                    for route in send_layer_routes(producer, consumer, rank, len(ids), layers):
+                        if route.consumer_rank in wanted:
+                            need += int(np.prod(route.shape)) * producer.spec.itemsize
+                plans.append((entry, devices))
+            if not self.server.fits(need):
+                if self.server.budget_bytes is not None and need > self.server.budget_bytes:
+                    raise PullBudgetError(
+                        f"layers {layers} need {need} bytes of pending pulls, above the "
+                        f"whole {self.server.budget_bytes}-byte budget")
+                return False  # waits for releases (`serve` retries)
+            for entry, devices in plans:
+                buffers = split_layers(entry.cache, producer, consumer, ids, devices, layers)
+                for (p_rank, c_rank), buffer in buffers.items():
+                    if c_rank in wanted:
+                        items.append((pull_uuid(_group_key(key, layers), 0, p_rank, c_rank),
+                                      [buffer]))
+            if items:
+                self.server.offer_many(request_id, items, lease_s)
+            want.offered += 1
+        return True
 
     def _consumer_config(self, message: Any) -> Any:
         from jaxkv._parallel import EngineConfig
@@ -702,24 +804,34 @@ class JaxTransport:
         if make_error is None or self.registry is None:
             return  # the consumer's pulls time out instead
         try:
-            from jaxkv.transfer._formatter import send_routes
+            import jax
+
+            from jaxkv.transfer._formatter import send_layer_routes, send_routes
 
             producer = self.registry.config
             consumer = self._consumer_config(message)
-            uuid_key = f"{key[0]}/{key[1]}/{key[2]}"
+            num_blocks = max(message.num_blocks, 0)
+            # a layer-wise read's uuids are per layer group
+            ranges: list[tuple[int, int] | None] = [None]
+            if message.layer_group_bytes > 0:
+                ranges = list(self._request_groups(message))
             items = []
-            for entry in self.registry.caches:
-                for rank, device in entry_devices(entry, producer).items():
-                    for route in send_routes(producer, consumer, rank, max(message.num_blocks, 0)):
-                        if route.consumer_rank not in message.ranks:
-                            continue
-                        import jax
-
-                        aval = jax.ShapeDtypeStruct(
-                            route.shape, producer.spec.dtype,
-                            sharding=jax.sharding.SingleDeviceSharding(device))
-                        items.append((pull_uuid(uuid_key, 0, rank, route.consumer_rank),
-                                      [make_error(aval, reason)]))
+            for layers in ranges:
+                uuid_key = (f"{key[0]}/{key[1]}/{key[2]}" if layers is None
+                            else _group_key(key, layers))
+                for entry in self.registry.caches:
+                    for rank, device in entry_devices(entry, producer).items():
+                        routes = (send_routes(producer, consumer, rank, num_blocks)
+                                  if layers is None else
+                                  send_layer_routes(producer, consumer, rank, num_blocks, layers))
+                        for route in routes:
+                            if route.consumer_rank not in message.ranks:
+                                continue
+                            aval = jax.ShapeDtypeStruct(
+                                route.shape, producer.spec.dtype,
+                                sharding=jax.sharding.SingleDeviceSharding(device))
+                            items.append((pull_uuid(uuid_key, 0, rank, route.consumer_rank),
+                                          [make_error(aval, reason)]))
             with self.server._lock:
                 for uuid, arrays in items:
                     if uuid not in self.server._offers:
@@ -744,27 +856,54 @@ class JaxTransport:
     def prepare_fetch(self, fetch: Any) -> _Piece:
         """Plans the pulls of one local rank (``fetch.remote_rank`` is ignored: the
         formatter's routes name the source ranks)."""
-        from jaxkv.transfer._formatter import receive_routes
+        piece = self._prepare(fetch, None)
+        assert piece is not None  # a whole read has routes on every rank
+        return piece
+
+    def read_groups(self, fetch: Any) -> tuple[tuple[int, int], ...]:
+        """The layer groups of a layer-wise read (`layer_groups` with this process's
+        ``layer_group_bytes``, what its `Want` asks the producer for)."""
+        from jaxkv.transfer._formatter import layer_groups
+
+        return layer_groups(fetch.peer.config(), fetch.local.config().layer_split,
+                            len(fetch.plan.remote_block_ids), self.layer_group_bytes)
+
+    def prepare_layers(self, fetch: Any, layers: tuple[int, int]) -> _Piece | None:
+        """Plans the pulls of one local rank for one layer group of a layer-wise read; None
+        when the rank's pipeline stage does not hold those layers."""
+        return self._prepare(fetch, (int(layers[0]), int(layers[1])))
+
+    def _prepare(self, fetch: Any, layers: tuple[int, int] | None) -> _Piece | None:
+        from jaxkv.transfer._formatter import receive_layer_routes, receive_routes
 
         local_cfg, peer_cfg = fetch.local.config(), fetch.peer.config()
         plan = fetch.plan
-        key = (fetch.read_id, fetch.attempt)
+        key = (fetch.read_id, fetch.attempt, layers)
         group = self._groups.get(key)
         if group is None:
             group = _ReadGroup(key, tuple(int(b) for b in plan.local_block_ids),
-                               len(plan.remote_block_ids), local_cfg, peer_cfg)
-        routes = receive_routes(local_cfg, peer_cfg, plan.local_rank, group.num_remote)
+                               len(plan.remote_block_ids), local_cfg, peer_cfg, layers=layers)
+        if layers is None:
+            routes = receive_routes(local_cfg, peer_cfg, plan.local_rank, group.num_remote)
+        else:
+            routes = receive_layer_routes(local_cfg, peer_cfg, plan.local_rank,
+                                          group.num_remote, layers)
+            if not routes:
+                return None
         addresses = []
         for route in routes:
             agent = fetch.peer.rank_info(route.producer_rank).agent_name
             if agent not in self._addresses:
                 raise KeyError(f"producer agent {agent!r} is not connected")
             addresses.append(self._addresses[agent])
-        uuid_key = f"{self.endpoint}/{fetch.read_id}/{fetch.attempt}"
+        read_key = (self.endpoint, fetch.read_id, fetch.attempt)
+        uuid_key = "/".join(map(str, read_key)) if layers is None else _group_key(read_key,
+                                                                                   layers)
         uuids = tuple(pull_uuid(uuid_key, 0, r.producer_rank, plan.local_rank) for r in routes)
         entry = self.registry.rank_cache[plan.local_rank]
         device = entry_devices(entry, local_cfg)[plan.local_rank]
         self._groups[key] = group
+        group.expected += 1
         return _Piece(group, plan.local_rank, routes, tuple(addresses), uuids, device)
 
     def start_fetch(self, prepared: _Piece, notification: bytes = b"") -> _Piece:
@@ -783,6 +922,8 @@ class JaxTransport:
         if group.written:
             return "DONE"
         states = [p.status() for piece in group.pieces for p in piece.pulls]
+        if len(group.pieces) < group.expected:
+            states.append("PROC")  # a piece not started yet: never written without it
         if "ERR" in states:
             errors = [p.error for piece in group.pieces for p in piece.pulls if p.error]
             group.error = errors[0] if errors else "a pull failed"
@@ -798,7 +939,7 @@ class JaxTransport:
         return "DONE"
 
     def _write(self, group: _ReadGroup) -> None:
-        from jaxkv.transfer._formatter import concat_request
+        from jaxkv.transfer._formatter import concat_layers, concat_request
 
         per_entry: dict[int, tuple[Any, dict[int, list[Any]], dict[int, Any]]] = {}
         for piece in group.pieces:
@@ -810,8 +951,13 @@ class JaxTransport:
             if any(a.is_deleted() for a in entry.cache.arrays):
                 raise ValueError("the registered cache was consumed by another update: pass "
                                  "the current cache to update_cache() after each donated update")
-            updated = concat_request(entry.cache, group.consumer, group.producer,
-                                     group.local_ids, group.num_remote, pulled, devices)
+            if group.layers is None:
+                updated = concat_request(entry.cache, group.consumer, group.producer,
+                                         group.local_ids, group.num_remote, pulled, devices)
+            else:
+                updated = concat_layers(entry.cache, group.consumer, group.producer,
+                                        group.local_ids, group.num_remote, pulled, devices,
+                                        group.layers)
             updated.block_until_ready()
             # Nothing registered these buffers: an update that was not in place (a backend
             # that copied instead of aliasing) is as good; the caller learns the new arrays
@@ -851,8 +997,7 @@ class JaxTransport:
     def serve(self) -> None:
         """Formats and offers the published requests that subscribers wait for (JAX ops:
         called by the engine's `poll`, never from a jitted step's host callback)."""
-        for request_id in [r for r, w in self._wants.items()
-                           if r in self._published and any(not x.served for x in w.values())]:
+        for request_id in [r for r in self._wants if self._ready(r)]:
             self._serve(request_id)
 
     def close(self) -> None:

@@ -614,5 +614,256 @@ class JaxProducerKilledTest(absltest.TestCase):
         np.testing.assert_array_equal(got[[0, 1, 2, 3, 4, 5]], want[0])
 
 
+def _lw_specs(p_layout, d_layout, num_layers=4, heads=4):
+    p_spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=heads, head_dim=8, block_size=4,
+                         layout=p_layout)
+    return p_spec, p_spec.replace(layout=d_layout)
+
+
+def _landed_layers(config, pp_rank, stop):
+    """The consumer stage's layers below `stop`: those landed once layers [0, stop) did."""
+    start, end = config.layer_range(pp_rank)
+    return max(0, min(end, stop) - start)
+
+
+def _covered(groups, stop):
+    """One past the last layer of the groups lying entirely below `stop`."""
+    return max([b for _, b in groups if b <= stop], default=0)
+
+
+def _masked(g, stop):
+    """The global cache with the layers from `stop` on zeroed (never written locally)."""
+    g = g.copy()
+    g[stop:] = 0
+    return g
+
+
+@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
+class JaxLayerwiseTest(parameterized.TestCase):
+    """Layer-wise requests over the JAX transport: layer groups pulled and written as the
+    producer publishes them (real producer processes; bit exact after every publication;
+    layers not published yet never land)."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.producers = _Producers(2)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.producers.close()
+        super().tearDownClass()
+
+    def setUp(self):
+        super().setUp()
+        self._engines = []
+
+    def tearDown(self):
+        for engine in self._engines:
+            engine.close()
+        super().tearDown()
+
+    def call(self, *command, index=0, timeout=WAIT_S):
+        return self.producers.call(self.producers.items[index][1], *command, timeout=timeout)
+
+    def consumer(self, spec, tp, pp=1, pp_rank=0, group_bytes=1, **kwargs):
+        config = EngineConfig(spec, tp, pp)
+        engine = KVTransferEngine("decode", config, transport="jax",
+                                  jax_transport_options={"layer_group_bytes": group_bytes},
+                                  **kwargs)
+        self._engines.append(engine)
+        cache = PagedKVCache.allocate(config.local_spec(pp_rank), NUM_BLOCKS,
+                                      mesh=meshes.tp(tp))
+        engine.register_cache(cache, pp_rank=pp_rank)
+        return engine, cache, config
+
+    def poll_until(self, engines, read_id, want, settle_s=0.2, done=None, totals=None):
+        """Polls every consumer engine until each reported `want[i]` landed layers (then
+        `settle_s` more: no more land, nothing fails, and only an engine whose every layer
+        landed (`totals`) finishes, recorded in `done`); returns the counts."""
+        counts = [0] * len(engines)
+        done = set() if done is None else done
+        deadline = time.monotonic() + WAIT_S
+        settle = None
+        while True:
+            for i, engine in enumerate(engines):
+                if i in done:
+                    counts[i] = want[i]
+                    continue
+                result = engine.poll()
+                self.assertEqual(result.failed, [])
+                counts[i] = result.layers.get(read_id, counts[i])
+                if result.finished:
+                    self.assertEqual(result.finished, [read_id])
+                    self.assertIsNotNone(totals, "finished before every layer was published")
+                    self.assertEqual(counts[i], totals[i], "finished before its layers landed")
+                    done.add(i)
+            now = time.monotonic()
+            if settle is None and counts == list(want):
+                settle = now + settle_s
+            if settle is not None and now >= settle:
+                self.assertEqual(counts, list(want), "layers landed beyond those published")
+                return counts
+            if now >= deadline:
+                raise TimeoutError(f"landed layers {counts}, expected {want}")
+
+    def start(self, p_tp, d_tp, p_layout, d_layout, p_pp=1, d_pp=1, group_bytes=1,
+              num_layers=4, **kwargs):
+        p_spec, d_spec = _lw_specs(p_layout, d_layout, num_layers)
+        num_tokens = len(REMOTE_IDS) * 4
+        p_config = EngineConfig(p_spec, p_tp, p_pp)
+        addresses = [self.call("setup", _kwargs(p_spec), p_tp, p_pp, r, num_tokens, {},
+                               index=r) for r in range(p_pp)]
+        request_id = f"lw-{time.monotonic_ns()}"
+        for r in range(p_pp):
+            params = self.call("pin_lw", request_id, REMOTE_IDS, 30.0, index=r)
+        params = msgspec.structs.replace(params, addresses=[tuple(a) for a in addresses])
+        self.assertTrue(params.layerwise)
+        consumers = [self.consumer(d_spec, d_tp, d_pp, q, group_bytes, **kwargs)
+                     for q in range(d_pp)]
+        read_id = f"{request_id}-read"
+        for engine, _, _ in consumers:
+            engine.start_read(params, LOCAL_IDS, read_id=read_id)
+        g = tt.global_cache(p_spec, num_tokens, seed=G_SEED)
+        return p_config, consumers, params, read_id, g
+
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_layout, d_layout, p_pp, d_pp, group_bytes)
+        (1, 2, "LKHTD", "LKHTD", 1, 1, 1),  # a group per layer
+        (2, 1, "HTD", "THD", 1, 1, 3000),  # 1536 bytes per layer: groups of 2 layers
+        (2, 4, "KTHD", "LKTHD", 1, 1, 1),
+        (2, 2, "LKHTD", "HTD", 2, 1, 1),  # a producer process per pipeline stage
+        (1, 2, "THD", "LKHTD", 1, 2, 3000),  # consumer stages: groups stop at their edge
+    )
+    def test_groups_land_as_published(self, p_tp, d_tp, p_layout, d_layout, p_pp, d_pp,
+                                      group_bytes):
+        from jaxkv.transfer._formatter import layer_groups
+
+        p_config, consumers, params, read_id, g = self.start(
+            p_tp, d_tp, p_layout, d_layout, p_pp, d_pp, group_bytes)
+        num_layers = p_config.spec.num_layers
+        d_config = consumers[0][2]
+        groups = layer_groups(p_config, d_config.layer_split, len(REMOTE_IDS), group_bytes)
+        self.assertGreater(len(groups), 1)
+        engines = [engine for engine, _, _ in consumers]
+        done: set[int] = set()  # a consumer stage finishes once its own layers landed
+        totals = [_landed_layers(d_config, q, num_layers) for q in range(d_pp)]
+        for stop in range(num_layers):  # every layer but the last
+            for r in range(p_pp):
+                self.call("layers", params.request_id, stop, index=r)
+            covered = _covered(groups, stop)
+            self.poll_until(engines, read_id,
+                            [_landed_layers(d_config, q, covered) for q in range(d_pp)],
+                            done=done, totals=totals)
+            for q, (_, cache, config) in enumerate(consumers):
+                # exactly the layers of the groups published so far hold the request
+                self.check_cache(cache, config, _masked(g, covered), q)
+        for r in range(p_pp):
+            self.call("layers", params.request_id, num_layers, index=r)
+        self.assertEqual(done, set(range(d_pp - 1)) if d_pp > 1 else set())
+        for q, (engine, cache, config) in enumerate(consumers):
+            if q not in done:
+                self.assertEqual(JaxEngineTest.wait(engine, [read_id]), ([read_id], []))
+            self.check_cache(cache, config, g, q)
+            record = engine.stats.records[-1]
+            self.assertEqual(len(record.layer_arrival),
+                             _landed_layers(config, q, num_layers))
+        for r in range(p_pp):
+            state = JaxEngineTest.wait_freed(self, params.request_id, index=r)
+            self.assertEqual((state[0], state[3]), (0, 0), state)
+
+    def check_cache(self, cache, config, g, pp_rank=0):
+        tt.TransferTestBase.check_cache(self, cache, config, g, LOCAL_IDS, pp_rank)
+
+    def test_whole_pull_without_group_bytes(self):
+        """``layer_group_bytes=0``: a layer-wise request is pulled whole once every layer
+        is written (nothing lands before)."""
+        _, consumers, params, read_id, g = self.start(1, 1, "LKHTD", "HTD", group_bytes=0)
+        engine, cache, config = consumers[0]
+        self.call("layers", params.request_id, 3)
+        self.poll_until([engine], read_id, [0])
+        self.call("layers", params.request_id, 4)
+        self.assertEqual(JaxEngineTest.wait(engine, [read_id]), ([read_id], []))
+        self.check_cache(cache, config, g)
+
+    def test_consumer_abort_between_groups(self):
+        _, consumers, params, read_id, g = self.start(1, 1, "LKHTD", "LKHTD",
+                                                      read_timeout_s=30.0)
+        engine, cache, config = consumers[0]
+        self.call("layers", params.request_id, 2)
+        self.poll_until([engine], read_id, [2])
+        engine.abort_request(read_id)
+        start = time.monotonic()
+        _, failed = JaxEngineTest.wait(engine, [read_id])
+        self.assertLess(time.monotonic() - start, 5.0)
+        self.assertEqual(len(failed), 1)
+        self.assertIn("aborted", failed[0].reason)
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        # the producer is told (Done not ok) and frees the request; later layers published
+        # after the abort never land
+        state = JaxEngineTest.wait_freed(self, params.request_id)
+        self.assertEqual((state[0], state[3]), (0, 0), state)
+        self.check_cache(cache, config, _masked(g, 2))
+        self.assertEqual(engine.num_reading, 0)
+
+    def test_producer_abort_between_groups(self):
+        _, consumers, params, read_id, g = self.start(2, 1, "HTD", "LKHTD",
+                                                      read_timeout_s=30.0)
+        engine, cache, config = consumers[0]
+        self.call("layers", params.request_id, 1)
+        self.poll_until([engine], read_id, [1])
+        self.call("abort", params.request_id)
+        start = time.monotonic()
+        _, failed = JaxEngineTest.wait(engine, [read_id])
+        self.assertLess(time.monotonic() - start, 10.0)  # told, not at the read timeout
+        self.assertEqual(len(failed), 1)
+        self.assertIn("freed", failed[0].reason)
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.check_cache(cache, config, _masked(g, 1))
+
+
+@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
+class JaxLayerwiseKilledTest(absltest.TestCase):
+    def test_producer_killed_between_groups(self):
+        """The producer dies after publishing two of four layers: the read fails (at its
+        timeout: nothing else tells the consumer), every local block invalid, only the two
+        published layers ever landed (bit exact), the others untouched."""
+        producers = _Producers(1)
+        self.addCleanup(producers.close)
+        process, conn = producers.items[0]
+        p_spec, d_spec = _lw_specs("LKHTD", "THD")
+        producers.call(conn, "setup", _kwargs(p_spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
+        params = producers.call(conn, "pin_lw", "doomed-lw", REMOTE_IDS, 30.0)
+        config = EngineConfig(d_spec, 2)
+        engine = KVTransferEngine("decode", config, transport="jax", read_timeout_s=4.0,
+                                  jax_transport_options={"layer_group_bytes": 1})
+        self.addCleanup(engine.close)
+        cache = PagedKVCache.allocate(d_spec, NUM_BLOCKS, mesh=meshes.tp(2))
+        engine.register_cache(cache)
+        engine.start_read(params, LOCAL_IDS)
+        producers.call(conn, "layers", "doomed-lw", 2)
+        landed, most = 0, 0
+        deadline = time.monotonic() + WAIT_S
+        while landed < 2 and time.monotonic() < deadline:
+            landed = engine.poll().layers.get("doomed-lw", landed)
+        self.assertEqual(landed, 2)
+        process.kill()
+        process.join(timeout=10)
+        finished, failed = [], []
+        deadline = time.monotonic() + WAIT_S
+        while not (finished or failed) and time.monotonic() < deadline:
+            result = engine.poll()
+            most = max(most, result.layers.get("doomed-lw", 0))
+            finished += result.finished
+            failed += result.failed
+        self.assertEqual(finished, [])
+        self.assertEqual(len(failed), 1, "the read neither finished nor failed")
+        self.assertEqual(failed[0].invalid_block_ids, tuple(sorted(LOCAL_IDS)))
+        self.assertLessEqual(most, 2)
+        g = tt.global_cache(p_spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        tt.TransferTestBase.check_cache(self, engine.caches[0], config, _masked(g, 2),
+                                        LOCAL_IDS)
+
+
 if __name__ == "__main__":
     absltest.main()

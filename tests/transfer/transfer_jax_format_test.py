@@ -208,6 +208,72 @@ class FormatterTest(parameterized.TestCase):
         first_token = (len(remote_ids) - len(tail)) * p_spec.block_size
         self.check(caches, c_cfg, g, local_ids, first_token)
 
+    @parameterized.parameters(
+        # (p_tp, c_tp, p_layout, c_layout, heads, ratio, p_pp, c_pp, mla, hit, min_bytes)
+        (1, 2, "LKHTD", "LKHTD", 4, 1, 1, 1, False, 0, 0),
+        (2, 1, "LKHTD", "HTD", 4, 1, 1, 1, False, 0, 1),
+        (4, 2, "KTHD", "LKTHD", 4, 1, 1, 1, False, 0, 0),
+        (2, 4, "THD", "KTHD", 8, 2, 1, 1, False, 1, 0),
+        (2, 1, "LKHTD", "LKHTD", 4, 1, 2, 1, False, 0, 1 << 20),
+        (1, 2, "LKHTD", "HTD", 4, 1, 1, 2, False, 2, 0),
+        (2, 2, "THD", "LKHTD", 2, 1, 2, 2, False, 0, 0),
+        (2, 1, "", "", 1, 2, 1, 2, True, 1, 0),
+    )
+    def test_layer_groups(self, p_tp, c_tp, p_layout, c_layout, heads, ratio, p_pp, c_pp, mla,
+                          hit, min_bytes):
+        """Layer groups moved one by one (`split_layers` / `concat_layers`): after each group
+        exactly the layers moved so far hold the request's bytes, the later layers and the
+        other blocks stay untouched; the last group leaves what the whole move leaves."""
+        p_spec, c_spec = _specs(heads, p_layout, c_layout, ratio, mla, "bfloat16")
+        p_cfg, c_cfg = EngineConfig(p_spec, p_tp, p_pp), EngineConfig(c_spec, c_tp, c_pp)
+        remote_ids = tt.REMOTE_IDS[:5] if ratio > 1 else tt.REMOTE_IDS
+        local_ids = tt.LOCAL_IDS[: -(-len(remote_ids) // ratio) - hit]
+        g = tt.global_cache(p_spec, len(remote_ids) * p_spec.block_size, seed=tt.G_SEED)
+        tail = fmt.remote_tail(c_cfg, p_cfg, len(local_ids), remote_ids)
+        first_token = (len(remote_ids) - len(tail)) * p_spec.block_size
+        groups = fmt.layer_groups(p_cfg, c_cfg.layer_split, len(tail), min_bytes)
+        self.assertEqual(groups[0][0], 0)
+        self.assertEqual(groups[-1][1], p_spec.num_layers)
+        if min_bytes == 0:
+            self.assertEqual(len(groups), p_spec.num_layers)
+        devices = jax.devices()
+        producers = []
+        for pp in range(p_cfg.pp_size):
+            mesh = jax.sharding.Mesh(np.array(devices[: p_cfg.tp_size]), ("tp",))
+            producers.append(PagedKVCache.from_arrays(
+                p_cfg.local_spec(pp), tt.global_arrays(p_cfg, pp, g, remote_ids, tt.NUM_BLOCKS),
+                mesh=mesh))
+        mesh = jax.sharding.Mesh(np.array(devices[-c_cfg.tp_size:]), ("tp",))
+        caches = [PagedKVCache.allocate(c_cfg.local_spec(pp), tt.NUM_BLOCKS, mesh=mesh)
+                  for pp in range(c_cfg.pp_size)]
+        for a, b in groups:
+            p_stage = p_cfg.layer_owner(a)
+            producer = producers[p_stage]
+            wire = fmt.split_layers(producer, p_cfg, c_cfg, tail,
+                                    fmt.rank_devices(producer, p_cfg, p_stage), (a, b))
+            q_stage = c_cfg.layer_owner(a)
+            ranks = fmt.rank_devices(caches[q_stage], c_cfg, q_stage)
+            pulled = {}
+            for rank, device in ranks.items():
+                routes = fmt.receive_layer_routes(c_cfg, p_cfg, rank, len(tail), (a, b))
+                self.assertTrue(routes)
+                for route in routes:
+                    self.assertEqual(route.shape[1], b - a)  # only the group's layers travel
+                pulled[rank] = [jax.device_put(wire[(r.producer_rank, rank)], device)
+                                for r in routes]
+            self.assertEqual(len(wire), sum(len(v) for v in pulled.values()))
+            caches[q_stage] = fmt.concat_layers(caches[q_stage], c_cfg, p_cfg, local_ids,
+                                                len(tail), pulled, ranks, (a, b))
+            moved = g.copy()
+            moved[b:] = 0  # layers not moved yet: untouched (zeros)
+            self.check(caches, c_cfg, moved, local_ids, first_token)
+        with self.assertRaisesRegex(fmt.FormatError, "span pipeline stages"):
+            if p_pp > 1 or c_pp > 1:
+                fmt.split_layers(producers[0], p_cfg, c_cfg, tail,
+                                 fmt.rank_devices(producers[0], p_cfg, 0), (0, 5))
+            else:
+                raise fmt.FormatError("span pipeline stages")
+
     def test_nan_payloads_survive(self):
         # random bits hold NaNs with payloads; XLA's float moves may canonicalize them
         spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
