@@ -44,12 +44,17 @@ from jaxkv.transfer._plan import row_chunks
 
 __all__ = [
     "FORMATTED_MODES",
+    "FormatServer",
     "FormattedFetch",
     "HostPool",
     "PathCosts",
-    "chunk_rows",
+    "WaitingChunk",
+    "chunk_bounds",
+    "describe_share",
+    "expand_templates",
     "gather_rows",
     "scatter_rows",
+    "template_form",
 ]
 
 FORMATTED_MODES = ("auto", "always", "never")
@@ -261,19 +266,6 @@ def describe_share(rows: np.ndarray, chunk_bytes: int, remote_ids: np.ndarray | 
         templates = template_form(split, np.asarray(remote_ids, np.int64),
                                   np.asarray(block_lens, np.int64))
     return split, bounds, templates
-
-
-def chunk_rows(rows: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
-    """The plan rows read from one remote rank (`ReadPlan.copies_for`), cut into wire chunks
-    of at most `chunk_bytes` each (and at most `MAX_FORMAT_ROWS` rows), in order.
-
-    Example:
-      >>> rows = np.zeros((3, 9), np.int64); rows[:, 5] = 100; rows[:, 6] = 1
-      >>> [len(c) for c in chunk_rows(rows, 200)]
-      [2, 1]
-    """
-    rows, bounds = chunk_bounds(rows, chunk_bytes)
-    return [rows[a:b] for a, b in bounds]
 
 
 def wire_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
@@ -571,7 +563,7 @@ class PathCosts:
 
 
 @dataclasses.dataclass
-class _Waiting:
+class WaitingChunk:
     message: Any  # `Format`
     target: Any  # the consumer's control target
     expiry: float  # time.monotonic()
@@ -591,7 +583,7 @@ class FormatServer:
     def __init__(self, pool: HostPool):
         self.pool = pool
         self.slots: dict[tuple, tuple[str, int]] = {}  # chunk key -> (request id, offset)
-        self.waiting: list[_Waiting] = []
+        self.waiting: list[WaitingChunk] = []
         self.formatted_chunks = 0  # chunks gathered (stats)
 
     @staticmethod

@@ -31,7 +31,7 @@ from jaxkv.transfer._digest import (
     sample_positions,
     sample_seed,
 )
-from jaxkv.transfer._formatted import FormatServer, _Waiting
+from jaxkv.transfer._formatted import FormatServer, WaitingChunk
 from jaxkv.transfer._messages import (
     Ack,
     Done,
@@ -482,7 +482,7 @@ class Producer:
             return
         if error == "wait":
             assert self.formats is not None
-            self.formats.waiting.append(_Waiting(message, target, now + self.lease_s))
+            self.formats.waiting.append(WaitingChunk(message, target, now + self.lease_s))
             return
         self._answer_format(target, message, error=error)
 

@@ -60,13 +60,14 @@ class FormattedPiecesTest(parameterized.TestCase):
         self.assertEqual(agent.regions, [])
 
     def test_chunks_cut_rows_without_reordering_bytes(self):
-        from jaxkv.transfer._formatted import chunk_rows, wire_offsets
+        from jaxkv.transfer._formatted import chunk_bounds, wire_offsets
 
         rows = np.zeros((3, 9), np.int64)
         rows[:, 5], rows[:, 6], rows[:, 7], rows[:, 8] = 100, 1, 100, 100  # len, count, strides
         rows[1, 6] = 7  # a strided row of 7 chunks
         rows[2, 5] = 1000  # a chunk longer than a wire chunk
-        chunks = chunk_rows(rows, 300)
+        split, bounds = chunk_bounds(rows, 300)
+        chunks = [split[a:b] for a, b in bounds]
         self.assertTrue(all(wire_offsets(c[:, 5], c[:, 6])[1] <= 300 for c in chunks))
         every = np.concatenate(chunks)
         # the same byte ranges in the same order: remote starts of each chunk, in order
