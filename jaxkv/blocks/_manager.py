@@ -315,7 +315,8 @@ class KVCacheManager:
           **kwargs: other constructor arguments (``enable_caching``, ``hash_fn``, ...).
 
         Raises:
-          ValueError: the plan's groups have different block sizes.
+          ValueError: the plan has Mamba (state) groups, or its groups have different block
+            sizes.
 
         Example:
           >>> from jaxkv import KVCacheSpec
@@ -326,6 +327,14 @@ class KVCacheManager:
           >>> KVCacheManager.from_plan(plan).num_free_blocks
           2047
         """
+        mamba = [i for i, group in enumerate(plan.groups) if group.is_mamba]
+        if mamba:
+            # A state group holds one running state per request (plus speculative blocks), not
+            # one block per block_size tokens: this manager's block tables do not describe it.
+            raise ValueError(
+                f"KV-cache groups {mamba} hold Mamba states: KVCacheManager manages attention "
+                "blocks only; serve hybrid models through vLLM (jaxkv's connector moves the "
+                "states) or manage the state blocks beside this manager")
         sizes = {group.block_size for group in plan.groups}
         if len(sizes) != 1:
             raise ValueError(

@@ -304,5 +304,17 @@ class ErrorsTest(parameterized.TestCase):
                          .state_nbytes, 12 * 2 + 32 * 4)
 
 
+class MambaManagerTest(absltest.TestCase):
+    def test_manager_refuses_state_groups_by_name(self):
+        from jaxkv.blocks import KVCacheManager, plan_kv_cache
+
+        plan = plan_kv_cache(nemotron_h(), 1 << 30, max_model_len=4096)
+        mamba = [i for i, g in enumerate(plan.groups) if g.is_mamba]
+        self.assertTrue(mamba)
+        with self.assertRaisesRegex(ValueError, f"groups {mamba} hold Mamba states".replace(
+                "[", r"\[").replace("]", r"\]")):
+            KVCacheManager.from_plan(plan)
+
+
 if __name__ == "__main__":
     absltest.main()
