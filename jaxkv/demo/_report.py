@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import platform
+import statistics
 import sys
 from typing import Any
 
@@ -70,7 +71,11 @@ def build_report(
         nixl_version = version("nixl-cu13")
     except Exception:  # noqa: BLE001 - informational only
         nixl_version = None
+    ttfts = [r.ttft_s * 1e3 for r in done if r.ttft_s > 0]
     return {
+        "ttft_ms": {"requests": len(ttfts), "median": round(statistics.median(ttfts), 3),
+                    "min": round(min(ttfts), 3), "max": round(max(ttfts), 3)}
+        if ttfts else None,
         "tokens_match": bool(results) and not failed and all(r.tokens_match for r in done),
         "kv_bytes_match": bool(done) and all(r.kv_match for r in done),
         "completed_requests": len(done),
@@ -172,6 +177,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"  ->  decode: TP={s['decode_tp']} layout {s['decode_layout']} block "
         f"{s['decode_block_size']}   ({s['dtype']}, {s['num_layers']} layers, "
         f"{s['num_kv_heads']} KV heads x {s['head_dim']})",
+        f"transfer: {s.get('transport', 'nixl')}"
+        f"{', host-staged' if s.get('host_staging') else ''}, "
+        f"{'layer-pipelined (--layerwise)' if s.get('layerwise') else 'whole request'}",
         "",
         f"{'request':<8} {'status':<6} {'hit P/D':>9} {'queue':>7} {'prefill':>8} "
         f"{'handshk':>8} {'transfer':>9} {'post':>6} {'TTFT':>8}  {'blocks':>6} {'KiB':>7} "
@@ -218,6 +226,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"requests: {report['completed_requests']} completed, {report['failed_requests']} failed;"
         f" prompt KV bytes match colocated run: {report['kv_bytes_match']}"
     )
+    ttft = report.get("ttft_ms")
+    if ttft:
+        lines.append(f"TTFT (ms, {ttft['requests']} requests): median {ttft['median']:.1f}, "
+                     f"min {ttft['min']:.1f}, max {ttft['max']:.1f} "
+                     f"({'layer-pipelined' if s.get('layerwise') else 'whole request'})")
     lines.append(f"tokens match colocated run: {report['tokens_match']}")
     return "\n".join(lines)
 

@@ -8,7 +8,10 @@ manager and transfer engine (`jaxkv.demo._engines`), or vLLM's scheduler with th
 connector (`jaxkv.demo._vllm_serve`).
 
 Messages from the prefill side (over a pipe): ``("published", id, params, first_token,
-hit_tokens, start, end)`` (monotonic clock) or ``("error", id, message)``.
+hit_tokens, start, end)`` (monotonic clock) or ``("error", id, message)``; with layer-pipelined
+transfer, ``("started", id, params, hit_tokens, start)`` before the prefill computes (the
+decode side starts reading) and then ``("published", ...)`` with ``params`` None (the first
+token, `DecodeSide.first_token`).
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ class DecodeSide(Protocol):
     finished_reads: int
     """Requests whose KV read finished (for ``kill_prefill_after``)."""
 
-    def admit(self, router: Router, request_id: str, params: Any, first_token: int) -> None:
-        """Takes a request the prefill side published (its transfer `params`); fails it
-        through ``router.fail`` if it cannot."""
+    def admit(self, router: Router, request_id: str, params: Any,
+              first_token: int | None) -> None:
+        """Takes a request the prefill side published (its transfer `params`; its first
+        token, or None when it arrives later by `first_token`); fails it through
+        ``router.fail`` if it cannot."""
 
     def advance(self, router: Router) -> None:
         """One round of the decode side: progress reads, run a step, `Router.finish` the
@@ -65,6 +70,10 @@ class DecodeSide(Protocol):
 
     def release(self, request_id: str) -> None:
         """Frees what a failed request holds (called once, when it fails)."""
+
+    def first_token(self, router: Router, request_id: str, first_token: int) -> None:
+        """A request admitted early (``admit`` with ``first_token`` None: its layers are
+        read while the prefill computes) got its first token."""
 
 
 class Router:
@@ -162,12 +171,22 @@ class Router:
                 if message[0] == "error":
                     self.fail(rid, f"prefill: {message[2]}")
                     continue
+                r = results[rid]
+                if message[0] == "started":  # layer-wise: read while the prefill computes
+                    _, rid, params, hit, start = message
+                    published.add(rid)
+                    r.prefill_hit_tokens, r.queue_s = hit, start - self.arrival[rid]
+                    side.admit(self, rid, params, None)
+                    continue
                 _, rid, params, first, hit, start, end = message
                 published.add(rid)
-                r = results[rid]
                 r.prefill_hit_tokens, r.queue_s = hit, start - self.arrival[rid]
                 r.prefill_s = end - start
-                side.admit(self, rid, params, first)
+                if params is None:
+                    if r.status == "pending":
+                        side.first_token(self, rid, first)
+                else:
+                    side.admit(self, rid, params, first)
             if (settings.kill_prefill_after and not killed
                     and side.finished_reads >= settings.kill_prefill_after):
                 process.kill()

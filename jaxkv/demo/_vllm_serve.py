@@ -432,7 +432,11 @@ class _VllmDecode:
     def release(self, request_id: str) -> None:
         """Nothing to free: vLLM's scheduler owns the request's blocks."""
 
-    def admit(self, router, rid: str, params, first: int) -> None:
+    def first_token(self, router, rid: str, first: int) -> None:
+        """Never called: layer-pipelined prefill runs with the demo's own decode side."""
+        raise NotImplementedError("--layerwise runs with --serve_with=jaxkv")
+
+    def admit(self, router, rid: str, params, first: int | None) -> None:
         del first  # vLLM re-computes the last prompt token to sample from
         self.admitted[rid] = time.monotonic()
         self.engine.add(rid, router.prompt(rid), params, self.settings.max_new_tokens)

@@ -160,6 +160,44 @@ class DisaggregatedTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "prefill_processes=3 must divide"):
             DemoSettings(prefill_tp=2, prefill_processes=3)
 
+    @parameterized.parameters(
+        (["--layerwise"],),
+        (["--transport=jax"],),
+        (["--transport=jax", "--layerwise"],),
+        (["--host_staging"],),
+        (["--host_staging", "--layerwise", "--prefill_layout=LKHTD"],),
+    )
+    def test_cli_transport_flags(self, flags):
+        """--layerwise (the prefill publishes before computing, one program per layer,
+        each layer announced as written), --transport=jax and --host_staging: the colocated
+        run's tokens and prompt KV bytes, the report naming the mode."""
+        rc, report, output = run_cli(self.create_tempdir().full_path, "--prefill_tp=2",
+                                     "--decode_tp=1", *flags)
+        self.assertEqual(rc, 0, output)
+        self.check(report)
+        s = report["settings"]
+        self.assertEqual(s["layerwise"], "--layerwise" in flags)
+        self.assertEqual(s["transport"], "jax" if "--transport=jax" in flags else "nixl")
+        self.assertEqual(s["host_staging"], "--host_staging" in flags)
+        mode = "layer-pipelined (--layerwise)" if s["layerwise"] else "whole request"
+        self.assertIn(f"transfer: {s['transport']}"
+                      f"{', host-staged' if s['host_staging'] else ''}, {mode}", output)
+        self.assertEqual(report["ttft_ms"]["requests"], SMALL["num_requests"])
+        self.assertIn("TTFT (ms, 3 requests): median", output)
+
+    def test_transport_flags_refused(self):
+        with self.assertRaisesRegex(ValueError, "needs transport='nixl'"):
+            DemoSettings(transport="jax", host_staging=True)
+        with self.assertRaisesRegex(ValueError, "one-process prefill engine"):
+            DemoSettings(layerwise=True, prefill_tp=2, prefill_processes=2)
+        with self.assertRaisesRegex(ValueError, "transport must be"):
+            DemoSettings(transport="ucx")
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", "jaxkv.demo", "--layerwise",
+             "--serve_with=vllm-scheduler"], capture_output=True, text=True, timeout=120)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("run with --serve_with=jaxkv", proc.stderr)
+
     def test_bad_flags_are_refused(self):
         proc = subprocess.run(
             [sys.executable, "-P", "-m", "jaxkv.demo", "--prefill_block_size=16",
