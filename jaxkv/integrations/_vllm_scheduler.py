@@ -137,7 +137,14 @@ class JaxKVScheduler:
         prompt = request.num_prompt_tokens
         backoff = self.prefill_backoff()
         own = prompt - backoff if backoff and prompt > backoff else prompt
-        remote_tokens = min(int(params.get("remote_num_tokens", 0)), own)
+        if "remote_num_tokens" not in params:
+            # NIXL-shaped params built without it (a router's own): the producer computed the
+            # prompt, as vLLM's NIXL connector assumes; never "nothing to read" in silence.
+            log.info("request %s: its kv_transfer_params name no remote_num_tokens; reading "
+                     "the whole prompt (%d tokens) as vLLM's NIXL connector does",
+                     request.request_id, own)
+            params["remote_num_tokens"] = own
+        remote_tokens = min(int(params["remote_num_tokens"]), own)
         count = remote_tokens - num_computed_tokens
         self._local_hits[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)

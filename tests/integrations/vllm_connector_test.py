@@ -154,6 +154,23 @@ def test_full_prompts(pair):
     assert sample("vllm:jaxkv_transferred_bytes_total", labels) == reduced["bytes"]
 
 
+def test_params_without_remote_num_tokens_read_the_whole_prompt(pair):
+    # NIXL-shaped params a router built itself, without remote_num_tokens: read the whole
+    # prompt as vLLM's NIXL connector does (was: nothing read, the prompt recomputed silently)
+    producer, consumer = pair
+    prompts = prompts_of([13, 32])
+    params = prefill(producer, prompts)
+    for p in params:
+        del p["remote_num_tokens"]
+    reqs = decode(consumer, prompts, params)
+    finish(pair, reqs)
+    for r, p in zip(reqs, prompts):
+        check_received(consumer, r, p)
+        assert consumer.outputs[r.request_id].kv_transfer_params["jaxkv_load"] == {
+            "status": "loaded", "remote_tokens": len(p), "local_hit_tokens": 0}
+    assert not consumer.load_errors
+
+
 @pytest.mark.parametrize(
     "pair",
     [
