@@ -295,6 +295,25 @@ class DigestCorruptionTest(_Base):
         self.assertEqual(engine.stats.digest_mismatches, 1)
         self.assertEqual(engine.stats.digest_verified, 0)
 
+    @parameterized.parameters(*[t + (d,) for t in TRANSPORTS for d in ("full", "sampled:1")])
+    def test_partial_prefix_hit_verifies_the_tail(self, transport, digests):
+        # The consumer already holds the first two blocks and reads the last four: the
+        # request's positions 2..5 are the read's 0..3, on both sides of the comparison
+        # (sampled:1 digests the request's last block: the read's position 3).
+        spec = dict(SPEC, layout="LKHTD")
+        conn = self.producer(spec, 1, transport=transport, digests=digests)
+        engine, _ = self.consumer(KVCacheSpec(**spec), 1, transport=transport, digests=digests)
+        position = 4 if digests == "full" else len(REMOTE_IDS) - 1
+        params = self.call(conn, "pin", "req-1", (0, REMOTE_IDS[position], 9, 0))
+        tail = LOCAL_IDS[2: len(REMOTE_IDS)]
+        engine.start_read(params, tail)
+        finished, failed = self.wait(engine)
+        self.assertEqual(finished, [])
+        self.assertIn(f"(0, {position}) landed with other bytes", failed[0].reason)
+        self.assertEqual(failed[0].invalid_block_ids, (tail[position - 2],))
+        self.assertEqual((engine.stats.digest_mismatches, engine.stats.digest_verified),
+                         (1, 3 if digests == "full" else 0))
+
     @parameterized.parameters(*TRANSPORTS)
     def test_sampled_misses_unsampled_blocks(self, transport):
         # ... that of block 0 is not (the price of sampling; documented).
