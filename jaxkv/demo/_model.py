@@ -350,7 +350,10 @@ def _layer_fns(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: 
                    write_offsets, layer):
         def local(params, arrays, x, positions, block_tables, write_blocks, write_index,
                   write_offsets):
-            dense = [a[jnp.maximum(write_blocks, 0)] for a in arrays]
+            # only the arrays holding the layer are written (the others: unused stand-ins)
+            ids = jnp.maximum(write_blocks, 0)
+            dense = [a[ids] if key_layer in (None, layer) else a
+                     for a, (key_layer, _) in zip(arrays, spec.array_keys())]
             _, arrays, x = _layer_local(config, spec, layer, params, dense, arrays, x,
                                         positions, block_tables, write_blocks, write_index,
                                         write_offsets)

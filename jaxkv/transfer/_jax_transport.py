@@ -673,6 +673,10 @@ class JaxTransport:
             return
         block_ids, lease_s, stop = published
         complete = stop >= self.registry.config.spec.num_layers
+        if any(a.is_deleted() for entry in self.registry.caches for a in entry.cache.arrays):
+            # A step consumed (donated) the registered cache and its output was not handed
+            # over yet (`update_cache`): formatting waits for it, the subscriptions stay.
+            return
         for key, want in wants.items():
             if want.served or not (complete or want.message.layer_group_bytes > 0):
                 continue

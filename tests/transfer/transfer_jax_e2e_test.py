@@ -51,10 +51,13 @@ def jax_producer_main(conn) -> None:
     "bad_address": bytes published as the transfer-server address);
     ("pin_lw", request_id, block_ids, lease_s) -> TransferParams of a layer-wise request;
     ("layers", request_id, stop) -> publishes its layers [0, stop);
+    ("donate",): a jitted step consumes (donates) the registered cache, its output held, not
+    handed over; ("adopt",): hands it over (`update_cache`);
     ("abort", request_id); ("pause", seconds): no polling; ("state",) -> (pinned, freed,
     stats summary, held bytes, RSS MiB, transport errors, subscriptions kept); ("exit",)."""
     processes.child_env(PRODUCER_DEVICES)
     engine = None
+    held = None
     freed: list[str] = []
     while True:
         if conn.poll(0.0005):
@@ -117,6 +120,12 @@ def jax_producer_main(conn) -> None:
                     conn.send(True)
                 elif kind == "abort":
                     engine.abort_request(command[1])
+                    conn.send(True)
+                elif kind == "donate":
+                    held = jax.jit(lambda c: c, donate_argnums=0)(engine.caches[0])
+                    conn.send(all(a.is_deleted() for a in engine.caches[0].arrays))
+                elif kind == "adopt":
+                    engine.update_cache(held)
                     conn.send(True)
                 elif kind == "pause":
                     time.sleep(command[1])
@@ -464,6 +473,33 @@ class JaxEngineTest(parameterized.TestCase):
                 self.assertEqual((result.finished, result.failed), ([], []))
         self.call("layers", "lw", 3)
         self.assertEqual(self.wait(engine, ["lw"]), (["lw"], []))
+        g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(cache, config, g, LOCAL_IDS)
+
+    @parameterized.parameters(False, True)
+    def test_formatting_waits_for_a_donated_cache(self, layerwise):
+        """A step consumed the registered cache (donated) and its output is not handed over
+        yet when the consumer asks: the producer formats only once `update_cache` gave it
+        the new cache (before: the read failed with "Array has been deleted")."""
+        spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+        self.call("setup", _kwargs(spec), 1, 1, 0, len(REMOTE_IDS) * 4, {})
+        engine, cache, config = self.consumer(
+            spec, 1, jax_transport_options={"layer_group_bytes": 1})
+        params = self.call("pin_lw" if layerwise else "pin", "donated", REMOTE_IDS, 30.0)
+        if layerwise:
+            self.call("layers", "donated", 1)
+        self.assertTrue(self.call("donate"))
+        engine.start_read(params, LOCAL_IDS)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # the producer polls meanwhile: nothing served
+            result = engine.poll()
+            self.assertEqual((result.finished, result.failed), ([], []))
+            self.assertFalse(result.layers)
+        self.assertEqual(self.call("state")[5], [])  # no formatting failure
+        self.call("adopt")
+        if layerwise:
+            self.call("layers", "donated", 2)
+        self.assertEqual(self.wait(engine, ["donated"]), (["donated"], []))
         g = tt.global_cache(spec, len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(cache, config, g, LOCAL_IDS)
 
