@@ -462,7 +462,6 @@ Covers = tuple[tuple[int, ...], ...]
 group, in image order."""
 
 
-@dataclasses.dataclass
 class LandedPieces:
     """Where the bytes of producer block images landed in this process.
 
@@ -474,12 +473,37 @@ class LandedPieces:
       resolved: (remote rank, position) -> (`cover_indices` of its group, the local blocks
         holding it), where a `LandingMap` resolved them once per geometry (else None, and
         `verify_landed` resolves each group).
+      source: ``(LandingMap, local ids per local rank index, positions)`` for the pieces of a
+        map, whose `groups` are made on first use: `verify_landed` digests host landings
+        straight from the map (`LandingMap.verify_host`).
     """
 
-    groups: dict[tuple[int, int], list[Piece]]
-    image_len: dict[int, int]
-    local_block_len: dict[int, int]
-    resolved: dict[tuple[int, int], tuple[Covers | None, set[int]]] | None = None
+    def __init__(self, groups: dict[tuple[int, int], list[Piece]] | None,
+                 image_len: dict[int, int], local_block_len: dict[int, int],
+                 resolved: dict[tuple[int, int], tuple[Covers | None, set[int]]] | None = None,
+                 source: tuple[LandingMap, Sequence[Sequence[int]], Sequence[int]] | None = None):
+        self._groups = groups
+        self._resolved = resolved
+        self.image_len = image_len
+        self.local_block_len = local_block_len
+        self.source = source
+
+    @property
+    def groups(self) -> dict[tuple[int, int], list[Piece]]:
+        if self._groups is None:
+            assert self.source is not None
+            landing, local_ids, positions = self.source
+            self._groups, self._resolved = landing.instantiate(local_ids, positions)
+        return self._groups
+
+    @groups.setter
+    def groups(self, value: dict[tuple[int, int], list[Piece]]) -> None:
+        self._groups = value
+
+    @property
+    def resolved(self) -> dict[tuple[int, int], tuple[Covers | None, set[int]]] | None:
+        self.groups  # noqa: B018 - instantiates a map's pieces
+        return self._resolved
 
 
 def plan_pieces(plans: Sequence[Any], local_meta: Any, remote_meta: Any,
@@ -585,6 +609,11 @@ class LandingMap:
     local_ranks: tuple[int, ...]
     image_len: dict[int, int]
     local_block_len: dict[int, int]
+    # remote rank -> per sub-block None (no pieces) or (covers as (local rank index, region,
+    # offset in the block, length) in image order, or None: not verifiable; the local rank
+    # indices holding it); None where a sub-block is not resolved (no `verify_host`)
+    host_covers: dict[int, tuple[tuple[tuple[tuple[tuple[int, int, int, int], ...], ...] | None,
+                                       tuple[int, ...]] | None, ...]] | None = None
 
     @classmethod
     def build(cls, planners: Sequence[Any]) -> LandingMap:
@@ -615,14 +644,36 @@ class LandingMap:
             ranks = tuple(sorted({index_of[lr] for _, _, lr, _, _ in group}))
             resolved.setdefault(rr, [None] * ratio)[sub] = (
                 (cover_indices(group, pieces.image_len[rr]), ranks) if inside else None)
+        host_covers: dict[int, list] | None = {}
+        for rr, per_sub in templates.items():
+            for sub, template in enumerate(per_sub):
+                known = resolved[rr][sub]
+                if template and known is None:
+                    host_covers = None  # a piece across local blocks: per group only
+                if not template or host_covers is None or known is None:
+                    continue
+                covers = None if known[0] is None else tuple(
+                    tuple((template[k][2], template[k][3], template[k][4], template[k][1])
+                          for k in ks) for ks in known[0])
+                host_covers.setdefault(rr, [None] * ratio)[sub] = (covers, known[1])
         return cls(tuple(planners), ratio, {rr: tuple(t) for rr, t in templates.items()},
                    {rr: tuple(r) for rr, r in resolved.items()}, local_ranks,
-                   dict(pieces.image_len), dict(pieces.local_block_len))
+                   dict(pieces.image_len), dict(pieces.local_block_len),
+                   None if host_covers is None else {
+                       rr: tuple(c) for rr, c in host_covers.items()})
 
     def pieces(self, local_ids: Sequence[Sequence[int]],
                positions: Sequence[int]) -> LandedPieces:
         """The `LandedPieces` of the read's `positions` (ascending indices of its remote
-        blocks), ``local_ids[i]`` the local blocks of local rank index ``i``."""
+        blocks), ``local_ids[i]`` the local blocks of local rank index ``i``; its groups are
+        made on first use (`instantiate`)."""
+        return LandedPieces(None, self.image_len, self.local_block_len,
+                            source=(self, local_ids, positions))
+
+    def instantiate(self, local_ids: Sequence[Sequence[int]], positions: Sequence[int],
+                    ) -> tuple[dict[tuple[int, int], list[Piece]],
+                               dict[tuple[int, int], tuple[Covers | None, set[int]]]]:
+        """`LandedPieces.groups` and `LandedPieces.resolved` of `pieces`."""
         ratio, lranks = self.ratio, self.local_ranks
         lbl = [self.local_block_len[r] for r in lranks]
         groups: dict[tuple[int, int], list[Piece]] = {}
@@ -639,7 +690,34 @@ class LandingMap:
                     known = per_resolved[p % ratio]
                     if known is not None:
                         resolved[(rr, p)] = (known[0], {local_ids[ri][i] for ri in known[1]})
-        return LandedPieces(groups, self.image_len, self.local_block_len, resolved)
+        return groups, resolved
+
+    def verify_host(self, local_ids: Sequence[Sequence[int]], positions: Sequence[int],
+                    local_regions: dict[int, RankRegions]) -> dict[tuple[int, int], LandedDigest]:
+        """`verify_landed` of `pieces` for xxh3 images landed in host memory, straight from
+        the resolved covers (no groups; the same covers, chunks and blocks)."""
+        assert self.host_covers is not None
+        ratio = self.ratio
+        lbl = [self.local_block_len[r] for r in self.local_ranks]
+        views = [local_regions[r].views for r in self.local_ranks]
+        out: dict[tuple[int, int], LandedDigest] = {}
+        jobs: list[tuple[list[int], list[memoryview]]] = []
+        for rr, per_sub in self.host_covers.items():
+            for p in positions:
+                entry = per_sub[p % ratio]
+                if entry is None:
+                    continue
+                covers, ranks = entry
+                i = p // ratio
+                digest = out[(rr, p)] = LandedDigest(
+                    [], {local_ids[ri][i] for ri in ranks}, covers is not None)
+                for cover in covers or ():
+                    jobs.append((digest.values, [
+                        views[ri][lg][local_ids[ri][i] * lbl[ri] + off:  # type: ignore[index]
+                                      local_ids[ri][i] * lbl[ri] + off + length]
+                        for ri, lg, off, length in cover]))
+        _hash_xxh3(jobs)
+        return out
 
 
 # (id of each planner) -> LandingMap; the map holds its planners (small: metadata and
@@ -768,6 +846,11 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
       (remote rank, position) -> `LandedDigest` (``verifiable`` False where this process
       holds only part of the image, or a device landing that does not map whole blocks).
     """
+    source = pieces.source
+    if source is not None and source[0].host_covers is not None and all(
+            algorithms[rr] == "xxh3" for rr in source[0].host_covers) and all(
+            local_regions[r].on_host for r in source[0].local_ranks):
+        return source[0].verify_host(source[1], source[2], local_regions)
     out: dict[tuple[int, int], LandedDigest] = {}
     # Plain Python over the pieces: a group is usually a few pieces (one per region), and
     # per-group numpy calls would cost more than the hashing of small blocks.
@@ -822,16 +905,7 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
             if not digest.verifiable:
                 break
             digest.values.append(_combine(s1, s2))
-    # Hashed apart from the bookkeeping above: a block hashed streams through the CPU caches
-    # and evicts the interpreter's working set, which a loop of only hash calls barely needs.
-    for values, chunks in xxh3_jobs:
-        if len(chunks) == 1:
-            values.append(xxhash.xxh3_64_intdigest(chunks[0]))
-        else:
-            h = xxhash.xxh3_64()
-            for chunk in chunks:
-                h.update(chunk)
-            values.append(h.intdigest())
+    _hash_xxh3(xxh3_jobs)
     by_local: dict[int, list[tuple[tuple[int, int], list[int]]]] = {}
     for key, lr, job in device_jobs:
         by_local.setdefault(lr, []).append((key, job))
@@ -840,6 +914,20 @@ def verify_landed(pieces: LandedPieces, algorithms: dict[int, str],
         for (key, _), value in zip(jobs, device_digests(local_device_arrays[lr], table)):
             out[key].values.append(int(value))
     return out
+
+
+def _hash_xxh3(jobs: list[tuple[list[int], list[memoryview]]]) -> None:
+    """Appends to each job's values the xxh3-64 of its chunks, concatenated. Hashed apart
+    from the bookkeeping: a block hashed streams through the CPU caches and evicts the
+    interpreter's working set, which a loop of only hash calls barely needs."""
+    for values, chunks in jobs:
+        if len(chunks) == 1:
+            values.append(xxhash.xxh3_64_intdigest(chunks[0]))
+        else:
+            h = xxhash.xxh3_64()
+            for chunk in chunks:
+                h.update(chunk)
+            values.append(h.intdigest())
 
 
 def _device_job(cover: list[Piece],
