@@ -337,35 +337,39 @@ def _step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P)
 def _layer_fns(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P):
     """The step as one jitted program per layer (for layer-pipelined transfer: the caller
     hands each layer's cache to the transfer engine before the next layer runs): ``embed
-    (params, tokens) -> x``, ``layer(params, cache, x, positions, tables, *write, layer)
-    -> (cache, x)`` (the cache donated) and ``head(params, x, shape) -> (next tokens,
-    logits)``. Every layer computes what the one-program step computes (`_layer_local`)."""
+    (params, tokens) -> x``, ``layer(params, arrays, x, positions, tables, *write, layer)
+    -> (arrays, x)`` (the cache arrays holding the layer, donated) and ``head(params, x,
+    shape) -> (next tokens, logits)``. Every layer computes what the one-program step
+    computes (`_layer_local`)."""
     param_specs = {name: _param_spec(name) for name in _NAMES}
-    array_specs = (cache_pspec,) * spec.num_arrays
 
     def embed(params, tokens):
         return params["embed"][tokens.reshape(-1)]
 
-    def layer_step(params, cache, x, positions, block_tables, write_blocks, write_index,
+    def layer_step(params, arrays, x, positions, block_tables, write_blocks, write_index,
                    write_offsets, layer):
+        # Only the arrays holding the layer go in and out (donated): passing the others
+        # through a program costs a copy of each on XLA:CPU.
+        held = [i for i, (key_layer, _) in enumerate(spec.array_keys())
+                if key_layer in (None, layer)]
+
         def local(params, arrays, x, positions, block_tables, write_blocks, write_index,
                   write_offsets):
-            # only the arrays holding the layer are written (the others: unused stand-ins)
+            full: list[Any] = [None] * spec.num_arrays  # the other layers' arrays: unused
             ids = jnp.maximum(write_blocks, 0)
-            dense = [a[ids] if key_layer in (None, layer) else a
-                     for a, (key_layer, _) in zip(arrays, spec.array_keys())]
-            _, arrays, x = _layer_local(config, spec, layer, params, dense, arrays, x,
-                                        positions, block_tables, write_blocks, write_index,
-                                        write_offsets)
-            return tuple(arrays), x
+            for i, a in zip(held, arrays):
+                full[i] = a
+            dense = [None if a is None else a[ids] for a in full]
+            _, full, x = _layer_local(config, spec, layer, params, dense, full, x, positions,
+                                      block_tables, write_blocks, write_index, write_offsets)
+            return tuple(full[i] for i in held), x
 
         mapped = jax.shard_map(
             local, mesh=mesh,
-            in_specs=(param_specs, array_specs, P(), P(), P(), P(), P(), P()),
-            out_specs=(array_specs, P()), check_vma=False)
-        arrays, x = mapped(params, cache.arrays, x, positions, block_tables, write_blocks,
-                           write_index, write_offsets)
-        return PagedKVCache(cache.spec, arrays, cache.sharding), x
+            in_specs=(param_specs, (cache_pspec,) * len(held), P(), P(), P(), P(), P(), P()),
+            out_specs=((cache_pspec,) * len(held), P()), check_vma=False)
+        return mapped(params, tuple(arrays), x, positions, block_tables, write_blocks,
+                      write_index, write_offsets)
 
     def head(params, x, shape):
         logits = _linear(_norm(x, params["final_norm"]), *_weights(params, "unembed"))
@@ -471,9 +475,15 @@ class ModelRunner:
         embed, layer_step, head = _layer_fns(self.config, self.spec, self.mesh,
                                              self.cache.partition_spec())
         x = embed(self.params, tokens)
+        keys = self.spec.array_keys()
         for layer in range(self.config.num_layers):
-            self.cache, x = layer_step(self.params, self.cache, x, positions, tables, *write,
-                                       layer)
+            held = [i for i, (key_layer, _) in enumerate(keys) if key_layer in (None, layer)]
+            out, x = layer_step(self.params, [self.cache.arrays[i] for i in held], x,
+                                positions, tables, *write, layer)
+            arrays = list(self.cache.arrays)
+            for i, array in zip(held, out):
+                arrays[i] = array
+            self.cache = PagedKVCache(self.spec, arrays, self.cache.sharding)
             if after_layer is not None:
                 after_layer(layer)
         return head(self.params, x, tokens.shape)
