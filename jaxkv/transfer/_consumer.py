@@ -787,6 +787,21 @@ class Consumer:
                 invalid |= landed.local_blocks
             else:
                 self.stats.digest_verified += 1
+        if self.digests.mode == "sampled":
+            # Both sides draw the same positions (`sample_positions`); a producer that drew
+            # others (another jaxkv version) would otherwise leave its blocks unverified.
+            read = {r for plan in state.plans for r in plan.read_ranks}
+            for rank, (_, values) in state.acked_digests.items():
+                if rank not in read:
+                    continue  # the Ack of a rank this process notified only
+                here = {pos + offset for (r, pos) in state.landed if r == rank}
+                other = sorted(p for p in values if offset <= p < state.num_remote_ids
+                               and p not in here)
+                if other:
+                    problems.append(
+                        f"producer rank {rank} digested blocks {other[:4]} that this process "
+                        "did not sample (the engines draw sampled positions differently: "
+                        "run the same jaxkv version on both)")
         if mismatched:
             self.stats.digest_mismatches += len(mismatched)
             state.error = (

@@ -315,6 +315,27 @@ class DigestCorruptionTest(_Base):
                          (1, 3 if digests == "full" else 0))
 
     @parameterized.parameters(*TRANSPORTS)
+    def test_sampled_positions_drawn_differently_fail_the_read(self, transport):
+        # A consumer that samples other positions than its producer (another jaxkv version)
+        # would verify nothing and report success: the read fails, naming the blocks.
+        from unittest import mock
+
+        from jaxkv.transfer import _consumer
+
+        spec = dict(SPEC, layout="LKHTD")
+        conn = self.producer(spec, 1, transport=transport, digests="sampled:2")
+        engine, _ = self.consumer(KVCacheSpec(**spec), 1, transport=transport,
+                                  digests="sampled:2")
+        params = self.call(conn, "pin", "req-1", None)
+        last_only = np.array([len(REMOTE_IDS) - 1], np.int64)
+        with mock.patch.object(_consumer, "sample_positions", return_value=last_only):
+            engine.start_read(params, LOCAL_IDS[: len(REMOTE_IDS)])
+        finished, failed = self.wait(engine)
+        self.assertEqual(finished, [])
+        self.assertIn("that this process did not sample", failed[0].reason)
+        self.assertEqual(engine.stats.digest_mismatches, 0)
+
+    @parameterized.parameters(*TRANSPORTS)
     def test_sampled_misses_unsampled_blocks(self, transport):
         # ... that of block 0 is not (the price of sampling; documented).
         spec = dict(SPEC, layout="LKHTD")
