@@ -36,11 +36,12 @@ __all__ = [
     "engine_metadata",
 ]
 
-PROTOCOL_VERSION = 5  # 2: Done names the consumer's read (read_id); 3: metadata names the
+PROTOCOL_VERSION = 6  # 2: Done names the consumer's read (read_id); 3: metadata names the
 # transport, control connections on the side channel, Want describes the read; 4: metadata
 # describes packed / interleaved / padded storage (kv_interleaved, packing, packed_axis,
 # head_dim_alignment, stored_head_dim, stored_layout); 5: metadata declares the integrity
-# digests (digests), Ack carries them
+# digests (digests), Ack carries them; 6: formatted reads (Format, Formatted, Released),
+# sampled digest positions drawn by the splitmix64 sampler, Want names layer groups
 """Version of the wire format; a peer speaking another version is refused."""
 
 MAX_METADATA_BYTES = 8 << 20
