@@ -1,6 +1,6 @@
 """Benchmarks layer-pipelined transfer from inside a jitted prefill step (issue 30), NIXL with
-the cache registered directly and NIXL with host staging (``host_staging=True``, the only NIXL
-path on TPU), side by side in one run.
+the cache registered directly, NIXL with host staging (``host_staging=True``, the only NIXL
+path on TPU) and the JAX transport (``transport="jax"``), side by side in one run.
 
 A producer process runs a jitted prefill step of `--layers` slow layers over a prompt of
 `--blocks` blocks: each layer computes its hidden states (`--matmuls` dense layers over
@@ -10,6 +10,14 @@ blocks of the cache (LKHTD, bfloat16) and announces the layer with `publish_laye
 announcement's callback receives the layer's rows and writes them into the host mirror before
 announcing it. The consumer, this process, reads each layer as it is announced (one engine per
 mode, registered the same way as its producer).
+
+The JAX transport formats (gathers and splits) each layer group with JAX ops, which run in
+the engine's `poll`, never inside a step's host callback: its layer-wise contender ``jax`` runs
+the same layers as a Python loop of one jitted call per layer, the producer calling
+`update_cache`, `publish_layers` and `poll` after each (the consumer pulls each group, here
+one 4 MiB layer, as it is offered); ``jax_in_jit`` is the single jitted step announcing each
+layer with `publish_layer_in_jit` under the JAX transport, whose groups are offered only at the
+first poll after the step (no overlap: reported as such).
 
 Contenders, alternating round by round (the machine is shared):
 
@@ -56,7 +64,7 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 
 import numpy as np  # noqa: E402
 
-MODES = ("direct", "staged")
+MODES = ("direct", "staged", "jax")
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 
 
@@ -101,6 +109,68 @@ def _make_step(engine, layers: int, blocks: int, width: int, matmuls: int, whole
     return prefill, jnp.ones((tokens, width), jnp.float32)
 
 
+def _make_loop(engine, layers: int, blocks: int, width: int, matmuls: int, whole: bool):
+    """The same layers (weights, writes) as `_make_step`, as a Python loop of one jitted call
+    per layer: layer-wise, each layer is handed to the engine (`update_cache`) and announced
+    (`publish_layers`) and the engine polled (the JAX transport offers the layer's group
+    there) before the next layer; whole: announced once after the last layer. Returns
+    ``run(request_id, ids) -> (statuses, start, end)`` (wall times of the first dispatch and
+    of the last announcement)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    tokens = blocks * BLOCK
+    key = jax.random.key(0)
+    weights = jax.random.normal(key, (layers, matmuls, width, width), jnp.float32) / width**0.5
+    project = jax.random.normal(key, (layers, width, 2 * HEADS * HEAD_DIM), jnp.float32)
+    per_layer = [(weights[k], project[k]) for k in range(layers)]
+
+    @functools.partial(jax.jit, donate_argnums=0, static_argnums=4)
+    def layer_step(cache, ids, x, wp, layer):
+        w, proj = wp
+        h = x
+        for m in range(matmuls):
+            h = jnp.tanh(h @ w[m])
+        kv = (h @ proj).astype(jnp.bfloat16)
+        kv = kv.reshape(blocks, BLOCK, 2, HEADS, HEAD_DIM).transpose(0, 2, 3, 1, 4)
+        (array,) = cache.arrays
+        # as raw bits: XLA:CPU lowers a bfloat16 scatter as a convert of the whole cache
+        bits = jax.lax.bitcast_convert_type(array, jnp.uint16).at[ids, layer].set(
+            jax.lax.bitcast_convert_type(kv, jnp.uint16))
+        array = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+        cache = jax.tree.unflatten(jax.tree.structure(cache), [array])
+        return cache, h
+
+    x0 = jnp.ones((tokens, width), jnp.float32)
+
+    def run(request_id, ids):
+        x = x0
+        start = time.time()
+        for layer in range(layers):
+            cache, x = layer_step(engine.caches[0], ids, x, per_layer[layer], layer)
+            jax.block_until_ready(cache)
+            engine.update_cache(cache)
+            if not whole:
+                engine.publish_layers(request_id, layer + 1)
+                engine.poll()
+        if whole:
+            engine.publish_layers(request_id, layers)
+            engine.poll()
+        jax.block_until_ready(x)
+        return [1], start, time.time()
+
+    for layer in range(layers):  # compile every layer's call (static layer index)
+        layer_step.lower(engine.caches[0], ids_like(blocks), x0, per_layer[layer],
+                         layer).compile()
+    return run
+
+
+def ids_like(blocks: int) -> np.ndarray:
+    return np.arange(1, blocks + 1, dtype=np.int32)
+
+
 def _pin(cpus: list[int] | None) -> None:
     """Keeps this process on `cpus` (None: anywhere): the producer and the consumer each get
     their own core, as on two machines, rather than the step's threads starving the consumer."""
@@ -123,7 +193,7 @@ def producer_main(conn, args: dict) -> None:
     ids = np.arange(1, args["blocks"] + 1, dtype=np.int32)
     for mode in MODES:
         engine = TransferEngine(f"prefill-{mode}", config, host_staging=mode == "staged",
-                                lease_s=60.0)
+                                lease_s=60.0, transport="jax" if mode == "jax" else "nixl")
         engine.register_cache(PagedKVCache.allocate(spec, args["blocks"] + 1))
         engines[mode] = engine
         for whole in (False, True):
@@ -131,6 +201,9 @@ def producer_main(conn, args: dict) -> None:
                                  args["matmuls"], whole)
             compiled = step.lower(engine.caches[0], ids, np.int32(0), x).compile()
             steps[mode, whole] = (compiled, x)
+        if mode == "jax":  # its layer-wise contender: a loop of jitted layers (see above)
+            loops = {whole: _make_loop(engine, args["layers"], args["blocks"], args["width"],
+                                       args["matmuls"], whole) for whole in (False, True)}
     conn.send({m: e.addresses for m, e in engines.items()})
     while True:
         if conn.poll(0.0002):
@@ -142,6 +215,8 @@ def producer_main(conn, args: dict) -> None:
             if command[0] == "pin":
                 params = engine.publish_request(request_id, ids.tolist(), layerwise=True)
                 conn.send((params, engine.handle(request_id)))
+            elif command[0] == "step" and mode == "jax" and command[4] == "loop":
+                conn.send(loops[command[3]](request_id, ids))
             elif command[0] == "step":
                 compiled, x = steps[mode, command[3]]
                 args_ = (engine.caches[0], ids, np.int32(engine.handle(request_id)), x)
@@ -221,7 +296,8 @@ def main() -> None:
     consumers = {}
     for mode in MODES:
         engine = TransferEngine(f"decode-{mode}", EngineConfig(spec, 1),
-                                host_staging=mode == "staged")
+                                host_staging=mode == "staged",
+                                transport="jax" if mode == "jax" else "nixl")
         engine.register_cache(PagedKVCache.allocate(spec, args.blocks + 1))
         consumers[mode] = engine
     local = list(range(1, args.blocks + 1))
@@ -229,7 +305,7 @@ def main() -> None:
     rows: dict[str, list[dict]] = {}
     count = 0
 
-    def layered(mode: str, whole: bool) -> dict:
+    def layered(mode: str, whole: bool, how: str = "jit") -> dict:
         nonlocal count
         count += 1
         request_id = f"req-{count}"
@@ -237,7 +313,7 @@ def main() -> None:
         params, _ = _call(conn, "pin", mode, request_id)
         engine.start_read(params, local)
         time.sleep(0.05)  # the subscription reaches the producer before the step
-        conn.send(("step", mode, request_id, whole))
+        conn.send(("step", mode, request_id, whole, how))
         finished = _wait_read(engine, request_id)
         statuses, start, end = _recv(conn)
         if statuses != [1] * len(statuses):
@@ -277,9 +353,11 @@ def main() -> None:
 
     contenders = {}
     for mode in MODES:
-        contenders[mode] = lambda mode=mode: layered(mode, False)
-        contenders[f"{mode}_whole"] = lambda mode=mode: layered(mode, True)
+        how = "loop" if mode == "jax" else "jit"
+        contenders[mode] = lambda mode=mode, how=how: layered(mode, False, how)
+        contenders[f"{mode}_whole"] = lambda mode=mode, how=how: layered(mode, True, how)
         contenders[f"{mode}_one_layer"] = lambda mode=mode: one_layer(mode)
+    contenders["jax_in_jit"] = lambda: layered("jax", False, "jit")
     for run in contenders.values():  # warm up: handshakes, first reads
         run()
     for _ in range(args.rounds):
