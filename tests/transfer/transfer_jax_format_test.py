@@ -150,6 +150,51 @@ class PackedFormatterTest(parameterized.TestCase):
         else:
             FormatterTest.check(self, [consumer], c_cfg, g, local_ids, first_token)
 
+    @parameterized.parameters(
+        # (p_tp, c_tp, p_layout, c_layout, heads, head_dim, dtype)
+        (2, 1, "tpu", "tpu", 4, 96, "bfloat16"),
+        (1, 2, "tpu", "tpu", 2, 64, "float8_e4m3fn"),
+        (2, 2, "THD", "tpu", 2, 96, "bfloat16"),
+        (2, 1, "tpu", "LKHTD", 4, 100, "float32"),
+    )
+    def test_packed_layer_groups(self, p_tp, c_tp, p_layout, c_layout, heads, head_dim, dtype):
+        """Layer groups of packed caches (one layer per group): after the first group only
+        layer 0's arrays changed; after the last, the consumer holds exactly what the whole
+        move writes (padding lanes and phantom heads kept)."""
+        page = 4
+        p_spec = _tpu_spec(heads, head_dim, page, dtype, p_layout)
+        c_spec = _tpu_spec(heads, head_dim, page, dtype, c_layout)
+        p_cfg, c_cfg = EngineConfig(p_spec, p_tp), EngineConfig(c_spec, c_tp)
+        remote_ids, local_ids = tt.REMOTE_IDS, tt.LOCAL_IDS
+        g = tt.global_cache(p_spec, len(remote_ids) * page, seed=tt.G_SEED)
+        whole, initial, tail, _ = move_packed(p_cfg, c_cfg, remote_ids, local_ids, g)
+        if p_spec.packing is not None:
+            arrays = tt.packed_arrays(p_spec, p_tp, g, remote_ids, tt.NUM_BLOCKS, seed=11)
+        else:
+            arrays = tt.global_arrays(p_cfg, 0, g, remote_ids, tt.NUM_BLOCKS)
+        producer = _cache(p_spec, p_tp, arrays)
+        consumer = _cache(c_spec, c_tp, initial)
+        ranks = fmt.rank_devices(consumer, c_cfg)
+        groups = fmt.layer_groups(p_cfg, c_cfg.layer_split, len(tail), 0)
+        self.assertEqual(groups, ((0, 1), (1, 2)))
+        for index, layers in enumerate(groups):
+            wire = fmt.split_layers(producer, p_cfg, c_cfg, tail,
+                                    fmt.rank_devices(producer, p_cfg), layers)
+            pulled = {rank: [jax.device_put(wire[(r.producer_rank, rank)], device)
+                             for r in fmt.receive_layer_routes(c_cfg, p_cfg, rank, len(tail),
+                                                               layers)]
+                      for rank, device in ranks.items()}
+            consumer = fmt.concat_layers(consumer, c_cfg, p_cfg, local_ids, len(tail), pulled,
+                                         ranks, layers)
+            if index == 0 and "L" not in c_spec.layout:  # layer 1's arrays untouched
+                for key, got, first in zip(c_spec.array_keys(), consumer.arrays, initial):
+                    if key[0] == 1:
+                        np.testing.assert_array_equal(bits.bits(np.asarray(got)),
+                                                      bits.bits(np.asarray(first)))
+        for got, want in zip(consumer.arrays, whole.arrays):
+            np.testing.assert_array_equal(bits.bits(np.asarray(got)),
+                                          bits.bits(np.asarray(want)))
+
     def test_unpack_pack_round_trip_keeps_sentinels(self):
         """`pack_into_blocks(old, unpack_blocks(x))` of other blocks' values changes exactly
         the payload entries; every phantom head and padding lane of `old` survives."""
