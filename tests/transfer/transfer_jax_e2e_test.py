@@ -811,6 +811,28 @@ class JaxLayerwiseTest(parameterized.TestCase):
     def check_cache(self, cache, config, g, pp_rank=0):
         tt.TransferTestBase.check_cache(self, cache, config, g, LOCAL_IDS, pp_rank)
 
+    def test_groups_of_a_partial_prefix_hit(self):
+        """The consumer holds the request's first two blocks: only the tail's blocks travel,
+        group by group (both sides derive the groups from the tail's size), bit exact."""
+        from jaxkv.transfer._formatter import layer_groups
+
+        p_spec, d_spec = _lw_specs("LKHTD", "HTD")
+        self.call("setup", _kwargs(p_spec), 2, 1, 0, len(REMOTE_IDS) * 4, {})
+        params = self.call("pin_lw", "lw-hit", REMOTE_IDS, 30.0)
+        engine, cache, config = self.consumer(d_spec, 1, group_bytes=3000)
+        local_ids = LOCAL_IDS[2:]
+        engine.start_read(params, local_ids)
+        groups = layer_groups(EngineConfig(p_spec, 2), [4], len(local_ids), 3000)
+        # 2048 bytes per layer of the 4-block tail (the whole request's 3072 would make one
+        # layer per group)
+        self.assertEqual(groups, ((0, 2), (2, 4)))
+        self.call("layers", "lw-hit", 3)
+        self.poll_until([engine], "lw-hit", [2])
+        self.call("layers", "lw-hit", 4)
+        self.assertEqual(JaxEngineTest.wait(engine, ["lw-hit"]), (["lw-hit"], []))
+        g = tt.global_cache(p_spec, len(REMOTE_IDS) * 4, seed=G_SEED)
+        tt.TransferTestBase.check_cache(self, cache, config, g, local_ids, 0, first_token=2 * 4)
+
     def test_whole_pull_without_group_bytes(self):
         """``layer_group_bytes=0``: a layer-wise request is pulled whole once every layer
         is written (nothing lands before)."""
