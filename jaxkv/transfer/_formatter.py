@@ -1003,8 +1003,40 @@ def concat_layers(
     arrays = []
     for i, array in enumerate(cache.arrays):
         dense = _assemble((n_local,), array, pieces[i])
-        arrays.append(_scatter_window(array, dense, ids, axis=axis, window=(lo, hi)))
+        if axis == 1:
+            # L right after the blocks: (block, layer) pairs are rows of the same bytes,
+            # written in place by the blocks op (no copy of the array).
+            from jaxkv.ops import scatter_blocks
+
+            layers = int(array.shape[1])
+            rows = (ids[:, None].astype(np.int64) * layers + np.arange(lo, hi)[None]).reshape(-1)
+            flat = scatter_blocks(_merge_rows(array), _merge_rows(dense, donate=False),
+                                  rows.astype(np.int32))
+            arrays.append(_split_rows(flat, layers=layers))
+        else:  # one scatter of the window (XLA:CPU copies the array for it)
+            arrays.append(_scatter_window(array, dense, ids, axis=axis, window=(lo, hi)))
     return cache._with_arrays(arrays)
+
+
+@functools.partial(own_jit, donate_argnums=0)
+def _merge_rows_donated(array: Any) -> Any:
+    return array.reshape(array.shape[0] * array.shape[1], *array.shape[2:])
+
+
+@own_jit
+def _merge_rows_kept(array: Any) -> Any:
+    return array.reshape(array.shape[0] * array.shape[1], *array.shape[2:])
+
+
+def _merge_rows(array: Any, donate: bool = True) -> Any:
+    """``[N, L, ...]`` as ``[N * L, ...]`` (the same bytes; donated: no copy)."""
+    return _merge_rows_donated(array) if donate else _merge_rows_kept(array)
+
+
+@functools.partial(own_jit, static_argnames=("layers",), donate_argnums=0)
+def _split_rows(array: Any, *, layers: int) -> Any:
+    """The inverse of `_merge_rows` (donated: no copy)."""
+    return array.reshape(array.shape[0] // layers, layers, *array.shape[1:])
 
 
 def _layer_view(cache: Any, num_layers: int, arrays: Sequence[Any]) -> Any:

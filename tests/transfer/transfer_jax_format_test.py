@@ -307,8 +307,11 @@ class FormatterTest(parameterized.TestCase):
                 pulled[rank] = [jax.device_put(wire[(r.producer_rank, rank)], device)
                                 for r in routes]
             self.assertEqual(len(wire), sum(len(v) for v in pulled.values()))
+            before = caches[q_stage].shard_buffers()
             caches[q_stage] = fmt.concat_layers(caches[q_stage], c_cfg, p_cfg, local_ids,
                                                 len(tail), pulled, ranks, (a, b))
+            if c_spec.layout.startswith("L") or "L" not in c_spec.layout:
+                caches[q_stage].verify_unmoved(before)  # written in place
             moved = g.copy()
             moved[b:] = 0  # layers not moved yet: untouched (zeros)
             self.check(caches, c_cfg, moved, local_ids, first_token)
