@@ -1008,11 +1008,12 @@ def concat_layers(
             # written in place by the blocks op (no copy of the array).
             from jaxkv.ops import scatter_blocks
 
-            layers = int(array.shape[1])
-            rows = (ids[:, None].astype(np.int64) * layers + np.arange(lo, hi)[None]).reshape(-1)
+            stage_layers = int(array.shape[1])
+            rows = (ids[:, None].astype(np.int64) * stage_layers
+                    + np.arange(lo, hi)[None]).reshape(-1)
             flat = scatter_blocks(_merge_rows(array), _merge_rows(dense, donate=False),
                                   rows.astype(np.int32))
-            arrays.append(_split_rows(flat, layers=layers))
+            arrays.append(_split_rows(flat, layers=stage_layers))
         else:  # one scatter of the window (XLA:CPU copies the array for it)
             arrays.append(_scatter_window(array, dense, ids, axis=axis, window=(lo, hi)))
     return cache._with_arrays(arrays)
