@@ -121,24 +121,14 @@ def _ids(num: int, fragmented: bool, seed: int) -> tuple[list[int], list[int], i
     return (rng.permutation(pool)[:num].tolist(), rng.permutation(pool)[:num].tolist(), pool)
 
 
-def _bare_read_s(engine, pool_address: int, nbytes: int, repeats: int) -> list[float]:
-    """READs of `nbytes` from the producer's send pool into this process's receive pool,
-    in descriptors of at most the pool's size (one descriptor up to 256 MiB)."""
-    agent = engine.agent
-    remote_name = next(iter(agent.remote_agents))
-    pool = engine.transport.receive_pool
-    pieces = []
-    left = nbytes
-    while left > 0:
-        step = min(left, pool.nbytes)
-        pieces.append(step)
-        left -= step
+def _read_s(agent, reads: list[tuple[np.ndarray, np.ndarray]], remote_name: str,
+            repeats: int) -> list[float]:
+    """Seconds of `repeats` rounds (after one warm-up) of the READs ``(local, remote)``
+    descriptor arrays, one after the other."""
     out = []
     for _ in range(repeats + 1):
         begin = time.perf_counter()
-        for step in pieces:
-            loc = np.array([[pool.address, step, 0]], np.uint64)
-            rem = np.array([[pool_address, step, 0]], np.uint64)
+        for loc, rem in reads:
             handle = agent.read(loc, rem, remote_name)
             deadline = time.monotonic() + WAIT_S
             while agent.state(handle) != "DONE":
@@ -149,12 +139,22 @@ def _bare_read_s(engine, pool_address: int, nbytes: int, repeats: int) -> list[f
     return out[1:]
 
 
+def _bare_read_s(engine, pool_address: int, nbytes: int, repeats: int) -> list[float]:
+    """READs of `nbytes` from the producer's send pool into this process's receive pool,
+    in descriptors of at most the pool's size (one descriptor up to 256 MiB)."""
+    pool = engine.transport.receive_pool
+    reads = []
+    for start in range(0, nbytes, pool.nbytes):
+        step = min(nbytes - start, pool.nbytes)
+        reads.append((np.array([[pool.address, step, 0]], np.uint64),
+                      np.array([[pool_address, step, 0]], np.uint64)))
+    return _read_s(engine.agent, reads, next(iter(engine.agent.remote_agents)), repeats)
+
+
 def _bare_cache_read_s(engine, peer_id: str, nbytes: int, repeats: int) -> list[float]:
     """READs of `nbytes` from the producer's cache regions into this process's cache
     regions, whole regions back to back (one descriptor per region pair, a few large ones):
     the same memory the engine reads, without the plan's fragmentation."""
-    agent = engine.agent
-    remote_name = next(iter(agent.remote_agents))
     peer = engine.consumer.peers[peer_id].meta
     remote = [(r.base_address, r.block_len * r.num_blocks) for i in peer.ranks for r in i.regions]
     local = [(r.base_address, r.block_len * r.num_blocks)
@@ -170,18 +170,8 @@ def _bare_cache_read_s(engine, peer_id: str, nbytes: int, repeats: int) -> list[
             ri, ro = ri + 1, 0
         if lo == local[li][1]:
             li, lo = li + 1, 0
-    loc_rows, rem_rows = np.array(loc, np.uint64), np.array(rem, np.uint64)
-    out = []
-    for _ in range(repeats + 1):
-        begin = time.perf_counter()
-        handle = agent.read(loc_rows, rem_rows, remote_name)
-        deadline = time.monotonic() + WAIT_S
-        while agent.state(handle) != "DONE":
-            if time.monotonic() > deadline:
-                raise TimeoutError("bare READ did not complete")
-        agent.release(handle)
-        out.append(time.perf_counter() - begin)
-    return out[1:]
+    reads = [(np.array(loc, np.uint64), np.array(rem, np.uint64))]
+    return _read_s(engine.agent, reads, next(iter(engine.agent.remote_agents)), repeats)
 
 
 def run_case(conn, case: dict, repeats: int) -> dict:

@@ -573,13 +573,21 @@ class Consumer:
         return {info.rank for info in peer.meta.ranks
                 if peer.targets.get(info.agent_name) == sender}
 
-    def on_ack(self, message: Ack, channel: str, sender: str) -> None:
-        # May come before this process saw its fetches complete (Done attached).
+    def _answered(self, message: Ack | Formatted, channel: str, sender: str) -> Reading | None:
+        """The read a producer's answer is for (None: an earlier attempt's, or a sender that
+        does not serve the producer rank it names: counted as refused)."""
         reading = self.by_attempt.get(message.attempt)
         if reading is None or message.request_id != reading.request_id:
-            return  # an answer to an earlier attempt
+            return None  # an answer to an earlier attempt
         if message.producer_rank not in self.sender_ranks(reading.peer, channel, sender):
             self.stats.refused_messages += 1
+            return None
+        return reading
+
+    def on_ack(self, message: Ack, channel: str, sender: str) -> None:
+        # May come before this process saw its fetches complete (Done attached).
+        reading = self._answered(message, channel, sender)
+        if reading is None:
             return
         reading.acks[(message.producer_rank, message.consumer_rank)] = message.pinned
         if message.pinned and message.digest_algorithm:
@@ -600,11 +608,8 @@ class Consumer:
 
     def on_formatted(self, message: Formatted, channel: str, sender: str) -> None:
         """A producer's answer to a `Format`: the chunk is READ (or the read fails)."""
-        reading = self.by_attempt.get(message.attempt)
-        if reading is None or message.request_id != reading.request_id:
-            return  # an answer to an earlier attempt
-        if message.producer_rank not in self.sender_ranks(reading.peer, channel, sender):
-            self.stats.refused_messages += 1
+        reading = self._answered(message, channel, sender)
+        if reading is None:
             return
         fetch = next((f for f in reading.formatted if f.owns(message.chunk)
                       and (f.local_rank, f.remote_rank)
