@@ -502,6 +502,12 @@ class Producer:
             if message.request_id in self.released:
                 return f"request {message.request_id!r} was freed before this read"
             return "wait"  # the layers it reads are not published yet
+        entry = self.registry.rank_cache.get(message.producer_rank)
+        if entry is not None and entry.mirror is None and any(
+                a.is_deleted() for a in entry.cache.arrays):
+            # A step consumed (donated) the registered cache and its output is not handed
+            # over yet (`update_cache`): its memory may be freed or rewritten meanwhile.
+            return "wait"
         meta = self.registry.meta
         assert meta is not None
         info = meta.rank_info(message.producer_rank)

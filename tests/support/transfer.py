@@ -274,7 +274,8 @@ def producer_main(
     scrambled bytes; ("pin_lw", request_id, block_ids, lease_s) -> TransferParams (layer-wise);
     ("layers", request_id, stop) -> writes layers [.., stop) correctly, then publishes them;
     ("publications",) -> the engine's PublishRecords; ("pool",) -> bytes its formatted-read
-    send pool holds."""
+    send pool holds; ("donate",) -> a jitted step consumes (donates) the registered cache,
+    its output held back; ("adopt",) -> hands that output over (`update_cache`)."""
     processes.child_env(1 if tp_rank is not None else max(tp, 1))
     import time
 
@@ -325,6 +326,14 @@ def producer_main(
                     conn.send(True)
                 elif command[0] == "publications":
                     conn.send(list(engine.stats.publications))
+                elif command[0] == "donate":  # a step consumes the cache, output held back
+                    import jax
+
+                    held = jax.jit(lambda c: c, donate_argnums=0)(engine.caches[0])
+                    conn.send(all(a.is_deleted() for a in engine.caches[0].arrays))
+                elif command[0] == "adopt":  # ... and hands it over
+                    engine.update_cache(held)
+                    conn.send(True)
                 elif command[0] == "pool":  # bytes held for formatted reads (send pool)
                     server = engine.transport.format_server
                     conn.send(-1 if server is None else server.held_bytes)

@@ -235,6 +235,29 @@ class FormattedReadTest(tt.TransferTestBase):
         self.assertFalse(np.asarray(cache.arrays[0]).view(np.uint16).any())  # nothing landed
         self.assertEqual(self.call(conn, "pool"), 0)  # nothing gathered, nothing held
 
+    def test_gathering_waits_for_a_donated_cache(self):
+        # a step consumed the producer's registered cache and has not handed its output over:
+        # nothing is gathered from memory the cache may no longer own until update_cache
+        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="HTD")
+        _, conn = self.start_producer(spec_kwargs, 1)
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS)
+        params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
+        self.assertTrue(self.call(conn, "donate"))
+        engine, cache, config = self.consumer(KVCacheSpec(**spec_kwargs), 1,
+                                              formatted_reads="always")
+        engine.start_read(params, LOCAL_IDS)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:  # the producer polls meanwhile: nothing gathered
+            result = engine.poll()
+            self.assertEqual((result.finished, result.failed), ([], []))
+        self.assertEqual(self.call(conn, "pool"), 0)
+        self.call(conn, "adopt")
+        self.assertEqual(self.wait(engine, ["req-1"]), (["req-1"], []))
+        g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(cache, config, g, LOCAL_IDS)
+
     def test_producer_killed_mid_read_fails_the_read(self):
         # a producer that serves one chunk at a time (4 KiB pool, slow polls) dies after the
         # read started: the read fails by its deadline with every block invalid, and every
