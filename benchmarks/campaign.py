@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     parser.add_argument("--progress_every", type=int, default=500)
     parser.add_argument("--read_timeout_s", type=float, default=5.0)
     parser.add_argument("--sample_every", type=int, default=20)
+    parser.add_argument("--digests", default="off", choices=("off", "full", "sampled:4"),
+                        help="integrity digests on both engines; with 'full' the campaign "
+                             "also corrupts published blocks and checks every one is caught")
     parser.add_argument("--json_out", default="")
     args = parser.parse_args(argv)
 
@@ -90,7 +93,8 @@ def main(argv=None) -> int:
             continue
         timeout = args.read_timeout_s if transport == "nixl" else max(args.read_timeout_s, 10.0)
         campaign = ct.Campaign(transport, read_timeout_s=timeout, max_kills=args.max_kills,
-                               max_stops=args.max_stops, sample_every=args.sample_every)
+                               max_stops=args.max_stops, sample_every=args.sample_every,
+                               digests=args.digests)
         try:
             campaign.run(args.seed, args.lifecycles, progress_every=args.progress_every,
                          max_wall_s=args.max_wall_s)

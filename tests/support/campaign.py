@@ -20,7 +20,10 @@ Invariants (`Campaign.violations` lists every breach):
   pool always drains again, and after quiescence the producer pins nothing and both pools are
   whole (0 stranded);
 - the producer's and consumer's RSS, threads and file descriptors are sampled; their slopes
-  after warm-up are reported (`Campaign.report`) and bounded generously by the callers.
+  after warm-up are reported (`Campaign.report`) and bounded generously by the callers;
+- with integrity digests (``digests="full"``), a "corrupt" event flips one byte of a
+  request's first block in the producer's registered memory after publication: its read must
+  fail naming the digest with exactly the local block that received it invalid (never finish).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ EVENTS = {
     "pool_pressure": 1,
     "kill": 1,
     "stop": 1,
+    "corrupt": 1,  # only with digests="full" (else drawn as "read")
 }
 STOP_READ_TIMEOUT_S = 1.0  # the read's deadline in a "stop" event; the producer stops longer
 STOP_S = 1.5
@@ -106,8 +110,10 @@ def request_tokens(number: int, num_blocks: int, block_size: int) -> list[int]:
 def producer_main(conn, transport: str, engine_kwargs: dict) -> None:
     """A producer engine process serving commands from `conn` while it polls its engine and
     frees, in its `KVCacheManager`, every request the engine reports freeable:
-    ("publish", number, num_blocks, lease_s, expected_reads) -> TransferParams, or None when
-    the pool is full (the values of `array_values` written into the request's blocks first);
+    ("publish", number, num_blocks, lease_s, expected_reads[, corrupt]) -> TransferParams, or
+    None when the pool is full (the values of `array_values` written into the request's
+    blocks first; `corrupt`: then one byte of its first block flipped in the registered
+    memory, after publication);
     ("abort", request_id) -> True; ("abort_stall", request_id, seconds) -> True, then that
     long without polling; ("state",) -> dict (pinned, free blocks, owned blocks,
     freed ids, violations, resources); ("exit",)."""
@@ -135,7 +141,7 @@ def producer_main(conn, transport: str, engine_kwargs: dict) -> None:
                 if kind == "exit":
                     break
                 if kind == "publish":
-                    _, number, count, lease, reads = command
+                    _, number, count, lease, reads, *corrupt = command
                     rid = f"p{number}"
                     manager.add_request(rid, request_tokens(number, count, spec.block_size))
                     alloc = manager.allocate_slots(rid, count * spec.block_size,
@@ -153,7 +159,10 @@ def producer_main(conn, transport: str, engine_kwargs: dict) -> None:
                     cache = cache.scatter_blocks(dense, np.asarray(ids, np.int32))
                     engine.update_cache(cache)
                     owned[rid] = len(ids)
-                    conn.send(engine.publish_request(rid, ids, lease, expected_reads=reads))
+                    params = engine.publish_request(rid, ids, lease, expected_reads=reads)
+                    if corrupt and corrupt[0]:
+                        _flip_after_publication(engine, ids[0])
+                    conn.send(params)
                 elif kind == "abort":
                     engine.abort_request(command[1])
                     conn.send(True)
@@ -176,6 +185,20 @@ def producer_main(conn, transport: str, engine_kwargs: dict) -> None:
                     continue
                 manager.free(rid)
                 freed.append(rid)
+
+
+def _flip_after_publication(engine, block_id: int) -> None:
+    """Inverts one byte of block `block_id` of cache array 0 on the first device, in the
+    memory peers read (the host mirror with host staging, else the cache's own buffer)."""
+    import ctypes
+
+    entry = engine._registry.caches[0]  # noqa: SLF001 - the campaign corrupts registered memory
+    buffer = next(b for b in entry.cache.shard_buffers() if b.array_index == 0)
+    address = (entry.mirror.address(0, buffer.device.id) if entry.mirror is not None
+               else buffer.address)
+    block_len = buffer.nbytes // entry.cache.num_blocks
+    byte = ctypes.c_uint8.from_address(address + block_id * block_len + 11)
+    byte.value ^= 0xFF
 
 
 class Producer:
@@ -233,7 +256,7 @@ class Read:
     read_id: str
     number: int  # the producer request's number
     local_ids: list[int]
-    expect: str  # "finish", "fail" or "either"
+    expect: str  # "finish", "fail", "either" or "corrupt" (a digest catches its first block)
     deadline: float
     incarnation: int
     abort_after: bool = False
@@ -253,6 +276,7 @@ class Counters:
     stops: int = 0
     event_s: dict[str, float] = field(default_factory=dict)  # wall seconds per event kind
     published: int = 0
+    corruptions_caught: int = 0  # corrupted reads failed by their digests
 
 
 def _cause(reason: str) -> str:
@@ -286,7 +310,7 @@ class Campaign:
 
     def __init__(self, transport: str, *, read_timeout_s: float = 5.0, window: int = 3,
                  max_kills: int = 1, max_stops: int = 1, sample_every: int = 10,
-                 producer_kwargs: dict | None = None):
+                 producer_kwargs: dict | None = None, digests: str = "off"):
 
         from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
         from jaxkv.blocks import KVCacheManager
@@ -300,14 +324,16 @@ class Campaign:
         self.sample_every = sample_every
         self.spec = KVCacheSpec(**SPEC_KWARGS)
         self.engine_kwargs = dict(read_timeout_s=read_timeout_s)
+        self.digests = digests
         self.engine = KVTransferEngine("decode", EngineConfig(self.spec, CONSUMER_TP),
-                                       transport=transport, read_timeout_s=read_timeout_s)
+                                       transport=transport, read_timeout_s=read_timeout_s,
+                                       digests=digests)
         mesh = meshes.tp(CONSUMER_TP)
         self.engine.register_cache(PagedKVCache.allocate(self.spec, CONSUMER_BLOCKS, mesh=mesh))
         self.manager = KVCacheManager(CONSUMER_BLOCKS, self.spec.block_size,
                                       enable_caching=False)
         self.owned: dict[str, int] = {}  # consumer requests (read ids) -> blocks held
-        self.producer_kwargs = dict(producer_kwargs or {})
+        self.producer_kwargs = dict(producer_kwargs or {}, digests=digests)
         self.producer = Producer(transport, self.producer_kwargs)
         self.incarnation = 0
         self.published: set[str] = set()  # this incarnation's requests not yet freed
@@ -333,14 +359,15 @@ class Campaign:
         self.producer.close()
         self.engine.close()
 
-    def publish(self, count: int, lease: float, reads: int = 1, *, retry_s: float = 20.0):
+    def publish(self, count: int, lease: float, reads: int = 1, *, retry_s: float = 20.0,
+                corrupt: bool = False):
         """Publishes a new producer request of `count` blocks; pumps while the pool is full
         (a pool that never drains is a violation). Returns (number, params) or None."""
         deadline = time.monotonic() + retry_s
         while True:
             self.number += 1
             number = self.number
-            params = self.producer.call("publish", number, count, lease, reads)
+            params = self.producer.call("publish", number, count, lease, reads, corrupt)
             if params is not None:
                 self.published.add(f"p{number}")
                 self.counters.published += 1
@@ -455,6 +482,11 @@ class Campaign:
             if read.expect == "fail":
                 self.violation(f"{read_id}: finished, but its producer request was aborted "
                                "before the read")
+            if read.expect == "corrupt":
+                self.violation(f"{read_id}: finished although its producer block was "
+                               "corrupted after publication (digests missed it)")
+                self.release_local(read_id)
+                return
             self.check_bits(read)
             if read.abort_after:  # an abort after the end: a no-op, nothing reported later
                 self.engine.abort_request(read_id)
@@ -464,7 +496,17 @@ class Campaign:
             if read.expect == "finish":
                 self.violation(f"{read_id}: failed although nothing disturbed it: "
                                f"{failure.reason}")
-            if sorted(failure.invalid_block_ids) != sorted(read.local_ids):
+            if read.expect == "corrupt":
+                if "digest" not in failure.reason.lower():
+                    self.violation(f"{read_id}: corrupted, failed for another reason: "
+                                   f"{failure.reason}")
+                elif list(failure.invalid_block_ids) != [read.local_ids[0]]:
+                    self.violation(f"{read_id}: corrupted first block, invalid blocks "
+                                   f"{sorted(failure.invalid_block_ids)}, expected "
+                                   f"[{read.local_ids[0]}]")
+                else:
+                    self.counters.corruptions_caught += 1
+            elif sorted(failure.invalid_block_ids) != sorted(read.local_ids):
                 self.violation(f"{read_id}: failed with invalid blocks "
                                f"{sorted(failure.invalid_block_ids)}, read into "
                                f"{sorted(read.local_ids)}")
@@ -525,6 +567,8 @@ class Campaign:
                 name = "read"
             if name == "stop" and stops >= self.max_stops:
                 name = "read"
+            if name == "corrupt" and self.digests != "full":
+                name = "read"
             kills += name == "kill"
             stops += name == "stop"
             self.counters.events[name] = self.counters.events.get(name, 0) + 1
@@ -581,6 +625,14 @@ class Campaign:
         got = self.publish(count, LONG_LEASE_S)
         if got:
             self.start_read(got[0], got[1], count, "finish")
+
+    def event_corrupt(self, rng) -> None:
+        # one byte of the request's first block flipped in the producer's registered memory
+        # after publication: only the digest can tell
+        count = self._count(rng)
+        got = self.publish(count, LONG_LEASE_S, corrupt=True)
+        if got:
+            self.start_read(got[0], got[1], count, "corrupt")
 
     def event_double_read(self, rng) -> None:
         count = self._count(rng)
@@ -697,6 +749,7 @@ class Campaign:
             transport=self.transport, lifecycles=c.lifecycles, events=dict(c.events),
             event_s={k: round(v, 2) for k, v in c.event_s.items()},
             published=c.published, reads_finished=c.finished, reads_failed_by_cause=c.failed,
+            digests=self.digests, corruptions_caught=c.corruptions_caught,
             pool_full=c.pool_full, producer_kills=c.kills, producer_stops=c.stops,
             invariant_violations=len(self.violations), violations=self.violations[:50],
             slopes_per_1000_lifecycles=slopes,

@@ -66,6 +66,25 @@ class CampaignTest(parameterized.TestCase):
         self.assertLessEqual(producer[-1][1] - producer[0][1], 4, "producer threads grew")
         self.assertLessEqual(producer[-1][2] - producer[0][2], 16, "producer fds grew")
 
+    @parameterized.named_parameters(("nixl", "nixl"), ("jax", "jax"))
+    def test_campaign_with_digests_catches_every_corruption(self, transport):
+        # full digests on both engines; the "corrupt" event flips a byte of a request's first
+        # block in the producer's registered memory after publication: every such read must
+        # fail naming the digest with exactly that block invalid, every other invariant holds
+        if transport == "nixl" and not nixl_available():
+            pytest.skip("NIXL (nixl-cu13) is not installed")
+        if transport == "jax" and not jax_transfer_available():
+            pytest.skip("no jax.experimental.transfer")
+        campaign = ct.Campaign(transport, read_timeout_s=5.0 if transport == "nixl" else 10.0,
+                               max_kills=1, sample_every=5, digests="full")
+        self.addCleanup(campaign.close)
+        campaign.run(2, LIFECYCLES)
+        self.assertEqual(campaign.violations, [])
+        counters = campaign.counters
+        self.assertGreaterEqual(counters.events.get("corrupt", 0), 1)  # every event once
+        self.assertEqual(counters.corruptions_caught, counters.events["corrupt"])
+        self.assertGreater(counters.finished, LIFECYCLES // 3)
+
 
 
 
