@@ -40,8 +40,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxkv.transfer._plan import row_chunks
-
 __all__ = [
     "FORMATTED_MODES",
     "FormatServer",
@@ -164,8 +162,7 @@ def _split_rows(rows: np.ndarray, chunk_bytes: int) -> np.ndarray:
             piece[:, _LO] += starts * row[_LS]
             out.append(piece)
         else:  # chunks longer than a wire chunk: each chunk cut by length
-            index, within = row_chunks(np.array([count]))
-            del index
+            within = np.arange(count)
             cuts = np.arange(0, length, chunk_bytes)
             piece = np.repeat(row[None], count * len(cuts), axis=0)
             c = np.repeat(within, len(cuts))
@@ -395,6 +392,9 @@ class FormattedFetch:
         split, bounds, self.templates = describe_share(rows, chunk_bytes, remote_ids,
                                                        remote_block_lens)
         self.num_remote = 0 if remote_ids is None else len(remote_ids)
+        # the same templates name every chunk of the share: encoded once
+        self._template_bytes = (b"" if self.templates is None
+                                else self.templates.astype("<i8").tobytes())
         for i, (first, stop) in enumerate(bounds):
             part = split[first:stop]
             _, nbytes = wire_offsets(part[:, _LEN], part[:, _CNT])
@@ -415,8 +415,8 @@ class FormattedFetch:
             if slot is None:
                 return  # later chunks wait for this one (order keeps the pool unfragmented)
             chunk.slot = slot
-            if self.templates is not None:
-                fields = dict(templates=self.templates.astype("<i8").tobytes(),
+            if self._template_bytes:
+                fields = dict(templates=self._template_bytes,
                               first_row=chunk.first_row, num_rows=len(chunk.rows),
                               num_remote=self.num_remote)
             else:

@@ -733,11 +733,7 @@ class JaxTransport:
                         if route.consumer_rank in wanted:
                             need += int(np.prod(route.shape)) * producer.spec.itemsize
                 plans.append((entry, devices))
-            if not self.server.fits(need):
-                if self.server.budget_bytes is not None and need > self.server.budget_bytes:
-                    raise PullBudgetError(
-                        f"layers {layers} need {need} bytes of pending pulls, above the "
-                        f"whole {self.server.budget_bytes}-byte budget")
+            if not self._room_for(need, f"layers {layers}"):
                 return False  # waits for releases (`serve` retries)
             for entry, devices in plans:
                 buffers = split_layers(entry.cache, producer, consumer, ids, devices, layers)
@@ -749,6 +745,19 @@ class JaxTransport:
                 self.server.offer_many(request_id, items, lease_s)
             want.offered += 1
         return True
+
+    def _room_for(self, need: int, what: str) -> bool:
+        """Whether offers of `need` bytes fit the pending-pull budget now (False: wait).
+
+        Raises:
+          PullBudgetError: they can never fit (above the whole budget).
+        """
+        if self.server.fits(need):
+            return True
+        if self.server.budget_bytes is not None and need > self.server.budget_bytes:
+            raise PullBudgetError(f"{what} needs {need} bytes of pending pulls, above the "
+                                  f"whole {self.server.budget_bytes}-byte budget")
+        return False
 
     def _consumer_config(self, message: Any) -> Any:
         from jaxkv._parallel import EngineConfig
@@ -783,11 +792,7 @@ class JaxTransport:
                     if route.consumer_rank in wanted:
                         need += int(np.prod(route.shape)) * producer.spec.itemsize
             plans.append((entry, devices))
-        if not self.server.fits(need):
-            if self.server.budget_bytes is not None and need > self.server.budget_bytes:
-                raise PullBudgetError(
-                    f"the request needs {need} bytes of pending pulls, above the whole "
-                    f"{self.server.budget_bytes}-byte budget")
+        if not self._room_for(need, "the request"):
             return False  # waits for releases (`progress` retries)
         items = []
         for entry, devices in plans:

@@ -173,8 +173,9 @@ class _Producers:
             processes.stop(process, conn)
 
 
-@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
-class JaxEngineTest(parameterized.TestCase):
+class _WithProducers(parameterized.TestCase):
+    """Two producer processes shared by a class's tests; consumer engines closed after each."""
+
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
@@ -193,6 +194,10 @@ class JaxEngineTest(parameterized.TestCase):
         for engine in self._engines:
             engine.close()
         super().tearDown()
+
+
+@pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
+class JaxEngineTest(_WithProducers):
 
     def conn(self, index=0):
         return self.producers.items[index][1]
@@ -675,29 +680,10 @@ def _masked(g, stop):
 
 
 @pytest.mark.skipif(not jax_transfer_available(), reason="no jax.experimental.transfer")
-class JaxLayerwiseTest(parameterized.TestCase):
+class JaxLayerwiseTest(_WithProducers):
     """Layer-wise requests over the JAX transport: layer groups pulled and written as the
     producer publishes them (real producer processes; bit exact after every publication;
     layers not published yet never land)."""
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.producers = _Producers(2)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.producers.close()
-        super().tearDownClass()
-
-    def setUp(self):
-        super().setUp()
-        self._engines = []
-
-    def tearDown(self):
-        for engine in self._engines:
-            engine.close()
-        super().tearDown()
 
     def call(self, *command, index=0, timeout=WAIT_S):
         return self.producers.call(self.producers.items[index][1], *command, timeout=timeout)
