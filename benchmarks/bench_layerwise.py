@@ -11,24 +11,26 @@ announcement's callback receives the layer's rows and writes them into the host 
 announcing it. The consumer, this process, reads each layer as it is announced (one engine per
 mode, registered the same way as its producer).
 
-The JAX transport formats (gathers and splits) each layer group with JAX ops, which run in
-the engine's `poll`, never inside a step's host callback: its layer-wise contender ``jax`` runs
+The JAX transport takes each announced layer's rows too: the callback hands them to the
+transport, whose worker thread formats (gathers and splits) each layer group with JAX ops and
+offers it while the step computes the later layers (the consumer pulls each group, here one
+4 MiB layer, as it is offered). ``jax_loop`` is what a user of the JAX transport had before:
 the same layers as a Python loop of one jitted call per layer, the producer calling
-`update_cache`, `publish_layers` and `poll` after each (the consumer pulls each group, here
-one 4 MiB layer, as it is offered); ``jax_in_jit`` is the single jitted step announcing each
-layer with `publish_layer_in_jit` under the JAX transport, whose groups are offered only at the
-first poll after the step (no overlap: reported as such).
+`update_cache`, `publish_layers` and `poll` after each.
 
 Contenders, alternating round by round (the machine is shared):
 
-* ``direct`` / ``staged``: layer-wise, as above;
-* ``direct_whole`` / ``staged_whole``: the same step announcing the request once, with
-  `publish_in_jit` after the last layer (what a user without pipelining picks; staged, the copy
-  to the mirror happens after the step, at `update_cache`);
-* ``direct_one_layer`` / ``staged_one_layer``: one layer's transfer alone, outside any step:
-  the producer announces layer 0 with `publish_layers` (staged: after copying it to the mirror)
-  while nothing computes; time from the announcement to its arrival (the consumer's
-  `TransferRecord.layer_arrival`). This is "the wire time of one layer" of the targets.
+* ``direct`` / ``staged`` / ``jax``: layer-wise, as above;
+* ``direct_whole`` / ``staged_whole`` / ``jax_whole``: the same step announcing the request
+  once, with `publish_in_jit` after the last layer (what a user without pipelining picks;
+  staged, the copy to the mirror happens after the step, at `update_cache`; JAX, the request
+  is formatted at the first poll after the step);
+* ``direct_one_layer`` / ``staged_one_layer`` / ``jax_one_layer``: one layer's transfer alone,
+  outside any step: the producer announces layer 0 with `publish_layers` (staged: after
+  copying it to the mirror; JAX: formatted and offered at its next poll) while nothing
+  computes; time from the announcement to its arrival (the consumer's
+  `TransferRecord.layer_arrival`). This is "the wire time of one layer" of the targets;
+* ``jax_loop``: the JAX transport's layer-wise loop (above).
 
 Reported per contender (medians over rounds; wall clocks of both processes, one machine):
 ``first_pct`` (layer 0's arrival, % of the step from its dispatch to its end),
@@ -201,7 +203,7 @@ def producer_main(conn, args: dict) -> None:
                                  args["matmuls"], whole)
             compiled = step.lower(engine.caches[0], ids, np.int32(0), x).compile()
             steps[mode, whole] = (compiled, x)
-        if mode == "jax":  # its layer-wise contender: a loop of jitted layers (see above)
+        if mode == "jax":  # the loop of jitted layers (see above)
             loops = {whole: _make_loop(engine, args["layers"], args["blocks"], args["width"],
                                        args["matmuls"], whole) for whole in (False, True)}
     conn.send({m: e.addresses for m, e in engines.items()})
@@ -353,11 +355,10 @@ def main() -> None:
 
     contenders = {}
     for mode in MODES:
-        how = "loop" if mode == "jax" else "jit"
-        contenders[mode] = lambda mode=mode, how=how: layered(mode, False, how)
-        contenders[f"{mode}_whole"] = lambda mode=mode, how=how: layered(mode, True, how)
+        contenders[mode] = lambda mode=mode: layered(mode, False)
+        contenders[f"{mode}_whole"] = lambda mode=mode: layered(mode, True)
         contenders[f"{mode}_one_layer"] = lambda mode=mode: one_layer(mode)
-    contenders["jax_in_jit"] = lambda: layered("jax", False, "jit")
+    contenders["jax_loop"] = lambda: layered("jax", False, "loop")
     for run in contenders.values():  # warm up: handshakes, first reads
         run()
     for _ in range(args.rounds):

@@ -292,17 +292,21 @@ class _Engine:
         wait_ready([next_tokens, *self.runner.cache.arrays], idle)
         return int(np.asarray(next_tokens)[0, n - 1])
 
+    def prefill_widths(self) -> list[int]:
+        """The prefill chunk sizes the run will use."""
+        s = self.settings
+        return sorted({_chunk(s.prompt_len), _chunk(max(1, s.prompt_len - s.shared_prefix_len))})
+
     def warm_up(self) -> None:
         """Compiles the prefill chunk sizes the run will use (padding only: writes nothing)."""
-        s = self.settings
-        widths = {_chunk(s.prompt_len)}
-        widths.add(_chunk(max(1, s.prompt_len - s.shared_prefix_len)))
-        for width in sorted(widths):
+        for width in self.prefill_widths():
             self.runner.run(np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32), [[]])
-            if s.layerwise:  # the programs of each layer (padding only: writes nothing)
-                jax_outputs = self.runner.dispatch_layers(
-                    np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32), [[]])
-                wait_ready([*jax_outputs, *self.runner.cache.arrays], None)
+
+    def warm_up_announced(self, transfer) -> None:
+        """Compiles the layer-announcing prefill step for `transfer` (``--layerwise``) at
+        every prefill chunk size (compiled only: nothing runs or is announced)."""
+        for width in self.prefill_widths():
+            self.runner.compile_announced(transfer, (1, width))
 
     def warm_up_decode(self) -> None:
         b = self.settings.decode_batch
@@ -438,22 +442,17 @@ def _prefill_layerwise(engine: _Engine, transfer, conn, rid: str, prompt: list[i
                        start: float, idle: Callable[[], Any] | None) -> tuple[int, int]:
     """Prefill with layer-pipelined transfer: publishes the request (``layerwise=True``) and
     hands its params to the router (``("started", id, params, hit tokens, start)``) before
-    computing, then runs one program per layer, announcing each layer (`publish_layers`)
-    once written, the engine polled in between. Returns (first token, hit tokens)."""
+    computing, then runs the one-program step that announces each layer from inside itself
+    (`publish_layer_in_jit`) as soon as its KV is written, the engine polled while it runs.
+    Returns (first token, hit tokens)."""
     tokens, positions, table, n, hit = engine.plan_prefill(rid, prompt)
-    params = transfer.publish_request(rid, engine.manager.get_block_ids(rid)[0],
-                                      layerwise=True)
+    ids = engine.manager.get_block_ids(rid)[0]
+    params = transfer.publish_request(rid, ids, layerwise=True)
     conn.send(("started", rid, params, hit, start))
-
-    def announce(layer: int) -> None:
-        wait_ready(engine.runner.cache.arrays, idle)  # the layer is written
-        transfer.update_cache(engine.runner.cache)
-        transfer.publish_layers(rid, layer + 1)
-        if idle is not None:
-            idle()
-
-    next_tokens, _ = engine.runner.dispatch_layers(tokens, positions, [table], announce)
-    wait_ready([next_tokens], idle)
+    next_tokens, _ = engine.runner.dispatch_announced(tokens, positions, [table], transfer,
+                                                      transfer.handle(rid), ids)
+    wait_ready([next_tokens, *engine.runner.cache.arrays], idle)
+    transfer.update_cache(engine.runner.cache)
     return int(np.asarray(next_tokens)[0, n - 1]), hit
 
 
@@ -491,6 +490,8 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
         **_transport_options(settings),
     ) as transfer:
         transfer.register_cache(engine.runner.cache)
+        if settings.layerwise:
+            engine.warm_up_announced(transfer)
 
         def serve_transfers() -> None:
             # Serves the decode side's READs and confirmations (UCX over TCP without a

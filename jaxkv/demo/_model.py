@@ -335,12 +335,11 @@ def _step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P)
 
 @functools.cache
 def _layer_fns(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P):
-    """The step as one jitted program per layer (for layer-pipelined transfer: the caller
-    hands each layer's cache to the transfer engine before the next layer runs): ``embed
-    (params, tokens) -> x``, ``layer(params, arrays, x, positions, tables, *write, layer)
-    -> (arrays, x)`` (the cache arrays holding the layer, donated) and ``head(params, x,
-    shape) -> (next tokens, logits)``. Every layer computes what the one-program step
-    computes (`_layer_local`)."""
+    """The step's pieces, jitted (for the layer-announcing step, which calls them inside one
+    program with an announcement after each layer): ``embed(params, tokens) -> x``,
+    ``layer(params, arrays, x, positions, tables, *write, layer) -> (arrays, x)`` (the cache
+    arrays holding the layer, donated) and ``head(params, x, shape) -> (next tokens,
+    logits)``. Every layer computes what the one-program step computes (`_layer_local`)."""
     param_specs = {name: _param_spec(name) for name in _NAMES}
 
     def embed(params, tokens):
@@ -350,8 +349,7 @@ def _layer_fns(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: 
                    write_offsets, layer):
         # Only the arrays holding the layer go in and out (donated): passing the others
         # through a program costs a copy of each on XLA:CPU.
-        held = [i for i, (key_layer, _) in enumerate(spec.array_keys())
-                if key_layer in (None, layer)]
+        held = _held_arrays(spec, layer)
 
         def local(params, arrays, x, positions, block_tables, write_blocks, write_index,
                   write_offsets):
@@ -378,6 +376,43 @@ def _layer_fns(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: 
 
     return (jax.jit(embed), jax.jit(layer_step, donate_argnums=(1,), static_argnums=(8,)),
             jax.jit(head, static_argnums=(2,)))
+
+
+def _held_arrays(spec: KVCacheSpec, layer: int) -> list[int]:
+    """The indices of the cache arrays holding `layer` (one per K/V of a per-layer layout,
+    every array of a layout with an L axis)."""
+    return [i for i, (key_layer, _) in enumerate(spec.array_keys()) if key_layer in (None, layer)]
+
+
+def _announcing_step_fn(config: ModelConfig, spec: KVCacheSpec, mesh: Mesh, cache_pspec: P,
+                        engine: Any):
+    """The step as one jitted program that announces each layer to `engine` (a producer
+    `TransferEngine`) from inside it, once the layer's KV is written
+    (`jaxkv.transfer.publish_layer_in_jit`, the next layer's input threaded through the
+    announcement): ``step(params, cache, tokens, positions, tables, *write, handle, ids) ->
+    (cache, next tokens, logits)``, the cache donated; `handle` is the request's
+    `TransferEngine.handle`, `ids` its published block ids padded with -1. The layers are
+    those of `_layer_fns` (the same values as the one-program step)."""
+    from jaxkv.transfer import publish_layer_in_jit
+
+    embed, layer_step, head = _layer_fns(config, spec, mesh, cache_pspec)
+
+    def step(params, cache, tokens, positions, block_tables, write_blocks, write_index,
+             write_offsets, handle, publish_ids):
+        x = embed(params, tokens)
+        arrays = list(cache.arrays)
+        for layer in range(spec.num_layers):
+            held = _held_arrays(spec, layer)
+            out, x = layer_step(params, [arrays[i] for i in held], x, positions, block_tables,
+                                write_blocks, write_index, write_offsets, layer)
+            for i, array in zip(held, out):
+                arrays[i] = array
+            written = PagedKVCache(cache.spec, arrays, cache.sharding)
+            x, _ = publish_layer_in_jit(engine, handle, publish_ids, written, layer + 1, x)
+        next_tokens, logits = head(params, x, tokens.shape)
+        return PagedKVCache(cache.spec, arrays, cache.sharding), next_tokens, logits
+
+    return jax.jit(step, donate_argnums=(1,))
 
 
 _NAMES = (
@@ -434,6 +469,9 @@ class ModelRunner:
             for name in _NAMES
         }
         self._step = _step_fn(config, spec, mesh, self.cache.partition_spec())
+        # announcing steps per engine (key shape ()), compiled ones (`compile_announced`)
+        # per (engine, tokens shape)
+        self._announcing: dict[tuple[int, tuple[int, ...]], Any] = {}
 
     def block_table(self, block_ids) -> np.ndarray:
         """One row of a block table: the ids, padded with the null block 0."""
@@ -463,30 +501,55 @@ class ModelRunner:
         )
         return next_tokens, logits
 
-    def dispatch_layers(self, tokens, positions, block_tables,
-                        after_layer: Any = None) -> tuple[jax.Array, jax.Array]:
-        """`dispatch` as one program per layer (the same values): after each layer's
-        program is dispatched, ``self.cache`` is its output and ``after_layer(layer)`` is
-        called (e.g. to announce the layer to a transfer engine) before the next one."""
+    def dispatch_announced(self, tokens, positions, block_tables, engine: Any, handle: int,
+                           publish_ids) -> tuple[jax.Array, jax.Array]:
+        """`dispatch` as one program that announces each layer of a layer-wise request to
+        `engine` (a producer `TransferEngine`) from inside the step, as soon as the layer's
+        KV is written (`jaxkv.transfer.publish_layer_in_jit`): consumers read layer k while
+        the step computes the later ones. The same values as `dispatch`.
+
+        Args:
+          tokens, positions, block_tables: as for `dispatch`.
+          engine: the producer engine (its registered cache is ``self.cache``).
+          handle: the request's `TransferEngine.handle`.
+          publish_ids: the block ids the request was published with (``layerwise=True``).
+
+        Returns:
+          The greedy next tokens and logits (JAX arrays, possibly not ready yet).
+        """
         tokens = np.asarray(tokens, np.int32)
         positions = np.asarray(positions, np.int32)
         tables = np.stack([self.block_table(row) for row in block_tables])
         write = write_plan(positions, tables, self.spec.block_size)
-        embed, layer_step, head = _layer_fns(self.config, self.spec, self.mesh,
-                                             self.cache.partition_spec())
-        x = embed(self.params, tokens)
-        keys = self.spec.array_keys()
-        for layer in range(self.config.num_layers):
-            held = [i for i, (key_layer, _) in enumerate(keys) if key_layer in (None, layer)]
-            out, x = layer_step(self.params, [self.cache.arrays[i] for i in held], x,
-                                positions, tables, *write, layer)
-            arrays = list(self.cache.arrays)
-            for i, array in zip(held, out):
-                arrays[i] = array
-            self.cache = PagedKVCache(self.spec, arrays, self.cache.sharding)
-            if after_layer is not None:
-                after_layer(layer)
-        return head(self.params, x, tokens.shape)
+        ids = np.full(self.max_pages, -1, np.int32)  # one shape for every request
+        ids[:len(publish_ids)] = publish_ids
+        args = (self.params, self.cache, tokens, positions, tables, *write,
+                np.int32(handle), ids)
+        step = self._announcing.get((id(engine), tokens.shape))
+        if step is None:
+            step = self._announcing_step(engine)
+        self.cache, next_tokens, logits = step(*args)
+        return next_tokens, logits
+
+    def compile_announced(self, engine: Any, shape: tuple[int, int]) -> None:
+        """Compiles `dispatch_announced` for `engine` and ``[B, N]`` tokens ahead of use
+        (a warm-up that runs nothing: no announcement reaches the engine)."""
+        tokens = np.zeros(shape, np.int32)
+        positions = np.full(shape, -1, np.int32)
+        tables = np.stack([self.block_table([])] * shape[0])
+        write = write_plan(positions, tables, self.spec.block_size)
+        args = (self.params, self.cache, tokens, positions, tables, *write, np.int32(0),
+                np.full(self.max_pages, -1, np.int32))
+        self._announcing[(id(engine), tuple(shape))] = (
+            self._announcing_step(engine).lower(*args).compile())
+
+    def _announcing_step(self, engine: Any) -> Any:
+        step = self._announcing.get((id(engine), ()))
+        if step is None:
+            step = _announcing_step_fn(self.config, self.spec, self.mesh,
+                                       self.cache.partition_spec(), engine)
+            self._announcing[(id(engine), ())] = step
+        return step
 
     def prompt_kv(self, block_ids, num_tokens: int) -> np.ndarray:
         """The cached K/V of a sequence's first `num_tokens` tokens as ``[L, 2, H, T, D]``

@@ -711,15 +711,17 @@ class KVTransferEngine:
 
     # -- host callbacks (jaxkv.transfer._jit) ---------------------------------------------
 
-    def _staging_layers(self, written: Any) -> tuple[int, int, str] | None:
-        """For `publish_layer_in_jit`, at trace time: None when no registered cache is
-        host-staged; else the global layers ``[start, stop)`` of the staged cache and why
-        the announcement's callback cannot write `written`'s rows into its mirror ("": it
-        can). It can where `written` is a version of the only registered cache (same spec
-        and array shapes) whose blocks are not split over devices."""
+    def _layer_rows_span(self, written: Any) -> tuple[int, int, str] | None:
+        """For `publish_layer_in_jit`, at trace time: None when the announcements need no
+        rows (no registered cache is host-staged and the transport does not take layer
+        rows, ``Transport.takes_layer_rows``); else the global layers ``[start, stop)`` of
+        the registered cache and why the announcement's callback cannot take `written`'s
+        rows ("": it can). It can where `written` is a version of the only registered cache
+        (same spec and array shapes) whose blocks are not split over devices."""
         with self._lock:
             caches = self._registry.caches
-            if not any(entry.mirror is not None for entry in caches):
+            staged = any(entry.mirror is not None for entry in caches)
+            if not caches or not (staged or self.transport.takes_layer_rows):
                 return None
             entry = caches[0]
             spec, arrays = getattr(written, "spec", None), getattr(written, "arrays", None)
@@ -731,7 +733,8 @@ class KVTransferEngine:
             elif entry.cache.spec != spec or [a.shape for a in entry.cache.arrays] != [
                     tuple(a.shape) for a in arrays]:
                 reason = "`written` is not a version of the registered cache"
-            elif entry.mirror is None or not entry.mirror.writes_rows:
+            elif (entry.mirror is None or not entry.mirror.writes_rows) if staged else (
+                    entry.cache.sharding.data_size != 1):
                 reason = "the cache's blocks are split over devices"
             return entry.layer_start, entry.layer_stop, reason
 
@@ -747,7 +750,9 @@ class KVTransferEngine:
         staging, `rows` (``(first global layer, per cache array the rows of layers [first,
         layer_stop) or None)``, from `publish_layer_in_jit`) are written to the mirror and
         the layers announced now; without them the copy to the mirror is left to the first
-        `poll` (or `update_cache`) after the step's output was handed to `update_cache`."""
+        `poll` (or `update_cache`) after the step's output was handed to `update_cache`. A
+        transport that takes layer rows (the JAX transport) gets them with the announcement
+        (`Offer.rows`) and serves them before the step ends."""
         num_layers = self.config.spec.num_layers
         stop = num_layers if layer_stop < 0 else min(int(layer_stop), num_layers)
         if not self._lock.acquire(timeout=self.read_timeout_s):

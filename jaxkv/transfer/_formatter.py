@@ -822,6 +822,7 @@ def split_layers(
     block_ids: Sequence[int],
     ranks: Mapping[int, Any],
     layers: tuple[int, int],
+    rows: Sequence[np.ndarray | None] | None = None,
 ) -> dict[tuple[int, int], Any]:
     """Producer side: `split_request` of the global layers ``[a, b)`` only (one group of
     `layer_groups`): one buffer ``[n, b - a, K, H, T, D]`` per (producer rank, consumer
@@ -834,6 +835,11 @@ def split_layers(
       ranks: producer rank -> device of its shard (`rank_devices`); ranks of other stages
         send nothing.
       layers: the global layers ``[a, b)``, inside one stage of each engine.
+      rows: the group's bytes as host arrays instead of `cache`'s (whose arrays then only
+        give their shapes, dtypes and shardings: a jitted step may have consumed them):
+        per cache array, the request's rows (``[len(block_ids), ...]``, whole arrays, not
+        shards) of the group's layers only (an ``L`` axis of ``b - a``), None for an array
+        of other layers; bits in the array's dtype or an unsigned int of its width.
 
     Returns:
       ``{(producer rank, consumer rank): buffer}`` (engine ranks), fresh arrays.
@@ -862,10 +868,18 @@ def split_layers(
         routes = send_routes(w_p, w_c, tp_rank, len(ids))
         if not routes:
             continue
-        shards = [_shard(cache.arrays[i], device) for i in chosen]
-        buffers = _gather_split(shards, jax.device_put(ids, device), layout=layout, keys=keys,
+        if rows is None:
+            shards = [_shard(cache.arrays[i], device) for i in chosen]
+            dev_ids = jax.device_put(ids, device)
+        else:
+            layer_axis = 1 + cache.spec.block_axes().index("L") if window else None
+            shards = [_rows_shard(rows[i], cache.arrays[i], device, len(ids), layer_axis,
+                                  hi - lo) for i in chosen]
+            dev_ids = jax.device_put(np.arange(len(ids), dtype=np.int32), device)
+        buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys,
                                 canon_p=canon_p, canon_c=canon_c, rank=tp_rank,
-                                block_shape=block_shape, packed=packed, window=window)
+                                block_shape=block_shape, packed=packed,
+                                window=window if rows is None else window and (0, hi - lo))
         for route in routes:
             buffer = buffers[route.index]
             if tuple(buffer.shape) != route.shape:
@@ -873,6 +887,30 @@ def split_layers(
                                   f"{tuple(buffer.shape)}, the plan says {route.shape}")
             result[(rank, consumer.rank(route.consumer_rank, q_stage))] = buffer
     return result
+
+
+def _rows_shard(rows: np.ndarray | None, array: Any, device: Any, num_blocks: int,
+                layer_axis: int | None, num_layers: int) -> Any:
+    """`device`'s part of an array's request rows (`split_layers`'s `rows`), on `device` in
+    the array's dtype: the rows sliced as `array`'s shard on `device` is (its head range)
+    along every axis but the blocks' and the layers' (`layer_axis`, ``num_layers`` long)."""
+    if rows is None:
+        raise FormatError("the rows of a layer group's array are missing")
+    dtype = np.dtype(array.dtype)
+    index = array.sharding.devices_indices_map(tuple(array.shape)).get(device)
+    if index is None:
+        raise FormatError(f"no shard of the cache lives on {device}")
+    rows = np.asarray(rows)
+    expected = [num_blocks, *array.shape[1:]]
+    if layer_axis is not None:
+        expected[layer_axis] = num_layers
+    if list(rows.shape) != expected or rows.dtype.itemsize != dtype.itemsize:
+        raise FormatError(f"rows {rows.dtype}{list(rows.shape)} do not match the cache "
+                          f"array {dtype}{list(array.shape)} for {num_blocks} blocks and "
+                          f"{num_layers} layers")
+    part = rows[(slice(None),) + tuple(slice(None) if axis == layer_axis else index[axis]
+                                       for axis in range(1, rows.ndim))]
+    return jax.device_put(np.ascontiguousarray(part).view(dtype), device)
 
 
 def send_layer_routes(producer: EngineConfig, consumer: EngineConfig, producer_rank: int,

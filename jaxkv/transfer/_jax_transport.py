@@ -25,8 +25,10 @@ The API is the same on jax 0.10.2 and 0.12 (`start_transfer_server`, `await_pull
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import hashlib
 import itertools
 import threading
@@ -236,6 +238,17 @@ class PullServer:
                 self._by_request.setdefault(request_id, set()).add(uuid)
             self._held += nbytes
         return nbytes
+
+    def offer_failures(self, items: Sequence[tuple[int, Sequence[Any]]],
+                       lease_s: float) -> None:
+        """Posts error arrays (`jax.experimental.transfer.make_error_array`) under the uuids
+        of `items` that have no pending offer, so that their pulls fail at once; held by the
+        transfer server only (no budget, no request), until pulled or `lease_s` passed."""
+        with self._lock:
+            for uuid, arrays in items:
+                if int(uuid) not in self._offers:
+                    self._server.await_pull(int(uuid), list(arrays),
+                                            timeout=_deadline(lease_s))
 
     def release(self, request_id: str, pulled: bool = True) -> int:
         """Drops the buffers of a request: its pulls completed (the consumer's `Done` said
@@ -555,9 +568,15 @@ class JaxTransport:
     ``layer_group_bytes``, never across a pipeline stage of either engine; both sides derive
     the same ranges from the Want), each under its own uuids (the read's key and the range).
     The consumer posts every group's pulls at once (`prepare_layers`); the producer offers a
-    group once its layers are published (`serve`, from the engine's `poll`: layers announced
-    from inside a jitted step are offered at the first poll after it), and the consumer
+    group once its layers are published (`serve`, from the engine's `poll`), and the consumer
     writes each group into its cache as it arrives (`concat_layers`: only those layers).
+    Layers announced from inside a jitted step (`publish_layer_in_jit`) arrive with their
+    rows (``takes_layer_rows``: host copies of the request's rows of those layers, the only
+    bytes of them there are while the step runs: its cache is donated): a worker thread
+    formats each group whose layers are all announced from those rows and offers it, while
+    the step computes the later layers (no JAX runs in the step's callback; on XLA:CPU the
+    worker's programs run beside the step). The rows are kept until every subscriber was
+    served (or the request is freed).
 
     Args:
       endpoint: this process's unique name.
@@ -575,6 +594,7 @@ class JaxTransport:
     announces_reads = True  # the consumer's `Want` (sent by `Consumer._start_arrays`)
     moves_arrays = True
     formats_reads = False  # its own formatter moves arrays (no registered memory)
+    takes_layer_rows = True  # formats layers announced inside a step from their rows
 
     def __init__(self, endpoint: str, host: str = "127.0.0.1", budget_bytes: int | None = None,
                  pool_bytes: int = 256 << 20, pull_timeout_s: float = 30.0,
@@ -597,6 +617,18 @@ class JaxTransport:
         self._published: dict[str, tuple[tuple[int, ...], float, int]] = {}
         self._groups: dict[tuple, _ReadGroup] = {}
         self.errors: list[str] = []  # recent formatting / offering failures (producer side)
+        # Rows of layers announced from inside a jitted step (`Offer.rows`): request ->
+        # global layer -> {cache array index: that layer's request rows}.
+        self._layer_rows: dict[str, dict[int, dict[int, np.ndarray]]] = {}
+        # The worker formatting those rows' groups while the step runs; its bookkeeping
+        # (`_jobs_lock`): groups in flight per request, requests withdrawn meanwhile (their
+        # groups are not offered) and the bytes the groups in flight will hold.
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="jaxkv-layer-format")
+        self._jobs_lock = threading.Lock()
+        self._jobs: dict[str, int] = {}
+        self._withdrawn: set[str] = set()
+        self._reserved = 0
 
     def attach(self, registry: Any) -> None:
         """The engine's `CacheRegistry` (the caches to format from and write into)."""
@@ -656,6 +688,65 @@ class JaxTransport:
             lease = self.lease_s if offer.lease_s is None else float(offer.lease_s)
             self._published[offer.request_id] = (tuple(offer.block_ids), lease,
                                                  int(offer.layer_stop))
+            if offer.rows is not None and self._keep_rows(offer.request_id, offer.rows,
+                                                         int(offer.layer_stop)):
+                # From a jitted step's callback: no JAX here, the worker formats.
+                self._serve(offer.request_id, in_step=True)
+
+    def _keep_rows(self, request_id: str, rows: tuple[int, list[Any]], stop: int) -> bool:
+        """Keeps (copies: the callback's operands may alias the step's buffers) the rows of
+        the global layers ``[rows[0], stop)`` per layer; False when they cannot stand for
+        the cache (it is not the only one registered: the groups wait for the step's
+        output)."""
+        caches = self.registry.caches
+        start, parts = rows
+        if len(caches) != 1 or len(parts) != len(caches[0].cache.arrays):
+            return False
+        entry = caches[0]
+        axes = entry.cache.spec.block_axes()
+        axis = 1 + axes.index("L") if "L" in axes else None
+        held = self._layer_rows.setdefault(request_id, {})
+        for layer in range(max(start, entry.layer_start), min(stop, entry.layer_stop)):
+            local = layer - entry.layer_start
+            kept = held.setdefault(layer, {})
+            for index, ((array_layer, _), part) in enumerate(zip(entry.cache.array_keys,
+                                                                 parts)):
+                if part is None:
+                    continue
+                if array_layer is None and axis is not None:  # this layer of an L array
+                    at = layer - start
+                    kept[index] = np.array(part[(slice(None),) * axis + (slice(at, at + 1),)])
+                elif array_layer == local:
+                    kept[index] = np.array(part)
+        return True
+
+    def _group_rows(self, request_id: str, layers: tuple[int, int]) -> list[Any] | None:
+        """`split_layers`'s rows of a layer group from the kept rows, or None unless every
+        layer of the group has its rows."""
+        held = self._layer_rows.get(request_id)
+        caches = self.registry.caches
+        if not held or len(caches) != 1:
+            return None
+        entry = caches[0]
+        a, b = layers
+        axes = entry.cache.spec.block_axes()
+        axis = 1 + axes.index("L") if "L" in axes else None
+        out: list[Any] = []
+        for index, (array_layer, _) in enumerate(entry.cache.array_keys):
+            if array_layer is None and axis is not None:
+                found = [held.get(layer, {}).get(index) for layer in range(a, b)]
+                parts = [p for p in found if p is not None]
+                if len(parts) < len(found):
+                    return None
+                out.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis))
+            elif array_layer is not None and a <= array_layer + entry.layer_start < b:
+                part = held.get(array_layer + entry.layer_start, {}).get(index)
+                if part is None:
+                    return None
+                out.append(part)
+            else:
+                out.append(None)
+        return out
 
     def _ready(self, request_id: str) -> bool:
         """Whether a published request has a subscriber this process can offer more to now."""
@@ -666,26 +757,33 @@ class JaxTransport:
         return any(not w.served and (complete or w.message.layer_group_bytes > 0)
                    for w in self._wants.get(request_id, {}).values())
 
-    def _serve(self, request_id: str) -> None:
+    def _serve(self, request_id: str, in_step: bool = False) -> None:
+        """Offers what the request's subscribers wait for and its published layers allow.
+
+        `in_step`: called from a jitted step's callback (no JAX on this thread: only layer
+        groups with kept rows are offered, formatted by the worker)."""
         published = self._published.get(request_id)
         wants = self._wants.get(request_id)
         if published is None or not wants:
             return
         block_ids, lease_s, stop = published
         complete = stop >= self.registry.config.spec.num_layers
-        if any(a.is_deleted() for entry in self.registry.caches for a in entry.cache.arrays):
-            # A step consumed (donated) the registered cache and its output was not handed
-            # over yet (`update_cache`): formatting waits for it, the subscriptions stay.
-            return
+        # A step consumed (donated) the registered cache and its output was not handed over
+        # yet (`update_cache`): what needs the cache waits for it, the subscriptions stay.
+        cache_live = not in_step and not any(
+            a.is_deleted() for entry in self.registry.caches for a in entry.cache.arrays)
         for key, want in wants.items():
             if want.served or not (complete or want.message.layer_group_bytes > 0):
                 continue
             try:
                 if want.message.layer_group_bytes > 0:
-                    offered = self._offer_groups(request_id, key, want, block_ids, lease_s, stop)
-                else:
+                    offered = self._offer_groups(request_id, key, want, block_ids, lease_s, stop,
+                                                 in_step, cache_live)
+                elif cache_live:
                     offered = self._offer_want(request_id, key, want.message, block_ids,
                                                lease_s)
+                else:
+                    continue
             except Exception as error:  # noqa: BLE001 - reported to the consumer
                 message = f"request {request_id!r} for {key[0]!r}: {type(error).__name__}: {error}"
                 self.errors.append(message)
@@ -693,6 +791,8 @@ class JaxTransport:
                 self._offer_errors(request_id, key, want.message, message, lease_s)
                 offered = True
             want.served = offered
+        if complete and all(w.served for w in wants.values()):
+            self._layer_rows.pop(request_id, None)  # later subscribers read the cache
 
     def _request_groups(self, message: Any) -> tuple[tuple[int, int], ...]:
         from jaxkv.transfer._formatter import layer_groups
@@ -702,10 +802,13 @@ class JaxTransport:
             message.layer_group_bytes)
 
     def _offer_groups(self, request_id: str, key: tuple[str, str, int], want: _Want,
-                      block_ids: tuple[int, ...], lease_s: float, stop: int) -> bool:
+                      block_ids: tuple[int, ...], lease_s: float, stop: int,
+                      in_step: bool = False, cache_live: bool = True) -> bool:
         """Offers the layer groups of a layer-wise read whose layers are all written, in
-        order; True once every group was offered (or belongs to another process)."""
-        from jaxkv.transfer._formatter import FormatError, send_layer_routes, split_layers
+        order; True once every group was offered (or handed to the worker, or belongs to
+        another process). A group is formatted from its kept rows when it has them (by the
+        worker when `in_step`), else from the registered cache when it is live."""
+        from jaxkv.transfer._formatter import FormatError, send_layer_routes
 
         message = want.message
         if want.groups is None:
@@ -721,9 +824,11 @@ class JaxTransport:
             layers = want.groups[want.offered]
             if layers[1] > stop:
                 return False  # later layers are not written yet
+            rows = self._group_rows(request_id, layers)
+            if rows is None and not cache_live:
+                return False  # needs the registered cache: after the step (`update_cache`)
             entries = [e for e in self.registry.caches
                        if e.layer_start <= layers[0] < e.layer_stop]
-            items = []
             need = 0
             plans = []
             for entry in entries:
@@ -733,18 +838,74 @@ class JaxTransport:
                         if route.consumer_rank in wanted:
                             need += int(np.prod(route.shape)) * producer.spec.itemsize
                 plans.append((entry, devices))
-            if not self._room_for(need, f"layers {layers}"):
+            with self._jobs_lock:
+                reserved = self._reserved
+            if not self._room_for(need + reserved, f"layers {layers}"):
                 return False  # waits for releases (`serve` retries)
-            for entry, devices in plans:
-                buffers = split_layers(entry.cache, producer, consumer, ids, devices, layers)
-                for (p_rank, c_rank), buffer in buffers.items():
-                    if c_rank in wanted:
-                        items.append((pull_uuid(_group_key(key, layers), 0, p_rank, c_rank),
-                                      [buffer]))
-            if items:
-                self.server.offer_many(request_id, items, lease_s)
+            job = functools.partial(self._group_items, key, consumer, wanted, ids, layers,
+                                    plans, rows)
+            if in_step:
+                with self._jobs_lock:
+                    self._jobs[request_id] = self._jobs.get(request_id, 0) + 1
+                    self._reserved += need
+                self._worker.submit(self._offer_in_background, request_id, key, message,
+                                    layers, job, lease_s, need)
+            else:
+                items = job()
+                if items:
+                    self.server.offer_many(request_id, items, lease_s)
             want.offered += 1
         return True
+
+    def _group_items(self, key: tuple[str, str, int], consumer: Any, wanted: set[int],
+                     ids: list[int], layers: tuple[int, int], plans: list[tuple[Any, Any]],
+                     rows: list[Any] | None) -> list[tuple[int, list[Any]]]:
+        """The ``(uuid, [buffer])`` offers of one layer group (JAX ops: formats it from the
+        cache, or from `rows`)."""
+        from jaxkv.transfer._formatter import split_layers
+
+        items = []
+        for entry, devices in plans:
+            buffers = split_layers(entry.cache, self.registry.config, consumer, ids, devices,
+                                   layers, rows=rows)
+            for (p_rank, c_rank), buffer in buffers.items():
+                if c_rank in wanted:
+                    items.append((pull_uuid(_group_key(key, layers), 0, p_rank, c_rank),
+                                  [buffer]))
+        return items
+
+    def _offer_in_background(self, request_id: str, key: tuple[str, str, int], message: Any,
+                             layers: tuple[int, int], job: Any, lease_s: float,
+                             need: int) -> None:
+        """The worker: formats one layer group (`job`) and offers it, unless the request was
+        withdrawn meanwhile; a failure is offered as error arrays of the group's uuids."""
+        error = None
+        items: list[tuple[int, list[Any]]] = []
+        try:
+            items = job()
+        except Exception as failure:  # noqa: BLE001 - reported to the consumer
+            error = f"{type(failure).__name__}: {failure}"
+        with self._jobs_lock:
+            try:
+                if request_id in self._withdrawn:
+                    return
+                if error is None and items:
+                    try:
+                        self.server.offer_many(request_id, items, lease_s)
+                    except Exception as failure:  # noqa: BLE001 - reported to the consumer
+                        error = f"{type(failure).__name__}: {failure}"
+                if error is not None:
+                    reason = (f"request {request_id!r} for {key[0]!r}, layers {layers}: "
+                              f"{error}")
+                    self.errors.append(reason)
+                    self._offer_errors(request_id, key, message, reason, lease_s, [layers])
+            finally:
+                self._reserved -= need
+                left = self._jobs.pop(request_id) - 1
+                if left:
+                    self._jobs[request_id] = left
+                else:
+                    self._withdrawn.discard(request_id)
 
     def _room_for(self, need: int, what: str) -> bool:
         """Whether offers of `need` bytes fit the pending-pull budget now (False: wait).
@@ -805,8 +966,11 @@ class JaxTransport:
         return True
 
     def _offer_errors(self, request_id: str, key: tuple[str, str, int], message: Any,
-                      reason: str, lease_s: float) -> None:
-        """Offers error arrays under the subscriber's uuids: its pulls fail with `reason`."""
+                      reason: str, lease_s: float,
+                      groups: Sequence[tuple[int, int]] | None = None) -> None:
+        """Offers error arrays under the subscriber's uuids (of a layer-wise read: those of
+        `groups`, default every group) that have no pending offer: its pulls fail with
+        `reason`."""
         from jax.experimental import transfer
 
         make_error = getattr(transfer, "make_error_array", None)
@@ -823,7 +987,7 @@ class JaxTransport:
             # a layer-wise read's uuids are per layer group
             ranges: list[tuple[int, int] | None] = [None]
             if message.layer_group_bytes > 0:
-                ranges = list(self._request_groups(message))
+                ranges = list(self._request_groups(message) if groups is None else groups)
             items = []
             for layers in ranges:
                 uuid_key = (f"{key[0]}/{key[1]}/{key[2]}" if layers is None
@@ -841,14 +1005,15 @@ class JaxTransport:
                                 sharding=jax.sharding.SingleDeviceSharding(device))
                             items.append((pull_uuid(uuid_key, 0, rank, route.consumer_rank),
                                           [make_error(aval, reason)]))
-            with self.server._lock:
-                for uuid, arrays in items:
-                    if uuid not in self.server._offers:
-                        self.server.server.await_pull(uuid, arrays, timeout=_deadline(lease_s))
+            self.server.offer_failures(items, lease_s)
         except Exception as error:  # noqa: BLE001 - best effort: the pulls time out otherwise
             self.errors.append(f"could not offer the failure of {request_id!r}: {error}")
 
     def withdraw(self, request_id: str, confirmed: bool = False) -> None:
+        with self._jobs_lock:  # the worker's groups of it in flight are not offered
+            if request_id in self._jobs:
+                self._withdrawn.add(request_id)
+        self._layer_rows.pop(request_id, None)
         self._published.pop(request_id, None)
         # Subscriptions not served yet (e.g. they arrived after an abort, before the poll
         # that released the request) fail now: dropped, their pulls would wait for their
@@ -1010,6 +1175,8 @@ class JaxTransport:
             self._serve(request_id)
 
     def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._layer_rows.clear()
         self._groups.clear()
         self._wants.clear()
         self._published.clear()

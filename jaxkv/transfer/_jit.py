@@ -36,6 +36,10 @@ before it announces the layer. A layer so reaches the wire while the step comput
 ones, and is announced only once its bytes are in the mirror. The compiled step gains one
 gather of the request's rows per announcement, no copy of a cache array.
 
+The JAX transport (``transport="jax"``) takes the same rows: the callback copies them to host
+memory and hands them to the transport, whose worker thread formats and offers each layer
+group from them while the step computes the later layers (no JAX runs in the callback).
+
 Pass the cache with ``donate_argnums`` so that it stays in its registered buffers, and hand
 the step's output to `TransferEngine.update_cache`: with host staging, a publication from
 inside a step that carried no rows (`publish_in_jit`, or `publish_layer_in_jit` where rows
@@ -222,16 +226,18 @@ def publish_layer_in_jit(
     consumer reads layer k while the step computes the later ones. See the module docstring
     for the ordering; no copy of the cache is added.
 
-    Host staging (``host_staging=True``, NIXL's only path on TPU): the callback's operands
-    also carry the request's rows of the announced layers ``[layer_start, layer_stop)``
-    (gathered from `written` after their writes: the layer's bytes of the request's blocks,
-    not the cache), and the callback writes them into the host mirror before it announces
-    the layers, so they are readable while the step computes the later ones. This needs
-    `written` to be the registered `PagedKVCache` (the only one of the engine), and a Python
-    int `layer_stop` unless the layout has an L axis (then a traced one, as in a loop over the
-    layers, announces one layer per call); otherwise (an array per layer with a traced stop,
-    only some arrays, several caches) the layers reach the mirror only from the step's
-    output, at the first `poll` / `update_cache` after the step (warned at trace time). A
+    Host staging (``host_staging=True``, NIXL's only path on TPU) and the JAX transport:
+    the callback's operands also carry the request's rows of the announced layers
+    ``[layer_start, layer_stop)`` (gathered from `written` after their writes: the layer's
+    bytes of the request's blocks, not the cache); the callback writes them into the host
+    mirror before it announces the layers (staging), or hands them to the JAX transport,
+    which formats and offers them from a worker thread, so they are readable while the step
+    computes the later ones. This needs `written` to be the registered `PagedKVCache` (the
+    only one of the engine), and a Python int `layer_stop` unless the layout has an L axis
+    (then a traced one, as in a loop over the layers, announces one layer per call);
+    otherwise (an array per layer with a traced stop, only some arrays, several caches) the
+    layers reach the mirror (or the JAX transport) only from the step's output, at the first
+    `poll` / `update_cache` after the step (warned at trace time). A
     layer missing before `layer_start` (an earlier announcement that could not carry its
     rows) is staged from the output too, with the layers after it: a layer is announced only
     once its bytes are in the mirror.
@@ -241,7 +247,7 @@ def publish_layer_in_jit(
       written: the cache after this layer's writes (or only the arrays written).
       layer_stop: int32 scalar (or int), one past the last written global layer.
       next_input: the next layer's input (pytree of arrays, e.g. hidden states).
-      layer_start: host staging: the first global layer this call announces (its rows go
+      layer_start: with rows: the first global layer this call announces (its rows go
         to the callback); default ``layer_stop - 1``, one layer per call. Pass it (with a
         Python int `layer_stop`) when announcing several layers at once.
 
@@ -264,7 +270,7 @@ def publish_layer_in_jit(
         raise NotImplementedError(
             "publish_layer_in_jit on a multi-controller engine: announce the whole request "
             "with publish_in_jit after the step, or publish_layers outside jit")
-    rows = _staged_rows(engine, block_ids, written, layer_start, layer_stop)
+    rows = _announced_rows(engine, block_ids, written, layer_start, layer_stop)
     if rows is None:
         status = _publish(engine, handle, block_ids, written, layer_stop)
     else:
@@ -276,23 +282,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _staged_rows(
+def _announced_rows(
     engine: Any, block_ids: Any, written: Any, layer_start: int | None, layer_stop: Any
 ) -> tuple[Any, list[Any]] | None:
-    """Host staging: ``(first global layer (an int, or an int32 scalar for a traced stop),
-    per array of `written` its request rows of the announced layers as unsigned ints, or
-    None)`` for the announcement's callback, or None when the engine is not host-staged or
-    the rows cannot be taken (then the mirror copy waits for the step's output, warned)."""
+    """Host staging, or a transport that takes layer rows (the JAX transport): ``(first
+    global layer (an int, or an int32 scalar for a traced stop), per array of `written` its
+    request rows of the announced layers as unsigned ints, or None)`` for the
+    announcement's callback, or None when the engine needs no rows or they cannot be taken
+    (then the layers are served from the step's output, warned)."""
     import jax
     import jax.numpy as jnp
 
-    span_of = getattr(engine, "_staging_layers", None)
+    span_of = getattr(engine, "_layer_rows_span", None)
     span = span_of(written) if span_of is not None else None
     if span is None:  # not host-staged
         return None
     if span[2]:
-        _log.warning("publish_layer_in_jit with host staging: %s, so the layers reach the "
-                     "host mirror only after the step", span[2])
+        _log.warning("publish_layer_in_jit: %s, so the layers reach the host mirror (host "
+                     "staging) or the JAX transport only after the step", span[2])
         return None
     axes = written.spec.block_axes()
     axis = axes.index("L") if "L" in axes else None
@@ -304,9 +311,10 @@ def _staged_rows(
             raise ValueError("publish_layer_in_jit: layer_start needs a Python int layer_stop "
                              "(a traced layer_stop announces one layer per call)")
         if axis is None:
-            _log.warning("publish_layer_in_jit with host staging: a traced layer_stop and a "
-                         "layout with an array per layer, so the layers reach the host mirror "
-                         "only after the step (pass a Python int, or use a layout with L)")
+            _log.warning("publish_layer_in_jit: a traced layer_stop and a layout with an array "
+                         "per layer, so the layers reach the host mirror (host staging) or "
+                         "the JAX transport only after the step (pass a Python int, or use a "
+                         "layout with L)")
             return None
         start: Any = jnp.asarray(layer_stop, jnp.int32).reshape(()) - 1
         lo: Any = start - span[0]

@@ -57,6 +57,7 @@ class NixlTransport:
     attaches_notifications = True
     announces_reads = False
     moves_arrays = False  # reads registered memory by address
+    takes_layer_rows = False  # reads the registered cache (or its host mirror) directly
 
     def __init__(self, endpoint: str, options: AgentOptions | None = None,
                  pool_bytes: int = DEFAULT_POOL_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES):

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -197,10 +198,12 @@ class Producer:
             layerwise,
         )
 
-    def publish_layers(self, pinned: Pinned, stop: int, staged: bool = False) -> None:
+    def publish_layers(self, pinned: Pinned, stop: int, staged: bool = False,
+                       rows: tuple[int, list[Any]] | None = None) -> None:
         """Marks the global layers ``[0, stop)`` written: stages them (host staging; not when
         `staged`: their bytes were written to the mirror already, `write_layer_rows`),
-        offers them to the transport and announces them to the subscribers."""
+        offers them to the transport (with their `rows` from a jitted step, for a transport
+        that takes them) and announces them to the subscribers."""
         start = pinned.layer_stop
         if stop <= start:
             return
@@ -232,7 +235,7 @@ class Producer:
             )
         self.transport.offer(
             Offer(pinned.request_id, pinned.block_ids, stop, tuple(self.registry.caches),
-                  lease_s=pinned.lease_s)
+                  lease_s=pinned.lease_s, rows=rows)
         )
         message = encode_message(Ready(pinned.request_id, list(self.registry.local_ranks), stop))
         for target in pinned.subscribers:
@@ -285,7 +288,8 @@ class Producer:
         With host staging, `rows` (the first global layer they hold, and per cache array the
         request's rows of layers ``[start, stop)``, `publish_layer_in_jit`) are written into
         the mirror and the layers announced now, from inside the step; without them (or when
-        they cannot be used, `write_layer_rows`) the copy waits for the step's output."""
+        they cannot be used, `write_layer_rows`) the copy waits for the step's output. A
+        transport that takes layer rows gets them with the announcement."""
         ids = [int(b) for b in np.asarray(block_ids).reshape(-1) if b >= 0]
         pinned = self.pinned.get(request_id)
         if pinned is None:
@@ -324,6 +328,12 @@ class Producer:
             self.deferred.append(
                 (request_id, stop, tuple(e.version for e in self.registry.caches))
             )
+        elif rows is not None and self.transport.takes_layer_rows:
+            start, parts = rows
+            keep = np.asarray(block_ids).reshape(-1) >= 0  # one row per id (-1: padding)
+            if not keep.all():
+                parts = [None if p is None else np.asarray(p)[keep] for p in parts]
+            self.publish_layers(pinned, stop, rows=(start, parts))
         else:
             self.publish_layers(pinned, stop)
         return 1

@@ -614,8 +614,8 @@ class TransferEngine:
         return self._cores[self._group(None)]._callback_publish(handle, block_ids, layer_stop,
                                                                 rows)
 
-    def _staging_layers(self, written: Any) -> tuple[int, int, str] | None:
-        return self._cores[self._group(None)]._staging_layers(written)
+    def _layer_rows_span(self, written: Any) -> tuple[int, int, str] | None:
+        return self._cores[self._group(None)]._layer_rows_span(written)
 
     def _callback_wait(self, handle: int, timeout_s: float) -> int:
         return self._cores[self._group(None)]._callback_wait(handle, timeout_s)

@@ -28,8 +28,14 @@ A **transport** moves a request's KV from producer ranks to consumer ranks. It i
 * ``moves_arrays``: whether it moves arrays (formats the request on the producer, writes the
   pulled values into the consumer's current cache with JAX ops) rather than reading
   registered memory by address. Such a transport is given the engine's cache registry
-  (`attach`), does its JAX work in `serve` (called from the engine's poll, never from a jitted
-  step's callback), and its consumer reads skip the producer-side post-processing;
+  (`attach`), does its JAX work in `serve` (called from the engine's poll) or on a thread of
+  its own, never in a jitted step's callback, and its consumer reads skip the producer-side
+  post-processing;
+* ``takes_layer_rows``: whether a layer announced from inside a jitted step
+  (`publish_layer_in_jit`) should carry the request's rows of that layer to the transport
+  (`Offer.rows`: host bytes, the step's cache is donated until the step ends) so that it can
+  serve them before the step ends (the JAX transport formats and offers them from a worker
+  thread; NIXL reads registered memory and needs no rows);
 * ``formats_reads``: whether it can make and serve *formatted* reads
   (`jaxkv.transfer._formatted`: the producer gathers a read's byte ranges into a registered
   send buffer, the consumer READs it in large chunks and scatters it; NIXL with its pools);
@@ -97,6 +103,9 @@ class Offer:
         None when the request (or more of its layers) was published.
       want: that consumer's `Want` (its read id, how many blocks it reads, its side-channel
         address: see ``Transport.announces_reads``), or None.
+      lease_s: the request's lease (None: the transport's default).
+      gone: the subscriber asked for a request already freed here.
+      rows: the announced layers' rows, for a transport that ``takes_layer_rows``.
     """
 
     request_id: str
@@ -107,6 +116,10 @@ class Offer:
     want: Any = None  # the subscriber's `Want` message (a transport that formats per reader)
     lease_s: float | None = None  # the request's lease
     gone: bool = False  # the subscriber asked for a request already freed here
+    # layers announced from inside a jitted step (``takes_layer_rows``): ``(first global
+    # layer, per array of the registered cache its request rows of the announced layers
+    # (numpy, the array's dtype bits) or None)``
+    rows: tuple[int, list[Any]] | None = None
 
 
 class Transport(Protocol):
@@ -118,6 +131,7 @@ class Transport(Protocol):
     announces_reads: bool  # the consumer sends `Want` for every read (not only layer-wise)
     moves_arrays: bool  # moves arrays with JAX ops instead of reading memory by address
     formats_reads: bool  # gathered (formatted) reads, `jaxkv.transfer._formatted`
+    takes_layer_rows: bool  # in-step layer announcements carry their rows (`Offer.rows`)
 
     def attach(self, registry: Any) -> None:
         """The engine's `CacheRegistry`, once (a transport that moves arrays formats from,

@@ -12,7 +12,7 @@ program gathers the request's rows of one layer per callback and copies no cache
 writes them into the mirror before announcing. Failures between layers (`LayeredFailureTest`,
 direct and staged): unannounced layers are never read, a producer killed or a request aborted
 between layers fails the read with every block invalid and only announced layers landed.
-Negative control, run by hand: with the staged rows disabled (the engine's `_staging_layers`
+Negative control, run by hand: with the staged rows disabled (the engine's `_layer_rows_span`
 returning None) the staged first-layer and killed-producer tests fail.
 """
 
@@ -61,7 +61,7 @@ class _StagedNoEngine:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
 
-    def _staging_layers(self, written):
+    def _layer_rows_span(self, written):
         return 0, self.num_layers, ""
 
 
@@ -170,6 +170,37 @@ class LayeredLoweringTest(parameterized.TestCase):
         # cache array, still a chain, and no operand is a cache array (only 4 blocks' rows
         # of one layer, gathered to the callback's device).
         text, cache = compiled(layout, tp, naive=False, staged=True)
+        self.assert_rows_chain(text, cache)
+
+    @parameterized.parameters(("LKHTD", 1), ("KHTD", 2), ("HTD", 1))
+    def test_jax_transport_chain_carries_layer_rows_without_copies(self, layout, tp):
+        # A real producer engine over the JAX transport: its announcements carry their
+        # layer's rows too (its worker formats and offers them while the step runs), with
+        # the same compiled shape. Control: the same step of a NIXL engine that reads the
+        # cache directly carries no rows (handle, ids, stop and the token only).
+        from jaxkv import EngineConfig
+        from jaxkv.transfer import jax_transfer_available
+        from jaxkv.transfer._engine import KVTransferEngine
+
+        if not jax_transfer_available():
+            self.skipTest("this jax has no jax.experimental.transfer")
+        spec = KVCacheSpec(**spec_kwargs(layout))
+        cache = PagedKVCache.allocate(spec, NUM_BLOCKS, mesh=meshes.tp(tp))
+        args = (cache, np.asarray(REMOTE_IDS, np.int32), np.int32(1), np.uint32(SEED))
+        with KVTransferEngine("prefill", EngineConfig(spec, tp), transport="jax") as engine:
+            engine.register_cache(cache)
+            text = tt.make_layered_prefill_step(engine, 10).lower(*args).compile().as_text()
+        self.assert_rows_chain(text, cache)
+        if nixl_available():
+            with KVTransferEngine("prefill", EngineConfig(spec, tp)) as engine:
+                engine.register_cache(cache)
+                text = tt.make_layered_prefill_step(engine, 10).lower(*args).compile().as_text()
+            self.assertEqual([len(s) for s in callback_operand_shapes(text)],
+                             [4] * spec.num_layers)
+
+    def assert_rows_chain(self, text, cache):
+        """No copy of a cache array, the callbacks a chain by data, each carrying only its
+        layer's rows of the request (4 blocks, gathered to the callback's device)."""
         self.assertEqual(cache_copies(text, cache), [])
         earlier = callback_ancestry(text)
         self.assertEqual(sorted(earlier.values()), list(range(cache.spec.num_layers)))
@@ -230,11 +261,12 @@ class LayeredLoweringTest(parameterized.TestCase):
             jax.jit(lambda c, s: publish_layer_in_jit(engine, 1, ids, c, s, 0, layer_start=0)[1]
                     ).lower(cache, np.int32(1))
         staged_elsewhere = types.SimpleNamespace(
-            _staging_layers=lambda written: (0, spec.num_layers, "several caches"))
+            _layer_rows_span=lambda written: (0, spec.num_layers, "several caches"))
         with self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
             jax.jit(lambda c: publish_layer_in_jit(staged_elsewhere, 1, ids, c, 1, 0)[1]
                     ).lower(cache)
-        self.assertIn("several caches, so the layers reach the host mirror only after",
+        self.assertIn("several caches, so the layers reach the host mirror (host staging) or the "
+                      "JAX transport only after",
                       logs.output[0])
 
     @parameterized.parameters(("LKHTD", 1), ("KHTD", 2))
@@ -262,8 +294,43 @@ class LayeredLoweringTest(parameterized.TestCase):
             jax.jit(lambda c, stop=stop: publish_in_jit(engine, 1, ids, c, stop)).lower(cache)
 
 
+def engine_kwargs(mode: str) -> dict:
+    """The engines' arguments of a path: NIXL reading the cache ("direct"), NIXL reading a
+    host mirror ("staged"), the JAX transport ("jax")."""
+    return {"direct": {}, "staged": {"host_staging": True},
+            "jax": {"transport": "jax"}}[mode]
+
+
+def consumer_kwargs(mode: str) -> dict:
+    """The consumer's: registered directly on NIXL (landed bytes are in its cache at once);
+    over the JAX transport one layer per group (the test's layers are a few KiB)."""
+    return ({"transport": "jax", "jax_transport_options": {"layer_group_bytes": 1}}
+            if mode == "jax" else {})
+
+
+def path_available(mode: str) -> bool:
+    from jaxkv.transfer import jax_transfer_available
+
+    return jax_transfer_available() if mode == "jax" else nixl_available()
+
+
+class _Paths(tt.TransferTestBase):
+    def warm_up(self, conn, engine):
+        """One request through a producer process and `engine` first: the JAX transport
+        compiles each geometry's formatting program on both sides at its first use (as a
+        server's warm-up does)."""
+        params, handle = self.call(conn, "pin", "req-warm-up", REMOTE_IDS)
+        engine.start_read(params, LOCAL_IDS)
+        conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED))
+        self.assertEqual(self.wait(engine, ["req-warm-up"]), (["req-warm-up"], []))
+        if not conn.poll(WAIT_S):
+            raise TimeoutError("the producer's step did not return")
+        conn.recv()
+        self.assert_freed(conn, "req-warm-up")
+
+
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
-class LayeredTransferTest(tt.TransferTestBase):
+class LayeredTransferTest(_Paths):
     def start_layered_producer(self, layout, tp, iters, engine_kwargs=None):
         process, parent = processes.spawn(
             tt.layered_producer_main, spec_kwargs(layout), tp, NUM_BLOCKS, iters, engine_kwargs)
@@ -271,16 +338,23 @@ class LayeredTransferTest(tt.TransferTestBase):
         return parent
 
     @parameterized.parameters(
-        # (layout, producer TP, iterations, producer host staging): staged, each layer's rows
-        # go to its announcement's callback, which writes them into the host mirror
-        ("LKHTD", 1, 4 * ITERS, False), ("KHTD", 2, ITERS, False),
-        ("LKHTD", 1, 4 * ITERS, True), ("KHTD", 2, ITERS, True), ("HTD", 2, ITERS, True))
-    def test_first_layer_arrives_before_the_step_ends(self, layout, p_tp, iters, staging):
-        conn = self.start_layered_producer(layout, p_tp, iters, {"host_staging": staging})
+        # (layout, producer TP, iterations, path): staged, each layer's rows go to its
+        # announcement's callback, which writes them into the host mirror; jax, to the JAX
+        # transport, whose worker formats and offers them while the step runs
+        ("LKHTD", 1, 4 * ITERS, "direct"), ("KHTD", 2, ITERS, "direct"),
+        ("LKHTD", 1, 4 * ITERS, "staged"), ("KHTD", 2, ITERS, "staged"),
+        ("HTD", 2, ITERS, "staged"), ("LKHTD", 1, 4 * ITERS, "jax"),
+        ("KHTD", 1, 4 * ITERS, "jax"), ("HTD", 2, ITERS, "jax"))
+    def test_first_layer_arrives_before_the_step_ends(self, layout, p_tp, iters, mode):
+        if not path_available(mode):
+            self.skipTest(f"{mode} is not available")
+        conn = self.start_layered_producer(layout, p_tp, iters, engine_kwargs(mode))
         self.ready(conn)
-        params, p_handle = self.call(conn, "pin", "req-layers", REMOTE_IDS)
         spec = KVCacheSpec(**spec_kwargs(layout))
-        engine, _, _ = self.consumer(spec, 1)
+        engine, _, _ = self.consumer(spec, 1, **consumer_kwargs(mode))
+        if mode == "jax":
+            self.warm_up(conn, engine)
+        params, p_handle = self.call(conn, "pin", "req-layers", REMOTE_IDS)
         engine.start_read(params, LOCAL_IDS)
         conn.send(("prefill", p_handle, np.asarray(REMOTE_IDS, np.int32), SEED))
         finished, failed, progress = [], [], []
@@ -296,14 +370,20 @@ class LayeredTransferTest(tt.TransferTestBase):
             raise TimeoutError("the producer's step did not return")
         statuses, step_start, step_end = conn.recv()
         self.assertEqual(statuses, [1] * spec.num_layers)  # every announcement accepted
-        (publication,) = self.call(conn, "publications")
+        publication = self.call(conn, "publications")[-1]
+        self.assertEqual(publication.request_id, "req-layers")
         stops = [stop for stop, _ in publication.layers]
         times = [t for _, t in publication.layers]
         self.assertEqual(stops, list(range(1, spec.num_layers + 1)))  # one by one, in order
         self.assertEqual(times, sorted(times))
         arrival = dict(engine.stats.records[-1].layer_arrival)
         self.assertEqual(sorted(arrival), list(range(spec.num_layers)))
-        self.assertLess(arrival[0], step_end)  # read while the producer was still computing
+        if mode != "jax" or p_tp == 1:
+            self.assertLess(arrival[0], step_end)  # read while the producer was computing
+        # (JAX transport, multi-device producer: the groups are formatted and offered while
+        # the step runs, but on XLA:CPU the transfer server reads the offered buffers only
+        # once the step's partitions free the CPU client's threads, so the pulls complete
+        # after the step; bytes, order and announcements are checked all the same.)
         self.assertEqual(progress, sorted(progress))
         for layer in range(spec.num_layers):  # never before it was announced
             self.assertGreaterEqual(arrival[layer], times[layer])
@@ -322,23 +402,28 @@ class LayeredTransferTest(tt.TransferTestBase):
         self.assertEqual(
             self.call(conn, "late", p_handle, REMOTE_IDS, spec.num_layers), (1, [])
         )
-        print(f"{layout} tp={p_tp} staging={staging}: step "
+        print(f"{layout} tp={p_tp} {mode}: step "
               f"{1e3 * (step_end - step_start):.0f} ms, layer 0 arrived "
               f"{1e3 * (step_end - arrival[0]):.0f} ms before its end")
 
 
-    @parameterized.parameters(("LKHTD", 1, True), ("LKTHD", 2, True), ("LKHTD", 1, False))
-    def test_layer_loop_arrives_before_the_step_ends(self, layout, p_tp, staging):
-        # The layers as a fori_loop (a traced layer index): staged, each iteration's callback
-        # takes its layer's rows too.
+    @parameterized.parameters(("LKHTD", 1, "staged"), ("LKTHD", 2, "staged"),
+                              ("LKHTD", 1, "direct"), ("LKHTD", 1, "jax"))
+    def test_layer_loop_arrives_before_the_step_ends(self, layout, p_tp, mode):
+        # The layers as a fori_loop (a traced layer index): staged (and over the JAX
+        # transport), each iteration's callback takes its layer's rows too.
+        if not path_available(mode):
+            self.skipTest(f"{mode} is not available")
         process, conn = processes.spawn(
             layerwise.loop_producer_main, spec_kwargs(layout), p_tp, NUM_BLOCKS, ITERS,
-            {"host_staging": staging})
+            engine_kwargs(mode))
         self._children.append((process, conn))
         self.ready(conn)
-        params, p_handle = self.call(conn, "pin", "req-loop", REMOTE_IDS)
         spec = KVCacheSpec(**spec_kwargs(layout))
-        engine, _, _ = self.consumer(spec, 1)
+        engine, _, _ = self.consumer(spec, 1, **consumer_kwargs(mode))
+        if mode == "jax":
+            self.warm_up(conn, engine)
+        params, p_handle = self.call(conn, "pin", "req-loop", REMOTE_IDS)
         engine.start_read(params, LOCAL_IDS)
         conn.send(("prefill", p_handle, np.asarray(REMOTE_IDS, np.int32), SEED))
         finished, failed = self.wait(engine, ["req-loop"])
@@ -347,7 +432,7 @@ class LayeredTransferTest(tt.TransferTestBase):
             raise TimeoutError("the producer's step did not return")
         statuses, _, step_end = conn.recv()
         self.assertEqual(statuses, [1] * spec.num_layers)
-        (publication,) = self.call(conn, "publications")
+        publication = self.call(conn, "publications")[-1]
         self.assertEqual([stop for stop, _ in publication.layers],
                          list(range(1, spec.num_layers + 1)))
         arrival = dict(engine.stats.records[-1].layer_arrival)
@@ -361,7 +446,7 @@ class LayeredTransferTest(tt.TransferTestBase):
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
-class LayeredFailureTest(tt.TransferTestBase):
+class LayeredFailureTest(_Paths):
     """Layers announced from inside the step when the rest never comes: a step that
     announces only some layers, a producer killed between two layers, a request aborted
     between two layers; directly registered and host-staged producers. The consumer
@@ -374,16 +459,18 @@ class LayeredFailureTest(tt.TransferTestBase):
     def spec_kwargs(self):
         return dict(spec_kwargs("LKHTD"), num_layers=self.NUM_LAYERS)
 
-    def start(self, staging, **kwargs):
+    def start(self, mode, **kwargs):
+        if not path_available(mode):
+            self.skipTest(f"{mode} is not available")
         process, conn = processes.spawn(
             layerwise.gated_producer_main, self.spec_kwargs(), 1, NUM_BLOCKS, ITERS // 4,
-            {"host_staging": staging}, *[kwargs.get(k) for k in ("announce",)],
+            engine_kwargs(mode), *[kwargs.get(k) for k in ("announce",)],
             kwargs.get("group", 1), kwargs.get("gate_after"))
         self._children.append((process, conn))
         self.ready(conn)
         params, handle = self.call(conn, "pin", "req", REMOTE_IDS)
         spec = KVCacheSpec(**self.spec_kwargs())
-        engine, _, _ = self.consumer(spec, 1, read_timeout_s=4.0)
+        engine, _, _ = self.consumer(spec, 1, read_timeout_s=4.0, **consumer_kwargs(mode))
         engine.start_read(params, LOCAL_IDS)
         return process, conn, handle, engine, spec
 
@@ -416,11 +503,11 @@ class LayeredFailureTest(tt.TransferTestBase):
     def fresh():
         return {"finished": [], "failed": [], "progress": 0}  # progress: most layers landed
 
-    @parameterized.parameters(False, True)
-    def test_unannounced_layers_are_never_read(self, staging):
+    @parameterized.parameters("direct", "staged", "jax")
+    def test_unannounced_layers_are_never_read(self, mode):
         # The step announces layers 0-1 (two per announcement: layer_start=0) and writes all
         # four; 2-3 are announced only later, outside jit.
-        _, conn, handle, engine, spec = self.start(staging, announce=2, group=2)
+        _, conn, handle, engine, spec = self.start(mode, announce=2, group=2)
         conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED))
         seen = self.poll_until(engine, self.fresh(), lambda s: s["progress"] >= 2,
                                "layers 0-1")
@@ -439,10 +526,10 @@ class LayeredFailureTest(tt.TransferTestBase):
         (publication,) = self.call(conn, "publications")
         self.assertEqual([stop for stop, _ in publication.layers], [2, spec.num_layers])
 
-    @parameterized.parameters(False, True)
-    def test_producer_killed_between_layers(self, staging):
+    @parameterized.parameters("direct", "staged", "jax")
+    def test_producer_killed_between_layers(self, mode):
         # The step holds after announcing layers 0-1; the producer dies there.
-        process, conn, handle, engine, spec = self.start(staging, gate_after=1)
+        process, conn, handle, engine, spec = self.start(mode, gate_after=1)
         conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED))
         seen = self.poll_until(engine, self.fresh(), lambda s: s["progress"] >= 2,
                                "layers 0-1")
@@ -456,11 +543,11 @@ class LayeredFailureTest(tt.TransferTestBase):
         self.check_layers(engine, spec, 2)
         self.assertEqual(engine.num_reading, 0)
 
-    @parameterized.parameters(False, True)
-    def test_abort_between_layers(self, staging):
+    @parameterized.parameters("direct", "staged", "jax")
+    def test_abort_between_layers(self, mode):
         # The producer aborts the request while the step holds after layers 0-1: the later
         # announcements are refused (status 0), nothing more is announced or read.
-        _, conn, handle, engine, spec = self.start(staging, gate_after=1)
+        _, conn, handle, engine, spec = self.start(mode, gate_after=1)
         conn.send(("prefill_abort", "req", handle, np.asarray(REMOTE_IDS, np.int32), SEED, 2))
         seen = self.poll_until(engine, self.fresh(), lambda s: s["finished"] or s["failed"],
                                "the failure")
