@@ -807,7 +807,8 @@ class JaxTransport:
         """Offers the layer groups of a layer-wise read whose layers are all written, in
         order; True once every group was offered (or handed to the worker, or belongs to
         another process). A group is formatted from its kept rows when it has them (by the
-        worker when `in_step`), else from the registered cache when it is live."""
+        worker when `in_step` or while a step holds the cache), else from the registered
+        cache when it is live."""
         from jaxkv.transfer._formatter import FormatError, send_layer_routes
 
         message = want.message
@@ -844,7 +845,9 @@ class JaxTransport:
                 return False  # waits for releases (`serve` retries)
             job = functools.partial(self._group_items, key, consumer, wanted, ids, layers,
                                     plans, rows)
-            if in_step:
+            if in_step or not cache_live:
+                # From a step's callback, or a poll while a step runs: the worker formats
+                # (no JAX here, none under the engine's lock while the step may need it)
                 with self._jobs_lock:
                     self._jobs[request_id] = self._jobs.get(request_id, 0) + 1
                     self._reserved += need
@@ -879,10 +882,15 @@ class JaxTransport:
                              need: int) -> None:
         """The worker: formats one layer group (`job`) and offers it, unless the request was
         withdrawn meanwhile; a failure is offered as error arrays of the group's uuids."""
+        import jax
+
         error = None
         items: list[tuple[int, list[Any]]] = []
         try:
             items = job()
+            # Computed before the lock: a step's callback takes it, and on XLA:CPU these
+            # programs may wait for that step's threads.
+            jax.block_until_ready([arrays for _, arrays in items])
         except Exception as failure:  # noqa: BLE001 - reported to the consumer
             error = f"{type(failure).__name__}: {failure}"
         with self._jobs_lock:

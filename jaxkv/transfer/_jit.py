@@ -274,7 +274,8 @@ def publish_layer_in_jit(
     if rows is None:
         status = _publish(engine, handle, block_ids, written, layer_stop)
     else:
-        status = _publish_rows(engine, handle, block_ids, layer_stop, *rows)
+        start, parts, mesh = rows
+        status = _publish_rows(engine, handle, block_ids, layer_stop, start, parts, mesh)
     return after_callback(next_input, status), status
 
 
@@ -284,12 +285,12 @@ def _is_int(value: Any) -> bool:
 
 def _announced_rows(
     engine: Any, block_ids: Any, written: Any, layer_start: int | None, layer_stop: Any
-) -> tuple[Any, list[Any]] | None:
+) -> tuple[Any, list[Any], Any] | None:
     """Host staging, or a transport that takes layer rows (the JAX transport): ``(first
     global layer (an int, or an int32 scalar for a traced stop), per array of `written` its
-    request rows of the announced layers as unsigned ints, or None)`` for the
-    announcement's callback, or None when the engine needs no rows or they cannot be taken
-    (then the layers are served from the step's output, warned)."""
+    request rows of the announced layers as unsigned ints, or None, the cache's mesh (None:
+    one device))`` for the announcement's callback, or None when the engine needs no rows or
+    they cannot be taken (then the layers are served from the step's output, warned)."""
     import jax
     import jax.numpy as jnp
 
@@ -353,7 +354,7 @@ def _announced_rows(
             part = jax.lax.with_sharding_constraint(
                 part, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         rows.append(part)
-    return start, rows
+    return start, rows, mesh
 
 
 def _publish_rows_callback(engine: Any, present: tuple[bool, ...], handle, block_ids,
@@ -365,23 +366,70 @@ def _publish_rows_callback(engine: Any, present: tuple[bool, ...], handle, block
 
 
 def _publish_rows(engine: Any, handle: Any, block_ids: Any, layer_stop: Any, start: Any,
-                  rows: list[Any]) -> Any:
+                  rows: list[Any], mesh: Any = None) -> Any:
     """The publishing callback with the announced layers' rows as operands: they depend on
-    the layers' writes, so the callback runs after them (no token needed)."""
+    the layers' writes, so the callback runs after them (no token needed). `mesh`: the
+    cache's mesh (the rows are replicated over it)."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import io_callback
 
     present = tuple(r is not None for r in rows)
-    return io_callback(
-        functools.partial(_publish_rows_callback, engine, present),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        jnp.asarray(handle, jnp.int32).reshape(()),
-        jnp.asarray(block_ids, jnp.int32).reshape(-1),
-        jnp.asarray(layer_stop, jnp.int32).reshape(()),
-        jnp.asarray(start, jnp.int32).reshape(()),
-        *[r for r in rows if r is not None],
-    )
+    callback = functools.partial(_publish_rows_callback, engine, present)
+    operands = (jnp.asarray(handle, jnp.int32).reshape(()),
+                jnp.asarray(block_ids, jnp.int32).reshape(-1),
+                jnp.asarray(layer_stop, jnp.int32).reshape(()),
+                jnp.asarray(start, jnp.int32).reshape(()),
+                *[r for r in rows if r is not None])
+    if _on_cpu(mesh):
+        return _cpu_callback(callback, operands, mesh)
+    return io_callback(callback, jax.ShapeDtypeStruct((), jnp.int32), *operands)
+
+
+def _on_cpu(mesh: Any) -> bool:
+    """Whether the step runs on CPU devices (the mesh's, else the default backend's): the
+    one place that picks the rows callback's kind (`_cpu_callback` there)."""
+    import jax
+
+    devices = getattr(mesh, "devices", None)
+    if devices is not None:
+        return all(d.platform == "cpu" for d in np.asarray(devices).flat)
+    return jax.default_backend() == "cpu"
+
+
+def _cpu_callback(callback: Any, operands: tuple[Any, ...], mesh: Any) -> Any:
+    """``callback(*numpy operands) -> int`` run once per step on CPU, its operands handed
+    over without a copy (`jax.experimental.buffer_callback`).
+
+    Why not `io_callback` there: it first copies its operands into new CPU arrays
+    (`device_put`), a copy XLA:CPU runs on the client's thread pool for large operands (a
+    layer's rows), and a multi-device step can hold every thread of that pool (a partition
+    waits in a collective for the partition that runs the callback): the step then never
+    finishes (seen with a TP 2 step on 2 cores). Under a mesh of several devices the rows
+    are replicated and the callback would run on each device: it runs inside `shard_map` and
+    only the first device calls `callback` (the others return 1)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def run(ctx: Any, out: Any, first: Any, *args: Any) -> None:
+        del ctx
+        status = callback(*(np.asarray(a) for a in args)) if bool(np.asarray(first)) else 1
+        np.asarray(out)[...] = np.int32(status)
+
+    call = buffer_callback(run, jax.ShapeDtypeStruct((), jnp.int32))
+    if mesh is None or mesh.size == 1:
+        return call(jnp.bool_(True), *operands)
+    from jax.sharding import PartitionSpec
+
+    names = tuple(mesh.axis_names)
+
+    def per_device(*args: Any) -> Any:
+        return call(jax.lax.axis_index(names) == 0, *args)
+
+    replicated = (PartitionSpec(),) * len(operands)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=replicated,
+                         out_specs=PartitionSpec(), check_vma=False)(*operands)
 
 
 def wait_in_jit(

@@ -185,6 +185,26 @@ class DisaggregatedTest(parameterized.TestCase):
         self.assertEqual(report["ttft_ms"]["requests"], SMALL["num_requests"])
         self.assertIn("TTFT (ms, 3 requests): median", output)
 
+    @parameterized.parameters((["--host_staging"],), (["--transport=jax"],))
+    def test_layerwise_megabyte_rows_from_a_two_device_step(self, flags):
+        """Layers of 4 MiB per announcement (1024 tokens, 8 KV heads x 128, bf16) announced
+        from inside a TP 2 step of a process with exactly 2 CPU devices, whose layers end in
+        collectives: the announcements carry their rows (host staging, JAX transport) and
+        the step completes, tokens and prompt KV as colocated. Negative control, run by
+        hand: with the rows handed over by `io_callback` (`_on_cpu` returning False) the
+        step never finished here (2 cores: its operand copy waited for the CPU client's
+        threads, which the step's partitions held) and XLA aborted the prefill process."""
+        rc, report, output = run_cli(
+            self.create_tempdir().full_path, "--prefill_tp=2", "--decode_tp=1", "--layerwise",
+            "--num_requests=1", "--prompt_len=1024", "--shared_prefix_len=0",
+            "--num_kv_heads=8", "--num_heads=8", "--head_dim=128", "--d_model=256",
+            "--max_new_tokens=2", *flags)
+        self.assertEqual(rc, 0, output)
+        self.assertTrue(report["settings"]["layerwise"])
+        self.assertEqual((report["completed_requests"], report["failed_requests"]), (1, 0))
+        self.assertTrue(report["tokens_match"], report["requests"])
+        self.assertTrue(report["kv_bytes_match"])
+
     def test_transport_flags_refused(self):
         with self.assertRaisesRegex(ValueError, "needs transport='nixl'"):
             DemoSettings(transport="jax", host_staging=True)

@@ -122,13 +122,16 @@ def callback_ancestry(text: str) -> dict[str, int]:
 
 
 def callback_operand_shapes(text: str) -> list[list[str]]:
-    """Per host-callback custom call (in any computation), the shapes of its operands."""
+    """Per host-callback custom call (in any computation), the shapes of its operands (a
+    CPU zero-copy callback's leading flag, "is this the first device", left out)."""
     out = []
     for line in text.splitlines():
         if "python_cpu_callback" in line and "operand_layout_constraints={" in line:
             operands = line.split("operand_layout_constraints={", 1)[1].split("}, ", )
             shapes = re.findall(r"\w+\[[\d,]*\]", ",".join(
                 o for o in operands if not o.startswith(("custom_call", "api_version"))))
+            if "xla_buffer_python_cpu_callback" in line and shapes[:1] == ["pred[]"]:
+                shapes = shapes[1:]
             out.append(shapes)
     return out
 
