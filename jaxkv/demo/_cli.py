@@ -66,6 +66,11 @@ flags.DEFINE_integer(
     "--prefill_processes > 1) once this many transfers finished; 0 = off.",
 )
 flags.DEFINE_float("read_timeout_s", 20.0, "Deadline of one request's read and confirmation.")
+flags.DEFINE_float(
+    "poll_interval_ms", 2.0,
+    "Sleep between two polls of a transfer engine while a process waits for a step, a "
+    "message or a read (shorter answers sooner; each poll costs CPU the steps share).",
+)
 flags.DEFINE_bool(
     "poll_during_steps", True,
     "Dispatch each model step asynchronously and poll the transfer engine until it is done "
@@ -220,6 +225,7 @@ def main(argv) -> int:
             request_interval_s=FLAGS.request_interval_s,
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
+            poll_interval_s=FLAGS.poll_interval_ms / 1e3,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
             prefill_processes=FLAGS.prefill_processes, auth_key_file=FLAGS.auth_key_file,
             layerwise=FLAGS.layerwise, transport=FLAGS.transport,

@@ -43,6 +43,10 @@ compiles few step shapes. (Numerics do not need it: the model's KV does not depe
 chunk width, `jaxkv.demo._model`.)"""
 
 
+POLL_INTERVAL_S = 0.002
+"""Default sleep between two polls of a transfer engine while a process waits."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DemoSettings:
     """Everything a demo run depends on (the CLI flags).
@@ -87,6 +91,10 @@ class DemoSettings:
     layerwise: bool = False
     transport: str = "nixl"  # "nixl" or "jax" (jax.experimental.transfer)
     host_staging: bool = False  # NIXL through host mirrors of both caches
+    # the sleep between two polls of a transfer engine while a process waits (a step, a
+    # message, a read): shorter answers sooner, but every poll costs CPU the steps of both
+    # processes share on a small host
+    poll_interval_s: float = POLL_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
@@ -107,6 +115,8 @@ class DemoSettings:
             raise ValueError(f"backend must be 'cpu' or 'auto', got {self.backend!r}")
         if self.decode_batch < 1:
             raise ValueError("decode_batch must be >= 1")
+        if not 0 < self.poll_interval_s <= 1:
+            raise ValueError(f"poll_interval_s must be in (0, 1], got {self.poll_interval_s}")
         if self.prefill_processes < 1 or self.prefill_tp % self.prefill_processes:
             raise ValueError(
                 f"prefill_processes={self.prefill_processes} must divide "
@@ -191,11 +201,8 @@ def make_prompts(settings: DemoSettings) -> list[list[int]]:
 STEP_TIMEOUT_S = 120.0
 """Deadline of one model step while the caller polls its transfer engine meanwhile."""
 
-POLL_INTERVAL_S = 0.0005
-"""Sleep between two polls of the transfer engine while a step computes."""
-
-
-def wait_ready(arrays, idle: Callable[[], Any] | None, timeout_s: float = STEP_TIMEOUT_S) -> None:
+def wait_ready(arrays, idle: Callable[[], Any] | None, timeout_s: float = STEP_TIMEOUT_S,
+               interval_s: float = POLL_INTERVAL_S) -> None:
     """Waits until every JAX array in `arrays` is ready, calling `idle` (e.g. a transfer
     engine's poll) in between: JAX dispatches a step asynchronously, so this process keeps
     serving or receiving transfers while it computes. Without `idle`, a plain block.
@@ -221,7 +228,7 @@ def wait_ready(arrays, idle: Callable[[], Any] | None, timeout_s: float = STEP_T
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"a model step did not finish within {timeout_s:.0f}s")
-        time.sleep(POLL_INTERVAL_S)
+        time.sleep(interval_s)
 
 
 def _chunk(n: int) -> int:
@@ -289,7 +296,8 @@ class _Engine:
     ) -> int:
         """The device half of `prefill`: runs the step; returns the first sampled token."""
         next_tokens, _ = self.runner.dispatch(tokens, positions, [table])
-        wait_ready([next_tokens, *self.runner.cache.arrays], idle)
+        wait_ready([next_tokens, *self.runner.cache.arrays], idle,
+                   interval_s=self.settings.poll_interval_s)
         return int(np.asarray(next_tokens)[0, n - 1])
 
     def prefill_widths(self) -> list[int]:
@@ -345,7 +353,8 @@ class _Engine:
         if all(s is None for s in self.slots):
             return []
         next_tokens, _ = self.runner.dispatch(tokens, positions, tables)
-        wait_ready([next_tokens, *self.runner.cache.arrays], idle)
+        wait_ready([next_tokens, *self.runner.cache.arrays], idle,
+                   interval_s=self.settings.poll_interval_s)
         host_tokens = np.asarray(next_tokens)
         for i, rid in enumerate(self.slots):
             if rid is None:
@@ -431,11 +440,14 @@ def _agent_options(settings: DemoSettings):
 
 
 def _transport_options(settings: DemoSettings) -> dict[str, Any]:
-    """The `TransferEngine` arguments of the transport flags (both engines)."""
+    """The `TransferEngine` arguments of the transport flags (both engines); their
+    background progress polls at the demo's poll interval (each poll costs CPU the steps
+    share)."""
+    cadence = {"progress_interval_s": settings.poll_interval_s}
     if settings.transport == "jax":
-        return {"transport": "jax"}
+        return {"transport": "jax", **cadence}
     return {"transport": "nixl", "agent_options": _agent_options(settings),
-            "host_staging": settings.host_staging}
+            "host_staging": settings.host_staging, **cadence}
 
 
 def _prefill_layerwise(engine: _Engine, transfer, conn, rid: str, prompt: list[int],
@@ -451,7 +463,8 @@ def _prefill_layerwise(engine: _Engine, transfer, conn, rid: str, prompt: list[i
     conn.send(("started", rid, params, hit, start))
     next_tokens, _ = engine.runner.dispatch_announced(tokens, positions, [table], transfer,
                                                       transfer.handle(rid), ids)
-    wait_ready([next_tokens, *engine.runner.cache.arrays], idle)
+    wait_ready([next_tokens, *engine.runner.cache.arrays], idle,
+               interval_s=engine.settings.poll_interval_s)
     transfer.update_cache(engine.runner.cache)
     return int(np.asarray(next_tokens)[0, n - 1]), hit
 
@@ -502,7 +515,7 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
 
         conn.send(("ready", transfer.address))
         while True:
-            if conn.poll(0 if queue else POLL_INTERVAL_S):  # idle: keep confirmations short
+            if conn.poll(0 if queue else settings.poll_interval_s):  # idle: serve transfers
                 command = conn.recv()
                 if command[0] == "exit":
                     break
@@ -581,7 +594,7 @@ def _prefill_scheduler(conn, settings, engine, transfer, channel) -> None:
 
     conn.send(("ready", transfer.address))
     while True:
-        if conn.poll(0 if queue else POLL_INTERVAL_S):
+        if conn.poll(0 if queue else settings.poll_interval_s):
             command = conn.recv()
             if command[0] == "exit":
                 channel.broadcast(("exit",))
@@ -619,7 +632,7 @@ def _prefill_follower(settings, engine, transfer, channel) -> None:
             step = channel.broadcast(None, timeout_s=0)
         except TimeoutError:
             transfer.poll()  # applies aborts, reports this process's freed parts to process 0
-            time.sleep(POLL_INTERVAL_S)
+            time.sleep(settings.poll_interval_s)
             continue
         if step[0] == "exit":
             break
@@ -1008,4 +1021,4 @@ class _DemoDecode:
         if done:
             router.report()
         if not done and not any(s is not None for s in engine.slots):
-            time.sleep(0.0005)
+            time.sleep(self.settings.poll_interval_s)

@@ -420,7 +420,7 @@ class Consumer:
         state.converted = any(p.post for p in state.plans)
         state.plans = [dataclasses.replace(p, post=()) for p in state.plans]
         state.needs_jax = num_local > 0  # the pulled buffers are written with JAX ops
-        group_bytes = int(getattr(self.transport, "layer_group_bytes", 0))
+        group_bytes = int(self.transport.layer_group_bytes)
         state.layerwise = state.layerwise and num_local > 0 and group_bytes > 0
         if not num_local:
             return  # notify only
@@ -463,8 +463,7 @@ class Consumer:
           PlanError: ``"always"`` for caches that are not both in host memory.
         """
         mode = self.formatted_reads
-        if mode == "never" or not num_local or not getattr(self.transport, "formats_reads",
-                                                           False):
+        if mode == "never" or not num_local or not self.transport.formats_reads:
             return False
         # A cheap upper bound first (per registration, not per read): small reads never pay
         # a round trip per chunk, nor this check's walk over the regions.

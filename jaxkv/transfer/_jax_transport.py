@@ -595,6 +595,7 @@ class JaxTransport:
     moves_arrays = True
     formats_reads = False  # its own formatter moves arrays (no registered memory)
     takes_layer_rows = True  # formats layers announced inside a step from their rows
+    format_server = None
 
     def __init__(self, endpoint: str, host: str = "127.0.0.1", budget_bytes: int | None = None,
                  pool_bytes: int = 256 << 20, pull_timeout_s: float = 30.0,

@@ -58,6 +58,7 @@ class NixlTransport:
     announces_reads = False
     moves_arrays = False  # reads registered memory by address
     takes_layer_rows = False  # reads the registered cache (or its host mirror) directly
+    layer_group_bytes = 0  # reads layer by layer, by address
 
     def __init__(self, endpoint: str, options: AgentOptions | None = None,
                  pool_bytes: int = DEFAULT_POOL_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES):

@@ -140,7 +140,7 @@ class Producer:
         # the cache versions at the callback); staged from a later version (the step's output)
         self.deferred: list[tuple[str, int, tuple[int, ...]]] = []
         # formatted reads (`jaxkv.transfer._formatted`): None where the transport has none
-        self.formats: FormatServer | None = getattr(transport, "format_server", None)
+        self.formats: FormatServer | None = transport.format_server
 
     @property
     def busy(self) -> bool:

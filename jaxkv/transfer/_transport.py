@@ -132,6 +132,8 @@ class Transport(Protocol):
     moves_arrays: bool  # moves arrays with JAX ops instead of reading memory by address
     formats_reads: bool  # gathered (formatted) reads, `jaxkv.transfer._formatted`
     takes_layer_rows: bool  # in-step layer announcements carry their rows (`Offer.rows`)
+    layer_group_bytes: int  # the least bytes of a layer group of its layer-wise reads (0: none)
+    format_server: Any  # `jaxkv.transfer._formatted.FormatServer` of formatted reads, or None
 
     def attach(self, registry: Any) -> None:
         """The engine's `CacheRegistry`, once (a transport that moves arrays formats from,

@@ -15,6 +15,7 @@ from jaxkv.transfer._stats import TransferStats
 class _Transport:
     name, endpoint = "fake", "prefill/1/1"
     attaches_notifications, announces_reads = False, True
+    takes_layer_rows, layer_group_bytes, format_server = False, 0, None
 
     def __init__(self):
         self.calls = []
