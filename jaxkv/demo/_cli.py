@@ -72,6 +72,11 @@ flags.DEFINE_float(
     "message or a read (shorter answers sooner; each poll costs CPU the steps share).",
 )
 flags.DEFINE_bool(
+    "pin_cpus", False,
+    "Run the prefill process on the first half of the CPUs and the decode process on the "
+    "rest, as on two machines (one prefill process).",
+)
+flags.DEFINE_bool(
     "poll_during_steps", True,
     "Dispatch each model step asynchronously and poll the transfer engine until it is done "
     "(off: steps block and transfers progress only between them).",
@@ -97,8 +102,8 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_bool(
     "layerwise", False,
-    "Layer-pipelined transfer: the prefill process runs one program per layer and announces "
-    "each layer as it is written; the decode process reads it while the later layers compute "
+    "Layer-pipelined transfer: the prefill step announces each layer from inside as soon as "
+    "it is written; the decode process reads it while the later layers compute "
     "(--serve_with=jaxkv, one prefill process).",
 )
 flags.DEFINE_bool(
@@ -225,7 +230,7 @@ def main(argv) -> int:
             request_interval_s=FLAGS.request_interval_s,
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
-            poll_interval_s=FLAGS.poll_interval_ms / 1e3,
+            poll_interval_s=FLAGS.poll_interval_ms / 1e3, pin_cpus=FLAGS.pin_cpus,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
             prefill_processes=FLAGS.prefill_processes, auth_key_file=FLAGS.auth_key_file,
             layerwise=FLAGS.layerwise, transport=FLAGS.transport,

@@ -86,7 +86,7 @@ class DemoSettings:
     prefill_processes: int = 1
     auth_key_file: str | None = None  # the deployment key both engines prove (None: none)
     # layer-pipelined transfer: the prefill process publishes each request before computing
-    # it and announces every layer as it is written (one program per layer); the decode
+    # it and announces every layer from inside the step as it is written; the decode
     # process reads the layers while the later ones are computed
     layerwise: bool = False
     transport: str = "nixl"  # "nixl" or "jax" (jax.experimental.transfer)
@@ -95,6 +95,9 @@ class DemoSettings:
     # message, a read): shorter answers sooner, but every poll costs CPU the steps of both
     # processes share on a small host
     poll_interval_s: float = POLL_INTERVAL_S
+    # the prefill process on the first half of this process's CPUs, the decode process on
+    # the rest (as on two machines: neither side's work takes CPU from the other's steps)
+    pin_cpus: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
@@ -130,6 +133,9 @@ class DemoSettings:
         if self.host_staging and self.transport != "nixl":
             raise ValueError("host_staging stages NIXL reads through host mirrors: it needs "
                              "transport='nixl'")
+        if self.pin_cpus and self.prefill_processes > 1:
+            raise ValueError("pin_cpus runs with a one-process prefill engine "
+                             "(prefill_processes=1)")
         if (self.layerwise or self.transport != "nixl" or self.host_staging) and (
                 self.prefill_processes > 1):
             raise ValueError("layerwise, transport='jax' and host_staging run with a "
@@ -423,6 +429,25 @@ def run_colocated(settings: DemoSettings, devices=None) -> dict[str, dict[str, A
 # -- the prefill process -----------------------------------------------------------------------
 
 
+def cpu_halves() -> tuple[list[int], list[int]] | None:
+    """The CPUs this process may run on, split in two halves (prefill, decode) for
+    `DemoSettings.pin_cpus`; None with fewer than 2 CPUs (or no affinity API)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return cpus[: len(cpus) // 2], cpus[len(cpus) // 2:]
+
+
+def pin_process(cpus: list[int]) -> None:
+    """Restricts every thread of this process (and the threads they start) to `cpus`
+    (affinity is per thread on Linux: JAX's threads may already run)."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
 def _child_env(settings: DemoSettings, num_devices: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
@@ -483,6 +508,9 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     ``("published", id, params, first_token, hit_tokens, start, end)`` per request (monotonic
     clock), or ``("error", id, message)``."""
     settings = DemoSettings(**settings_kwargs)
+    halves = cpu_halves() if settings.pin_cpus else None
+    if halves is not None:  # (inherited from the parent before it pinned itself)
+        pin_process(halves[0])
     _child_env(settings, settings.prefill_tp)
     from jaxkv._parallel import EngineConfig
     from jaxkv.transfer import TransferEngine
@@ -762,7 +790,10 @@ def run_disaggregated(
 
     t_begin = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
-    parent, process = _start_prefill(ctx, settings)
+    halves = cpu_halves() if settings.pin_cpus else None
+    parent, process = _start_prefill(ctx, settings)  # (pins itself to the first half)
+    if halves is not None:
+        pin_process(halves[1])
     results = {f"req-{i}": RequestResult(f"req-{i}") for i in range(settings.num_requests)}
     timings: dict[str, float] = {}
     transfer = None

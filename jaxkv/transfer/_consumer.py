@@ -1043,7 +1043,7 @@ def post_process(state: Reading, registry: CacheRegistry) -> None:
 
 def check_current(entry: Registered) -> None:
     """Raises ValueError if the registered cache's arrays were consumed (deleted)."""
-    if any(a.is_deleted() for a in entry.cache.arrays):
+    if entry.consumed:
         raise ValueError(
             "the registered cache was consumed by another update: pass the current "
             "cache to update_cache() after each donated update"

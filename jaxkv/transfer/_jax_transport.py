@@ -771,8 +771,7 @@ class JaxTransport:
         complete = stop >= self.registry.config.spec.num_layers
         # A step consumed (donated) the registered cache and its output was not handed over
         # yet (`update_cache`): what needs the cache waits for it, the subscriptions stay.
-        cache_live = not in_step and not any(
-            a.is_deleted() for entry in self.registry.caches for a in entry.cache.arrays)
+        cache_live = not in_step and not any(entry.consumed for entry in self.registry.caches)
         for key, want in wants.items():
             if want.served or not (complete or want.message.layer_group_bytes > 0):
                 continue
@@ -1131,7 +1130,7 @@ class JaxTransport:
             pulled[piece.rank] = [p.arrays[0] for p in piece.pulls]
             devices[piece.rank] = piece.device
         for entry, pulled, devices in per_entry.values():
-            if any(a.is_deleted() for a in entry.cache.arrays):
+            if entry.consumed:
                 raise ValueError("the registered cache was consumed by another update: pass "
                                  "the current cache to update_cache() after each donated update")
             if group.layers is None:

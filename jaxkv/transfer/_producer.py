@@ -258,7 +258,7 @@ class Producer:
                 continue  # freed or expired meanwhile
             current = all(
                 e.mirror is None
-                or (e.version > v and not any(a.is_deleted() for a in e.cache.arrays))
+                or (e.version > v and not e.consumed)
                 for e, v in zip(caches, versions)
             )
             if not current or len(versions) != len(caches):
@@ -513,8 +513,7 @@ class Producer:
                 return f"request {message.request_id!r} was freed before this read"
             return "wait"  # the layers it reads are not published yet
         entry = self.registry.rank_cache.get(message.producer_rank)
-        if entry is not None and entry.mirror is None and any(
-                a.is_deleted() for a in entry.cache.arrays):
+        if entry is not None and entry.mirror is None and entry.consumed:
             # A step consumed (donated) the registered cache and its output is not handed
             # over yet (`update_cache`): its memory may be freed or rewritten meanwhile.
             return "wait"

@@ -40,6 +40,12 @@ class Registered:
     version: int = 0  # bumped by update_cache: which step's output `cache` is
     rank_devices: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> device id
 
+    @property
+    def consumed(self) -> bool:
+        """Whether a step consumed (donated) the current cache and its output was not handed
+        over yet (`update_cache`): its arrays are deleted, nothing may read or write them."""
+        return any(a.is_deleted() for a in self.cache.arrays)
+
 
 class CacheRegistry:
     """The registered caches of one engine process and the metadata describing them.

@@ -166,6 +166,7 @@ class DisaggregatedTest(parameterized.TestCase):
         (["--transport=jax", "--layerwise"],),
         (["--host_staging"],),
         (["--host_staging", "--layerwise", "--prefill_layout=LKHTD"],),
+        (["--layerwise", "--pin_cpus", "--poll_interval_ms=5"],),
     )
     def test_cli_transport_flags(self, flags):
         """--layerwise (the prefill publishes before computing, one program per layer,
@@ -212,6 +213,10 @@ class DisaggregatedTest(parameterized.TestCase):
             DemoSettings(layerwise=True, prefill_tp=2, prefill_processes=2)
         with self.assertRaisesRegex(ValueError, "transport must be"):
             DemoSettings(transport="ucx")
+        with self.assertRaisesRegex(ValueError, "pin_cpus runs with a one-process prefill"):
+            DemoSettings(pin_cpus=True, prefill_tp=2, prefill_processes=2)
+        with self.assertRaisesRegex(ValueError, "poll_interval_s must be in"):
+            DemoSettings(poll_interval_s=0)
         proc = subprocess.run(
             [sys.executable, "-P", "-m", "jaxkv.demo", "--layerwise",
              "--serve_with=vllm-scheduler"], capture_output=True, text=True, timeout=120)
