@@ -839,9 +839,7 @@ class JaxTransport:
                         if route.consumer_rank in wanted:
                             need += int(np.prod(route.shape)) * producer.spec.itemsize
                 plans.append((entry, devices))
-            with self._jobs_lock:
-                reserved = self._reserved
-            if not self._room_for(need + reserved, f"layers {layers}"):
+            if not self._room_for(need, f"layers {layers}"):
                 return False  # waits for releases (`serve` retries)
             job = functools.partial(self._group_items, key, consumer, wanted, ids, layers,
                                     plans, rows)
@@ -916,12 +914,15 @@ class JaxTransport:
                     self._withdrawn.discard(request_id)
 
     def _room_for(self, need: int, what: str) -> bool:
-        """Whether offers of `need` bytes fit the pending-pull budget now (False: wait).
+        """Whether offers of `need` bytes fit the pending-pull budget now, besides the bytes
+        of the groups the worker is formatting (False: wait).
 
         Raises:
           PullBudgetError: they can never fit (above the whole budget).
         """
-        if self.server.fits(need):
+        with self._jobs_lock:
+            reserved = self._reserved
+        if self.server.fits(need + reserved):
             return True
         if self.server.budget_bytes is not None and need > self.server.budget_bytes:
             raise PullBudgetError(f"{what} needs {need} bytes of pending pulls, above the "
