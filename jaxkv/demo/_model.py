@@ -469,9 +469,11 @@ class ModelRunner:
             for name in _NAMES
         }
         self._step = _step_fn(config, spec, mesh, self.cache.partition_spec())
-        # announcing steps per engine (key shape ()), compiled ones (`compile_announced`)
-        # per (engine, tokens shape)
-        self._announcing: dict[tuple[int, tuple[int, ...]], Any] = {}
+        # the layer-announcing step per producer engine (keyed by the engine itself: it is
+        # closed over), and its executables compiled ahead (`compile_announced`) per
+        # (engine, tokens shape)
+        self._announcing: dict[Any, Any] = {}
+        self._announcing_compiled: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
     def block_table(self, block_ids) -> np.ndarray:
         """One row of a block table: the ids, padded with the null block 0."""
@@ -517,15 +519,8 @@ class ModelRunner:
         Returns:
           The greedy next tokens and logits (JAX arrays, possibly not ready yet).
         """
-        tokens = np.asarray(tokens, np.int32)
-        positions = np.asarray(positions, np.int32)
-        tables = np.stack([self.block_table(row) for row in block_tables])
-        write = write_plan(positions, tables, self.spec.block_size)
-        ids = np.full(self.max_pages, -1, np.int32)  # one shape for every request
-        ids[:len(publish_ids)] = publish_ids
-        args = (self.params, self.cache, tokens, positions, tables, *write,
-                np.int32(handle), ids)
-        step = self._announcing.get((id(engine), tokens.shape))
+        args = self._announced_args(tokens, positions, block_tables, handle, publish_ids)
+        step = self._announcing_compiled.get((engine, np.shape(tokens)))
         if step is None:
             step = self._announcing_step(engine)
         self.cache, next_tokens, logits = step(*args)
@@ -534,21 +529,30 @@ class ModelRunner:
     def compile_announced(self, engine: Any, shape: tuple[int, int]) -> None:
         """Compiles `dispatch_announced` for `engine` and ``[B, N]`` tokens ahead of use
         (a warm-up that runs nothing: no announcement reaches the engine)."""
-        tokens = np.zeros(shape, np.int32)
-        positions = np.full(shape, -1, np.int32)
-        tables = np.stack([self.block_table([])] * shape[0])
-        write = write_plan(positions, tables, self.spec.block_size)
-        args = (self.params, self.cache, tokens, positions, tables, *write, np.int32(0),
-                np.full(self.max_pages, -1, np.int32))
-        self._announcing[(id(engine), tuple(shape))] = (
+        args = self._announced_args(np.zeros(shape, np.int32), np.full(shape, -1, np.int32),
+                                    [[]] * shape[0], 0, [])
+        self._announcing_compiled[(engine, tuple(shape))] = (
             self._announcing_step(engine).lower(*args).compile())
 
+    def _announced_args(self, tokens, positions, block_tables, handle: int,
+                        publish_ids) -> tuple:
+        """The announcing step's arguments (the published ids padded with -1 to one shape
+        for every request)."""
+        tokens = np.asarray(tokens, np.int32)
+        positions = np.asarray(positions, np.int32)
+        tables = np.stack([self.block_table(row) for row in block_tables])
+        write = write_plan(positions, tables, self.spec.block_size)
+        ids = np.full(self.max_pages, -1, np.int32)
+        ids[:len(publish_ids)] = publish_ids
+        return (self.params, self.cache, tokens, positions, tables, *write, np.int32(handle),
+                ids)
+
     def _announcing_step(self, engine: Any) -> Any:
-        step = self._announcing.get((id(engine), ()))
+        step = self._announcing.get(engine)
         if step is None:
             step = _announcing_step_fn(self.config, self.spec, self.mesh,
                                        self.cache.partition_spec(), engine)
-            self._announcing[(id(engine), ())] = step
+            self._announcing[engine] = step
         return step
 
     def prompt_kv(self, block_ids, num_tokens: int) -> np.ndarray:

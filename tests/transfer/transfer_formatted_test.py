@@ -26,6 +26,9 @@ from jaxkv.transfer import nixl_available  # noqa: E402
 
 NUM_BLOCKS, REMOTE_IDS, LOCAL_IDS, G_SEED = tt.NUM_BLOCKS, tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED
 WAIT_S = tt.WAIT_S
+# the small cache of the failure and lifecycle tests
+SMALL_HTD = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16",
+                 layout="HTD")
 
 
 class _Registrar:
@@ -218,8 +221,7 @@ class FormattedReadTest(tt.TransferTestBase):
     def test_chunk_larger_than_the_send_pool_fails_clearly(self):
         # the producer's pool cannot hold one chunk: its answer names the pool, the read
         # fails with every local block invalid, the consumer's slots are all returned
-        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
-                           dtype="bfloat16", layout="HTD")
+        spec_kwargs = SMALL_HTD
         _, conn = self.start_producer(spec_kwargs, 1, engine_kwargs=dict(format_pool_bytes=256))
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
@@ -238,8 +240,7 @@ class FormattedReadTest(tt.TransferTestBase):
     def test_gathering_waits_for_a_donated_cache(self):
         # a step consumed the producer's registered cache and has not handed its output over:
         # nothing is gathered from memory the cache may no longer own until update_cache
-        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
-                           dtype="bfloat16", layout="HTD")
+        spec_kwargs = SMALL_HTD
         _, conn = self.start_producer(spec_kwargs, 1)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
@@ -262,8 +263,7 @@ class FormattedReadTest(tt.TransferTestBase):
         # a producer that serves one chunk at a time (4 KiB pool, slow polls) dies after the
         # read started: the read fails by its deadline with every block invalid, and every
         # receive slot is returned
-        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
-                           dtype="bfloat16", layout="HTD")
+        spec_kwargs = SMALL_HTD
         process, conn = self.start_producer(spec_kwargs, 1,
                                             engine_kwargs=dict(format_pool_bytes=1024))
         self.ready(conn)
@@ -288,8 +288,7 @@ class FormattedReadTest(tt.TransferTestBase):
     def test_read_planned_before_producer_reregistered_fails_as_stale(self):
         # the consumer planned against the producer's old regions: the producer refuses to
         # gather (its answer says stale), the read fails with every block invalid
-        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
-                           dtype="bfloat16", layout="HTD")
+        spec_kwargs = SMALL_HTD
         _, conn = self.start_producer(spec_kwargs, 1)
         self.ready(conn)
         address = self.call(conn, "register", REMOTE_IDS)
@@ -307,8 +306,7 @@ class FormattedReadTest(tt.TransferTestBase):
     def test_local_cache_reregistered_mid_read_is_not_written(self):
         # the consumer's cache is replaced while a chunk is on its way: the chunk is not
         # scattered into the old buffers, the read fails
-        spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
-                           dtype="bfloat16", layout="HTD")
+        spec_kwargs = SMALL_HTD
         _, conn = self.start_producer(spec_kwargs, 1)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
