@@ -10,7 +10,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import importlib.util  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -381,7 +380,7 @@ def test_two_processes_then_producer_killed_mid_transfer():
         params = remote.call("add", prompts)
         # Stopped outright: the producer's engine acknowledges from its own threads (control
         # channel, progress thread) even while its scheduler loop pauses.
-        os.kill(remote.process.pid, signal.SIGSTOP)
+        tt.pause(remote.process.pid)
         reqs = decode(consumer, prompts, params)
         vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 30.0)
         remote.process.kill()

@@ -523,8 +523,6 @@ def test_producer_in_another_process_then_killed_mid_transfer():
     nothing pinned, its blocks freed by the consumer's confirmations. Then the producer is
     stopped and killed while both groups' reads are in flight: the reads fail, vLLM
     recomputes the requests, the consumer ends empty."""
-    import signal
-
     import transfer_testing as tt
 
     remote = tt.RemoteProcess(producer_process, ({"engine_id": "prefill", "lease_s": 30.0},),
@@ -545,7 +543,7 @@ def test_producer_in_another_process_then_killed_mid_transfer():
 
         prompts = prompts_of([24, 40], seed=11)
         params = remote.call("add", prompts)
-        os.kill(remote.process.pid, signal.SIGSTOP)  # its engines' threads stop answering too
+        tt.pause(remote.process.pid)  # its engines' threads stop answering too
         reqs = decode(consumer, prompts, params)
         vh.run_until([consumer], lambda: consumer.worker.engine.num_reading == 2, 30.0)
         remote.process.kill()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
+import pathlib
+import signal
 import socket
 import time
 
@@ -18,6 +21,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def pause(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOPs process `pid` and returns once every one of its threads is stopped.
+
+    The kernel stops a process's threads one by one as each is next scheduled: on a loaded
+    machine its other threads (an engine's control channel, its progress thread) run on for
+    100+ ms after `os.kill` returns, long enough to answer a read a test meant to go
+    unanswered. Raises TimeoutError if some thread has not stopped after `timeout_s`."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in pathlib.Path(f"/proc/{pid}/task").glob("*/stat"):
+            with contextlib.suppress(OSError):
+                # "pid (comm) S ...": comm may hold spaces and parentheses, the state follows
+                # the last ")".
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop: thread states {sorted(states)}")
+        time.sleep(0.005)
 
 
 def spawn(target, *args):
