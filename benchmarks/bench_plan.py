@@ -48,7 +48,13 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxkv import EngineConfig, KVCacheSpec  # noqa: E402
-from jaxkv.transfer._formatted import DEFAULT_CHUNK_BYTES, describe_share, remote_half
+from jaxkv.transfer._formatted import (  # noqa: E402
+    DEFAULT_CHUNK_BYTES,
+    block_share_chunks,
+    describe_share,
+    remote_half,
+    template_fields,
+)
 from jaxkv.transfer._metadata import AgentInfo, RankInfo, RegionInfo, engine_metadata
 from jaxkv.transfer._plan import plan_read
 
@@ -158,17 +164,29 @@ def bench_case(name: str, spec_p: KVCacheSpec, spec_d: KVCacheSpec, p_tp: int, d
         out["nixl_lists_ms"] = round(lists_ms, 3)
 
     def formatted():
-        # what the consumer computes to start a formatted read: the plan, its wire chunks per
-        # producer rank and the producer-side ranges each `Format` message carries
+        # what the consumer computes to start a formatted read (`FormattedFetch`): the plan,
+        # its wire chunks per producer rank (from the per-block form where the rows have it,
+        # no rows built; else from the rows) and the producer-side ranges each `Format`
+        # message carries
         plan = plan_read(meta_d, 0, meta_p, local, remote)
         messages = []
         for rr in plan.read_ranks:
             lens = [r.block_len for r in meta_p.rank_info(rr).regions]
+            share = plan.block_share(rr)
+            cut = None if share is None else block_share_chunks(share, DEFAULT_CHUNK_BYTES,
+                                                                 lens)
+            if cut is not None:
+                for first, stop, _ in cut[0]:
+                    messages.append(template_fields(cut[1], len(plan.remote_block_ids), first,
+                                                    stop - first)["templates"])
+                continue
             rows, bounds, templates = describe_share(plan.copies_for(rr), DEFAULT_CHUNK_BYTES,
                                                      plan.remote_block_ids, lens)
             for first, stop in bounds:
-                messages.append(templates.tobytes() if templates is not None
-                                else remote_half(rows[first:stop]))
+                messages.append(
+                    template_fields(templates, len(plan.remote_block_ids), first,
+                                    stop - first)["templates"] if templates is not None
+                    else remote_half(rows[first:stop]))
         return messages
 
     formatted_ms, _ = _median_ms(formatted, repeats)

@@ -486,7 +486,7 @@ class Consumer:
         chunks = self.transport.chunk_bytes  # type: ignore[attr-defined]
         nbytes = sum(p.num_bytes for p in state.plans)
         pieces = sum(len(p.read_ranks) for p in state.plans)
-        descriptors = sum(int(p.copies[:, 6].sum()) for p in state.plans)
+        descriptors = sum(p.num_chunks for p in state.plans)
         return costs.formatted_s(pieces + nbytes // chunks, nbytes) < costs.direct_s(
             descriptors, nbytes)
 
@@ -928,7 +928,7 @@ class Consumer:
                 request_id=state.read_id,
                 bytes=sum(p.num_bytes for p in plans),
                 descriptors=sum(p.num_descriptors for p in plans),
-                expanded_descriptors=sum(int(p.copies[:, 6].sum()) for p in plans),
+                expanded_descriptors=sum(p.num_chunks for p in plans),
                 duration_s=(state.done_at or time.monotonic()) - state.started,
                 # fetches complete -> confirmed, less the post-processing done meanwhile
                 confirm_s=max(
@@ -958,7 +958,7 @@ class Consumer:
             chunks = sum(len(f.chunks) for f in state.formatted)
             costs.observe_formatted(chunks, nbytes, seconds)
         elif nbytes >= MIN_FORMATTED_BYTES:
-            costs.observe_direct(sum(int(p.copies[:, 6].sum()) for p in state.plans), nbytes,
+            costs.observe_direct(sum(p.num_chunks for p in state.plans), nbytes,
                                  seconds)
 
     def _fail(self, state: Reading, result: PollResult) -> None:

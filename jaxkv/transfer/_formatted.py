@@ -33,12 +33,15 @@ cost against bytes x copy cost), calibrated from the reads made with each produc
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxkv.transfer._plan import BlockShare
 
 __all__ = [
     "FORMATTED_MODES",
@@ -47,11 +50,13 @@ __all__ = [
     "HostPool",
     "PathCosts",
     "WaitingChunk",
+    "block_share_chunks",
     "chunk_bounds",
     "describe_share",
     "expand_templates",
     "gather_rows",
     "scatter_rows",
+    "template_fields",
     "template_form",
 ]
 
@@ -265,6 +270,63 @@ def describe_share(rows: np.ndarray, chunk_bytes: int, remote_ids: np.ndarray | 
     return split, bounds, templates
 
 
+def block_share_chunks(share: BlockShare, chunk_bytes: int, block_lens: Sequence[int]
+                       ) -> tuple[list[tuple[int, int, int]], np.ndarray] | None:
+    """How a share in per-block form (`BlockShare`) is cut and described without its rows:
+    ``([(first row, stop row, bytes), ...], templates)``, the chunks exactly those
+    `chunk_bounds` cuts the rows into, the templates those `template_form` finds in them
+    (int64 ``[m, 5]``) — in O(templates + chunks), not O(rows). None where the rows need
+    more than that: a row larger than a chunk, an empty row, or a remote block length other
+    than its region's (what `expand_templates` on the producer assumes).
+
+    Args:
+      share: one (local rank, remote rank) share (`ReadPlan.block_share`).
+      chunk_bytes: the wire chunk size.
+      block_lens: the remote rank's regions' bytes per block.
+    """
+    t = share.templates
+    sizes = share.row_bytes.tolist()
+    lens = np.asarray(block_lens, np.int64)
+    if not len(t) or min(sizes) <= 0 or max(sizes) > chunk_bytes:
+        return None
+    if t[:, _RG].min() < 0 or t[:, _RG].max() >= len(lens) or not np.array_equal(
+            lens[t[:, _RG]], share.remote_block_len):
+        return None
+    k = len(share.local_ids)
+    starts = [0]  # bytes before template i's rows
+    for size in sizes:
+        starts.append(starts[-1] + size * k)
+    total_rows = len(sizes) * k
+    chunks = []
+    first = base = 0
+    while first < total_rows:
+        # `chunk_bounds`' greedy cut: every row whose end is within a chunk of `base`
+        target = base + chunk_bytes
+        i = bisect.bisect_right(starts, target) - 1
+        stop = total_rows if i >= len(sizes) else i * k + min(k, (target - starts[i]) // sizes[i])
+        stop = min(max(stop, first + 1), first + MAX_FORMAT_ROWS)
+        last, within = divmod(stop - 1, k)
+        end = starts[last] + (within + 1) * sizes[last]
+        chunks.append((first, stop, end - base))
+        first, base = stop, end
+    templates = np.stack([t[:, _RG], t[:, _RO], t[:, _LEN], t[:, _CNT], t[:, _RS]],
+                         axis=1).astype(np.int64)
+    return chunks, templates
+
+
+def template_fields(templates: np.ndarray, num_remote: int, first_row: int,
+                    num_rows: int) -> dict:
+    """The `Format` fields naming rows ``[first_row, first_row + num_rows)`` of a template
+    form over `num_remote` blocks: only the templates those rows are made of (rows are
+    template-major, `num_remote` per template), so a share's messages hold O(templates +
+    chunks) bytes, not every template once per chunk."""
+    first = first_row // num_remote
+    stop = (first_row + num_rows - 1) // num_remote + 1
+    return dict(templates=templates[first:stop].astype("<i8").tobytes(),
+                first_row=first_row - first * num_remote, num_rows=num_rows,
+                num_remote=num_remote)
+
+
 def wire_offsets(lengths: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
     """Each row's offset in the gathered buffer (rows back to back, chunks back to back) and
     the buffer's size."""
@@ -344,9 +406,10 @@ def parse_remote_half(payload: bytes) -> np.ndarray:
 @dataclasses.dataclass
 class _Chunk:
     index: int
-    rows: np.ndarray  # plan rows (COPY_COLUMNS)
+    rows: np.ndarray | None  # plan rows (COPY_COLUMNS); None: the share's, made when needed
     nbytes: int
     first_row: int = 0  # its rows' place in the share's rows (template form)
+    num_rows: int = 0
     slot: int | None = None  # receive pool offset
     handle: Any = None  # the READ
     state: str = "queued"  # queued -> asked -> reading -> done
@@ -361,7 +424,10 @@ class FormattedFetch:
       pool: the receive `HostPool`.
       remote_name: the producer agent's NIXL name.
       local_rank, remote_rank: the pair.
-      rows: the plan rows of the pair (`ReadPlan.copies_for`).
+      rows: the plan rows of the pair (`ReadPlan.copies_for`), or the pair's share in
+        per-block form (`ReadPlan.block_share`: chunks cut, described and scattered from
+        its templates, rows made per chunk; a fragmented request's planning stays
+        O(templates + chunks)).
       local_regions: ``(base address, size)`` of the local rank's regions.
       chunk_bytes: the wire chunk size.
       ask: ``ask(chunk index, nbytes, fields) -> bool`` sends a `Format` with `fields` (its
@@ -376,7 +442,8 @@ class FormattedFetch:
     """
 
     def __init__(self, agent: Any, pool: HostPool, remote_name: str, local_rank: int,
-                 remote_rank: int, rows: np.ndarray, local_regions: Sequence[tuple[int, int]],
+                 remote_rank: int, rows: np.ndarray | BlockShare,
+                 local_regions: Sequence[tuple[int, int]],
                  chunk_bytes: int, ask: Callable[[int, int, dict], bool],
                  released: Callable[[int], bytes],
                  regions_current: Callable[[], bool] = lambda: True,
@@ -389,19 +456,29 @@ class FormattedFetch:
         self.local_regions = list(local_regions)
         self._ask, self._released = ask, released
         self.chunks = []
-        split, bounds, self.templates = describe_share(rows, chunk_bytes, remote_ids,
-                                                       remote_block_lens)
+        self._share: BlockShare | None = None
         self.num_remote = 0 if remote_ids is None else len(remote_ids)
-        # the same templates name every chunk of the share: encoded once
-        self._template_bytes = (b"" if self.templates is None
-                                else self.templates.astype("<i8").tobytes())
-        for i, (first, stop) in enumerate(bounds):
-            part = split[first:stop]
-            _, nbytes = wire_offsets(part[:, _LEN], part[:, _CNT])
-            if nbytes > pool.nbytes:
-                raise ValueError(f"a formatted chunk of {nbytes} bytes exceeds the "
+        if isinstance(rows, BlockShare):
+            cut = block_share_chunks(rows, chunk_bytes, remote_block_lens)
+            if cut is None:
+                rows = rows.rows(0, rows.num_rows)
+            else:
+                self._share = rows
+                self.num_remote = len(rows.remote_ids)
+                bounds, self.templates = cut
+                for i, (first, stop, nbytes) in enumerate(bounds):
+                    self.chunks.append(_Chunk(first_chunk + i, None, nbytes, first, stop - first))
+        if not isinstance(rows, BlockShare):
+            split, rows_bounds, self.templates = describe_share(rows, chunk_bytes, remote_ids,
+                                                                remote_block_lens)
+            for i, (first, stop) in enumerate(rows_bounds):
+                part = split[first:stop]
+                _, nbytes = wire_offsets(part[:, _LEN], part[:, _CNT])
+                self.chunks.append(_Chunk(first_chunk + i, part, nbytes, first, stop - first))
+        for chunk in self.chunks:
+            if chunk.nbytes > pool.nbytes:
+                raise ValueError(f"a formatted chunk of {chunk.nbytes} bytes exceeds the "
                                  f"{pool.nbytes}-byte receive pool")
-            self.chunks.append(_Chunk(first_chunk + i, part, nbytes, first))
         self.error: str | None = None
         self.nbytes = sum(c.nbytes for c in self.chunks)
         self.advance()
@@ -415,12 +492,11 @@ class FormattedFetch:
             if slot is None:
                 return  # later chunks wait for this one (order keeps the pool unfragmented)
             chunk.slot = slot
-            if self._template_bytes:
-                fields = dict(templates=self._template_bytes,
-                              first_row=chunk.first_row, num_rows=len(chunk.rows),
-                              num_remote=self.num_remote)
+            if self.templates is not None:
+                fields = template_fields(self.templates, self.num_remote, chunk.first_row,
+                                         chunk.num_rows)
             else:
-                fields = dict(rows=remote_half(chunk.rows))
+                fields = dict(rows=remote_half(self._rows(chunk)))
             if not self._ask(chunk.index, chunk.nbytes, fields):
                 self.pool.free(slot)
                 chunk.slot = None
@@ -428,6 +504,13 @@ class FormattedFetch:
                              f"{chunk.index}"
                 return
             chunk.state = "asked"
+
+    def _rows(self, chunk: _Chunk) -> np.ndarray:
+        """A chunk's plan rows (made from the share's templates when it has no rows)."""
+        if chunk.rows is not None:
+            return chunk.rows
+        assert self._share is not None
+        return self._share.rows(chunk.first_row, chunk.first_row + chunk.num_rows)
 
     def owns(self, chunk_index: int) -> bool:
         """Whether chunk id `chunk_index` is one of this fetch's."""
@@ -481,8 +564,8 @@ class FormattedFetch:
                               "chunks are not written into memory it no longer owns")
                 return "ERR"
             try:
-                scatter_rows(chunk.rows, self.local_regions, self.pool.address + chunk.slot,
-                             chunk.nbytes)
+                scatter_rows(self._rows(chunk), self.local_regions,
+                             self.pool.address + chunk.slot, chunk.nbytes)
             except (IndexError, ValueError) as err:
                 self.error = f"scattering chunk {chunk.index}: {err}"
                 return "ERR"

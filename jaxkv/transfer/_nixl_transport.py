@@ -167,7 +167,8 @@ class NixlTransport:
                    for r in fetch.local.rank_info(fetch.plan.local_rank).regions]
         return FormattedFetch(
             self.agent, self.receive_pool, self._names[info.agent_name], fetch.plan.local_rank,
-            fetch.remote_rank, fetch.plan.copies_for(fetch.remote_rank), regions,
+            fetch.remote_rank, fetch.plan.block_share(fetch.remote_rank)
+            or fetch.plan.copies_for(fetch.remote_rank), regions,
             self.chunk_bytes, ask, released, regions_current,
             remote_ids=fetch.plan.remote_block_ids,
             remote_block_lens=[r.block_len for r in info.regions], first_chunk=first_chunk)

@@ -34,6 +34,7 @@ from jaxkv.transfer._metadata import EngineMetadata, check_compatible
 
 __all__ = [
     "COPY_COLUMNS",
+    "BlockShare",
     "PlanError",
     "PostProcess",
     "ReadPlan",
@@ -153,19 +154,47 @@ class ReadPlan:
             return np.zeros((0, 9), np.int64)
         return self.planner.copies(self.local_block_ids, self.remote_block_ids)
 
+    @functools.cached_property
+    def _counts(self) -> tuple[int, int, int]:
+        """(descriptors, chunks, bytes): from the per-block form when the rows are one per
+        (template, block) (`block_share`: a fragmented request's millions of rows are never
+        built to be counted), else from `copies`."""
+        share = None if "copies" in self.__dict__ else self.block_share(None)
+        if share is not None:
+            k = len(share.local_ids)
+            t = share.templates
+            return len(t) * k, int(t[:, _CNT].sum()) * k, share.num_bytes
+        copies = self.copies
+        return (int(copies.shape[0]), int(copies[:, _CNT].sum()),
+                int((copies[:, _LEN] * copies[:, _CNT]).sum()))
+
     @property
     def num_descriptors(self) -> int:
-        return int(self.copies.shape[0])
+        """Rows of `copies` (strided descriptors)."""
+        return self._counts[0]
+
+    @property
+    def num_chunks(self) -> int:
+        """Contiguous chunks the rows of `copies` hold (their counts summed): the plain
+        descriptors a transport without strided ones posts."""
+        return self._counts[1]
 
     @property
     def num_bytes(self) -> int:
-        if not self.copies.shape[0]:
-            return 0
-        return int((self.copies[:, _LEN] * self.copies[:, _CNT]).sum())
+        return self._counts[2]
 
     @property
     def notify_only(self) -> bool:
-        return not len(self.local_block_ids) or self.copies.shape[0] == 0
+        return not len(self.local_block_ids) or self.num_descriptors == 0
+
+    def block_share(self, remote_rank: int | None) -> BlockShare | None:
+        """The rows read from `remote_rank` (None: every rank) in per-block form (see
+        `BlockShare`), or None where they are not one row per (template, block): merged runs
+        of consecutive ids (few rows), a block-size ratio, a plan without a planner."""
+        if self.expanded is not None or self.planner is None or not len(self.local_block_ids):
+            return None
+        return self.planner.block_share(self.local_block_ids, self.remote_block_ids,
+                                        remote_rank)
 
     def copies_for(self, remote_rank: int) -> np.ndarray:
         """The rows of `copies` read from `remote_rank`, in their order (a read-only view
@@ -251,6 +280,50 @@ class ReadPlan:
                 side[:, 2] = device[index]
             out.append(side)
         return out[0], out[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShare:
+    """Plan rows in per-block form: row ``t * k + b`` (``k = len(local_ids)``; template-major,
+    the order of `ReadPlan.copies`) is ``templates[t]`` with ``remote_block_len[t] *
+    remote_ids[b]`` added to its remote offset and ``local_block_len * local_ids[b]`` to its
+    local one. A fragmented request's rows always have this form: a formatted read cuts,
+    describes and scatters them chunk by chunk (`rows`) without building them all.
+
+    Example:
+      >>> share = BlockShare(np.array([[0, 0, 8, 0, 0, 4, 1, 4, 4]]), np.array([16]), 32,
+      ...                    np.array([2, 5]), np.array([1, 3]))
+      >>> share.rows(0, 2)[:, [2, 4]].tolist()  # remote offset, local offset
+      [[24, 64], [56, 160]]
+    """
+
+    templates: np.ndarray  # int64 [m, 9]: COPY_COLUMNS
+    remote_block_len: np.ndarray  # int64 [m]
+    local_block_len: int
+    local_ids: np.ndarray
+    remote_ids: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.templates) * len(self.local_ids)
+
+    @property
+    def row_bytes(self) -> np.ndarray:
+        """Bytes one row of each template moves: int64 ``[m]``."""
+        return self.templates[:, _LEN] * self.templates[:, _CNT]
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.row_bytes.sum()) * len(self.local_ids)
+
+    def rows(self, first: int, stop: int) -> np.ndarray:
+        """Rows ``[first, stop)``, int64 ``[stop - first, 9]`` (`COPY_COLUMNS`)."""
+        template, block = np.divmod(np.arange(first, stop, dtype=np.int64),
+                                    len(self.local_ids))
+        out = self.templates[template]
+        out[:, _RO] += self.remote_block_len[template] * self.remote_ids[block]
+        out[:, _LO] += np.int64(self.local_block_len) * self.local_ids[block]
+        return out
 
 
 def row_chunks(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -1189,6 +1262,29 @@ class ReadPlanner:
     def copies(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> np.ndarray:
         """`ReadPlan.copies` of a request's (validated) ids."""
         return _expand(self._tpl, local_ids, remote_ids, self.ratio)
+
+    def block_share(self, local_ids: np.ndarray, remote_ids: np.ndarray,
+                    remote_rank: int | None) -> BlockShare | None:
+        """`ReadPlan.block_share` of a request's (validated) ids: the templates `_expand`
+        instantiates once per block, where it does (no run of consecutive ids merged)."""
+        if self.ratio != 1 or not len(local_ids):
+            return None
+        tpl = self._tpl
+        coef = tpl.expansion
+        starts, _ = block_runs(remote_ids, local_ids)
+        if len(starts) == len(local_ids):  # no two ids consecutive on both sides
+            templates = coef.const + coef.per_block if coef.any_mergeable else coef.plain
+        elif coef.all_mergeable:
+            return None  # runs merge into one row each: few rows, no per-block form
+        else:
+            templates = coef.plain
+        first, stop = 0, len(templates)
+        if remote_rank is not None:
+            column = tpl.rows[:, _RR]
+            first = bisect.bisect_left(column, remote_rank)
+            stop = bisect.bisect_right(column, remote_rank, lo=first)
+        return BlockShare(templates[first:stop], tpl.remote_block_len[first:stop],
+                          int(tpl.local_block_len), local_ids, remote_ids)
 
     @property
     def _tpl(self) -> _Templates:

@@ -127,6 +127,53 @@ class FormattedPiecesTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "outside"):
             expand_templates(np.zeros((2, 5), np.int64), lens, np.arange(3), 5, 2)
 
+    @parameterized.product(
+        geometry=[(8, 4, "HTD", False), (2, 1, "LKHTD", False), (1, 2, "KTHD", False),
+                  (2, 1, None, True), (4, 8, "HTD", False)],
+        chunk_bytes=[512, 4096, 100_000, 1 << 30],
+    )
+    def test_block_share_cut_equals_the_rows_cut(self, geometry, chunk_bytes):
+        # a fragmented share cut from its templates (no rows built) gives the chunks and
+        # templates the explicit rows give, and each chunk's rows are those rows
+        from jaxkv import EngineConfig
+        from jaxkv.transfer._formatted import (
+            block_share_chunks,
+            chunk_bounds,
+            template_form,
+            wire_offsets,
+        )
+        from jaxkv.transfer._plan import plan_read
+
+        p_tp, d_tp, layout, packed = geometry
+        spec = (KVCacheSpec.for_tpu_inference(4, 8, 96, 16, "bfloat16") if packed
+                else KVCacheSpec(4, 8, 32, 16, "bfloat16", layout=layout))
+        meta_p = tt.fake_metadata("prefill", EngineConfig(spec, p_tp), 64)
+        meta_d = tt.fake_metadata("decode", EngineConfig(spec, d_tp), 64)
+        rng = np.random.default_rng(1)
+        remote, local = rng.permutation(64)[:20], rng.permutation(64)[:20]
+        for rank in range(d_tp):
+            plan = plan_read(meta_d, rank, meta_p, local, remote)
+            for rr in plan.read_ranks:
+                lens = [r.block_len for r in meta_p.rank_info(rr).regions]
+                share = plan.block_share(rr)
+                cut = block_share_chunks(share, chunk_bytes, lens)
+                rows = plan.copies_for(rr)
+                if int((rows[:, 5] * rows[:, 6]).max()) > chunk_bytes:
+                    self.assertIsNone(cut)  # rows would be split: the explicit path
+                    continue
+                chunks, templates = cut
+                split, bounds = chunk_bounds(rows, chunk_bytes)
+                self.assertEqual([(a, b) for a, b, _ in chunks], bounds)
+                self.assertEqual([n for _, _, n in chunks],
+                                 [wire_offsets(split[a:b, 5], split[a:b, 6])[1]
+                                  for a, b in bounds])
+                np.testing.assert_array_equal(
+                    templates, template_form(rows, plan.remote_block_ids, np.array(lens)))
+                for a, b, _ in chunks:
+                    np.testing.assert_array_equal(share.rows(a, b), rows[a:b])
+        # a remote block length its region does not have: no per-block description
+        self.assertIsNone(block_share_chunks(share, 1 << 30, [lens[0] + 1] * len(lens)))
+
     def test_copy_rows_checks_every_row_before_copying(self):
         from jaxkv.transfer._formatted import gather_rows
 

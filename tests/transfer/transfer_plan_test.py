@@ -497,6 +497,25 @@ class PlanExpansionEquivalenceTest(parameterized.TestCase):
                 where = f"{kind} rank {rank} {p_cfg}->{d_cfg} {spec_p.layout}->{spec_d.layout}"
                 want = _expand_reference(plan.planner._tpl, plan.local_block_ids,
                                          plan.remote_block_ids, ratio)
+                # counted before the rows exist (from the per-block form where there is one)
+                self.assertEqual(
+                    (plan.num_descriptors, plan.num_chunks, plan.num_bytes),
+                    (len(want), int(want[:, 6].sum()), int((want[:, 5] * want[:, 6]).sum())),
+                    where)
+                for rr in [None, *range(cfg_p.world_size)]:
+                    share = plan.block_share(rr)
+                    if share is None:  # only where ids merge into runs or blocks subdivide
+                        self.assertTrue(ratio != 1 or kind in ("contiguous", "mixed", "hit"),
+                                        where)
+                        continue
+                    mine = want if rr is None else want[want[:, 0] == rr]
+                    got_rows = share.rows(0, share.num_rows)
+                    self.assertEqual(got_rows.dtype, np.int64, where)
+                    np.testing.assert_array_equal(got_rows, mine, err_msg=where)
+                    self.assertEqual(share.num_bytes, int((mine[:, 5] * mine[:, 6]).sum()))
+                    if share.num_rows > 3:  # any window of rows
+                        np.testing.assert_array_equal(share.rows(1, share.num_rows - 2),
+                                                      mine[1:-2], err_msg=where)
                 got = plan.copies
                 self.assertEqual(got.dtype, np.int64, where)
                 self.assertEqual(got.shape, want.shape, where)
