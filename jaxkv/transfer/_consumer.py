@@ -201,6 +201,7 @@ class Consumer:
         self.formatted_reads = "auto"
         self.costs: dict[str, PathCosts] = {}
         self._block_bytes = (-1, 0)  # (registry generation, local bytes per block id)
+        self._host_memory: dict[tuple[str, int], bool] = {}  # `_in_host_memory`
 
     def send(self, target: str, payload: bytes) -> bool:
         ok = self.control.send(target, payload)
@@ -472,9 +473,9 @@ class Consumer:
                 r.block_len for info in meta.ranks for r in info.regions))
         if mode == "auto" and num_local * self._block_bytes[1] < MIN_FORMATTED_BYTES:
             return False
-        host = all(r.memory_kind == "DRAM" for p in state.plans
-                   for r in meta.rank_info(p.local_rank).regions) and all(
-            r.memory_kind == "DRAM" for info in peer.meta.ranks for r in info.regions)
+        host = self._in_host_memory(("", meta.generation), [
+            meta.rank_info(rank) for rank in self.registry.local_ranks]) and \
+            self._in_host_memory((state.peer, peer.meta.generation), peer.meta.ranks)
         if not host:
             if mode == "always":
                 raise PlanError("formatted reads need both caches in host memory (CPU caches "
@@ -483,12 +484,20 @@ class Consumer:
         if mode == "always":
             return True
         costs = self.costs.setdefault(state.peer, PathCosts())
-        chunks = self.transport.chunk_bytes  # type: ignore[attr-defined]
         nbytes = sum(p.num_bytes for p in state.plans)
-        pieces = sum(len(p.read_ranks) for p in state.plans)
+        shares = sum(len(p.read_ranks) for p in state.plans)
         descriptors = sum(p.num_chunks for p in state.plans)
-        return costs.formatted_s(pieces + nbytes // chunks, nbytes) < costs.direct_s(
-            descriptors, nbytes)
+        return costs.formatted_s(shares, nbytes) < costs.direct_s(descriptors, nbytes)
+
+    def _in_host_memory(self, key: tuple[str, int], ranks: Sequence[Any]) -> bool:
+        """Whether every region of `ranks` is host memory, once per (engine, generation)."""
+        known = self._host_memory.get(key)
+        if known is None:
+            if len(self._host_memory) > 64:
+                self._host_memory.clear()
+            known = self._host_memory[key] = all(
+                r.memory_kind == "DRAM" for info in ranks for r in info.regions)
+        return known
 
     def _start_formatted(self, state: Reading, peer: Peer, meta: EngineMetadata,
                          plan: ReadPlan, remote_rank: int, layer: int | None = None
@@ -955,8 +964,7 @@ class Consumer:
         seconds = state.done_at - state.started
         nbytes = sum(p.num_bytes for p in state.plans)
         if state.formatted:
-            chunks = sum(len(f.chunks) for f in state.formatted)
-            costs.observe_formatted(chunks, nbytes, seconds)
+            costs.observe_formatted(len(state.formatted), nbytes, seconds)
         elif nbytes >= MIN_FORMATTED_BYTES:
             costs.observe_direct(sum(p.num_chunks for p in state.plans), nbytes,
                                  seconds)

@@ -69,6 +69,7 @@ MIN_FORMATTED_BYTES = 4 << 20
 """Reads below this many bytes per rank pair stay direct in ``"auto"`` mode: a formatted read
 costs a control round trip per chunk, which small reads do not win back."""
 MAX_FORMAT_ROWS = 1 << 16  # rows per `Format` message (5 int64 each: 2.5 MiB)
+EXPLICIT_ROWS = 1024  # shares of up to this many rows name them explicitly (40 KiB at most)
 
 _RR, _RG, _RO, _LG, _LO, _LEN, _CNT, _RS, _LS = range(9)
 
@@ -264,7 +265,9 @@ def describe_share(rows: np.ndarray, chunk_bytes: int, remote_ids: np.ndarray | 
     one, else None: each chunk's rows travel explicitly)."""
     split, bounds = chunk_bounds(rows, chunk_bytes)
     templates = None
-    if remote_ids is not None and len(split) == len(rows):  # no row was split
+    # Few rows (runs of consecutive ids merged) travel as they are: looking for a template
+    # form would cost more than it saves.
+    if remote_ids is not None and len(split) == len(rows) > EXPLICIT_ROWS:  # none split
         templates = template_form(split, np.asarray(remote_ids, np.int64),
                                   np.asarray(block_lens, np.int64))
     return split, bounds, templates
@@ -603,29 +606,33 @@ class FormattedFetch:
 class PathCosts:
     """What a read costs one way or the other, per producer engine (calibrated from its reads).
 
-    Direct: ``descriptors x descriptor_s + bytes / wire_bps``. Formatted: ``chunks x
-    round_trip_s + bytes / wire_bps + bytes / format_bps`` (the gather and the scatter, which
-    overlap the wire chunk by chunk only partly on a small machine). Defaults measured on the
-    2-core CPU VM of benchmarks/RESULTS.md (UCX shared memory).
+    Direct: ``descriptors x descriptor_s + bytes / wire_bps``. Formatted: ``shares x
+    round_trip_s + bytes / formatted_bps``: one round trip per (local rank, producer rank)
+    share before its first chunk moves (later chunks are asked for while earlier ones move),
+    then the gather, the wire and the scatter as one bandwidth, measured as a whole (on a
+    small machine they overlap only partly, on a large one fully: neither is assumed).
+    Each path's constants are calibrated from that path's own finished reads only. Defaults
+    measured on the 2-core CPU VM of benchmarks/RESULTS.md (UCX shared memory, idle).
     """
 
-    descriptor_s: float = 2e-6
-    wire_bps: float = 5e9
-    format_bps: float = 6e9
+    descriptor_s: float = 1.6e-6
+    wire_bps: float = 7e9
+    formatted_bps: float = 6e9
     round_trip_s: float = 5e-4
     smoothing: float = 0.5  # weight of a new measurement
 
     def direct_s(self, descriptors: int, nbytes: int) -> float:
         return descriptors * self.descriptor_s + nbytes / self.wire_bps
 
-    def formatted_s(self, chunks: int, nbytes: int) -> float:
-        return chunks * self.round_trip_s + nbytes / self.wire_bps + nbytes / self.format_bps
+    def formatted_s(self, shares: int, nbytes: int) -> float:
+        return shares * self.round_trip_s + nbytes / self.formatted_bps
 
     def _blend(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
 
     def observe_direct(self, descriptors: int, nbytes: int, seconds: float) -> None:
-        """Calibrates from a finished direct read."""
+        """Calibrates from a finished direct read: the wire from one of few large
+        descriptors, the per-descriptor cost from one of many."""
         if seconds <= 0 or nbytes <= 0:
             return
         if descriptors <= 64 and nbytes >= (1 << 20):
@@ -634,12 +641,14 @@ class PathCosts:
             per = max(0.0, seconds - nbytes / self.wire_bps) / descriptors
             self.descriptor_s = self._blend(self.descriptor_s, max(per, 1e-8))
 
-    def observe_formatted(self, chunks: int, nbytes: int, seconds: float) -> None:
-        """Calibrates from a finished formatted read."""
+    def observe_formatted(self, shares: int, nbytes: int, seconds: float) -> None:
+        """Calibrates from a finished formatted read of `shares` (local, producer) rank
+        pairs."""
         if seconds <= 0 or nbytes < (1 << 20):
             return
-        rest = seconds - chunks * self.round_trip_s - nbytes / self.wire_bps
-        self.format_bps = self._blend(self.format_bps, nbytes / max(rest, seconds * 0.05))
+        rest = seconds - shares * self.round_trip_s
+        self.formatted_bps = self._blend(self.formatted_bps,
+                                         nbytes / max(rest, seconds * 0.05))
 
 
 # -- the producer's side ----------------------------------------------------------------------

@@ -159,7 +159,7 @@ class ReadPlan:
         """(descriptors, chunks, bytes): from the per-block form when the rows are one per
         (template, block) (`block_share`: a fragmented request's millions of rows are never
         built to be counted), else from `copies`."""
-        share = None if "copies" in self.__dict__ else self.block_share(None)
+        share = None if "copies" in self.__dict__ else self._block_form
         if share is not None:
             k = len(share.local_ids)
             t = share.templates
@@ -191,10 +191,21 @@ class ReadPlan:
         """The rows read from `remote_rank` (None: every rank) in per-block form (see
         `BlockShare`), or None where they are not one row per (template, block): merged runs
         of consecutive ids (few rows), a block-size ratio, a plan without a planner."""
+        form = self._block_form
+        if form is None or remote_rank is None:
+            return form
+        column = form.templates[:, _RR]
+        first = bisect.bisect_left(column, remote_rank)
+        stop = bisect.bisect_right(column, remote_rank, lo=first)
+        return dataclasses.replace(form, templates=form.templates[first:stop],
+                                   remote_block_len=form.remote_block_len[first:stop])
+
+    @functools.cached_property
+    def _block_form(self) -> BlockShare | None:
+        """`block_share` of every rank, found once per plan."""
         if self.expanded is not None or self.planner is None or not len(self.local_block_ids):
             return None
-        return self.planner.block_share(self.local_block_ids, self.remote_block_ids,
-                                        remote_rank)
+        return self.planner.block_share(self.local_block_ids, self.remote_block_ids)
 
     def copies_for(self, remote_rank: int) -> np.ndarray:
         """The rows of `copies` read from `remote_rank`, in their order (a read-only view
@@ -1263,10 +1274,10 @@ class ReadPlanner:
         """`ReadPlan.copies` of a request's (validated) ids."""
         return _expand(self._tpl, local_ids, remote_ids, self.ratio)
 
-    def block_share(self, local_ids: np.ndarray, remote_ids: np.ndarray,
-                    remote_rank: int | None) -> BlockShare | None:
-        """`ReadPlan.block_share` of a request's (validated) ids: the templates `_expand`
-        instantiates once per block, where it does (no run of consecutive ids merged)."""
+    def block_share(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> BlockShare | None:
+        """`ReadPlan.block_share` of a request's (validated) ids, every rank: the templates
+        `_expand` instantiates once per block, where it does (no run of consecutive ids
+        merged)."""
         if self.ratio != 1 or not len(local_ids):
             return None
         tpl = self._tpl
@@ -1278,13 +1289,8 @@ class ReadPlanner:
             return None  # runs merge into one row each: few rows, no per-block form
         else:
             templates = coef.plain
-        first, stop = 0, len(templates)
-        if remote_rank is not None:
-            column = tpl.rows[:, _RR]
-            first = bisect.bisect_left(column, remote_rank)
-            stop = bisect.bisect_right(column, remote_rank, lo=first)
-        return BlockShare(templates[first:stop], tpl.remote_block_len[first:stop],
-                          int(tpl.local_block_len), local_ids, remote_ids)
+        return BlockShare(templates, tpl.remote_block_len, int(tpl.local_block_len),
+                          local_ids, remote_ids)
 
     @property
     def _tpl(self) -> _Templates:

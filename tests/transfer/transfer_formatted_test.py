@@ -199,10 +199,17 @@ class FormattedPiecesTest(parameterized.TestCase):
         costs = PathCosts()
         nbytes = 64 << 20
         # 350k value rows (packed head_dim 96): formatted; 64 whole-block runs: direct
-        self.assertLess(costs.formatted_s(8, nbytes), costs.direct_s(350_000, nbytes))
-        self.assertGreater(costs.formatted_s(8, nbytes), costs.direct_s(64, nbytes))
+        self.assertLess(costs.formatted_s(2, nbytes), costs.direct_s(350_000, nbytes))
+        self.assertGreater(costs.formatted_s(2, nbytes), costs.direct_s(64, nbytes))
+        before = costs.descriptor_s
         costs.observe_direct(100_000, nbytes, 1.0)  # much slower descriptors than assumed
-        self.assertGreater(costs.descriptor_s, 2e-6)
+        self.assertGreater(costs.descriptor_s, before)
+        # a formatted read slower than assumed moves the line: 4,096 descriptors stay direct
+        self.assertLess(costs.formatted_s(2, nbytes), costs.direct_s(4096, nbytes))
+        for _ in range(12):  # each observation weighs half: converges to what it measures
+            costs.observe_formatted(2, nbytes, 0.5)
+        self.assertGreater(costs.formatted_s(2, nbytes), costs.direct_s(4096, nbytes))
+        self.assertAlmostEqual(costs.formatted_bps, nbytes / 0.499, delta=0.02 * nbytes / 0.5)
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
