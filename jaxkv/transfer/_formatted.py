@@ -460,6 +460,7 @@ class FormattedFetch:
         self._ask, self._released = ask, released
         self.chunks = []
         self._share: BlockShare | None = None
+        self.templates: np.ndarray | None = None  # the share's template form, if any
         self.num_remote = 0 if remote_ids is None else len(remote_ids)
         if isinstance(rows, BlockShare):
             cut = block_share_chunks(rows, chunk_bytes, remote_block_lens)

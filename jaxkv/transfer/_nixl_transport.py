@@ -23,7 +23,13 @@ from jaxkv.transfer._formatted import (
     FormattedFetch,
     HostPool,
 )
-from jaxkv.transfer._metadata import AgentInfo, EngineMetadata, MetadataError, RegionInfo
+from jaxkv.transfer._metadata import (
+    AgentInfo,
+    EngineMetadata,
+    MetadataError,
+    RankInfo,
+    RegionInfo,
+)
 from jaxkv.transfer._transport import ControlChannel, Fetch, Offer
 
 __all__ = ["NixlNotificationChannel", "NixlTransport"]
@@ -68,6 +74,7 @@ class NixlTransport:
         self.endpoint = endpoint
         self.agent = NixlAgent(endpoint, options or AgentOptions())
         self._names: dict[str, str] = {}  # published agent name -> NIXL name
+        self._extents_cache: dict[int, tuple[RankInfo, list[tuple[int, int]], list[int]]] = {}
         self.format_server: FormatServer | None = None
         self.receive_pool: HostPool | None = None
         self.chunk_bytes = int(min(chunk_bytes, max(pool_bytes // 2, 1)))
@@ -163,15 +170,28 @@ class NixlTransport:
         if self.receive_pool is None:
             raise ValueError("this engine was made without formatted-read pools")
         info = fetch.peer.rank_info(fetch.remote_rank)
-        regions = [(r.base_address, r.block_len * r.num_blocks)
-                   for r in fetch.local.rank_info(fetch.plan.local_rank).regions]
+        regions, _ = self._extents(fetch.local.rank_info(fetch.plan.local_rank))
+        _, block_lens = self._extents(info)
         return FormattedFetch(
             self.agent, self.receive_pool, self._names[info.agent_name], fetch.plan.local_rank,
             fetch.remote_rank, fetch.plan.block_share(fetch.remote_rank)
             or fetch.plan.copies_for(fetch.remote_rank), regions,
             self.chunk_bytes, ask, released, regions_current,
             remote_ids=fetch.plan.remote_block_ids,
-            remote_block_lens=[r.block_len for r in info.regions], first_chunk=first_chunk)
+            remote_block_lens=block_lens, first_chunk=first_chunk)
+
+    def _extents(self, info: RankInfo) -> tuple[list[tuple[int, int]], list[int]]:
+        """A rank's regions as ``(base address, size)`` and their bytes per block, once per
+        `RankInfo` object (a formatted read asks for them per rank pair; a new registration
+        or handshake makes new objects)."""
+        cached = self._extents_cache.get(id(info))
+        if cached is None or cached[0] is not info:
+            if len(self._extents_cache) > 256:
+                self._extents_cache.clear()
+            cached = self._extents_cache[id(info)] = (
+                info, [(r.base_address, r.block_len * r.num_blocks) for r in info.regions],
+                [r.block_len for r in info.regions])
+        return cached[1], cached[2]
 
     def check(self, handle: Any) -> str:
         if isinstance(handle, FormattedFetch):
