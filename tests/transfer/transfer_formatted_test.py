@@ -241,6 +241,32 @@ class FormattedReadTest(tt.TransferTestBase):
         self.assertGreater(engine.stats.digest_verified, 0)
         self.assertEqual(engine.stats.digest_mismatches, 0)
 
+    @parameterized.parameters(
+        # (p_tp, d_tp, p_layout, d_layout, chunk_bytes)
+        (2, 1, "HTD", "HTD", None), (1, 2, "LKHTD", "LKHTD", 256), (4, 2, "KTHD", "KHTD", 64),
+        (2, 4, "THD", "THD", None))
+    def test_fragmented_ids_read_from_per_block_templates(self, p_tp, d_tp, p_layout,
+                                                          d_layout, chunk_bytes):
+        # no two ids consecutive on both sides: every share is cut, described and scattered
+        # from its per-block templates (no rows built); the bytes land as a direct read's
+        from jaxkv.transfer import _formatted
+
+        scrambled = [14, 7, 12, 9, 13, 8]  # against REMOTE_IDS [3, 4, 5, 9, 10, 2]
+        cuts = []
+
+        def recording(*args, **kwargs):
+            cuts.append(_cut(*args, **kwargs))
+            return cuts[-1]
+
+        _cut = _formatted.block_share_chunks
+        self.enter_context(mock.patch.object(_formatted, "block_share_chunks", recording))
+        engine, _ = self.read_case(p_tp, d_tp, p_layout, d_layout, chunk_bytes=chunk_bytes,
+                                   local_ids=scrambled)
+        self.assertEqual(engine.stats.records[-1].path, "formatted")
+        self.assertTrue(cuts and all(c is not None for c in cuts), cuts)
+        if chunk_bytes is not None:  # several chunks per share, each naming its templates
+            self.assertGreater(max(len(c[0]) for c in cuts), 1)
+
     @parameterized.parameters((1, 2, 1), (2, 1, 2))
     def test_mla(self, p_tp, d_tp, ratio):
         self.read_case(p_tp, d_tp, "LKTD", "LKTD", ratio=ratio, mla=True)
@@ -382,7 +408,7 @@ class FormattedReadTest(tt.TransferTestBase):
 
     def read_case(self, p_tp, d_tp, p_layout, d_layout, heads=4, dtype="bfloat16", ratio=1,
                   mla=False, pool_bytes=None, chunk_bytes=None, mode="always",
-                  before_read=None, digests="off"):
+                  before_read=None, digests="off", local_ids=None):
         spec_kwargs = dict(num_layers=2, num_kv_heads=heads, head_dim=8, block_size=4,
                            dtype=dtype, layout=p_layout)
         if mla:
@@ -400,7 +426,8 @@ class FormattedReadTest(tt.TransferTestBase):
             engine.transport.chunk_bytes = chunk_bytes
         if before_read is not None:
             before_read(engine)
-        local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio]
+        if local_ids is None:
+            local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio]
         engine.start_read(params, local_ids)
         finished, failed = self.wait(engine, ["req-1"])
         self.assertEqual((finished, [f.reason for f in failed]), (["req-1"], []))
