@@ -59,9 +59,12 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         # formatted reads: each announced layer gathered by the producer, read in one chunk
         (2, 1, "KHTD", "KTHD", False, "auto", "always"),
         (1, 2, "LKTHD", "LKTHD", True, "auto", "always"),
+        # fragmented ids (no run on both sides): each layer's share from per-block templates
+        (2, 1, "KHTD", "KTHD", False, "auto", "always", [14, 7, 12, 9, 13, 8]),
     )
     def test_layers_arrive_as_published(self, p_tp, d_tp, p_layout, d_layout, staging,
-                                        control="auto", formatted="never"):
+                                        control="auto", formatted="never", local_ids=None):
+        local_ids = LOCAL_IDS if local_ids is None else local_ids
         spec_kwargs = dict(num_layers=NUM_LAYERS, num_kv_heads=4, head_dim=8, block_size=4,
                            dtype="bfloat16", layout=p_layout)
         _, conn = self.start_producer(spec_kwargs, p_tp, engine_kwargs={"host_staging": staging})
@@ -73,7 +76,7 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         spec = KVCacheSpec(**dict(spec_kwargs, layout=d_layout))
         engine, cache, config = self.consumer(spec, d_tp, host_staging=staging, control=control,
                                               formatted_reads=formatted)
-        engine.start_read(params, LOCAL_IDS)
+        engine.start_read(params, local_ids)
 
         seen = self.poll_until(engine, lambda s: s.layers.get("req-lw", 0) >= 1, "layer 0")
         self.assertEqual(seen.layers["req-lw"], 1)
@@ -86,7 +89,7 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         self.assertEqual((seen.finished, seen.failed), (["req-lw"], []))
 
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
-        self.check_cache(engine.caches[0], config, g, LOCAL_IDS)
+        self.check_cache(engine.caches[0], config, g, local_ids)
         record = engine.stats.records[-1]
         self.assertEqual(record.path, "formatted" if formatted == "always" else "direct")
         arrival = dict(record.layer_arrival)
