@@ -45,6 +45,21 @@ class _Registrar:
             self.regions.remove(region)
 
 
+def _fragmented_case(p_tp, d_tp, layout, packed, seed):
+    """(producer metadata, consumer metadata, local ids, remote ids): 20 random blocks of a
+    64-block pool on both sides, tpu-inference's packed cache (head_dim 96) or a 4-layer
+    cache of `layout`."""
+    from jaxkv import EngineConfig
+
+    spec = (KVCacheSpec.for_tpu_inference(4, 8, 96, 16, "bfloat16") if packed
+            else KVCacheSpec(4, 8, 32, 16, "bfloat16", layout=layout))
+    meta_p = tt.fake_metadata("prefill", EngineConfig(spec, p_tp), 64)
+    meta_d = tt.fake_metadata("decode", EngineConfig(spec, d_tp), 64)
+    rng = np.random.default_rng(seed)
+    remote, local = rng.permutation(64)[:20], rng.permutation(64)[:20]
+    return meta_p, meta_d, local, remote
+
+
 class FormattedPiecesTest(parameterized.TestCase):
     def test_pool_slots_are_first_fit_aligned_and_merge_when_freed(self):
         from jaxkv.transfer._formatted import HostPool
@@ -85,7 +100,6 @@ class FormattedPiecesTest(parameterized.TestCase):
     def test_template_form_names_the_same_ranges(self, p_tp, d_tp, layout, packed):
         # a fragmented request's rows as per-block templates: the producer's expansion of
         # every chunk equals the explicit ranges, chunk by chunk
-        from jaxkv import EngineConfig
         from jaxkv.transfer._formatted import (
             chunk_bounds,
             expand_templates,
@@ -94,12 +108,7 @@ class FormattedPiecesTest(parameterized.TestCase):
         )
         from jaxkv.transfer._plan import plan_read
 
-        spec = (KVCacheSpec.for_tpu_inference(4, 8, 96, 16, "bfloat16") if packed
-                else KVCacheSpec(4, 8, 32, 16, "bfloat16", layout=layout))
-        meta_p = tt.fake_metadata("prefill", EngineConfig(spec, p_tp), 64)
-        meta_d = tt.fake_metadata("decode", EngineConfig(spec, d_tp), 64)
-        rng = np.random.default_rng(0)
-        remote, local = rng.permutation(64)[:20], rng.permutation(64)[:20]
+        meta_p, meta_d, local, remote = _fragmented_case(p_tp, d_tp, layout, packed, seed=0)
         plan = plan_read(meta_d, 0, meta_p, local, remote)
         for rr in plan.read_ranks:
             lens = np.array([r.block_len for r in meta_p.rank_info(rr).regions])
@@ -135,7 +144,6 @@ class FormattedPiecesTest(parameterized.TestCase):
     def test_block_share_cut_equals_the_rows_cut(self, geometry, chunk_bytes):
         # a fragmented share cut from its templates (no rows built) gives the chunks and
         # templates the explicit rows give, and each chunk's rows are those rows
-        from jaxkv import EngineConfig
         from jaxkv.transfer._formatted import (
             block_share_chunks,
             chunk_bounds,
@@ -145,12 +153,7 @@ class FormattedPiecesTest(parameterized.TestCase):
         from jaxkv.transfer._plan import plan_read
 
         p_tp, d_tp, layout, packed = geometry
-        spec = (KVCacheSpec.for_tpu_inference(4, 8, 96, 16, "bfloat16") if packed
-                else KVCacheSpec(4, 8, 32, 16, "bfloat16", layout=layout))
-        meta_p = tt.fake_metadata("prefill", EngineConfig(spec, p_tp), 64)
-        meta_d = tt.fake_metadata("decode", EngineConfig(spec, d_tp), 64)
-        rng = np.random.default_rng(1)
-        remote, local = rng.permutation(64)[:20], rng.permutation(64)[:20]
+        meta_p, meta_d, local, remote = _fragmented_case(p_tp, d_tp, layout, packed, seed=1)
         for rank in range(d_tp):
             plan = plan_read(meta_d, rank, meta_p, local, remote)
             for rr in plan.read_ranks:
