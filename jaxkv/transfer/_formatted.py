@@ -9,7 +9,10 @@ formatter, generalised to any plan):
 1. the consumer plans the read exactly as a direct read (`jaxkv.transfer._plan`) and cuts the
    plan's rows for one producer rank into chunks of at most ``chunk_bytes``; it reserves a
    slot of its registered *receive pool* for a chunk and sends the chunk's producer-side rows
-   (`Format`);
+   (`Format`): explicitly, or as the per-block templates they are made of and a row range. A
+   fragmented request's rows are all of that form (`ReadPlan.block_share`): they are cut and
+   described from the templates (`block_share_chunks`) and made one chunk at a time, so
+   starting a read is O(templates + chunks) however many rows it has;
 2. the producer process checks them against its registered regions and the request's
    publication, gathers those byte ranges into a slot of its registered *send pool*, in row
    order, and answers where they are (`Formatted`);
