@@ -391,8 +391,8 @@ def scatter_rows(rows: np.ndarray, regions: Sequence[tuple[int, int]], address: 
 def remote_half(rows: np.ndarray) -> bytes:
     """What a `Format` message carries of plan rows: int64 LE ``[N, 5]`` (remote region,
     offset, length, count, stride)."""
-    half = np.ascontiguousarray(rows[:, [_RG, _RO, _LEN, _CNT, _RS]]).astype("<i8")
-    return half.tobytes()
+    half = rows[:, [_RG, _RO, _LEN, _CNT, _RS]]  # a new C-ordered array
+    return half.astype("<i8", copy=False).tobytes()
 
 
 def parse_remote_half(payload: bytes) -> np.ndarray:

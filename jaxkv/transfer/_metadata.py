@@ -202,6 +202,8 @@ class EngineMetadata(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return EngineConfig(self.spec(), self.tp_size, self.pp_size, tuple(self.layers_per_pp))
 
     def rank_info(self, rank: int) -> RankInfo:
+        if 0 <= rank < len(self.ranks) and self.ranks[rank].rank == rank:
+            return self.ranks[rank]  # ranks are published in order: no scan
         for info in self.ranks:
             if info.rank == rank:
                 return info

@@ -152,7 +152,15 @@ class ReadPlan:
             return self.expanded
         if self.planner is None or not len(self.local_block_ids):
             return np.zeros((0, 9), np.int64)
-        return self.planner.copies(self.local_block_ids, self.remote_block_ids)
+        return self.planner.copies(self.local_block_ids, self.remote_block_ids, self._runs)
+
+    @functools.cached_property
+    def _runs(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """`block_runs` of the ids (both `copies` and `block_share` look at them); None for
+        a block-size ratio (no runs: one remote id list per sub-block)."""
+        if len(self.remote_block_ids) != len(self.local_block_ids):
+            return None
+        return block_runs(self.remote_block_ids, self.local_block_ids)
 
     @functools.cached_property
     def _counts(self) -> tuple[int, int, int]:
@@ -205,7 +213,8 @@ class ReadPlan:
         """`block_share` of every rank, found once per plan."""
         if self.expanded is not None or self.planner is None or not len(self.local_block_ids):
             return None
-        return self.planner.block_share(self.local_block_ids, self.remote_block_ids)
+        return self.planner.block_share(self.local_block_ids, self.remote_block_ids,
+                                        self._runs)
 
     def copies_for(self, remote_rank: int) -> np.ndarray:
         """The rows of `copies` read from `remote_rank`, in their order (a read-only view
@@ -1017,7 +1026,8 @@ def _check_ids(ids: np.ndarray, num_blocks: int, where: str) -> None:
 
 
 def _expand(
-    tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int
+    tpl: _Templates, local_ids: np.ndarray, remote_ids: np.ndarray, ratio: int,
+    runs: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """Instantiates the per-block templates over the request's blocks, merging runs of
     consecutive ids into one (strided) descriptor where the pattern allows it. Rows keep the
@@ -1035,7 +1045,7 @@ def _expand(
         return np.zeros((0, 9), np.int64)
     if ratio != 1:
         return _expand_sub_blocks(tpl, local_ids, remote_ids, ratio)
-    starts, lengths = block_runs(remote_ids, local_ids)
+    starts, lengths = runs if runs is not None else block_runs(remote_ids, local_ids)
     coef = tpl.expansion
     if coef.all_mergeable or len(starts) == len(local_ids):
         r_at, l_at, n_at = remote_ids[starts], local_ids[starts], lengths
@@ -1270,11 +1280,14 @@ class ReadPlanner:
             self,
         )
 
-    def copies(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> np.ndarray:
-        """`ReadPlan.copies` of a request's (validated) ids."""
-        return _expand(self._tpl, local_ids, remote_ids, self.ratio)
+    def copies(self, local_ids: np.ndarray, remote_ids: np.ndarray,
+               runs: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """`ReadPlan.copies` of a request's (validated) ids (`runs`: their `block_runs`,
+        if known)."""
+        return _expand(self._tpl, local_ids, remote_ids, self.ratio, runs)
 
-    def block_share(self, local_ids: np.ndarray, remote_ids: np.ndarray) -> BlockShare | None:
+    def block_share(self, local_ids: np.ndarray, remote_ids: np.ndarray,
+                    runs: tuple[np.ndarray, np.ndarray] | None = None) -> BlockShare | None:
         """`ReadPlan.block_share` of a request's (validated) ids, every rank: the templates
         `_expand` instantiates once per block, where it does (no run of consecutive ids
         merged)."""
@@ -1282,7 +1295,7 @@ class ReadPlanner:
             return None
         tpl = self._tpl
         coef = tpl.expansion
-        starts, _ = block_runs(remote_ids, local_ids)
+        starts, _ = runs if runs is not None else block_runs(remote_ids, local_ids)
         if len(starts) == len(local_ids):  # no two ids consecutive on both sides
             templates = coef.const + coef.per_block if coef.any_mergeable else coef.plain
         elif coef.all_mergeable:
