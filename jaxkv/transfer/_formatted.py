@@ -31,7 +31,8 @@ caches, host-staged mirrors); device caches are read directly (a device-side gat
 built).
 
 Which path a read takes is decided per request by `PathCosts` (descriptors x per-descriptor
-cost against bytes x copy cost), calibrated from the reads made with each producer engine.
+cost + bytes / wire against rank pairs x round trip + bytes / formatted bandwidth),
+calibrated from the reads made with each producer engine, each path from its own reads.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ MAX_FORMAT_ROWS = 1 << 16  # rows per `Format` message (5 int64 each: 2.5 MiB)
 EXPLICIT_ROWS = 1024  # shares of up to this many rows name them explicitly (40 KiB at most)
 
 _RR, _RG, _RO, _LG, _LO, _LEN, _CNT, _RS, _LS = range(9)
+_REMOTE_COLUMNS = [_RG, _RO, _LEN, _CNT, _RS]  # what a `Format` names of a plan row
 
 
 def _copy_rows() -> Callable[..., None]:
@@ -315,9 +317,7 @@ def block_share_chunks(share: BlockShare, chunk_bytes: int, block_lens: Sequence
         end = starts[last] + (within + 1) * sizes[last]
         chunks.append((first, stop, end - base))
         first, base = stop, end
-    templates = np.stack([t[:, _RG], t[:, _RO], t[:, _LEN], t[:, _CNT], t[:, _RS]],
-                         axis=1).astype(np.int64)
-    return chunks, templates
+    return chunks, t[:, _REMOTE_COLUMNS]
 
 
 def template_fields(templates: np.ndarray, num_remote: int, first_row: int,
@@ -391,7 +391,7 @@ def scatter_rows(rows: np.ndarray, regions: Sequence[tuple[int, int]], address: 
 def remote_half(rows: np.ndarray) -> bytes:
     """What a `Format` message carries of plan rows: int64 LE ``[N, 5]`` (remote region,
     offset, length, count, stride)."""
-    half = rows[:, [_RG, _RO, _LEN, _CNT, _RS]]  # a new C-ordered array
+    half = rows[:, _REMOTE_COLUMNS]  # a new C-ordered array
     return half.astype("<i8", copy=False).tobytes()
 
 

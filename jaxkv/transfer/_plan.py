@@ -202,9 +202,7 @@ class ReadPlan:
         form = self._block_form
         if form is None or remote_rank is None:
             return form
-        column = form.templates[:, _RR]
-        first = bisect.bisect_left(column, remote_rank)
-        stop = bisect.bisect_right(column, remote_rank, lo=first)
+        first, stop = _rank_rows(form.templates, remote_rank)
         return dataclasses.replace(form, templates=form.templates[first:stop],
                                    remote_block_len=form.remote_block_len[first:stop])
 
@@ -223,9 +221,7 @@ class ReadPlan:
         if self.expanded is None and self.planner is not None:
             # A planner's rows are sorted by remote rank (`_expand`): the rank's rows are one
             # slice, found by bisection instead of a mask over millions of rows.
-            column = copies[:, _RR]
-            first = bisect.bisect_left(column, remote_rank)
-            stop = bisect.bisect_right(column, remote_rank, lo=first)
+            first, stop = _rank_rows(copies, remote_rank)
             view = copies[first:stop]
             view.flags.writeable = False  # a view of the cached `copies`: not to be written
             return view
@@ -300,6 +296,14 @@ class ReadPlan:
                 side[:, 2] = device[index]
             out.append(side)
         return out[0], out[1]
+
+
+def _rank_rows(rows: np.ndarray, remote_rank: int) -> tuple[int, int]:
+    """``[first, stop)`` of the rows (or templates) of `remote_rank` in rows sorted by remote
+    rank: found by bisection instead of a mask over millions of rows."""
+    column = rows[:, _RR]
+    first = bisect.bisect_left(column, remote_rank)
+    return first, bisect.bisect_right(column, remote_rank, lo=first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1047,20 +1051,15 @@ def _expand(
         return _expand_sub_blocks(tpl, local_ids, remote_ids, ratio)
     starts, lengths = runs if runs is not None else block_runs(remote_ids, local_ids)
     coef = tpl.expansion
-    if coef.all_mergeable or len(starts) == len(local_ids):
+    one_block = _per_block_templates(coef, len(starts), len(local_ids))
+    ones = one_block is not None  # the common fragmented case: one row per block, one pass
+    if one_block is not None:
+        r_at, l_at, const = remote_ids, local_ids, one_block
+    else:  # every template merges over runs: one (strided or longer) row per run
         r_at, l_at, n_at = remote_ids[starts], local_ids[starts], lengths
-        # Runs: the merged form of every template (its form for n = 1 too, where no id
-        # follows another). No template merges at all: the plain templates.
-        const = coef.const if coef.any_mergeable else coef.plain
-        per_block = coef.per_block if coef.any_mergeable else coef.zero
-    else:  # some patterns do not merge: every block its own row, templates as they are
-        r_at, l_at, n_at = remote_ids, local_ids, np.ones(len(local_ids), np.int64)
-        const, per_block = coef.plain, coef.zero
+        const, per_block = coef.const, coef.per_block
     m, k = len(templates), len(r_at)
     rows = np.empty((m, k, 9), np.int64)
-    ones = bool((n_at == 1).all())
-    if ones:  # the common fragmented case: one pass, the run length folded in
-        const = const + per_block
     offsets = np.zeros((k, 9), np.int64)
     offsets[:, _LO] = lbl * l_at
     for first, stop, rbl in coef.groups:
@@ -1073,6 +1072,16 @@ def _expand(
             out += const[first:stop, None, :]
             out += offsets[None, :, :]
     return rows.reshape(-1, 9)
+
+
+def _per_block_templates(coef: _Expansion, num_runs: int, num_blocks: int) -> np.ndarray | None:
+    """The templates a request's rows instantiate once per block (int64 ``[m, 9]``), or None
+    where every template merges over runs of consecutive ids (a row per run instead). Runs
+    of one block everywhere (no two ids consecutive on both sides): each template's merged
+    form for one block; some template that cannot merge: every template as it is."""
+    if num_runs == num_blocks:
+        return coef.one_block
+    return None if coef.all_mergeable else coef.plain
 
 
 def _expand_sub_blocks(
@@ -1122,7 +1131,7 @@ class _Expansion:
     const: np.ndarray  # int64 [m, 9]
     per_block: np.ndarray  # int64 [m, 9]: nonzero only in LEN / CNT / RS / LS
     plain: np.ndarray  # int64 [m, 9]: the templates' own columns
-    zero: np.ndarray  # int64 [m, 9]
+    one_block: np.ndarray  # int64 [m, 9]: rows of runs of one block (`_per_block_templates`)
     any_mergeable: bool
     all_mergeable: bool
     groups: tuple[tuple[int, int, int], ...]  # (first, stop, remote block len): one per rank
@@ -1160,7 +1169,8 @@ def _expansion(tpl: _Templates) -> _Expansion:
         const=const,
         per_block=per_block,
         plain=plain,
-        zero=np.zeros_like(plain),
+        # as `_expand` has always written them: the merged forms where any template merges
+        one_block=const + per_block if mergeable.any() else plain,
         any_mergeable=bool(mergeable.any()),
         all_mergeable=bool(mergeable.all()),
         groups=groups,
@@ -1294,14 +1304,10 @@ class ReadPlanner:
         if self.ratio != 1 or not len(local_ids):
             return None
         tpl = self._tpl
-        coef = tpl.expansion
         starts, _ = runs if runs is not None else block_runs(remote_ids, local_ids)
-        if len(starts) == len(local_ids):  # no two ids consecutive on both sides
-            templates = coef.const + coef.per_block if coef.any_mergeable else coef.plain
-        elif coef.all_mergeable:
+        templates = _per_block_templates(tpl.expansion, len(starts), len(local_ids))
+        if templates is None:
             return None  # runs merge into one row each: few rows, no per-block form
-        else:
-            templates = coef.plain
         return BlockShare(templates, tpl.remote_block_len, int(tpl.local_block_len),
                           local_ids, remote_ids)
 
