@@ -36,6 +36,11 @@ constexpr int64_t kStreamBytes = int64_t{16} << 20;
 // about this far ahead.
 constexpr int64_t kPrefetchMaxRun = int64_t{16} << 10;
 constexpr int64_t kPrefetchDistance = int64_t{16} << 10;
+// Byte-row copies (CopyByteRowsCpu) of at least this many bytes in all use streaming stores:
+// a formatted read's chunk (MiBs) is read by the wire or the model later, not by this thread.
+constexpr int64_t kRowStreamBytes = int64_t{1} << 20;
+// ... and prefetch the chunk about this far ahead (at least the next one).
+constexpr int64_t kRowPrefetchDistance = int64_t{4} << 10;
 
 // Copies `bytes` (a multiple of 16) to a 16-byte aligned `dst` with streaming stores. With
 // `next`, also prefetches the `bytes` at `next` (the run to copy a few runs later), one cache
@@ -66,6 +71,26 @@ inline void StreamCopy(char* dst, const char* src, size_t bytes, const char* nex
   (void)next;
   std::memcpy(dst, src, bytes);
 #endif
+}
+
+// memcpy of `bytes` that also prefetches the `bytes` at `next` (the chunk to copy a few
+// chunks later), one cache line per 64 bytes copied; for destinations StreamCopy cannot take
+// (unaligned) or should not (small copies, which stay in cache).
+inline void PrefetchCopy(char* dst, const char* src, size_t bytes, const char* next) {
+#if defined(JAXKV_STREAMING_STORES)
+  if (next != nullptr) {
+    size_t i = 0;
+    for (; i + 64 <= bytes; i += 64) {
+      _mm_prefetch(next + i, _MM_HINT_T0);
+      std::memcpy(dst + i, src + i, 64);
+    }
+    std::memcpy(dst + i, src + i, bytes - i);
+    return;
+  }
+#else
+  (void)next;
+#endif
+  std::memcpy(dst, src, bytes);
 }
 
 // Orders this thread's streaming stores before whatever it does next (reporting its chunk
@@ -226,6 +251,52 @@ void AdviseFreshOutput(void* data, int64_t bytes) {
   (void)data;
   (void)bytes;
 #endif
+}
+
+void CopyByteRowsCpu(const ByteRow* rows, int64_t num_rows) {
+  int64_t total_bytes = 0;
+  for (int64_t i = 0; i < num_rows; ++i) total_bytes += rows[i].length * rows[i].count;
+  const bool stream = kStreamingStores && total_bytes >= kRowStreamBytes;
+  // The chunks (row i, repeat c) in order, with a second cursor `ahead` chunks on whose source
+  // is prefetched while the current chunk is copied: a gather of scattered 4 KiB chunks
+  // otherwise waits for memory at the start of every chunk, where the hardware prefetchers
+  // stop (measured here: 13 -> 20+ GB/s for a 64 MiB gather of random 4 KiB chunks).
+  int64_t next_row = 0;
+  int64_t next_chunk = 0;
+  auto advance = [rows, num_rows](int64_t& row, int64_t& chunk) {
+    if (++chunk >= rows[row].count) {
+      chunk = 0;
+      do {
+        ++row;
+      } while (row < num_rows && (rows[row].count == 0 || rows[row].length == 0));
+    }
+  };
+  while (next_row < num_rows && (rows[next_row].count == 0 || rows[next_row].length == 0)) {
+    ++next_row;
+  }
+  if (next_row >= num_rows) return;
+  const int64_t ahead = std::clamp<int64_t>(kRowPrefetchDistance / rows[next_row].length, 1, 16);
+  int64_t row = next_row;
+  int64_t chunk = 0;
+  for (int64_t k = 0; k < ahead && next_row < num_rows; ++k) advance(next_row, next_chunk);
+  bool any_stream = false;
+  while (row < num_rows) {
+    const ByteRow& r = rows[row];
+    const char* src = r.src + chunk * r.src_stride;
+    char* dst = r.dst + chunk * r.dst_stride;
+    const char* next =
+        next_row < num_rows ? rows[next_row].src + next_chunk * rows[next_row].src_stride : nullptr;
+    const size_t bytes = static_cast<size_t>(r.length);
+    if (stream && bytes >= 64 && ((reinterpret_cast<uintptr_t>(dst) | bytes) & 15) == 0) {
+      StreamCopy(dst, src, bytes, next);
+      any_stream = true;
+    } else {
+      PrefetchCopy(dst, src, bytes, next);
+    }
+    advance(row, chunk);
+    if (next_row < num_rows) advance(next_row, next_chunk);
+  }
+  if (any_stream) StreamFence();
 }
 
 void CopyBlocksCpu(const BlockCopyRequest& request) { CopyBlocksCpu(&request, 1); }

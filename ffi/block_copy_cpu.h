@@ -3,6 +3,8 @@
 #ifndef JAXKV_FFI_BLOCK_COPY_CPU_H_
 #define JAXKV_FFI_BLOCK_COPY_CPU_H_
 
+#include <cstdint>
+
 #include "block_index.h"
 
 namespace jaxkv {
@@ -22,6 +24,23 @@ void CopyBlocksCpu(const BlockCopyRequest* requests, int64_t count);
 // stages in its own unit-sized slice of `request.staging`). Ids out of range are skipped;
 // ids must be unique (checked by the caller), or a block would be rewritten twice.
 void RewriteBlocksCpu(const BlockRewriteRequest& request);
+
+// Byte ranges to copy between host buffers: `count` chunks of `length` bytes, read every
+// `src_stride` bytes from `src` and written every `dst_stride` bytes from `dst`.
+struct ByteRow {
+  const char* src;
+  char* dst;
+  int64_t length;
+  int64_t count;
+  int64_t src_stride;
+  int64_t dst_stride;
+};
+
+// Copies every chunk of `rows` in order, on the calling thread, prefetching the chunks ahead
+// and, for large copies, with streaming stores. The rows must already be checked against
+// their buffers (this function trusts every pointer) and must not overlap each other's
+// destinations or read what another row writes.
+void CopyByteRowsCpu(const ByteRow* rows, int64_t num_rows);
 
 // Advises the kernel to back a freshly allocated, not yet touched output buffer with huge
 // pages, so that writing it takes a few hundred page faults instead of one per 4 KiB (measured

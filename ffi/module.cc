@@ -4,10 +4,16 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "block_ops.h"
 
@@ -17,6 +23,7 @@
 #define JAXKV_HANDLER(op) jaxkv::op##Cuda_Handler
 #define JAXKV_PLATFORM_DOC "CUDA"
 #else
+#include "block_copy_cpu.h"
 #define JAXKV_MODULE_NAME _ffi_cpu
 #define JAXKV_HANDLER(op) jaxkv::op##Cpu_Handler
 #define JAXKV_PLATFORM_DOC "CPU"
@@ -39,8 +46,10 @@ using Uint64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcec
 // request's chunks into a send buffer, a consumer scatters them from its receive buffer).
 // Every row is checked against its regions' sizes before any byte moves: a row reaching
 // outside its region raises and nothing is copied.
-void CopyRows(const Uint64Array& src_bases, const Int64Array& src_sizes,
-              const Uint64Array& dst_bases, const Int64Array& dst_sizes, const Int64Array& rows) {
+std::vector<jaxkv::ByteRow> CheckedRows(const Uint64Array& src_bases,
+                                        const Int64Array& src_sizes,
+                                        const Uint64Array& dst_bases,
+                                        const Int64Array& dst_sizes, const Int64Array& rows) {
   constexpr int kCols = 8;  // src region, src offset, dst region, dst offset, length, count,
                             // src stride, dst stride
   if (rows.ndim() != 2 || rows.shape(1) != kCols) {
@@ -65,6 +74,7 @@ void CopyRows(const Uint64Array& src_bases, const Int64Array& src_sizes,
     const int64_t last = (count - 1) * stride;
     return length <= size && offset <= size - length - last;
   };
+  std::vector<jaxkv::ByteRow> copies(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* row = r + i * kCols;
     if (row[0] < 0 || row[0] >= num_src || row[2] < 0 || row[2] >= num_dst ||
@@ -73,22 +83,71 @@ void CopyRows(const Uint64Array& src_bases, const Int64Array& src_sizes,
       throw std::out_of_range("copy_rows: row " + std::to_string(i) +
                               " reaches outside its regions");
     }
-  }
-  py::gil_scoped_release release;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t* row = r + i * kCols;
-    const char* src = reinterpret_cast<const char*>(sb[row[0]]) + row[1];
-    char* dst = reinterpret_cast<char*>(db[row[2]]) + row[3];
-    const int64_t length = row[4], count = row[5], s_stride = row[6], d_stride = row[7];
-    if (count == 1 || (s_stride == length && d_stride == length)) {
-      std::memcpy(dst, src, static_cast<size_t>(length * count));
-      continue;
-    }
-    for (int64_t c = 0; c < count; ++c) {
-      std::memcpy(dst + c * d_stride, src + c * s_stride, static_cast<size_t>(length));
+    jaxkv::ByteRow& copy = copies[static_cast<size_t>(i)];
+    copy.src = reinterpret_cast<const char*>(sb[row[0]]) + row[1];
+    copy.dst = reinterpret_cast<char*>(db[row[2]]) + row[3];
+    copy.length = row[4];
+    copy.count = row[5];
+    copy.src_stride = row[6];
+    copy.dst_stride = row[7];
+    if (copy.count > 1 && copy.src_stride == copy.length && copy.dst_stride == copy.length) {
+      copy.length *= copy.count;  // one contiguous range
+      copy.count = 1;
     }
   }
+  return copies;
 }
+
+void CopyRows(const Uint64Array& src_bases, const Int64Array& src_sizes,
+              const Uint64Array& dst_bases, const Int64Array& dst_sizes, const Int64Array& rows) {
+  const std::vector<jaxkv::ByteRow> copies =
+      CheckedRows(src_bases, src_sizes, dst_bases, dst_sizes, rows);
+  py::gil_scoped_release release;
+  jaxkv::CopyByteRowsCpu(copies.data(), static_cast<int64_t>(copies.size()));
+}
+
+// copy_rows on a thread of its own, never taking the GIL: the caller goes on (e.g. reads the
+// next chunk) and asks `done()` later, so a thread that holds the GIL (a polling loop) cannot
+// delay the copy. The memory must stay valid until the copy is done (`wait`); destroying the
+// object waits for it.
+class RowCopy {
+ public:
+  RowCopy(const Uint64Array& src_bases, const Int64Array& src_sizes,
+          const Uint64Array& dst_bases, const Int64Array& dst_sizes, const Int64Array& rows)
+      : copies_(CheckedRows(src_bases, src_sizes, dst_bases, dst_sizes, rows)) {
+    thread_ = std::thread([this] {
+      jaxkv::CopyByteRowsCpu(copies_.data(), static_cast<int64_t>(copies_.size()));
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+      finished_.notify_all();
+    });
+  }
+  RowCopy(const RowCopy&) = delete;
+  RowCopy& operator=(const RowCopy&) = delete;
+  ~RowCopy() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  bool done() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+
+  // Waits up to `timeout_s` seconds; whether the copy is done.
+  bool wait(double timeout_s) {
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(mutex_);
+    return finished_.wait_for(lock, std::chrono::duration<double>(std::max(timeout_s, 0.0)),
+                              [this] { return done_; });
+  }
+
+ private:
+  std::vector<jaxkv::ByteRow> copies_;
+  std::mutex mutex_;
+  std::condition_variable finished_;
+  bool done_ = false;
+  std::thread thread_;
+};
 #endif
 
 PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
@@ -120,6 +179,17 @@ PYBIND11_MODULE(JAXKV_MODULE_NAME, m) {
         "dst offset, length, count, src stride, dst stride) moves `count` chunks of `length` "
         "bytes. Regions are (base address, size) tables; a row reaching outside its regions "
         "raises IndexError before any byte moves. Releases the GIL while copying.");
+  py::class_<RowCopy>(m, "RowCopy",
+                      "copy_rows on a thread of its own (never taking the GIL): the rows are "
+                      "checked before it starts (IndexError / ValueError as copy_rows); "
+                      "done() says whether it finished, wait(timeout_s) waits for it. The "
+                      "memory must stay valid until it is done; deleting it waits.")
+      .def(py::init<const Uint64Array&, const Int64Array&, const Uint64Array&,
+                    const Int64Array&, const Int64Array&>(),
+           py::arg("src_bases"), py::arg("src_sizes"), py::arg("dst_bases"),
+           py::arg("dst_sizes"), py::arg("rows"))
+      .def("done", &RowCopy::done)
+      .def("wait", &RowCopy::wait, py::arg("timeout_s"));
 #endif
 #if defined(JAXKV_PLATFORM_CUDA)
   // The device id checks (validate_ids) record failures on the device instead of failing the

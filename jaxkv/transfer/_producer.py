@@ -141,6 +141,7 @@ class Producer:
         self.deferred: list[tuple[str, int, tuple[int, ...]]] = []
         # formatted reads (`jaxkv.transfer._formatted`): None where the transport has none
         self.formats: FormatServer | None = transport.format_server
+        self._progress_transport = transport.progress
 
     @property
     def busy(self) -> bool:
@@ -489,6 +490,10 @@ class Producer:
             return
         error = self._format(message, target)
         if error is None:
+            # A gather takes a while: let the transport complete what consumers' earlier
+            # READs need from this side meanwhile (their notifications), or they finish only
+            # once the last chunk is gathered.
+            self._progress_transport()
             return
         if error == "wait":
             assert self.formats is not None
