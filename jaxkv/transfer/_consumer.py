@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -109,7 +109,10 @@ class Reading:
     expected_acks: int = 0
     error: str | None = None
     local_block_ids: tuple[int, ...] = ()
-    post_s: float = 0.0
+    post_s: float = 0.0  # post-processing once the read landed (less the layers' below)
+    layer_post_s: float = 0.0  # post-processing of layers as they landed (layer-wise reads)
+    # (id(registered cache entry), array index) rewritten already, as their layer landed
+    post_done: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     layerwise: bool = False
     # layer-wise: (global layer, remote rank, prepared fetch), posted once announced
     pending: list[tuple[int, int, Any]] = dataclasses.field(default_factory=list)
@@ -696,9 +699,30 @@ class Consumer:
             if all(st == "DONE" for st in states):
                 state.layer_arrival[layer] = time.time()
                 changed = True
+                if self._posts_per_layer(state):
+                    post_process(state, self.registry, layer=layer)
+                    if state.error is not None:
+                        return False
         if changed:
             result.layers[state.read_id] = len(state.layer_arrival)
         return len(state.layer_arrival) == len(state.layers_total)
+
+    def _posts_per_layer(self, state: Reading) -> bool:
+        """Whether a layer-wise read's received blocks are rewritten layer by layer as each
+        lands (so only the last layer's rewrite is left once every layer arrived): when the
+        rewrite acts on arrays of one layer each (not cross-layer blocks), no cache is
+        host-staged (staging in copies whole blocks, once) and no digest is checked (digests
+        are taken over the bytes as they landed, before any rewrite)."""
+        if not state.layerwise or not state.needs_jax or self.digests.enabled:
+            return False
+        if not any(p.post for p in state.plans):
+            return False
+        for plan in state.plans:
+            entry = self.registry.rank_cache[plan.local_rank]
+            if entry.mirror is not None or any(
+                    layer is None for layer, _ in entry.cache.spec.array_keys()):
+                return False
+        return True
 
     def _source_ranks_of(self, state: Reading, layer: int) -> list[int]:
         peer = self.peers.get(state.peer)
@@ -1002,29 +1026,36 @@ class Consumer:
         self.by_attempt.clear()
 
 
-def post_process(state: Reading, registry: CacheRegistry) -> None:
+def post_process(state: Reading, registry: CacheRegistry, layer: int | None = None) -> None:
     """Rewrites the received blocks that arrived in the sender's arrangement, in place,
-    in every registered cache they belong to; any failure fails the request."""
+    in every registered cache they belong to; any failure fails the request.
+
+    With `layer` (a global layer that landed; `Consumer._posts_per_layer`): only the arrays
+    holding that layer, recorded in ``state.post_done``; without: host staging and every
+    array not rewritten yet."""
     per_entry: dict[int, tuple[Registered, list[PostProcess], set[int]]] = {}
     for plan in state.plans:
         entry = registry.rank_cache[plan.local_rank]
         _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
         ranks.add(plan.local_rank)
-        steps.extend(plan.post)
+        keep = _arrays_to_post(state, entry, layer)
+        steps.extend(step for step in plan.post if keep(step.array_index))
     if not state.needs_jax:
         return
     start = time.perf_counter()
     try:
         for entry, steps, ranks in per_entry.values():
-            if entry.mirror is not None and state.local_block_ids:
+            if layer is None and entry.mirror is not None and state.local_block_ids:
                 check_current(entry)
                 updated = entry.mirror.stage_in(entry.cache, state.local_block_ids)
                 updated.verify_unmoved(entry.buffers)
                 entry.cache.arrays = updated.arrays
             if not steps:
                 continue
+            keep = _arrays_to_post(state, entry, layer)
             by_rank = {
-                r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post)
+                r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post
+                                    if keep(s.array_index))
                 for r in ranks
             }
             first = next(iter(by_rank.values()))
@@ -1043,10 +1074,25 @@ def post_process(state: Reading, registry: CacheRegistry) -> None:
             # Keep the caller's object current: its donated arrays are replaced by the
             # results, which live in the same (registered) buffers.
             cache.arrays = updated.arrays
+            state.post_done.update((id(entry), step.array_index) for step in steps)
     except Exception as error:  # noqa: BLE001 - reported as a failed request
         _log.error("post-processing of %s failed: %s", state.request_id, error)
         state.error = f"post-processing failed: {type(error).__name__}: {error}"
-    state.post_s = time.perf_counter() - start
+    if layer is None:
+        state.post_s = time.perf_counter() - start
+    else:
+        state.layer_post_s += time.perf_counter() - start
+
+
+def _arrays_to_post(state: Reading, entry: Registered,
+                    layer: int | None) -> Callable[[int], bool]:
+    """Which array indices of `entry` a `post_process` call rewrites: those of global
+    `layer`, or (None) every one not rewritten yet."""
+    if layer is None:
+        return lambda index: (id(entry), index) not in state.post_done
+    local = layer - entry.layer_start
+    keys = entry.cache.spec.array_keys()
+    return lambda index: keys[index][0] == local
 
 
 def check_current(entry: Registered) -> None:

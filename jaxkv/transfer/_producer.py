@@ -99,7 +99,8 @@ class Producer:
     Args:
       engine_id: this engine.
       registry: the registered caches and metadata.
-      transport: offered each readable request, withdrawn once freed.
+      transport: offered each readable request, withdrawn once freed; progressed after
+        each formatted chunk it gathers.
       channels: the control channels by name (answers go back on the one a consumer used).
       stats: where publications and expiries are counted.
       lease_s: default lease.
@@ -141,7 +142,6 @@ class Producer:
         self.deferred: list[tuple[str, int, tuple[int, ...]]] = []
         # formatted reads (`jaxkv.transfer._formatted`): None where the transport has none
         self.formats: FormatServer | None = transport.format_server
-        self._progress_transport = transport.progress
 
     @property
     def busy(self) -> bool:
@@ -493,7 +493,7 @@ class Producer:
             # A gather takes a while: let the transport complete what consumers' earlier
             # READs need from this side meanwhile (their notifications), or they finish only
             # once the last chunk is gathered.
-            self._progress_transport()
+            self.transport.progress()
             return
         if error == "wait":
             assert self.formats is not None

@@ -81,14 +81,17 @@ class TransferLayerwiseTest(tt.TransferTestBase):
         seen = self.poll_until(engine, lambda s: s.layers.get("req-lw", 0) >= 1, "layer 0")
         self.assertEqual(seen.layers["req-lw"], 1)
         self.assertEqual((seen.finished, seen.failed), ([], []))
+        g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
+        if p_layout != d_layout and not staging:
+            # a layout change of per-layer arrays: layer 0 is rewritten as soon as it landed,
+            # its array exact before the producer computed the next layer
+            self.check_cache(engine.caches[0], config, g, local_ids, arrays=[0])
         self.call(conn, "layers", "req-lw", 2)
         seen = self.poll_until(engine, lambda s: s.layers.get("req-lw", 0) >= 2, "layer 1")
         self.assertEqual((seen.finished, seen.failed), ([], []))  # not before every layer
         self.call(conn, "layers", "req-lw", NUM_LAYERS)
         seen = self.poll_until(engine, lambda s: s.finished or s.failed, "the request")
         self.assertEqual((seen.finished, seen.failed), (["req-lw"], []))
-
-        g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(engine.caches[0], config, g, local_ids)
         record = engine.stats.records[-1]
         self.assertEqual(record.path, "formatted" if formatted == "always" else "direct")
@@ -105,6 +108,28 @@ class TransferLayerwiseTest(tt.TransferTestBase):
             self.assertGreater(publication.staged_s, 0.0)
         self.assertEqual(record.bytes, spec.cache_nbytes(len(LOCAL_IDS)))
         self.assert_freed(conn, "req-lw")
+
+    def test_digests_verify_a_layerwise_read_with_a_layout_change(self):
+        # Digests are taken over the bytes as they landed: with digests on, the layers are
+        # rewritten once every layer landed (not one by one), and verify.
+        spec_kwargs = dict(num_layers=NUM_LAYERS, num_kv_heads=4, head_dim=8, block_size=4,
+                           dtype="bfloat16", layout="KHTD")
+        _, conn = self.start_producer(spec_kwargs, 2, engine_kwargs={"digests": "full"})
+        self.ready(conn)
+        self.call(conn, "register", REMOTE_IDS, 1)
+        params = self.call(conn, "pin_lw", "req-d", REMOTE_IDS, 30.0)
+        self.call(conn, "layers", "req-d", 1)
+        spec = KVCacheSpec(**dict(spec_kwargs, layout="KTHD"))
+        engine, _, config = self.consumer(spec, 1, digests="full")
+        engine.start_read(params, LOCAL_IDS)
+        self.poll_until(engine, lambda s: s.layers.get("req-d", 0) >= 1, "layer 0")
+        self.call(conn, "layers", "req-d", NUM_LAYERS)
+        seen = self.poll_until(engine, lambda s: s.finished or s.failed, "the request")
+        self.assertEqual((seen.finished, [f.reason for f in seen.failed]), (["req-d"], []))
+        g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
+        self.check_cache(engine.caches[0], config, g, LOCAL_IDS)
+        self.assertGreater(engine.stats.digest_verified, 0)
+        self.assertEqual(engine.stats.digest_mismatches, 0)
 
     def test_subscribed_late_gets_current_layers(self):
         # The consumer starts after two of three layers were published: it reads both at
