@@ -579,7 +579,8 @@ class FormattedFetch:
 
     def check(self) -> str:
         """``"DONE"`` once every chunk landed in the cache, ``"ERR"``, else ``"PROC"``
-        (scatters the chunks whose READ completed, or hands them to `scatter_on`)."""
+        (scatters the chunks whose READ completed: large ones on a native thread, checked
+        here until done)."""
         if self.error is not None:
             return "ERR"
         for chunk in self.chunks:
@@ -588,6 +589,11 @@ class FormattedFetch:
                     continue
                 chunk.scatter = None
                 self._landed(chunk)
+                if not self.regions_current():  # re-registered while it was copied (like a
+                    # READ still in flight then): the read fails, its blocks are invalid
+                    self.error = ("the local cache was re-registered during the read: its "
+                                  "chunks are not written into memory it no longer owns")
+                    return "ERR"
                 continue
             if chunk.state != "reading":
                 continue

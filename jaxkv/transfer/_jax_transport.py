@@ -828,6 +828,11 @@ class JaxTransport:
             rows = self._group_rows(request_id, layers)
             if rows is None and not cache_live:
                 return False  # needs the registered cache: after the step (`update_cache`)
+            if rows is not None and len(ids) < len(block_ids):
+                # The consumer holds the request's first blocks (a prefix hit): the rows
+                # cover the whole request, block for block; it reads their tail.
+                skip = len(block_ids) - len(ids)
+                rows = [None if part is None else part[skip:] for part in rows]
             entries = [e for e in self.registry.caches
                        if e.layer_start <= layers[0] < e.layer_stop]
             need = 0

@@ -45,6 +45,39 @@ class _Registrar:
             self.regions.remove(region)
 
 
+class _Agent(_Registrar):
+    """What a `FormattedFetch` uses of a `NixlAgent`: READs that complete at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.released = [], []
+
+    def read(self, local, remote, remote_name, *memory, notif=b""):
+        self.reads.append((local, remote))
+        return len(self.reads)
+
+    def state(self, handle):
+        return "DONE"
+
+    def release(self, handle):
+        self.released.append(handle)
+        return True
+
+
+class _Scatter:
+    """A background scatter the test finishes (`RowCopy`'s interface)."""
+
+    def __init__(self, finished=False):
+        self.finished, self.waited = finished, []
+
+    def done(self):
+        return self.finished
+
+    def wait(self, timeout_s):
+        self.waited.append(timeout_s)
+        return self.finished
+
+
 def _fragmented_case(p_tp, d_tp, layout, packed, seed):
     """(producer metadata, consumer metadata, local ids, remote ids): 20 random blocks of a
     64-block pool on both sides, tpu-inference's packed cache (head_dim 96) or a 4-layer
@@ -247,6 +280,72 @@ class FormattedPiecesTest(parameterized.TestCase):
             _ffi_cpu.RowCopy(*args, np.array([[0, 0, 0, 0, 8, 1, 8, 8],
                                               [0, 0, 0, 60, 8, 1, 8, 8]], np.int64))
         self.assertFalse(dst.any())
+
+    def _one_chunk_fetch(self, regions_current=lambda: True):
+        """(fetch, pool, agent, destination): a fetch of one 64-byte chunk, answered by its
+        producer and READ (the fake agent's READs complete at once), its bytes in the slot."""
+        from jaxkv.transfer._formatted import FormattedFetch, HostPool
+
+        agent = _Agent()
+        pool = HostPool(agent, 1024)
+        destination = np.zeros(64, np.uint8)
+        rows = np.array([[0, 0, 0, 0, 0, 64, 1, 64, 64]], np.int64)  # COPY_COLUMNS
+        fetch = FormattedFetch(agent, pool, "producer", 0, 0, rows,
+                               [(destination.ctypes.data, 64)], 64, lambda *a: True,
+                               lambda chunk: b"", regions_current)
+        slot = fetch.chunks[0].slot
+        pool.buffer[slot:slot + 64] = np.arange(64, dtype=np.uint8) + 1
+        fetch.on_formatted(0, address=4096, nbytes=64, error="")
+        self.assertEqual(fetch.chunks[0].state, "reading")
+        self.addCleanup(pool.close)
+        return fetch, pool, agent, destination
+
+    def test_background_scatter_finishes_before_the_chunk_counts(self):
+        from jaxkv.transfer import _formatted
+
+        self.enter_context(mock.patch.object(_formatted, "BACKGROUND_SCATTER_BYTES", 0))
+        fetch, pool, agent, destination = self._one_chunk_fetch()
+        states = [fetch.check()]
+        deadline = time.monotonic() + WAIT_S
+        while states[-1] == "PROC" and time.monotonic() < deadline:
+            states.append(fetch.check())
+        self.assertEqual(states[-1], "DONE")
+        np.testing.assert_array_equal(destination, np.arange(64, dtype=np.uint8) + 1)
+        self.assertEqual((pool.used_bytes, agent.released), (0, [1]))
+
+    def test_cache_reregistered_while_scattering_fails_the_fetch(self):
+        from jaxkv.transfer import _formatted
+
+        scatter = _Scatter()
+        self.enter_context(mock.patch.object(_formatted, "BACKGROUND_SCATTER_BYTES", 0))
+        self.enter_context(mock.patch.object(_formatted, "scatter_rows",
+                                             lambda *a, background: scatter))
+        current = [True]
+        fetch, pool, _, _ = self._one_chunk_fetch(lambda: current[0])
+        self.assertEqual(fetch.check(), "PROC")
+        self.assertEqual(fetch.chunks[0].state, "scattering")
+        current[0] = False  # the local cache re-registered while the chunk is copied
+        self.assertEqual(fetch.check(), "PROC")  # nothing decided while it copies
+        scatter.finished = True
+        self.assertEqual(fetch.check(), "ERR")
+        self.assertRegex(fetch.error, "re-registered during the read")
+
+    @parameterized.parameters(True, False)
+    def test_release_waits_for_a_scatter_under_way(self, finishes):
+        # a read released (failed, aborted) while a chunk is copied: the copy is waited for;
+        # one that does not finish keeps its receive slot (never reused while written)
+        from jaxkv.transfer import _formatted
+
+        scatter = _Scatter(finished=False)
+        self.enter_context(mock.patch.object(_formatted, "BACKGROUND_SCATTER_BYTES", 0))
+        self.enter_context(mock.patch.object(_formatted, "scatter_rows",
+                                             lambda *a, background: scatter))
+        fetch, pool, _, _ = self._one_chunk_fetch()
+        self.assertEqual(fetch.check(), "PROC")
+        scatter.finished = finishes
+        self.assertEqual(fetch.release(scatter_timeout_s=0.5), finishes)
+        self.assertEqual(scatter.waited, [0.5])
+        self.assertEqual(pool.used_bytes, 0 if finishes else 64)
 
     def test_costs_pick_the_cheaper_path_and_calibrate(self):
         from jaxkv.transfer._formatted import PathCosts
