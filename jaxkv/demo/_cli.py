@@ -107,6 +107,12 @@ flags.DEFINE_bool(
     "(--serve_with=jaxkv, one prefill process).",
 )
 flags.DEFINE_bool(
+    "layerwise_ab", False,
+    "Every other request layer-pipelined (req-1, req-3, ...) and the others whole, in one "
+    "run: TTFT with and without layer pipelining under the same processes and load, "
+    "reported per mode (--serve_with=jaxkv, one prefill process).",
+)
+flags.DEFINE_bool(
     "host_staging", False,
     "NIXL reads through host mirrors of both caches (host_staging=True: the NIXL path of "
     "caches NIXL cannot register, e.g. TPU HBM); --transport=nixl.",
@@ -196,9 +202,9 @@ def main(argv) -> int:
     del argv
     quiet_startup_logging(bool(FLAGS["verbosity"].present))
     if FLAGS.serve_with != "jaxkv" and (
-            FLAGS.layerwise or FLAGS.host_staging
+            FLAGS.layerwise or FLAGS.layerwise_ab or FLAGS.host_staging
             or FLAGS.transport != "nixl" and FLAGS.serve_with != "tpu-inference"):
-        raise app.UsageError("--layerwise, --host_staging and --transport=jax run with "
+        raise app.UsageError("--layerwise(_ab), --host_staging and --transport=jax run with "
                              "--serve_with=jaxkv (--transport also with tpu-inference)")
     if FLAGS.serve_with in ("vllm-cpu", "tpu-inference"):
         return _serve_real_engines()
@@ -233,7 +239,8 @@ def main(argv) -> int:
             poll_interval_s=FLAGS.poll_interval_ms / 1e3, pin_cpus=FLAGS.pin_cpus,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
             prefill_processes=FLAGS.prefill_processes, auth_key_file=FLAGS.auth_key_file,
-            layerwise=FLAGS.layerwise, transport=FLAGS.transport,
+            layerwise=FLAGS.layerwise, layerwise_ab=FLAGS.layerwise_ab,
+            transport=FLAGS.transport,
             host_staging=FLAGS.host_staging,
         )
         settings.model().kv_spec(settings.prefill_block_size, settings.prefill_layout,

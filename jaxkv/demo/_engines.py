@@ -89,6 +89,9 @@ class DemoSettings:
     # it and announces every layer from inside the step as it is written; the decode
     # process reads the layers while the later ones are computed
     layerwise: bool = False
+    # every other request layer-pipelined (req-1, req-3, ...), the others whole: both modes
+    # in one run, same processes and load (TTFT reported per mode)
+    layerwise_ab: bool = False
     transport: str = "nixl"  # "nixl" or "jax" (jax.experimental.transfer)
     host_staging: bool = False  # NIXL through host mirrors of both caches
     # the sleep between two polls of a transfer engine while a process waits (a step, a
@@ -136,10 +139,22 @@ class DemoSettings:
         if self.pin_cpus and self.prefill_processes > 1:
             raise ValueError("pin_cpus runs with a one-process prefill engine "
                              "(prefill_processes=1)")
-        if (self.layerwise or self.transport != "nixl" or self.host_staging) and (
-                self.prefill_processes > 1):
+        if self.layerwise and self.layerwise_ab:
+            raise ValueError("layerwise pipelines every request, layerwise_ab every other "
+                             "one: pick one")
+        if (self.layerwise or self.layerwise_ab or self.transport != "nixl"
+                or self.host_staging) and self.prefill_processes > 1:
             raise ValueError("layerwise, transport='jax' and host_staging run with a "
                              "one-process prefill engine (prefill_processes=1)")
+
+    def layer_pipelined(self, request_id: str) -> bool:
+        """Whether request `request_id` (``req-<i>``) is transferred layer by layer: every
+        request with `layerwise`, the odd ones with `layerwise_ab`, never a replay."""
+        if request_id.startswith("replay-"):
+            return False
+        if self.layerwise_ab:
+            return int(request_id.rsplit("-", 1)[1]) % 2 == 1
+        return self.layerwise
 
     def model(self):
         from jaxkv.demo._model import ModelConfig
@@ -531,7 +546,7 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
         **_transport_options(settings),
     ) as transfer:
         transfer.register_cache(engine.runner.cache)
-        if settings.layerwise:
+        if settings.layerwise or settings.layerwise_ab:
             engine.warm_up_announced(transfer)
 
         def serve_transfers() -> None:
@@ -553,7 +568,7 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
                 start = time.monotonic()
                 idle = serve_transfers if settings.poll_during_steps else None
                 try:
-                    if settings.layerwise and not rid.startswith("replay-"):
+                    if settings.layer_pipelined(rid):
                         first, hit = _prefill_layerwise(engine, transfer, conn, rid, prompt,
                                                         start, idle)
                         params = None  # handed over with "started"

@@ -57,6 +57,7 @@ def build_report(
         for key in list(row):
             if key.endswith("_s"):
                 row[key[:-2] + "_ms"] = _ms(row.pop(key))
+        row["layerwise"] = settings.layer_pipelined(r.request_id)
         per_request.append(row)
     # READ throughput: bytes over the time from posting the reads to their completion (the
     # confirmation round trip and the decode loop's other work excluded as far as measured).
@@ -72,10 +73,20 @@ def build_report(
     except Exception:  # noqa: BLE001 - informational only
         nixl_version = None
     ttfts = [r.ttft_s * 1e3 for r in done if r.ttft_s > 0]
+    by_mode: dict[str, dict[str, Any] | None] | None = None
+    if settings.layerwise_ab:  # both modes in this run: each one's TTFT (and prefill)
+        by_mode = {}
+        for mode, pipelined in (("whole", False), ("layerwise", True)):
+            rows = [r for r in done
+                    if r.ttft_s > 0 and settings.layer_pipelined(r.request_id) == pipelined]
+            summary = _ttft_summary([r.ttft_s * 1e3 for r in rows])
+            if summary is not None:
+                summary["prefill_median"] = round(
+                    statistics.median(r.prefill_s * 1e3 for r in rows), 3)
+            by_mode[mode] = summary
     return {
-        "ttft_ms": {"requests": len(ttfts), "median": round(statistics.median(ttfts), 3),
-                    "min": round(min(ttfts), 3), "max": round(max(ttfts), 3)}
-        if ttfts else None,
+        "ttft_ms": _ttft_summary(ttfts),
+        "ttft_ms_by_mode": by_mode,
         "tokens_match": bool(results) and not failed and all(r.tokens_match for r in done),
         "kv_bytes_match": bool(done) and all(r.kv_match for r in done),
         "completed_requests": len(done),
@@ -108,6 +119,14 @@ def build_report(
         "timings_ms": {k.removesuffix("_s") + "_ms": _ms(v) for k, v in timings.items()},
         "requests": per_request,
     }
+
+
+def _ttft_summary(ttfts_ms: list[float]) -> dict[str, Any] | None:
+    """``{"requests", "median", "min", "max"}`` of TTFTs in ms, or None without any."""
+    if not ttfts_ms:
+        return None
+    return {"requests": len(ttfts_ms), "median": round(statistics.median(ttfts_ms), 3),
+            "min": round(min(ttfts_ms), 3), "max": round(max(ttfts_ms), 3)}
 
 
 def _median_ms(values) -> float:
@@ -179,7 +198,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{s['num_kv_heads']} KV heads x {s['head_dim']})",
         f"transfer: {s.get('transport', 'nixl')}"
         f"{', host-staged' if s.get('host_staging') else ''}, "
-        f"{'layer-pipelined (--layerwise)' if s.get('layerwise') else 'whole request'}",
+        f"{_mode_name(s)}",
         "",
         f"{'request':<8} {'status':<6} {'hit P/D':>9} {'queue':>7} {'prefill':>8} "
         f"{'handshk':>8} {'transfer':>9} {'post':>6} {'TTFT':>8}  {'blocks':>6} {'KiB':>7} "
@@ -230,9 +249,21 @@ def format_report(report: dict[str, Any]) -> str:
     if ttft:
         lines.append(f"TTFT (ms, {ttft['requests']} requests): median {ttft['median']:.1f}, "
                      f"min {ttft['min']:.1f}, max {ttft['max']:.1f} "
-                     f"({'layer-pipelined' if s.get('layerwise') else 'whole request'})")
+                     f"({_mode_name(s)})")
+    for mode, summary in (report.get("ttft_ms_by_mode") or {}).items():
+        if summary:
+            lines.append(f"  {mode:>9}: TTFT median {summary['median']:.1f} ms over "
+                         f"{summary['requests']} requests (prefill median "
+                         f"{summary['prefill_median']:.1f} ms)")
     lines.append(f"tokens match colocated run: {report['tokens_match']}")
     return "\n".join(lines)
+
+
+def _mode_name(settings: dict[str, Any]) -> str:
+    """How the run transferred its requests, for the text report."""
+    if settings.get("layerwise_ab"):
+        return "odd requests layer-pipelined, even ones whole (--layerwise_ab)"
+    return "layer-pipelined (--layerwise)" if settings.get("layerwise") else "whole request"
 
 
 # The measured parts of a request's time to first token, in order (report keys, legend).

@@ -206,6 +206,26 @@ class DisaggregatedTest(parameterized.TestCase):
         self.assertTrue(report["tokens_match"], report["requests"])
         self.assertTrue(report["kv_bytes_match"])
 
+    @parameterized.parameters("nixl", "jax")
+    def test_layerwise_ab_reports_both_modes(self, transport):
+        """--layerwise_ab: odd requests layer-pipelined, even ones whole, in one run; both
+        modes' TTFT reported. Requests 1 s apart, so later ones find the shared prefix in the
+        decode cache and read only the rest (layer by layer for req-1: the JAX transport
+        formats the groups from the tail of the step's rows)."""
+        rc, report, output = run_cli(
+            self.create_tempdir().full_path, "--prefill_tp=2", "--decode_tp=1",
+            "--layerwise_ab", f"--transport={transport}", "--request_interval_s=1")
+        self.assertEqual(rc, 0, output)
+        self.check(report)
+        self.assertEqual([r["layerwise"] for r in report["requests"]], [False, True, False])
+        by_mode = report["ttft_ms_by_mode"]
+        self.assertEqual((by_mode["whole"]["requests"], by_mode["layerwise"]["requests"]),
+                         (2, 1))
+        self.assertTrue(any(r["layerwise"] and r["decode_hit_tokens"] > 0
+                            for r in report["requests"]), report["requests"])
+        self.assertIn("odd requests layer-pipelined, even ones whole (--layerwise_ab)", output)
+        self.assertRegex(output, r"layerwise: TTFT median [\d.]+ ms over 1 requests")
+
     def test_transport_flags_refused(self):
         with self.assertRaisesRegex(ValueError, "needs transport='nixl'"):
             DemoSettings(transport="jax", host_staging=True)
@@ -213,6 +233,8 @@ class DisaggregatedTest(parameterized.TestCase):
             DemoSettings(layerwise=True, prefill_tp=2, prefill_processes=2)
         with self.assertRaisesRegex(ValueError, "transport must be"):
             DemoSettings(transport="ucx")
+        with self.assertRaisesRegex(ValueError, "pick one"):
+            DemoSettings(layerwise=True, layerwise_ab=True)
         with self.assertRaisesRegex(ValueError, "pin_cpus runs with a one-process prefill"):
             DemoSettings(pin_cpus=True, prefill_tp=2, prefill_processes=2)
         with self.assertRaisesRegex(ValueError, "poll_interval_s must be in"):
