@@ -318,13 +318,15 @@ def path_available(mode: str) -> bool:
 
 
 class _Paths(tt.TransferTestBase):
-    def warm_up(self, conn, engine):
-        """One request through a producer process and `engine` first: the JAX transport
-        compiles each geometry's formatting program on both sides at its first use (as a
-        server's warm-up does)."""
+    def warm_up(self, conn, engine, held=0):
+        """One request through a producer process and `engine` first, read as the test
+        reads (the last ``len(LOCAL_IDS) - held`` blocks): the JAX transport compiles each
+        geometry's formatting program on both sides at its first use (as a server's warm-up
+        does)."""
         params, handle = self.call(conn, "pin", "req-warm-up", REMOTE_IDS)
-        engine.start_read(params, LOCAL_IDS)
-        conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED))
+        engine.start_read(params, LOCAL_IDS[held:])
+        # other values than the test's request: its read must overwrite every byte
+        conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED + 1))
         self.assertEqual(self.wait(engine, ["req-warm-up"]), (["req-warm-up"], []))
         if not conn.poll(WAIT_S):
             raise TimeoutError("the producer's step did not return")
@@ -362,7 +364,7 @@ class LayeredTransferTest(_Paths):
         spec = KVCacheSpec(**spec_kwargs(layout))
         engine, _, _ = self.consumer(spec, 1, **consumer_kwargs(mode))
         if mode == "jax":
-            self.warm_up(conn, engine)
+            self.warm_up(conn, engine, held)
         held_before = [bits.bits(np.asarray(a)) for a in
                        engine.caches[0].gather_blocks(np.asarray(LOCAL_IDS[:held], np.int32))]
         params, p_handle = self.call(conn, "pin", "req-layers", REMOTE_IDS)
