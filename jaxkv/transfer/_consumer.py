@@ -109,8 +109,8 @@ class Reading:
     expected_acks: int = 0
     error: str | None = None
     local_block_ids: tuple[int, ...] = ()
-    post_s: float = 0.0  # post-processing once the read landed (less the layers' below)
-    layer_post_s: float = 0.0  # post-processing of layers as they landed (layer-wise reads)
+    post_s: float = 0.0  # post-processing once the read landed (layers rewritten earlier,
+    # as they landed, are not in it)
     # (id(registered cache entry), array index) rewritten already, as their layer landed
     post_done: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     layerwise: bool = False
@@ -1033,18 +1033,20 @@ def post_process(state: Reading, registry: CacheRegistry, layer: int | None = No
     With `layer` (a global layer that landed; `Consumer._posts_per_layer`): only the arrays
     holding that layer, recorded in ``state.post_done``; without: host staging and every
     array not rewritten yet."""
-    per_entry: dict[int, tuple[Registered, list[PostProcess], set[int]]] = {}
+    # per registered cache: its steps to apply, per local rank
+    per_entry: dict[int, tuple[Registered, dict[int, list[PostProcess]]]] = {}
     for plan in state.plans:
         entry = registry.rank_cache[plan.local_rank]
-        _, steps, ranks = per_entry.setdefault(id(entry), (entry, [], set()))
-        ranks.add(plan.local_rank)
+        _, by_rank_steps = per_entry.setdefault(id(entry), (entry, {}))
         keep = _arrays_to_post(state, entry, layer)
-        steps.extend(step for step in plan.post if keep(step.array_index))
+        by_rank_steps.setdefault(plan.local_rank, []).extend(
+            step for step in plan.post if keep(step.array_index))
     if not state.needs_jax:
         return
     start = time.perf_counter()
     try:
-        for entry, steps, ranks in per_entry.values():
+        for entry, by_rank_steps in per_entry.values():
+            steps = [step for rank_steps in by_rank_steps.values() for step in rank_steps]
             if layer is None and entry.mirror is not None and state.local_block_ids:
                 check_current(entry)
                 updated = entry.mirror.stage_in(entry.cache, state.local_block_ids)
@@ -1052,12 +1054,7 @@ def post_process(state: Reading, registry: CacheRegistry, layer: int | None = No
                 entry.cache.arrays = updated.arrays
             if not steps:
                 continue
-            keep = _arrays_to_post(state, entry, layer)
-            by_rank = {
-                r: group_post_steps(s for p in state.plans if p.local_rank == r for s in p.post
-                                    if keep(s.array_index))
-                for r in ranks
-            }
+            by_rank = {r: group_post_steps(rank_steps) for r, rank_steps in by_rank_steps.items()}
             first = next(iter(by_rank.values()))
             if any(
                 g.keys() != first.keys()
@@ -1080,8 +1077,6 @@ def post_process(state: Reading, registry: CacheRegistry, layer: int | None = No
         state.error = f"post-processing failed: {type(error).__name__}: {error}"
     if layer is None:
         state.post_s = time.perf_counter() - start
-    else:
-        state.layer_post_s += time.perf_counter() - start
 
 
 def _arrays_to_post(state: Reading, entry: Registered,

@@ -88,10 +88,15 @@ _RR, _RG, _RO, _LG, _LO, _LEN, _CNT, _RS, _LS = range(9)
 _REMOTE_COLUMNS = [_RG, _RO, _LEN, _CNT, _RS]  # what a `Format` names of a plan row
 
 
-def _copy_rows() -> Callable[..., None]:
+def _cpu() -> Any:
+    """`jaxkv._ffi_cpu` (its `copy_rows` and `RowCopy`), imported when first needed."""
     from jaxkv import _ffi_cpu
 
-    return _ffi_cpu.copy_rows
+    return _ffi_cpu
+
+
+_REREGISTERED = ("the local cache was re-registered during the read: its chunks are not "
+                 "written into memory it no longer owns")
 
 
 class HostPool:
@@ -371,9 +376,9 @@ def gather_rows(remote_rows: np.ndarray, regions: Sequence[tuple[int, int]], add
     copy[:, 2], copy[:, 3] = 0, offsets
     copy[:, 4], copy[:, 5] = rows[:, 2], rows[:, 3]
     copy[:, 6], copy[:, 7] = rows[:, 4], rows[:, 2]
-    _copy_rows()(np.array([r[0] for r in regions], np.uint64),
-                 np.array([r[1] for r in regions], np.int64),
-                 np.array([address], np.uint64), np.array([nbytes], np.int64), copy)
+    _cpu().copy_rows(np.array([r[0] for r in regions], np.uint64),
+                     np.array([r[1] for r in regions], np.int64),
+                     np.array([address], np.uint64), np.array([nbytes], np.int64), copy)
 
 
 def scatter_rows(rows: np.ndarray, regions: Sequence[tuple[int, int]], address: int,
@@ -401,10 +406,8 @@ def scatter_rows(rows: np.ndarray, regions: Sequence[tuple[int, int]], address: 
             np.array([r[0] for r in regions], np.uint64),
             np.array([r[1] for r in regions], np.int64), copy)
     if background:
-        from jaxkv import _ffi_cpu
-
-        return _ffi_cpu.RowCopy(*args)
-    _copy_rows()(*args)
+        return _cpu().RowCopy(*args)
+    _cpu().copy_rows(*args)
     return None
 
 
@@ -591,8 +594,7 @@ class FormattedFetch:
                 self._landed(chunk)
                 if not self.regions_current():  # re-registered while it was copied (like a
                     # READ still in flight then): the read fails, its blocks are invalid
-                    self.error = ("the local cache was re-registered during the read: its "
-                                  "chunks are not written into memory it no longer owns")
+                    self.error = _REREGISTERED
                     return "ERR"
                 continue
             if chunk.state != "reading":
@@ -606,8 +608,7 @@ class FormattedFetch:
                 continue
             assert chunk.slot is not None
             if not self.regions_current():
-                self.error = ("the local cache was re-registered during the read: its "
-                              "chunks are not written into memory it no longer owns")
+                self.error = _REREGISTERED
                 return "ERR"
             background = self.background_scatter and chunk.nbytes >= BACKGROUND_SCATTER_BYTES
             try:
