@@ -79,6 +79,10 @@ class Pinned:
     # producer rank -> its digests, once the whole request is readable (digests enabled)
     digests: dict[int, RankDigests] = dataclasses.field(default_factory=dict)
     digest_s: float = 0.0  # seconds spent computing them
+    # Registered-cache versions a jitted step consumed (donated) while its callback announced
+    # layers of this request (None: none so far): those layers are written in place, in the
+    # registered memory, before the step's output is handed over (`update_cache`).
+    step_versions: tuple[int, ...] | None = None
 
     @property
     def key(self) -> str:
@@ -336,6 +340,8 @@ class Producer:
                 parts = [None if p is None else np.asarray(p)[keep] for p in parts]
             self.publish_layers(pinned, stop, rows=(start, parts))
         else:
+            if any(entry.consumed for entry in self.registry.caches):
+                pinned.step_versions = tuple(e.version for e in self.registry.caches)
             self.publish_layers(pinned, stop)
         return 1
 
@@ -518,7 +524,8 @@ class Producer:
                 return f"request {message.request_id!r} was freed before this read"
             return "wait"  # the layers it reads are not published yet
         entry = self.registry.rank_cache.get(message.producer_rank)
-        if entry is not None and entry.mirror is None and entry.consumed:
+        if (entry is not None and entry.mirror is None and entry.consumed
+                and not self._written_in_step(pinned, entry)):
             # A step consumed (donated) the registered cache and its output is not handed
             # over yet (`update_cache`): its memory may be freed or rewritten meanwhile.
             return "wait"
@@ -537,6 +544,17 @@ class Producer:
         self.stats.formatted_chunks_total = self.formats.formatted_chunks
         self._answer_format(target, message, address=got[0], nbytes=got[1])
         return None
+
+    def _written_in_step(self, pinned: Pinned, entry: Any) -> bool:
+        """Whether the request's published layers were announced by the step that consumed
+        `entry`'s current version (`publish_layer_in_jit`): the step writes them in place,
+        in the registered memory, which direct reads READ during the step too, so a chunk of
+        those layers is gathered from it now rather than after the step."""
+        versions = pinned.step_versions
+        caches = self.registry.caches
+        if versions is None or len(versions) != len(caches):
+            return False
+        return any(e is entry and versions[i] == e.version for i, e in enumerate(caches))
 
     def _answer_format(self, target: Target, message: Format, address: int = 0,
                        nbytes: int = 0, error: str = "") -> None:

@@ -298,15 +298,19 @@ class LayeredLoweringTest(parameterized.TestCase):
 
 
 def engine_kwargs(mode: str) -> dict:
-    """The engines' arguments of a path: NIXL reading the cache ("direct"), NIXL reading a
-    host mirror ("staged"), the JAX transport ("jax")."""
-    return {"direct": {}, "staged": {"host_staging": True},
+    """The engines' arguments of a path: NIXL reading the cache ("direct"; "formatted": the
+    producer gathers each layer's share into its send pool), NIXL reading a host mirror
+    ("staged"), the JAX transport ("jax")."""
+    return {"direct": {}, "formatted": {}, "staged": {"host_staging": True},
             "jax": {"transport": "jax"}}[mode]
 
 
 def consumer_kwargs(mode: str) -> dict:
-    """The consumer's: registered directly on NIXL (landed bytes are in its cache at once);
-    over the JAX transport one layer per group (the test's layers are a few KiB)."""
+    """The consumer's: registered directly on NIXL (landed bytes are in its cache at once;
+    "formatted": every read formatted, however small); over the JAX transport one layer per
+    group (the test's layers are a few KiB)."""
+    if mode == "formatted":
+        return {"formatted_reads": "always"}
     return ({"transport": "jax", "jax_transport_options": {"layer_group_bytes": 1}}
             if mode == "jax" else {})
 
@@ -354,7 +358,11 @@ class LayeredTransferTest(_Paths):
         # the rest: over the JAX transport the groups are formatted from the tail of the
         # rows the step's announcements carried
         ("KHTD", 2, ITERS, "jax", 2), ("LKHTD", 1, 4 * ITERS, "jax", 2),
-        ("KHTD", 2, ITERS, "direct", 2), ("KHTD", 2, ITERS, "staged", 2))
+        ("KHTD", 2, ITERS, "direct", 2), ("KHTD", 2, ITERS, "staged", 2),
+        # formatted: the producer gathers each announced layer's share from the registered
+        # cache the step writes in place, as direct reads READ it, before the step ends
+        ("LKHTD", 1, 4 * ITERS, "formatted"), ("KHTD", 2, ITERS, "formatted"),
+        ("HTD", 2, ITERS, "formatted", 2))
     def test_first_layer_arrives_before_the_step_ends(self, layout, p_tp, iters, mode,
                                                       held=0):
         if not path_available(mode):
@@ -391,6 +399,8 @@ class LayeredTransferTest(_Paths):
         self.assertEqual(times, sorted(times))
         arrival = dict(engine.stats.records[-1].layer_arrival)
         self.assertEqual(sorted(arrival), list(range(spec.num_layers)))
+        if mode in ("direct", "formatted"):
+            self.assertEqual(engine.stats.records[-1].path, mode)
         if mode != "jax" or p_tp == 1:
             self.assertLess(arrival[0], step_end)  # read while the producer was computing
         # (JAX transport, multi-device producer: the groups are formatted and offered while
@@ -518,7 +528,7 @@ class LayeredFailureTest(_Paths):
     def fresh():
         return {"finished": [], "failed": [], "progress": 0}  # progress: most layers landed
 
-    @parameterized.parameters("direct", "staged", "jax")
+    @parameterized.parameters("direct", "formatted", "staged", "jax")
     def test_unannounced_layers_are_never_read(self, mode):
         # The step announces layers 0-1 (two per announcement: layer_start=0) and writes all
         # four; 2-3 are announced only later, outside jit.
@@ -541,7 +551,7 @@ class LayeredFailureTest(_Paths):
         (publication,) = self.call(conn, "publications")
         self.assertEqual([stop for stop, _ in publication.layers], [2, spec.num_layers])
 
-    @parameterized.parameters("direct", "staged", "jax")
+    @parameterized.parameters("direct", "formatted", "staged", "jax")
     def test_producer_killed_between_layers(self, mode):
         # The step holds after announcing layers 0-1; the producer dies there.
         process, conn, handle, engine, spec = self.start(mode, gate_after=1)
@@ -558,7 +568,7 @@ class LayeredFailureTest(_Paths):
         self.check_layers(engine, spec, 2)
         self.assertEqual(engine.num_reading, 0)
 
-    @parameterized.parameters("direct", "staged", "jax")
+    @parameterized.parameters("direct", "formatted", "staged", "jax")
     def test_abort_between_layers(self, mode):
         # The producer aborts the request while the step holds after layers 0-1: the later
         # announcements are refused (status 0), nothing more is announced or read.
