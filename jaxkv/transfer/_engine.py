@@ -109,6 +109,10 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _MAX_HANDLES = 1 << 16
+# How long after a control message, a publication or an announcement the background progress
+# thread keeps its full rate: peers answer within it (a Want, a Format, the READs of a layer,
+# a Done), and then it backs off until the next (`progress_idle_s`).
+PROGRESS_ACTIVE_WINDOW_S = 0.05
 
 # Measured with benchmarks/bench_transfer.py --small --control (benchmarks/RESULTS.md, load
 # 7-8 on 2 cores): a small read confirmed in 6.3 / 10.6 ms (idle / busy producer, medians of
@@ -147,6 +151,22 @@ def make_transport(name: str, endpoint: str, agent_options: AgentOptions | None,
 
 CONTROLS = ("nixl", "tcp", "auto")
 """The `TransferEngine` ``control`` choices."""
+
+
+def next_progress_interval(interval: float, wanted: bool, fast: float, idle: float) -> float:
+    """The background progress thread's next sleep: `fast` while progress is wanted, else
+    twice the last one, up to `idle` (a pinned request whose step computes for seconds costs
+    a few dozen polls, not thousands, and a burst of activity is served at full rate).
+
+    Example:
+      >>> next_progress_interval(0.004, False, 0.001, 0.01)
+      0.008
+      >>> next_progress_interval(0.008, False, 0.001, 0.01)
+      0.01
+      >>> next_progress_interval(0.01, True, 0.001, 0.01)
+      0.001
+    """
+    return fast if wanted else min(idle, 2 * interval)
 
 
 def control_channels(
@@ -198,6 +218,15 @@ class KVTransferEngine:
         this often whenever it is not in use (no JAX; what it finds is reported by the next
         `poll`): peers' READs, notifications, completions and acknowledgements move while the
         caller computes between polls. None: only `poll` and the in-jit callbacks do.
+      progress_idle_s: the thread's longest interval while nothing happens: when for
+        `PROGRESS_ACTIVE_WINDOW_S` no control message arrived, nothing was published or
+        announced, no formatted chunk waits for its READ and this process reads nothing
+        (e.g. a layer-wise request pinned while its prefill step computes), it backs off from
+        `progress_interval_s` up to this (a poll every millisecond costs a CPU-bound step on
+        the same core 2-4%; an idle interval below `progress_interval_s` is that one); an
+        announcement brings it back at once. None: never backs off
+        (a producer whose peers READ over a transport that needs its progress for the whole
+        READ, e.g. UCX over TCP without RDMA or shared memory, may want that).
       early_read_grace_s: producer: how long a consumer's confirmation (`Done`) of a request
         this process has not published yet is held before it is refused. A serving
         framework's scheduler may hand the params to the consumer before its worker pinned
@@ -262,6 +291,7 @@ class KVTransferEngine:
         host_staging: bool | None = None,
         block_hashing: str | None = None,
         progress_interval_s: float | None = 0.001,
+        progress_idle_s: float | None = 0.01,
         early_read_grace_s: float = 5.0,
         transport: str = "nixl",
         control: str = "auto",
@@ -283,6 +313,8 @@ class KVTransferEngine:
             raise ValueError(f"early_read_grace_s must be >= 0, got {early_read_grace_s}")
         if progress_interval_s is not None and progress_interval_s <= 0:
             raise ValueError(f"progress_interval_s must be > 0, got {progress_interval_s}")
+        if progress_idle_s is not None and not progress_idle_s > 0:
+            raise ValueError(f"progress_idle_s must be > 0, got {progress_idle_s}")
         if control not in CONTROLS:
             raise ValueError(f"control must be one of {CONTROLS}, got {control!r}")
         self.engine_id = engine_id
@@ -335,6 +367,9 @@ class KVTransferEngine:
         self.consumer.formatted_reads = formatted_reads
         self._handles = HandleTable(_MAX_HANDLES)
         self._progress_interval_s = progress_interval_s
+        self._progress_idle_s = progress_idle_s
+        self._last_message = 0.0  # monotonic time control messages last arrived
+        self._wake = threading.Event()  # an announcement: the progress thread polls at once
         if progress_interval_s is not None:
             self._progress_thread = threading.Thread(
                 target=self._progress_loop, name=f"jaxkv-progress-{engine_id}", daemon=True
@@ -522,10 +557,12 @@ class KVTransferEngine:
           >>> params = engine.publish_request("req-1", [3, 4, 5])  # doctest: +SKIP
         """
         with self._lock:
-            return self.producer.publish(
+            params = self.producer.publish(
                 request_id, block_ids, lease_s, layerwise, expected_reads,
                 address_tuple(self.address),
             )
+        self._wake.set()
+        return params
 
     @no_context_mesh()
     def publish_layers(self, request_id: str, layer_stop: int | None = None) -> None:
@@ -558,6 +595,7 @@ class KVTransferEngine:
             if pinned is None:
                 raise KeyError(f"request {request_id!r} is not pinned")
             self.producer.publish_layers(pinned, stop)
+        self._wake.set()
 
     def handle(self, request_id: str) -> int:
         """A small positive int naming `request_id` inside jitted code (host callbacks carry
@@ -660,6 +698,8 @@ class KVTransferEngine:
         arrived = [(self.transport.name, s, p) for s, p in self.transport.notifications()]
         for name, channel in self._channels.items():
             arrived += [(name, s, p) for s, p in channel.receive()]
+        if arrived:
+            self._last_message = now
         producer, consumer = self.producer, self.consumer
         for channel_name, sender, payload in arrived:
             try:
@@ -769,6 +809,7 @@ class KVTransferEngine:
             status = self.producer.callback_publish(request_id, block_ids, stop, rows)
             if status:
                 self.transport.progress()
+                self._wake.set()  # the background thread back to its full rate
             return status
         finally:
             self._lock.release()
@@ -810,11 +851,16 @@ class KVTransferEngine:
         """While something is in flight, polls the engine (without JAX; what it finds is
         reported by the caller's next `poll`), never waiting for it: when the caller holds
         it (a poll, a callback), that makes progress anyway. Completions, confirmations and
-        acknowledgements so move while the caller computes between polls."""
-        interval = float(self._progress_interval_s or 0.001)
+        acknowledgements so move while the caller computes between polls. Backs off while
+        nothing happens (`progress_idle_s`)."""
+        fast = float(self._progress_interval_s or 0.001)
+        idle = max(fast, float(self._progress_idle_s or fast))
+        interval = fast
         while not self._closed:
             if not (self.producer.busy or self.consumer.reading):
-                time.sleep(max(interval, 0.01))
+                interval = fast
+                self._wake.wait(max(fast, 0.01))
+                self._wake.clear()
                 continue
             if self._lock.acquire(blocking=False):
                 try:
@@ -825,7 +871,20 @@ class KVTransferEngine:
                     _log.debug("background progress: %s", error)
                 finally:
                     self._lock.release()
-            time.sleep(interval)
+            interval = next_progress_interval(interval, self._progress_wanted(time.monotonic()),
+                                              fast, idle)
+            self._wake.wait(interval)
+            self._wake.clear()
+
+    def _progress_wanted(self, now: float) -> bool:
+        """Whether the background thread should poll at its full rate: this process reads,
+        formatted chunks wait for their READs (their slots free only as notifications are
+        polled), or a control message, publication or announcement came within
+        `PROGRESS_ACTIVE_WINDOW_S` (peers act on them: Wants, Formats, READs, Dones)."""
+        producer = self.producer
+        recent = max(self._last_message, producer.last_announced)
+        return (bool(self.consumer.reading) or producer.serving_chunks
+                or now - recent < PROGRESS_ACTIVE_WINDOW_S)
 
     # -- internals kept for tests and benchmarks ------------------------------------------
 
@@ -868,6 +927,7 @@ class KVTransferEngine:
             if locked:
                 self._lock.release()
         if self._progress_thread is not None:
+            self._wake.set()
             self._progress_thread.join(timeout=1.0)
 
     def __enter__(self) -> KVTransferEngine:

@@ -146,11 +146,19 @@ class Producer:
         self.deferred: list[tuple[str, int, tuple[int, ...]]] = []
         # formatted reads (`jaxkv.transfer._formatted`): None where the transport has none
         self.formats: FormatServer | None = transport.format_server
+        self.last_announced = 0.0  # monotonic time of the last publication or announcement
 
     @property
     def busy(self) -> bool:
         return bool(self.pinned or self.early_dones
                     or (self.formats is not None and self.formats.waiting))
+
+    @property
+    def serving_chunks(self) -> bool:
+        """Whether gathered formatted chunks wait for their consumers' READs (or chunks wait
+        to be gathered): their slots free only as notifications are polled."""
+        return self.formats is not None and bool(self.formats.waiting
+                                                 or self.formats.held_bytes)
 
     def send(self, target: Target, payload: bytes) -> None:
         channel = self.channels.get(target[0])
@@ -234,6 +242,7 @@ class Producer:
             self.stats.digest_s_total += pinned.digest_s
         pinned.layer_stop = stop
         pinned.published_at.append((stop, time.time()))
+        self.last_announced = time.monotonic()
         if stop == self.registry.config.spec.num_layers:
             self.stats.add_publication(
                 PublishRecord(pinned.request_id, tuple(pinned.published_at), pinned.staged_s)

@@ -94,7 +94,7 @@ class TransferEngine:
         ``{"port": 5601}``: each group listens on its own side channel), over `options`.
       **options: the transfer options of every group: ``host``, ``port``, ``lease_s``,
         ``read_timeout_s``, ``handshake_timeout_s``, ``handshake_retries``,
-        ``host_staging``, ``block_hashing``, ``progress_interval_s``,
+        ``host_staging``, ``block_hashing``, ``progress_interval_s``, ``progress_idle_s``,
         ``early_read_grace_s``, ``transport`` (``"nixl"``, ``"jax"``, ``"auto"``),
         ``control``, ``jax_transport_options``, ``agent_options``, ``auth_key``,
         ``allow_unauthenticated``, ``digests``, ``formatted_reads``, ``format_pool_bytes``
