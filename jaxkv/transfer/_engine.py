@@ -153,6 +153,15 @@ CONTROLS = ("nixl", "tcp", "auto")
 """The `TransferEngine` ``control`` choices."""
 
 
+def _steps_hold_buffers(cache: Any) -> bool:
+    """Whether `cache` spans several XLA:CPU devices: there a `jax.experimental.transfer`
+    pull (and any array made for one) of those devices waits for the step that runs on them
+    (measured: a one-device step lets the JAX transport's pulls through, a step over two
+    devices does not)."""
+    devices = list(np.asarray(cache.sharding.mesh.devices).flat)
+    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+
+
 def next_progress_interval(interval: float, wanted: bool, fast: float, idle: float) -> float:
     """The background progress thread's next sleep: `fast` while progress is wanted, else
     twice the last one, up to `idle` (a pinned request whose step computes for seconds costs
@@ -776,6 +785,10 @@ class KVTransferEngine:
             elif (entry.mirror is None or not entry.mirror.writes_rows) if staged else (
                     entry.cache.sharding.data_size != 1):
                 reason = "the cache's blocks are split over devices"
+            elif not staged and _steps_hold_buffers(entry.cache):
+                reason = ("the cache spans several XLA:CPU devices, whose transfer server "
+                          "serves no buffer of theirs before the running step ends (rows "
+                          "taken in the step would only lengthen it)")
             return entry.layer_start, entry.layer_stop, reason
 
     def _callback_publish(

@@ -175,12 +175,14 @@ class LayeredLoweringTest(parameterized.TestCase):
         text, cache = compiled(layout, tp, naive=False, staged=True)
         self.assert_rows_chain(text, cache)
 
-    @parameterized.parameters(("LKHTD", 1), ("KHTD", 2), ("HTD", 1))
+    @parameterized.parameters(("LKHTD", 1), ("KHTD", 1), ("HTD", 1), ("KHTD", 2))
     def test_jax_transport_chain_carries_layer_rows_without_copies(self, layout, tp):
         # A real producer engine over the JAX transport: its announcements carry their
         # layer's rows too (its worker formats and offers them while the step runs), with
         # the same compiled shape. Control: the same step of a NIXL engine that reads the
-        # cache directly carries no rows (handle, ids, stop and the token only).
+        # cache directly carries no rows (handle, ids, stop and the token only). A cache
+        # over several XLA:CPU devices carries none either (warned): no pull of their
+        # buffers completes before the step ends, the rows would only lengthen it.
         from jaxkv import EngineConfig
         from jaxkv.transfer import jax_transfer_available
         from jaxkv.transfer._engine import KVTransferEngine
@@ -192,8 +194,19 @@ class LayeredLoweringTest(parameterized.TestCase):
         args = (cache, np.asarray(REMOTE_IDS, np.int32), np.int32(1), np.uint32(SEED))
         with KVTransferEngine("prefill", EngineConfig(spec, tp), transport="jax") as engine:
             engine.register_cache(cache)
-            text = tt.make_layered_prefill_step(engine, 10).lower(*args).compile().as_text()
-        self.assert_rows_chain(text, cache)
+            if tp == 1:
+                text = tt.make_layered_prefill_step(engine, 10).lower(*args).compile().as_text()
+            else:
+                with self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
+                    text = tt.make_layered_prefill_step(engine, 10).lower(
+                        *args).compile().as_text()
+                self.assertIn("spans several XLA:CPU devices", logs.output[0])
+        if tp == 1:
+            self.assert_rows_chain(text, cache)
+        else:
+            self.assertEqual(cache_copies(text, cache), [])
+            self.assertEqual([len(s) for s in callback_operand_shapes(text)],
+                             [4] * spec.num_layers)
         if nixl_available():
             with KVTransferEngine("prefill", EngineConfig(spec, tp)) as engine:
                 engine.register_cache(cache)
@@ -356,7 +369,8 @@ class LayeredTransferTest(_Paths):
         ("KHTD", 1, 4 * ITERS, "jax"), ("HTD", 2, ITERS, "jax"),
         # the consumer holds the request's first 2 blocks (a prefix-cache hit) and reads
         # the rest: over the JAX transport the groups are formatted from the tail of the
-        # rows the step's announcements carried
+        # rows the step's announcements carried (one device; over two CPU devices the step
+        # takes no rows and the groups are formatted from the cache after it)
         ("KHTD", 2, ITERS, "jax", 2), ("LKHTD", 1, 4 * ITERS, "jax", 2),
         ("KHTD", 2, ITERS, "direct", 2), ("KHTD", 2, ITERS, "staged", 2),
         # formatted: the producer gathers each announced layer's share from the registered
@@ -403,10 +417,10 @@ class LayeredTransferTest(_Paths):
             self.assertEqual(engine.stats.records[-1].path, mode)
         if mode != "jax" or p_tp == 1:
             self.assertLess(arrival[0], step_end)  # read while the producer was computing
-        # (JAX transport, multi-device producer: the groups are formatted and offered while
-        # the step runs, but on XLA:CPU the transfer server reads the offered buffers only
-        # once the step's partitions free the CPU client's threads, so the pulls complete
-        # after the step; bytes, order and announcements are checked all the same.)
+        # (JAX transport, a producer over several CPU devices: no pull of their buffers
+        # completes before the step ends, so the step takes no rows and the groups are
+        # formatted from the cache after it; bytes, order and announcements are checked all
+        # the same.)
         self.assertEqual(progress, sorted(progress))
         for layer in range(spec.num_layers):  # never before it was announced
             self.assertGreaterEqual(arrival[layer], times[layer])
