@@ -70,7 +70,7 @@ from jaxkv.transfer._consumer import Consumer, Reading
 from jaxkv.transfer._control import TcpControlChannel
 from jaxkv.transfer._digest import DigestOptions
 from jaxkv.transfer._formatted import DEFAULT_POOL_BYTES, FORMATTED_MODES
-from jaxkv.transfer._jit import HandleTable
+from jaxkv.transfer._jit import HandleTable, _on_cpu
 from jaxkv.transfer._messages import (
     Ack,
     Done,
@@ -158,8 +158,8 @@ def _steps_hold_buffers(cache: Any) -> bool:
     pull (and any array made for one) of those devices waits for the step that runs on them
     (measured: a one-device step lets the JAX transport's pulls through, a step over two
     devices does not)."""
-    devices = list(np.asarray(cache.sharding.mesh.devices).flat)
-    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+    mesh = cache.sharding.mesh
+    return mesh.size > 1 and _on_cpu(mesh)
 
 
 def next_progress_interval(interval: float, wanted: bool, fast: float, idle: float) -> float:

@@ -388,7 +388,8 @@ def _publish_rows(engine: Any, handle: Any, block_ids: Any, layer_stop: Any, sta
 
 def _on_cpu(mesh: Any) -> bool:
     """Whether the step runs on CPU devices (the mesh's, else the default backend's): the
-    one place that picks the rows callback's kind (`_cpu_callback` there)."""
+    one place that picks the rows callback's kind (`_cpu_callback` there), and whether the
+    JAX transport takes rows at all (`KVTransferEngine._layer_rows_span`)."""
     import jax
 
     devices = getattr(mesh, "devices", None)

@@ -339,9 +339,7 @@ class Producer:
                     return 1
             # The step's output is not available here: staged from it once the caller
             # hands it to update_cache (never from the donated input, see stage_deferred).
-            self.deferred.append(
-                (request_id, stop, tuple(e.version for e in self.registry.caches))
-            )
+            self.deferred.append((request_id, stop, self.registry.versions))
         elif rows is not None and self.transport.takes_layer_rows:
             start, parts = rows
             keep = np.asarray(block_ids).reshape(-1) >= 0  # one row per id (-1: padding)
@@ -350,7 +348,7 @@ class Producer:
             self.publish_layers(pinned, stop, rows=(start, parts))
         else:
             if any(entry.consumed for entry in self.registry.caches):
-                pinned.step_versions = tuple(e.version for e in self.registry.caches)
+                pinned.step_versions = self.registry.versions
             self.publish_layers(pinned, stop)
         return 1
 

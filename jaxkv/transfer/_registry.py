@@ -95,6 +95,11 @@ class CacheRegistry:
         """Whether any registered cache is host-staged."""
         return any(entry.mirror is not None for entry in self.caches)
 
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Each registered cache's version (`Registered.version`), in `caches` order."""
+        return tuple(entry.version for entry in self.caches)
+
     def register(self, cache: Any, pp_rank: int, tp_rank: int | None) -> None:
         """See `KVTransferEngine.register_cache`."""
         config = self.config

@@ -50,64 +50,74 @@ class NextIntervalTest(absltest.TestCase):
             _engine.KVTransferEngine("p", tt.EngineConfig(SPEC, 1), progress_idle_s=0.0)
 
 
+class _RecordingEvent(threading.Event):
+    """The progress thread's wake event, recording each sleep it asks for and whether that
+    sleep was cut short by the event (True) or ran its time (False), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.sleeps: list[float] = []
+        self.woken: list[bool] = []
+
+    def wait(self, timeout=None):
+        self.sleeps.append(timeout)
+        woken = super().wait(timeout)
+        self.woken.append(woken)
+        return woken
+
+
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
 class ProgressThreadTest(tt.TransferTestBase):
-    def engine_counting_polls(self, **kwargs):
-        """A producer engine whose background polls are time-stamped (the loop calls
-        `_poll`; the caller never polls here)."""
+    """What the thread decides (its sleeps), not how fast a machine runs it: a busy machine
+    only delays the decisions, each wait below has a generous deadline."""
+
+    def engine_recording_sleeps(self, **kwargs):
         engine, _, _ = self.consumer(SPEC, 1, **kwargs)
-        stamps: list[float] = []
-        lock = threading.Lock()
-        poll = engine._poll
+        event = _RecordingEvent()
+        engine._wake = event  # the loop looks it up at every sleep
+        return engine, event
 
-        def counted(allow_jax):
-            with lock:
-                stamps.append(time.monotonic())
-            return poll(allow_jax)
-
-        engine._poll = counted
-        return engine, stamps
+    def wait_for(self, predicate, what, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.assertLess(time.monotonic(), deadline, f"timed out waiting for {what}")
+            time.sleep(0.01)
 
     def test_backs_off_while_a_request_is_only_pinned(self):
-        engine, stamps = self.engine_counting_polls(progress_interval_s=0.001,
-                                                    progress_idle_s=0.05)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=0.05)
+        sleeps = event.sleeps
         engine.publish_request("req", [0, 1, 2], layerwise=True)
-        time.sleep(0.3)  # past the active window: backed off by now
-        start = time.monotonic()
-        time.sleep(1.0)
-        polls = sum(start <= t < start + 1.0 for t in stamps)
-        # at most one poll per 50 ms (20 in the second; a busy machine polls less, never
-        # more); at the full rate it would be up to 1000
-        self.assertLessEqual(polls, 22)
-        self.assertGreater(polls, 0)  # it still polls (leases, late messages)
+        self.wait_for(lambda: sleeps[-3:] == [0.05] * 3, "three idle sleeps")
+        # nothing happens: the sleeps double from the full rate up to the idle interval and
+        # stay there (at the full rate they would all be 1 ms)
+        backoff = [0.002, 0.004, 0.008, 0.016, 0.032, 0.05, 0.05, 0.05]
+        runs = [sleeps[i:i + len(backoff)] for i in range(len(sleeps) - len(backoff) + 1)]
+        self.assertIn(backoff, runs, sleeps)
 
     def test_an_announcement_brings_it_back_at_once(self):
-        engine, stamps = self.engine_counting_polls(progress_interval_s=0.001,
-                                                    progress_idle_s=30.0)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=60.0)
+        sleeps, woken = event.sleeps, event.woken
         engine.publish_request("req", [0, 1, 2], layerwise=True)
-        # backed off: sleeps of 2, 4, ... 2048 ms end ~4.1 s in, the next (4096 ms) runs on
-        # past 8 s
-        time.sleep(5.0)
-        before = len(stamps)
+        # in a sleep of a second or more (the doubling reaches it after ~1 s)
+        self.wait_for(lambda: sleeps and sleeps[-1] >= 1.0 and len(woken) == len(sleeps) - 1,
+                      "a sleep of a second or more")
+        long_sleep = len(sleeps) - 1
         engine.publish_layers("req", 1)
-        deadline = time.monotonic() + 1.5
-        while len(stamps) == before and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.assertGreater(len(stamps), before, "no poll within 1.5 s of the announcement")
-        # and at the full rate (1 ms) for the active window (50 ms) after it
-        time.sleep(0.1)
-        self.assertGreaterEqual(len(stamps) - before, 3)
+        self.wait_for(lambda: len(sleeps) > long_sleep + 1, "the next sleep")
+        # the announcement cut that sleep short (without the wake it runs its time), and the
+        # thread is back at its full rate
+        self.assertTrue(woken[long_sleep])
+        self.assertEqual(sleeps[long_sleep + 1], 0.001)
 
     def test_never_backs_off_without_an_idle_interval(self):
-        engine, stamps = self.engine_counting_polls(progress_interval_s=0.01,
-                                                    progress_idle_s=None)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.01,
+                                                     progress_idle_s=None)
+        sleeps = event.sleeps
         engine.publish_request("req", [0, 1, 2], layerwise=True)
-        time.sleep(0.3)
-        start = time.monotonic()
-        time.sleep(1.0)
-        polls = sum(start <= t < start + 1.0 for t in stamps)
-        # every 10 ms: about 100 (more than the backed-off engine's bound even when busy)
-        self.assertGreater(polls, 22)
+        self.wait_for(lambda: len(sleeps) >= 30, "30 sleeps")
+        self.assertEqual(set(sleeps), {0.01})
 
 
 if __name__ == "__main__":
