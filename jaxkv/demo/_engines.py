@@ -540,7 +540,11 @@ def prefill_main(conn, settings_kwargs: dict) -> None:
     halves = cpu_halves() if settings.pin_cpus else None
     if halves is not None:  # (inherited from the parent before it pinned itself)
         pin_process(halves[0])
-    _child_env(settings, settings.prefill_tp)
+    # Over the JAX transport a TP > 1 prefill engine gets one host device more than its
+    # mesh: the transfer engine formats and offers the layers a step announces there while
+    # the step still holds the mesh's devices (`JaxTransport.reads_step_memory`).
+    extra = settings.transport == "jax" and settings.prefill_tp > 1 and settings.backend == "cpu"
+    _child_env(settings, settings.prefill_tp + int(extra))
     from jaxkv._parallel import EngineConfig
     from jaxkv.transfer import TransferEngine
 

@@ -70,7 +70,7 @@ from jaxkv.transfer._consumer import Consumer, Reading
 from jaxkv.transfer._control import TcpControlChannel
 from jaxkv.transfer._digest import DigestOptions
 from jaxkv.transfer._formatted import DEFAULT_POOL_BYTES, FORMATTED_MODES
-from jaxkv.transfer._jit import HandleTable, _on_cpu
+from jaxkv.transfer._jit import HandleTable, steps_hold_buffers
 from jaxkv.transfer._messages import (
     Ack,
     Done,
@@ -153,13 +153,8 @@ CONTROLS = ("nixl", "tcp", "auto")
 """The `TransferEngine` ``control`` choices."""
 
 
-def _steps_hold_buffers(cache: Any) -> bool:
-    """Whether `cache` spans several XLA:CPU devices: there a `jax.experimental.transfer`
-    pull (and any array made for one) of those devices waits for the step that runs on them
-    (measured: a one-device step lets the JAX transport's pulls through, a step over two
-    devices does not)."""
-    mesh = cache.sharding.mesh
-    return mesh.size > 1 and _on_cpu(mesh)
+def _addresses(buffers: Sequence[Any]) -> set[tuple[int, int, int]]:
+    return {(b.array_index, b.device.id, b.address) for b in buffers}
 
 
 def next_progress_interval(interval: float, wanted: bool, fast: float, idle: float) -> float:
@@ -449,13 +444,10 @@ class KVTransferEngine:
     def holds(self, cache: Any) -> bool:
         """Whether a registered cache is `cache` or has its buffers (addresses and devices:
         the output of a donated, in-place update of a registered cache)."""
-        where = {(b.array_index, b.device.id, b.address) for b in cache.shard_buffers()}
+        where = _addresses(cache.shard_buffers())
         with self._lock:
-            return any(
-                entry.cache is cache
-                or where == {(b.array_index, b.device.id, b.address) for b in entry.buffers}
-                for entry in self._registry.caches
-            )
+            return any(entry.cache is cache or where == _addresses(entry.buffers)
+                       for entry in self._registry.caches)
 
     @property
     def registers_memory(self) -> bool:
@@ -487,8 +479,11 @@ class KVTransferEngine:
                 raise ValueError("update_cache: no registered cache has these arrays and devices")
             if self.registers_memory:
                 cache.verify_unmoved(entry.buffers)
+                entry.in_place = True
             elif cache is not entry.cache:
-                entry.buffers = cache.shard_buffers()
+                buffers = cache.shard_buffers()
+                entry.in_place = _addresses(buffers) == _addresses(entry.buffers)
+                entry.buffers = buffers
             if cache is not entry.cache:
                 entry.cache = cache
                 entry.version += 1
@@ -785,10 +780,13 @@ class KVTransferEngine:
             elif (entry.mirror is None or not entry.mirror.writes_rows) if staged else (
                     entry.cache.sharding.data_size != 1):
                 reason = "the cache's blocks are split over devices"
-            elif not staged and _steps_hold_buffers(entry.cache):
+            elif not staged and self.transport.reads_step_memory(entry.cache):
+                return None  # it formats the announced layers from the step's memory
+            elif not staged and steps_hold_buffers(entry.cache):
                 reason = ("the cache spans several XLA:CPU devices, whose transfer server "
-                          "serves no buffer of theirs before the running step ends (rows "
-                          "taken in the step would only lengthen it)")
+                          "serves no buffer of theirs before the running step ends, and the "
+                          "process has no other XLA:CPU device to format the layers on (give "
+                          "it one more: --xla_force_host_platform_device_count)")
             return entry.layer_start, entry.layer_stop, reason
 
     def _callback_publish(

@@ -823,6 +823,7 @@ def split_layers(
     ranks: Mapping[int, Any],
     layers: tuple[int, int],
     rows: Sequence[np.ndarray | None] | None = None,
+    place: Any = None,
 ) -> dict[tuple[int, int], Any]:
     """Producer side: `split_request` of the global layers ``[a, b)`` only (one group of
     `layer_groups`): one buffer ``[n, b - a, K, H, T, D]`` per (producer rank, consumer
@@ -873,9 +874,10 @@ def split_layers(
             dev_ids = jax.device_put(ids, device)
         else:
             layer_axis = 1 + cache.spec.block_axes().index("L") if window else None
+            target = device if place is None else place
             shards = [_rows_shard(rows[i], cache.arrays[i], device, len(ids), layer_axis,
-                                  hi - lo) for i in chosen]
-            dev_ids = jax.device_put(np.arange(len(ids), dtype=np.int32), device)
+                                  hi - lo, target) for i in chosen]
+            dev_ids = jax.device_put(np.arange(len(ids), dtype=np.int32), target)
         buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys,
                                 canon_p=canon_p, canon_c=canon_c, rank=tp_rank,
                                 block_shape=block_shape, packed=packed,
@@ -890,8 +892,8 @@ def split_layers(
 
 
 def _rows_shard(rows: np.ndarray | None, array: Any, device: Any, num_blocks: int,
-                layer_axis: int | None, num_layers: int) -> Any:
-    """`device`'s part of an array's request rows (`split_layers`'s `rows`), on `device` in
+                layer_axis: int | None, num_layers: int, target: Any) -> Any:
+    """`device`'s part of an array's request rows (`split_layers`'s `rows`), on `target` in
     the array's dtype: the rows sliced as `array`'s shard on `device` is (its head range)
     along every axis but the blocks' and the layers' (`layer_axis`, ``num_layers`` long)."""
     if rows is None:
@@ -910,7 +912,7 @@ def _rows_shard(rows: np.ndarray | None, array: Any, device: Any, num_blocks: in
                           f"{num_layers} layers")
     part = rows[(slice(None),) + tuple(slice(None) if axis == layer_axis else index[axis]
                                        for axis in range(1, rows.ndim))]
-    return jax.device_put(np.ascontiguousarray(part).view(dtype), device)
+    return jax.device_put(np.ascontiguousarray(part).view(dtype), target)
 
 
 def send_layer_routes(producer: EngineConfig, consumer: EngineConfig, producer_rank: int,

@@ -547,6 +547,62 @@ def entry_devices(entry: Any, config: Any) -> dict[int, Any]:
     return rank_devices(entry.cache, config, pp_rank)
 
 
+def gather_layer_rows(entry: Any, buffers: Sequence[Any], block_ids: Sequence[int],
+                      layers: tuple[int, int]) -> list[np.ndarray | None]:
+    """`split_layers`'s rows of the global layers ``[a, b)`` of blocks `block_ids`, copied
+    from the memory of a registered cache's device buffers (`PagedKVCache.shard_buffers`,
+    XLA:CPU: host memory), no JAX: per cache array the rows of those layers (unsigned ints
+    of the array's width), None for an array of other layers.
+
+    For a running step that consumed (donated) the cache and writes it in place: the layers
+    it announced are final in that memory (the announcement was ordered after their writes).
+
+    Raises:
+      FormatError: a buffer's size does not match its shard's shape.
+    """
+    import ctypes
+
+    from jaxkv.transfer._formatter import FormatError
+
+    cache = entry.cache
+    axes = cache.spec.block_axes()
+    layer_axis = 1 + axes.index("L") if "L" in axes else None
+    lo, hi = int(layers[0]) - entry.layer_start, int(layers[1]) - entry.layer_start
+    ids = np.asarray(block_ids, dtype=np.intp).reshape(-1)
+    out: list[np.ndarray | None] = []
+    for index, ((array_layer, _), array) in enumerate(zip(cache.array_keys, cache.arrays)):
+        if array_layer is None and layer_axis is not None:
+            window: slice | None = slice(lo, hi)
+        elif array_layer is not None and lo <= array_layer < hi:
+            window = None
+        else:
+            out.append(None)
+            continue
+        dtype = np.dtype(f"u{np.dtype(array.dtype).itemsize}")
+        shape = [len(ids), *array.shape[1:]]
+        if window is not None:
+            shape[layer_axis] = hi - lo
+        rows = np.empty(shape, dtype)
+        where = array.sharding.devices_indices_map(tuple(array.shape))
+        for buffer in buffers:
+            if buffer.array_index != index:
+                continue
+            place = where[buffer.device]
+            shard = [len(range(*s.indices(n))) for s, n in zip(place, array.shape)]
+            if int(np.prod(shard)) * dtype.itemsize != buffer.nbytes:
+                raise FormatError(f"array {index}'s buffer on {buffer.device} holds "
+                                  f"{buffer.nbytes} bytes, its shard {shard} "
+                                  f"{int(np.prod(shard)) * dtype.itemsize}")
+            memory = (ctypes.c_char * buffer.nbytes).from_address(buffer.address)
+            view = np.frombuffer(memory, dtype).reshape(shard)
+            pick = (ids,) + tuple(window if a == layer_axis else slice(None)
+                                  for a in range(1, view.ndim))
+            rows[(slice(None),) + tuple(slice(None) if a == layer_axis else place[a]
+                                        for a in range(1, view.ndim))] = view[pick]
+        out.append(rows)
+    return out
+
+
 class JaxTransport:
     """`Transport` over `jax.experimental.transfer` (``KVTransferEngine(transport="jax")``).
 
@@ -621,6 +677,14 @@ class JaxTransport:
         # Rows of layers announced from inside a jitted step (`Offer.rows`): request ->
         # global layer -> {cache array index: that layer's request rows}.
         self._layer_rows: dict[str, dict[int, dict[int, np.ndarray]]] = {}
+        # Layers announced from inside the step that consumed the registered cache, where
+        # the announcements carry no rows (`reads_step_memory`): request -> the registry's
+        # versions then (its groups are gathered from that step's memory while they hold),
+        # and the buffer addresses its groups were gathered from (checked against the
+        # step's output before the rest is formatted from it).
+        self._step_versions: dict[str, tuple[int, ...]] = {}
+        self._memory_read: dict[str, dict[tuple[int, int], int]] = {}
+        self._format_devices: dict[tuple[int, ...], Any] = {}
         # The worker formatting those rows' groups while the step runs; its bookkeeping
         # (`_jobs_lock`): groups in flight per request, requests withdrawn meanwhile (their
         # groups are not offered) and the bytes the groups in flight will hold.
@@ -638,6 +702,31 @@ class JaxTransport:
     def control_channels(self) -> dict[str, Any]:
         """None of its own: control messages travel over TCP."""
         return {}
+
+    def reads_step_memory(self, cache: Any) -> bool:
+        """True for a cache over several XLA:CPU devices (`steps_hold_buffers`, blocks not
+        split) when this process has another XLA:CPU device (`format_device`): nothing on
+        the step's devices can be pulled before the step ends, so the worker gathers each
+        announced layer group from the cache's memory (which the step writes in place) and
+        formats and offers it on that device while the step computes the later layers."""
+        from jaxkv.transfer._jit import steps_hold_buffers
+
+        return (steps_hold_buffers(cache) and cache.sharding.data_size == 1
+                and self.format_device(cache) is not None)
+
+    def format_device(self, cache: Any) -> Any:
+        """A local XLA:CPU device outside `cache`'s mesh (the first), or None."""
+        mesh_devices = cache.sharding.mesh.devices.flat
+        key = tuple(sorted(d.id for d in mesh_devices))
+        if key not in self._format_devices:
+            import jax
+
+            try:
+                local = jax.local_devices(backend="cpu")
+            except RuntimeError:  # no CPU backend in this process
+                local = []
+            self._format_devices[key] = next((d for d in local if d.id not in key), None)
+        return self._format_devices[key]
 
     # -- registration and metadata ---------------------------------------------------------
 
@@ -692,6 +781,11 @@ class JaxTransport:
             if offer.rows is not None and self._keep_rows(offer.request_id, offer.rows,
                                                          int(offer.layer_stop)):
                 # From a jitted step's callback: no JAX here, the worker formats.
+                self._serve(offer.request_id, in_step=True)
+            elif (offer.in_step and len(self.registry.caches) == 1
+                  and self.reads_step_memory(self.registry.caches[0].cache)):
+                # Likewise, gathered from the memory the step writes in place.
+                self._step_versions[offer.request_id] = self.registry.versions
                 self._serve(offer.request_id, in_step=True)
 
     def _keep_rows(self, request_id: str, rows: tuple[int, list[Any]], stop: int) -> bool:
@@ -793,6 +887,8 @@ class JaxTransport:
             want.served = offered
         if complete and all(w.served for w in wants.values()):
             self._layer_rows.pop(request_id, None)  # later subscribers read the cache
+            self._step_versions.pop(request_id, None)
+            self._memory_read.pop(request_id, None)
 
     def _request_groups(self, message: Any) -> tuple[tuple[int, int], ...]:
         from jaxkv.transfer._formatter import layer_groups
@@ -826,8 +922,13 @@ class JaxTransport:
             if layers[1] > stop:
                 return False  # later layers are not written yet
             rows = self._group_rows(request_id, layers)
+            memory = None
             if rows is None and not cache_live:
-                return False  # needs the registered cache: after the step (`update_cache`)
+                memory = self._step_memory(request_id, layers)
+                if memory is None:
+                    return False  # needs the registered cache: after the step (`update_cache`)
+            elif rows is None:
+                self._check_in_place(request_id)
             if rows is not None and len(ids) < len(block_ids):
                 # The consumer holds the request's first blocks (a prefix hit): the rows
                 # cover the whole request, block for block; it reads their tail.
@@ -847,7 +948,7 @@ class JaxTransport:
             if not self._room_for(need, f"layers {layers}"):
                 return False  # waits for releases (`serve` retries)
             job = functools.partial(self._group_items, key, consumer, wanted, ids, layers,
-                                    plans, rows)
+                                    plans, rows, memory)
             if in_step or not cache_live:
                 # From a step's callback, or a poll while a step runs: the worker formats
                 # (no JAX here, none under the engine's lock while the step may need it)
@@ -863,17 +964,66 @@ class JaxTransport:
             want.offered += 1
         return True
 
+    def _step_memory(self, request_id: str, layers: tuple[int, int]
+                     ) -> tuple[tuple[Any, ...], Any] | None:
+        """``(the registered cache's buffers, the device to format on)`` when the layer
+        group can be gathered from the memory of the step that consumed the cache and
+        announced its layers (`reads_step_memory`), and the last step handed to
+        `update_cache` wrote the cache in place (`Registered.in_place`: else the memory may
+        be freed once the step ends), else None. The group of the last layer never is: it
+        waits for the step's output, so that `_check_in_place` runs before a read can
+        complete."""
+        caches = self.registry.caches
+        if (request_id not in self._step_versions or len(caches) != 1
+                or not caches[0].in_place
+                or self._step_versions[request_id] != self.registry.versions
+                or layers[1] >= self.registry.config.spec.num_layers):
+            return None
+        entry = caches[0]
+        buffers = tuple(entry.buffers)
+        self._memory_read.setdefault(request_id, {}).update(
+            {(b.array_index, b.device.id): b.address for b in buffers})
+        return buffers, self.format_device(entry.cache)
+
+    def _check_in_place(self, request_id: str) -> None:
+        """Before a group is formatted from the step's output: the groups gathered from the
+        step's memory were read from its output's buffers.
+
+        Raises:
+          FormatError: the step did not update the cache in place (its buffers moved), so
+            those groups may hold stale bytes (the read fails with this reason).
+        """
+        from jaxkv.transfer._formatter import FormatError
+
+        read = self._memory_read.get(request_id)
+        if not read:
+            return
+        now = {(b.array_index, b.device.id): b.address
+               for entry in self.registry.caches for b in entry.buffers}
+        if any(now.get(where) != address for where, address in read.items()):
+            raise FormatError(
+                "the step that announced its layers did not update the cache in place (its "
+                "buffers moved), so the layer groups gathered from its memory during the "
+                "step may be stale: donate the cache to the step (donate_argnums)")
+
     def _group_items(self, key: tuple[str, str, int], consumer: Any, wanted: set[int],
                      ids: list[int], layers: tuple[int, int], plans: list[tuple[Any, Any]],
-                     rows: list[Any] | None) -> list[tuple[int, list[Any]]]:
+                     rows: list[Any] | None,
+                     memory: tuple[tuple[Any, ...], Any] | None = None,
+                     ) -> list[tuple[int, list[Any]]]:
         """The ``(uuid, [buffer])`` offers of one layer group (JAX ops: formats it from the
-        cache, or from `rows`)."""
+        cache, from `rows`, or from the rows gathered from a running step's memory, on the
+        device `_step_memory` named)."""
         from jaxkv.transfer._formatter import split_layers
 
+        place = None
+        if memory is not None:
+            rows = gather_layer_rows(plans[0][0], memory[0], ids, layers)
+            place = memory[1]
         items = []
         for entry, devices in plans:
             buffers = split_layers(entry.cache, self.registry.config, consumer, ids, devices,
-                                   layers, rows=rows)
+                                   layers, rows=rows, place=place)
             for (p_rank, c_rank), buffer in buffers.items():
                 if c_rank in wanted:
                     items.append((pull_uuid(_group_key(key, layers), 0, p_rank, c_rank),
@@ -1028,6 +1178,8 @@ class JaxTransport:
             if request_id in self._jobs:
                 self._withdrawn.add(request_id)
         self._layer_rows.pop(request_id, None)
+        self._step_versions.pop(request_id, None)
+        self._memory_read.pop(request_id, None)
         self._published.pop(request_id, None)
         # Subscriptions not served yet (e.g. they arrived after an abort, before the poll
         # that released the request) fail now: dropped, their pulls would wait for their
@@ -1191,6 +1343,8 @@ class JaxTransport:
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
         self._layer_rows.clear()
+        self._step_versions.clear()
+        self._memory_read.clear()
         self._groups.clear()
         self._wants.clear()
         self._published.clear()

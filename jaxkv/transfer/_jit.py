@@ -398,6 +398,15 @@ def _on_cpu(mesh: Any) -> bool:
     return jax.default_backend() == "cpu"
 
 
+def steps_hold_buffers(cache: Any) -> bool:
+    """Whether `cache` spans several XLA:CPU devices: there a `jax.experimental.transfer`
+    pull (and any array made for one) of those devices waits for the step that runs on them
+    (measured: a one-device step lets the JAX transport's pulls through, a step over two
+    devices does not; a device outside the step's mesh is served during it)."""
+    mesh = cache.sharding.mesh
+    return mesh.size > 1 and _on_cpu(mesh)
+
+
 def _cpu_callback(callback: Any, operands: tuple[Any, ...], mesh: Any) -> Any:
     """``callback(*numpy operands) -> int`` run once per step on CPU, its operands handed
     over without a copy (`jax.experimental.buffer_callback`).

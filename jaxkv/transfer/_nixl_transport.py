@@ -154,6 +154,11 @@ class NixlTransport:
         """The agent's notifications carry control messages too (``control="nixl"``)."""
         return {"nixl": NixlNotificationChannel(self.agent)}
 
+    def reads_step_memory(self, cache: Any) -> bool:
+        """False: it takes no layer rows (peers READ the registered memory themselves)."""
+        del cache
+        return False
+
     def serve(self) -> None:
         """Nothing to do: registered memory is passively readable."""
 

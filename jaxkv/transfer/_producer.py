@@ -212,11 +212,13 @@ class Producer:
         )
 
     def publish_layers(self, pinned: Pinned, stop: int, staged: bool = False,
-                       rows: tuple[int, list[Any]] | None = None) -> None:
+                       rows: tuple[int, list[Any]] | None = None,
+                       in_step: bool = False) -> None:
         """Marks the global layers ``[0, stop)`` written: stages them (host staging; not when
         `staged`: their bytes were written to the mirror already, `write_layer_rows`),
         offers them to the transport (with their `rows` from a jitted step, for a transport
-        that takes them) and announces them to the subscribers."""
+        that takes them; `in_step`: announced by the step that consumed the registered
+        caches, `Offer.in_step`) and announces them to the subscribers."""
         start = pinned.layer_stop
         if stop <= start:
             return
@@ -249,7 +251,7 @@ class Producer:
             )
         self.transport.offer(
             Offer(pinned.request_id, pinned.block_ids, stop, tuple(self.registry.caches),
-                  lease_s=pinned.lease_s, rows=rows)
+                  lease_s=pinned.lease_s, rows=rows, in_step=in_step)
         )
         message = encode_message(Ready(pinned.request_id, list(self.registry.local_ranks), stop))
         for target in pinned.subscribers:
@@ -347,9 +349,10 @@ class Producer:
                 parts = [None if p is None else np.asarray(p)[keep] for p in parts]
             self.publish_layers(pinned, stop, rows=(start, parts))
         else:
-            if any(entry.consumed for entry in self.registry.caches):
+            in_step = any(entry.consumed for entry in self.registry.caches)
+            if in_step:
                 pinned.step_versions = self.registry.versions
-            self.publish_layers(pinned, stop)
+            self.publish_layers(pinned, stop, in_step=in_step)
         return 1
 
     def write_layer_rows(

@@ -39,6 +39,8 @@ class Registered:
     layer_stop: int = 0
     version: int = 0  # bumped by update_cache: which step's output `cache` is
     rank_devices: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> device id
+    # the last `update_cache` found every buffer where it was (the step wrote in place)
+    in_place: bool = False
 
     @property
     def consumed(self) -> bool:

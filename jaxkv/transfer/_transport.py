@@ -106,6 +106,9 @@ class Offer:
       lease_s: the request's lease (None: the transport's default).
       gone: the subscriber asked for a request already freed here.
       rows: the announced layers' rows, for a transport that ``takes_layer_rows``.
+      in_step: the layers were announced from inside the jitted step that consumed
+        (donated) the registered caches, which it writes in place: while it runs their bytes
+        are only in that step's memory (see ``Transport.reads_step_memory``).
     """
 
     request_id: str
@@ -120,6 +123,7 @@ class Offer:
     # layer, per array of the registered cache its request rows of the announced layers
     # (numpy, the array's dtype bits) or None)``
     rows: tuple[int, list[Any]] | None = None
+    in_step: bool = False
 
 
 class Transport(Protocol):
@@ -142,6 +146,12 @@ class Transport(Protocol):
 
     def control_channels(self) -> dict[str, ControlChannel]:
         """Control channels this transport carries besides TCP, by name (may be empty)."""
+        ...
+
+    def reads_step_memory(self, cache: Any) -> bool:
+        """Whether this transport (one that ``takes_layer_rows``) serves the layers a jitted
+        step announces from `cache`'s memory while the step runs, so that the step carries
+        no rows (False for a transport that takes no rows)."""
         ...
 
     def serve(self) -> None:

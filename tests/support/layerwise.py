@@ -81,7 +81,8 @@ def gated_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters
     once `layers` layers were published (the gate holds the step there; it opens after the
     abort); ("publish", request_id, stop) -> `publish_layers` outside jit (None);
     ("published", request_id) -> `published_layers`; ("publications",) -> the PublishRecords;
-    ("state",) -> (pinned, freed). The gate waits at most 60 s."""
+    ("state",) -> (pinned, freed); ("warm",) -> a donated in-place update of the cache handed
+    to `update_cache` (None). The gate waits at most 60 s."""
     gate = threading.Event()
 
     def handle(engine, prefill, command, freed):
@@ -112,6 +113,11 @@ def gated_producer_main(conn, spec_kwargs: dict, tp: int, num_blocks: int, iters
             cache, statuses = out[0]
             engine.update_cache(cache)
             conn.send((np.asarray(statuses).tolist(), start, time.time()))
+        elif command[0] == "warm":  # a donated in-place update (a step before the test's)
+            import jax
+
+            engine.update_cache(jax.jit(lambda c: c, donate_argnums=0)(engine.caches[0]))
+            conn.send(None)
         elif command[0] == "publish":
             engine.publish_layers(command[1], command[2])
             conn.send(None)

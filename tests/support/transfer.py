@@ -595,7 +595,10 @@ def _jitted_producer_loop(conn, spec_kwargs, tp, num_blocks, engine_kwargs, make
     """The process loop the jitted producers share: one engine and cache, then commands
     ("pin", request_id, block_ids) -> (params, handle), ("state",) -> ``state(engine, freed)``,
     ("exit",); anything else goes to ``handle(engine, step, command, freed)`` (True: done)."""
-    processes.child_env(tp)
+    # Over the JAX transport a TP > 1 producer gets one host device beside its mesh, where
+    # it formats the layers its step announces (`JaxTransport.reads_step_memory`).
+    jax_transport = (engine_kwargs or {}).get("transport") == "jax"
+    processes.child_env(tp + int(jax_transport and tp > 1))
 
     from jaxkv import PagedKVCache
     from jaxkv.transfer import TransferEngine

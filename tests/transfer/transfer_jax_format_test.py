@@ -5,6 +5,7 @@ splits, KV heads, layouts, block ratios, MLA, dtypes and partial prefix hits."""
 from __future__ import annotations
 
 import doctest
+import types
 
 from support import bits, meshes, platforms
 
@@ -212,6 +213,62 @@ class PackedFormatterTest(parameterized.TestCase):
         self.assertEqual(int(mask.sum()) // 3, 2 * 1 * 4 * 72)  # K/V x 1 head x page x dim
 
 
+class StepMemoryGuardTest(absltest.TestCase):
+    """When the JAX transport reads a running step's memory, and what happens when that
+    step turns out not to have written the cache in place."""
+
+    def setUp(self):
+        super().setUp()
+        from jaxkv.transfer import jax_transfer_available
+        from jaxkv.transfer._jax_transport import JaxTransport
+
+        if not jax_transfer_available():
+            self.skipTest("this jax has no jax.experimental.transfer")
+        spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="float32", layout="KHTD")
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+        self.cache = PagedKVCache.allocate(spec, tt.NUM_BLOCKS, mesh=mesh)
+        self.entry = types.SimpleNamespace(cache=self.cache, buffers=self.cache.shard_buffers(),
+                                           layer_start=0, in_place=True)
+        self.registry = types.SimpleNamespace(caches=[self.entry], versions=(1,),
+                                              config=EngineConfig(spec, 2))
+        self.transport = JaxTransport("p")
+        self.addCleanup(self.transport.close)
+        self.transport.attach(self.registry)
+
+    def test_reads_step_memory_only_with_a_device_outside_the_mesh(self):
+        self.assertTrue(self.transport.reads_step_memory(self.cache))
+        self.assertNotIn(self.transport.format_device(self.cache), jax.devices()[:2])
+        one = PagedKVCache.allocate(self.cache.spec, tt.NUM_BLOCKS,
+                                    mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
+        self.assertFalse(self.transport.reads_step_memory(one))  # one device: rows instead
+        all_devices = PagedKVCache.allocate(
+            self.cache.spec.replace(num_kv_heads=len(jax.devices())), tt.NUM_BLOCKS,
+            mesh=jax.sharding.Mesh(np.array(jax.devices()), ("tp",)))
+        self.assertFalse(self.transport.reads_step_memory(all_devices))  # nowhere to format
+
+    def test_step_memory_needs_an_in_place_step_and_leaves_the_last_group(self):
+        t = self.transport
+        t._step_versions["r"] = (1,)
+        self.assertIsNotNone(t._step_memory("r", (0, 2)))
+        self.assertIsNone(t._step_memory("r", (2, 4)))  # the last layer: the step's output
+        self.registry.versions = (2,)  # another step's output was handed over since
+        self.assertIsNone(t._step_memory("r", (0, 2)))
+        self.registry.versions = (1,)
+        self.entry.in_place = False  # no step was seen writing the cache in place yet
+        self.assertIsNone(t._step_memory("r", (0, 2)))
+
+    def test_a_step_that_moved_the_cache_fails_the_read(self):
+        t = self.transport
+        t._step_versions["r"] = (1,)
+        t._step_memory("r", (0, 2))
+        t._check_in_place("r")  # unmoved: nothing to say
+        self.entry.buffers = PagedKVCache.allocate(
+            self.cache.spec, tt.NUM_BLOCKS, mesh=self.cache.sharding.mesh).shard_buffers()
+        with self.assertRaisesRegex(fmt.FormatError, "did not update the cache in place"):
+            t._check_in_place("r")
+
+
 class FormatterTest(parameterized.TestCase):
     def check(self, caches, c_cfg, g, local_ids, first_token):
         ids = np.asarray(local_ids)
@@ -321,6 +378,51 @@ class FormatterTest(parameterized.TestCase):
                                  fmt.rank_devices(producers[0], p_cfg, 0), (0, 5))
             else:
                 raise fmt.FormatError("span pipeline stages")
+
+    @parameterized.parameters(
+        # (p_tp, p_layout, c_layout, heads, p_pp, mla, dtype, hit)
+        (2, "LKHTD", "HTD", 4, 1, False, "bfloat16", 0),
+        (2, "KHTD", "LKHTD", 4, 1, False, "float32", 1),
+        (2, "HTD", "KTHD", 2, 2, False, "bfloat16", 0),
+        (4, "LKTHD", "THD", 4, 1, False, "float16", 2),
+        (2, "KTHD", "LKHTD", 4, 2, False, "float32", 0),
+        (2, "", "", 1, 1, True, "bfloat16", 1),
+    )
+    def test_layer_groups_from_shard_memory(self, p_tp, p_layout, c_layout, heads, p_pp, mla,
+                                            dtype, hit):
+        """A layer group gathered from the producer shards' memory (`gather_layer_rows`,
+        what the JAX transport reads while a step writes the cache in place) and formatted on
+        a device outside the producer's mesh is the group `split_layers` formats from the
+        cache, bit for bit, on that device."""
+        from jaxkv.transfer._jax_transport import gather_layer_rows
+
+        p_spec, c_spec = _specs(heads, p_layout, c_layout, 1, mla, dtype)
+        p_cfg, c_cfg = EngineConfig(p_spec, p_tp, p_pp), EngineConfig(c_spec, 1, 1)
+        local_ids = tt.LOCAL_IDS[: len(tt.REMOTE_IDS) - hit]
+        g = tt.global_cache(p_spec, len(tt.REMOTE_IDS) * p_spec.block_size, seed=tt.G_SEED)
+        tail = fmt.remote_tail(c_cfg, p_cfg, len(local_ids), tt.REMOTE_IDS)
+        devices = jax.devices()
+        outside = devices[-1]
+        mesh = jax.sharding.Mesh(np.array(devices[:p_tp]), ("tp",))
+        for pp in range(p_pp):
+            producer = PagedKVCache.from_arrays(
+                p_cfg.local_spec(pp), tt.global_arrays(p_cfg, pp, g, tt.REMOTE_IDS,
+                                                       tt.NUM_BLOCKS), mesh=mesh)
+            entry = types.SimpleNamespace(cache=producer, layer_start=p_cfg.layer_range(pp)[0])
+            ranks = fmt.rank_devices(producer, p_cfg, pp)
+            l0, l1 = p_cfg.layer_range(pp)
+            for a in range(l0, l1, 2):
+                layers = (a, min(a + 2, l1))
+                want = fmt.split_layers(producer, p_cfg, c_cfg, tail, ranks, layers)
+                rows = gather_layer_rows(entry, producer.shard_buffers(), tail, layers)
+                got = fmt.split_layers(producer, p_cfg, c_cfg, tail, ranks, layers,
+                                       rows=rows, place=outside)
+                self.assertEqual(sorted(got), sorted(want))
+                for key, buffer in got.items():
+                    self.assertEqual(buffer.devices(), {outside})
+                    np.testing.assert_array_equal(bits.bits(np.asarray(buffer)),
+                                                  bits.bits(np.asarray(want[key])),
+                                                  err_msg=f"{key}, layers {layers}")
 
     def test_nan_payloads_survive(self):
         # random bits hold NaNs with payloads; XLA's float moves may canonicalize them

@@ -25,6 +25,7 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 import re  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
+from unittest import mock  # noqa: E402
 
 from support import bits, layerwise, meshes, platforms, processes  # noqa: E402
 
@@ -181,11 +182,14 @@ class LayeredLoweringTest(parameterized.TestCase):
         # layer's rows too (its worker formats and offers them while the step runs), with
         # the same compiled shape. Control: the same step of a NIXL engine that reads the
         # cache directly carries no rows (handle, ids, stop and the token only). A cache
-        # over several XLA:CPU devices carries none either (warned): no pull of their
-        # buffers completes before the step ends, the rows would only lengthen it.
+        # over several XLA:CPU devices carries none either: the transport gathers the
+        # announced layers from the step's memory and formats them on a device outside the
+        # mesh (no pull of the mesh's buffers completes before the step ends); without such
+        # a device it warns and formats them after the step.
         from jaxkv import EngineConfig
         from jaxkv.transfer import jax_transfer_available
         from jaxkv.transfer._engine import KVTransferEngine
+        from jaxkv.transfer._jax_transport import JaxTransport
 
         if not jax_transfer_available():
             self.skipTest("this jax has no jax.experimental.transfer")
@@ -194,13 +198,16 @@ class LayeredLoweringTest(parameterized.TestCase):
         args = (cache, np.asarray(REMOTE_IDS, np.int32), np.int32(1), np.uint32(SEED))
         with KVTransferEngine("prefill", EngineConfig(spec, tp), transport="jax") as engine:
             engine.register_cache(cache)
-            if tp == 1:
-                text = tt.make_layered_prefill_step(engine, 10).lower(*args).compile().as_text()
-            else:
-                with self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
-                    text = tt.make_layered_prefill_step(engine, 10).lower(
+            text = tt.make_layered_prefill_step(engine, 10).lower(*args).compile().as_text()
+            if tp > 1:
+                with mock.patch.object(JaxTransport, "format_device", return_value=None), \
+                        self.assertLogs("jaxkv.transfer._jit", "WARNING") as logs:
+                    alone = tt.make_layered_prefill_step(engine, 10).lower(
                         *args).compile().as_text()
-                self.assertIn("spans several XLA:CPU devices", logs.output[0])
+                self.assertIn("no other XLA:CPU device", logs.output[0])
+                self.assertEqual(cache_copies(alone, cache), [])
+                self.assertEqual([len(s) for s in callback_operand_shapes(alone)],
+                                 [4] * spec.num_layers)
         if tp == 1:
             self.assert_rows_chain(text, cache)
         else:
@@ -336,19 +343,25 @@ def path_available(mode: str) -> bool:
 
 class _Paths(tt.TransferTestBase):
     def warm_up(self, conn, engine, held=0):
-        """One request through a producer process and `engine` first, read as the test
+        """Two requests through a producer process and `engine` first, read as the test
         reads (the last ``len(LOCAL_IDS) - held`` blocks): the JAX transport compiles each
         geometry's formatting program on both sides at its first use (as a server's warm-up
-        does)."""
-        params, handle = self.call(conn, "pin", "req-warm-up", REMOTE_IDS)
-        engine.start_read(params, LOCAL_IDS[held:])
-        # other values than the test's request: its read must overwrite every byte
-        conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED + 1))
-        self.assertEqual(self.wait(engine, ["req-warm-up"]), (["req-warm-up"], []))
-        if not conn.poll(WAIT_S):
-            raise TimeoutError("the producer's step did not return")
-        conn.recv()
-        self.assert_freed(conn, "req-warm-up")
+        does); a producer over several CPU devices formats a step's layers on another
+        device only once a step updated its cache in place (the second)."""
+        for round_ in range(2):
+            request = f"req-warm-up-{round_}"
+            params, handle = self.call(conn, "pin", request, REMOTE_IDS)
+            engine.start_read(params, LOCAL_IDS[held:])
+            # other values than the test's request: its read must overwrite every byte
+            conn.send(("prefill", handle, np.asarray(REMOTE_IDS, np.int32), SEED + 1))
+            self.assertEqual(self.wait(engine, [request]), ([request], []))
+            if not conn.poll(WAIT_S):
+                raise TimeoutError("the producer's step did not return")
+            conn.recv()
+            deadline = time.monotonic() + WAIT_S
+            while (state := self.call(conn, "state"))[1][-1:] != [request]:
+                self.assertLess(time.monotonic(), deadline, f"{request} was never freed")
+            self.assertEqual(state[0], 0)  # nothing pinned
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -369,8 +382,8 @@ class LayeredTransferTest(_Paths):
         ("KHTD", 1, 4 * ITERS, "jax"), ("HTD", 2, ITERS, "jax"),
         # the consumer holds the request's first 2 blocks (a prefix-cache hit) and reads
         # the rest: over the JAX transport the groups are formatted from the tail of the
-        # rows the step's announcements carried (one device; over two CPU devices the step
-        # takes no rows and the groups are formatted from the cache after it)
+        # rows the step's announcements carried (one device), or of the blocks gathered
+        # from the step's memory (two CPU devices: the step takes no rows)
         ("KHTD", 2, ITERS, "jax", 2), ("LKHTD", 1, 4 * ITERS, "jax", 2),
         ("KHTD", 2, ITERS, "direct", 2), ("KHTD", 2, ITERS, "staged", 2),
         # formatted: the producer gathers each announced layer's share from the registered
@@ -415,12 +428,9 @@ class LayeredTransferTest(_Paths):
         self.assertEqual(sorted(arrival), list(range(spec.num_layers)))
         if mode in ("direct", "formatted"):
             self.assertEqual(engine.stats.records[-1].path, mode)
-        if mode != "jax" or p_tp == 1:
-            self.assertLess(arrival[0], step_end)  # read while the producer was computing
-        # (JAX transport, a producer over several CPU devices: no pull of their buffers
-        # completes before the step ends, so the step takes no rows and the groups are
-        # formatted from the cache after it; bytes, order and announcements are checked all
-        # the same.)
+        # read while the producer was computing (JAX transport, a producer over two CPU
+        # devices: its groups gathered from the step's memory and formatted on a third)
+        self.assertLess(arrival[0], step_end)
         self.assertEqual(progress, sorted(progress))
         for layer in range(spec.num_layers):  # never before it was announced
             self.assertGreaterEqual(arrival[layer], times[layer])
@@ -499,14 +509,20 @@ class LayeredFailureTest(_Paths):
         return dict(spec_kwargs("LKHTD"), num_layers=self.NUM_LAYERS)
 
     def start(self, mode, **kwargs):
+        # "jax_tp2": the JAX transport from a producer over two CPU devices, which gathers
+        # the announced layers from the step's memory (once a step updated its cache in
+        # place: "warm") and formats them on a third device
+        tp, mode = (2, "jax") if mode == "jax_tp2" else (1, mode)
         if not path_available(mode):
             self.skipTest(f"{mode} is not available")
         process, conn = processes.spawn(
-            layerwise.gated_producer_main, self.spec_kwargs(), 1, NUM_BLOCKS, ITERS // 4,
+            layerwise.gated_producer_main, self.spec_kwargs(), tp, NUM_BLOCKS, ITERS // 4,
             engine_kwargs(mode), *[kwargs.get(k) for k in ("announce",)],
             kwargs.get("group", 1), kwargs.get("gate_after"))
         self._children.append((process, conn))
         self.ready(conn)
+        if tp > 1:
+            self.call(conn, "warm")
         params, handle = self.call(conn, "pin", "req", REMOTE_IDS)
         spec = KVCacheSpec(**self.spec_kwargs())
         engine, _, _ = self.consumer(spec, 1, read_timeout_s=4.0, **consumer_kwargs(mode))
@@ -542,7 +558,7 @@ class LayeredFailureTest(_Paths):
     def fresh():
         return {"finished": [], "failed": [], "progress": 0}  # progress: most layers landed
 
-    @parameterized.parameters("direct", "formatted", "staged", "jax")
+    @parameterized.parameters("direct", "formatted", "staged", "jax", "jax_tp2")
     def test_unannounced_layers_are_never_read(self, mode):
         # The step announces layers 0-1 (two per announcement: layer_start=0) and writes all
         # four; 2-3 are announced only later, outside jit.
@@ -565,7 +581,7 @@ class LayeredFailureTest(_Paths):
         (publication,) = self.call(conn, "publications")
         self.assertEqual([stop for stop, _ in publication.layers], [2, spec.num_layers])
 
-    @parameterized.parameters("direct", "formatted", "staged", "jax")
+    @parameterized.parameters("direct", "formatted", "staged", "jax", "jax_tp2")
     def test_producer_killed_between_layers(self, mode):
         # The step holds after announcing layers 0-1; the producer dies there.
         process, conn, handle, engine, spec = self.start(mode, gate_after=1)
@@ -582,7 +598,7 @@ class LayeredFailureTest(_Paths):
         self.check_layers(engine, spec, 2)
         self.assertEqual(engine.num_reading, 0)
 
-    @parameterized.parameters("direct", "formatted", "staged", "jax")
+    @parameterized.parameters("direct", "formatted", "staged", "jax", "jax_tp2")
     def test_abort_between_layers(self, mode):
         # The producer aborts the request while the step holds after layers 0-1: the later
         # announcements are refused (status 0), nothing more is announced or read.
