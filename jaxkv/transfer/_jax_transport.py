@@ -580,7 +580,7 @@ def gather_layer_rows(entry: Any, buffers: Sequence[Any], block_ids: Sequence[in
             continue
         dtype = np.dtype(f"u{np.dtype(array.dtype).itemsize}")
         shape = [len(ids), *array.shape[1:]]
-        if window is not None:
+        if window is not None and layer_axis is not None:
             shape[layer_axis] = hi - lo
         rows = np.empty(shape, dtype)
         where = array.sharding.devices_indices_map(tuple(array.shape))
