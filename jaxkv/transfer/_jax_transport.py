@@ -632,7 +632,9 @@ class JaxTransport:
     formats each group whose layers are all announced from those rows and offers it, while
     the step computes the later layers (no JAX runs in the step's callback; on XLA:CPU the
     worker's programs run beside the step). The rows are kept until every subscriber was
-    served (or the request is freed).
+    served (or the request is freed). A cache over several XLA:CPU devices takes no rows: the
+    worker gathers the groups from the memory the step writes in place and formats them on a
+    host device outside the step's mesh (`reads_step_memory`).
 
     Args:
       endpoint: this process's unique name.
