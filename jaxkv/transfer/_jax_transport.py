@@ -482,6 +482,13 @@ class _Want:
     # (`layer_groups`) and how many of them were offered (or are not this process's)
     groups: tuple[tuple[int, int], ...] | None = None
     offered: int = 0
+    consumer: Any = None  # the consumer's EngineConfig (`_consumer_config`), once made
+
+    def waits_for(self, stop: int) -> bool:
+        """Whether a layer-wise subscription's next group is not written yet (layers
+        ``[0, stop)`` are): nothing to offer it until more layers are published."""
+        return (self.groups is not None and self.offered < len(self.groups)
+                and self.groups[self.offered][1] > stop)
 
 
 @dataclasses.dataclass
@@ -846,12 +853,16 @@ class JaxTransport:
         return out
 
     def _ready(self, request_id: str) -> bool:
-        """Whether a published request has a subscriber this process can offer more to now."""
+        """Whether a published request has a subscriber this process can offer more to now
+        (a layer-wise one: whose next group's layers are all published; the engine polls
+        this every few milliseconds while a step announces layers, so it stays cheap)."""
         published = self._published.get(request_id)
         if published is None:
             return False
-        complete = published[2] >= self.registry.config.spec.num_layers
-        return any(not w.served and (complete or w.message.layer_group_bytes > 0)
+        stop = published[2]
+        complete = stop >= self.registry.config.spec.num_layers
+        return any(not w.served and (complete or w.message.layer_group_bytes > 0
+                                     and not w.waits_for(stop))
                    for w in self._wants.get(request_id, {}).values())
 
     def _serve(self, request_id: str, in_step: bool = False) -> None:
@@ -912,8 +923,12 @@ class JaxTransport:
         message = want.message
         if want.groups is None:
             want.groups = self._request_groups(message)
+        if want.waits_for(stop):
+            return False  # later layers are not written yet
         producer = self.registry.config
-        consumer = self._consumer_config(message)
+        if want.consumer is None:
+            want.consumer = self._consumer_config(message)
+        consumer = want.consumer
         wanted = set(message.ranks)
         if message.num_blocks < 0 or message.num_blocks > len(block_ids):
             raise FormatError(f"the consumer reads {message.num_blocks} of the request's "

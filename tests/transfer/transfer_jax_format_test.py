@@ -258,6 +258,20 @@ class StepMemoryGuardTest(absltest.TestCase):
         self.entry.in_place = False  # no step was seen writing the cache in place yet
         self.assertIsNone(t._step_memory("r", (0, 2)))
 
+    def test_a_subscription_waiting_for_layers_is_not_served(self):
+        # The engine polls `serve` every few milliseconds while a step announces layers: a
+        # layer-wise subscription is ready only once its next group's layers are published.
+        from jaxkv.transfer._jax_transport import _Want
+
+        t = self.transport
+        want = _Want(types.SimpleNamespace(layer_group_bytes=1), groups=((0, 2), (2, 4)))
+        t._wants["r"] = {("c", "r", 0): want}
+        for stop, offered, ready in ((1, 0, False), (2, 0, True), (2, 1, False),
+                                     (3, 1, False), (4, 1, True)):
+            t._published["r"] = ((1, 2), 30.0, stop)
+            want.offered = offered
+            self.assertEqual(t._ready("r"), ready, (stop, offered))
+
     def test_a_step_that_moved_the_cache_fails_the_read(self):
         t = self.transport
         t._step_versions["r"] = (1,)
