@@ -595,7 +595,7 @@ def gather_layer_rows(entry: Any, buffers: Sequence[Any], block_ids: Sequence[in
             if buffer.array_index != index:
                 continue
             place = where[buffer.device]
-            shard = [len(range(*s.indices(n))) for s, n in zip(place, array.shape)]
+            shard = array.sharding.shard_shape(tuple(array.shape))
             if int(np.prod(shard)) * dtype.itemsize != buffer.nbytes:
                 raise FormatError(f"array {index}'s buffer on {buffer.device} holds "
                                   f"{buffer.nbytes} bytes, its shard {shard} "
@@ -987,14 +987,14 @@ class JaxTransport:
         group can be gathered from the memory of the step that consumed the cache and
         announced its layers (`reads_step_memory`), and the last step handed to
         `update_cache` wrote the cache in place (`Registered.in_place`: else the memory may
-        be freed once the step ends), else None. The group of the last layer never is: it
-        waits for the step's output, so that `_check_in_place` runs before a read can
-        complete."""
+        be freed once the step ends), else None. The group of the cache's last layer never
+        is (with pipeline stages: this stage's last layer): it waits for the step's output,
+        so that `_check_in_place` runs before a read can complete."""
         caches = self.registry.caches
         if (request_id not in self._step_versions or len(caches) != 1
                 or not caches[0].in_place
                 or self._step_versions[request_id] != self.registry.versions
-                or layers[1] >= self.registry.config.spec.num_layers):
+                or layers[1] >= caches[0].layer_stop):
             return None
         entry = caches[0]
         buffers = tuple(entry.buffers)

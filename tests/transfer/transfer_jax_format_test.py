@@ -229,7 +229,7 @@ class StepMemoryGuardTest(absltest.TestCase):
         mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
         self.cache = PagedKVCache.allocate(spec, tt.NUM_BLOCKS, mesh=mesh)
         self.entry = types.SimpleNamespace(cache=self.cache, buffers=self.cache.shard_buffers(),
-                                           layer_start=0, in_place=True)
+                                           layer_start=0, layer_stop=4, in_place=True)
         self.registry = types.SimpleNamespace(caches=[self.entry], versions=(1,),
                                               config=EngineConfig(spec, 2))
         self.transport = JaxTransport("p")
@@ -252,6 +252,9 @@ class StepMemoryGuardTest(absltest.TestCase):
         t._step_versions["r"] = (1,)
         self.assertIsNotNone(t._step_memory("r", (0, 2)))
         self.assertIsNone(t._step_memory("r", (2, 4)))  # the last layer: the step's output
+        self.entry.layer_stop = 2  # a pipeline stage of layers [0, 2): its last layer too
+        self.assertIsNone(t._step_memory("r", (0, 2)))
+        self.entry.layer_stop = 4
         self.registry.versions = (2,)  # another step's output was handed over since
         self.assertIsNone(t._step_memory("r", (0, 2)))
         self.registry.versions = (1,)
