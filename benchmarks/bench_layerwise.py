@@ -14,7 +14,11 @@ mode, registered the same way as its producer).
 The JAX transport takes each announced layer's rows too: the callback hands them to the
 transport, whose worker thread formats (gathers and splits) each layer group with JAX ops and
 offers it while the step computes the later layers (the consumer pulls each group, here one
-4 MiB layer, as it is offered). ``jax_loop`` is what a user of the JAX transport had before:
+4 MiB layer, as it is offered). ``jax_tp2``: the same over the JAX transport from a TP 2
+producer (the cache's heads split over two XLA:CPU devices, one program per step, as the
+demo's prefill; read by a TP 1 consumer): its step carries no rows, the transport's worker
+gathers each announced layer from the cache's memory while the step runs and formats it on a
+third host device. ``jax_loop`` is what a user of the JAX transport had before:
 the same layers as a Python loop of one jitted call per layer, the producer calling
 `update_cache`, `publish_layers` and `poll` after each.
 
@@ -25,10 +29,10 @@ Contenders, alternating round by round (the machine is shared):
   once, with `publish_in_jit` after the last layer (what a user without pipelining picks;
   staged, the copy to the mirror happens after the step, at `update_cache`; JAX, the request
   is formatted at the first poll after the step);
-* ``direct_one_layer`` / ``staged_one_layer`` / ``jax_one_layer``: one layer's transfer alone,
-  outside any step: the producer announces layer 0 with `publish_layers` (staged: after
-  copying it to the mirror; JAX: formatted and offered at its next poll) while nothing
-  computes; time from the announcement to its arrival (the consumer's
+* ``direct_one_layer`` / ``staged_one_layer`` / ``jax_one_layer`` / ``jax_tp2_one_layer``:
+  one layer's transfer alone, outside any step: the producer announces layer 0 with
+  `publish_layers` (staged: after copying it to the mirror; JAX: formatted and offered at its
+  next poll) while nothing computes; time from the announcement to its arrival (the consumer's
   `TransferRecord.layer_arrival`). This is "the wire time of one layer" of the targets;
 * ``jax_loop``: the JAX transport's layer-wise loop (above).
 
@@ -39,7 +43,11 @@ Reported per contender (medians over rounds; wall clocks of both processes, one 
 ``finished_after_end_ms`` (the consumer's poll reported the read finished, confirmations and
 staging to the device included), ``first_announced_pct`` (the producer's first announcement,
 % of the step), ``step_ms``; ``last_vs_one_layer``: last_after_end over the same mode's
-one-layer time (targets: first_pct < 60, last_vs_one_layer <= 1.2); and
+one-layer time (targets: first_pct < 60, last_vs_one_layer <= 1.2);
+``step_cpu_ms`` / ``step_idle_ms`` (the producer's CPU time during the step, all threads, and
+the step's wall time minus it: pinned to one core, a transfer's work inside the step adds to
+the first, waits to the second) and ``step_thread_cpu_ms`` (that CPU time per thread name:
+what the step's compute threads and the transfer's threads each took); and
 ``finished_sooner_than_whole_ms``: how much sooner after the step the layer-wise read finished
 than the whole-request one; ``finished_after_start_vs_whole``: step start -> read finished,
 layer-wise over whole (median of per-round ratios; < 1: layer-wise finishes sooner).
@@ -66,13 +74,27 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 
 import numpy as np  # noqa: E402
 
-MODES = ("direct", "staged", "jax")
+MODES = ("direct", "staged", "jax", "jax_tp2")
+PRODUCER_DEVICES = 3  # jax_tp2's mesh of two devices and the host device it formats on
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 
 
 def _spec_kwargs(layers: int) -> dict:
     return dict(num_layers=layers, num_kv_heads=HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
                 dtype="bfloat16", layout="LKHTD")
+
+
+def _write(array, ids, layer: int, kv):
+    """``array.at[ids, layer].set(kv)`` on the raw bits: XLA:CPU lowers a bfloat16 scatter as
+    a convert of the whole cache to float32 and back (measured here: ~16 ms per layer on the
+    34 MB cache, more once announcements keep XLA from merging the layers' converts), which
+    would stand in for the step's compute."""
+    import jax
+    import jax.numpy as jnp
+
+    bits = jax.lax.bitcast_convert_type(array, jnp.uint16).at[ids, layer].set(
+        jax.lax.bitcast_convert_type(kv, jnp.uint16))
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def _make_step(engine, layers: int, blocks: int, width: int, matmuls: int, whole: bool):
@@ -99,7 +121,7 @@ def _make_step(engine, layers: int, blocks: int, width: int, matmuls: int, whole
             kv = (h @ project[layer]).astype(jnp.bfloat16)  # [tokens, 2 * H * D]
             kv = kv.reshape(blocks, BLOCK, 2, HEADS, HEAD_DIM).transpose(0, 2, 3, 1, 4)
             (array,) = cache.arrays
-            cache = jax.tree.unflatten(jax.tree.structure(cache), [array.at[ids, layer].set(kv)])
+            cache = jax.tree.unflatten(jax.tree.structure(cache), [_write(array, ids, layer, kv)])
             x = h
             if not whole:
                 x, status = publish_layer_in_jit(engine, handle, ids, cache, layer + 1, x)
@@ -138,11 +160,7 @@ def _make_loop(engine, layers: int, blocks: int, width: int, matmuls: int, whole
         kv = (h @ proj).astype(jnp.bfloat16)
         kv = kv.reshape(blocks, BLOCK, 2, HEADS, HEAD_DIM).transpose(0, 2, 3, 1, 4)
         (array,) = cache.arrays
-        # as raw bits: XLA:CPU lowers a bfloat16 scatter as a convert of the whole cache
-        bits = jax.lax.bitcast_convert_type(array, jnp.uint16).at[ids, layer].set(
-            jax.lax.bitcast_convert_type(kv, jnp.uint16))
-        array = jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-        cache = jax.tree.unflatten(jax.tree.structure(cache), [array])
+        cache = jax.tree.unflatten(jax.tree.structure(cache), [_write(array, ids, layer, kv)])
         return cache, h
 
     x0 = jnp.ones((tokens, width), jnp.float32)
@@ -180,23 +198,64 @@ def _pin(cpus: list[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, summed per thread name
+    (Linux /proc; empty elsewhere). XLA's compute threads and the transfer server's have their
+    own names; Python threads (the engine's worker) are named as Python names them."""
+    import threading
+
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    # Python threads by their Python names (the OS knows them by the process's)
+    python_names = {t.native_id: t.name.rstrip("_0123456789") for t in threading.enumerate()}
+    totals: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return totals
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = python_names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        # fields[11], [12]: utime, stime (fields 14 and 15 of proc(5), counted from the state)
+        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return totals
+
+
+def _progress_option(interval_ms: float | None) -> dict:
+    """The producer engines' `progress_interval_s` (None: the engine's default; 0: no
+    background progress thread)."""
+    if interval_ms is None:
+        return {}
+    return {"progress_interval_s": interval_ms / 1e3 if interval_ms > 0 else None}
+
+
 def producer_main(conn, args: dict) -> None:
     _pin(args["producer_cpus"])
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PRODUCER_DEVICES}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
+    from jax.sharding import Mesh
 
     from jaxkv import EngineConfig, KVCacheSpec, PagedKVCache
     from jaxkv.transfer import TransferEngine
 
     spec = KVCacheSpec(**_spec_kwargs(args["layers"]))
-    config = EngineConfig(spec, 1)
     engines, steps = {}, {}
     ids = np.arange(1, args["blocks"] + 1, dtype=np.int32)
-    for mode in MODES:
-        engine = TransferEngine(f"prefill-{mode}", config, host_staging=mode == "staged",
-                                lease_s=60.0, transport="jax" if mode == "jax" else "nixl")
-        engine.register_cache(PagedKVCache.allocate(spec, args["blocks"] + 1))
+    for mode in args["modes"]:
+        # jax_tp2: a TP 2 producer (heads split over two devices, one program per step, as
+        # the demo's prefill), which leaves the third device to format on (the engine finds it)
+        tp = 2 if mode == "jax_tp2" else 1
+        engine = TransferEngine(f"prefill-{mode}", EngineConfig(spec, tp),
+                                host_staging=mode == "staged", lease_s=60.0,
+                                **_progress_option(args["producer_progress_interval_ms"]),
+                                transport="nixl" if mode in ("direct", "staged") else "jax")
+        mesh = Mesh(np.array(jax.devices()[:2]), ("tp",)) if tp == 2 else None
+        engine.register_cache(PagedKVCache.allocate(spec, args["blocks"] + 1, mesh=mesh))
         engines[mode] = engine
         for whole in (False, True):
             step, x = _make_step(engine, args["layers"], args["blocks"], args["width"],
@@ -206,7 +265,7 @@ def producer_main(conn, args: dict) -> None:
         if mode == "jax":  # the loop of jitted layers (see above)
             loops = {whole: _make_loop(engine, args["layers"], args["blocks"], args["width"],
                                        args["matmuls"], whole) for whole in (False, True)}
-    conn.send({m: e.addresses for m, e in engines.items()})
+    conn.send(os.getpid())
     while True:
         if conn.poll(0.0002):
             command = conn.recv()
@@ -218,16 +277,20 @@ def producer_main(conn, args: dict) -> None:
                 params = engine.publish_request(request_id, ids.tolist(), layerwise=True)
                 conn.send((params, engine.handle(request_id)))
             elif command[0] == "step" and mode == "jax" and command[4] == "loop":
-                conn.send(loops[command[3]](request_id, ids))
+                conn.send((*loops[command[3]](request_id, ids), None, None))
             elif command[0] == "step":
                 compiled, x = steps[mode, command[3]]
                 args_ = (engine.caches[0], ids, np.int32(engine.handle(request_id)), x)
+                threads_before, cpu_before = _thread_cpu_s(), time.process_time()
                 start = time.time()
                 cache, statuses, out = compiled(*args_)
                 jax.block_until_ready((cache, statuses, out))
                 end = time.time()
+                cpu = time.process_time() - cpu_before
+                threads = {name: seconds - threads_before.get(name, 0.0)
+                           for name, seconds in _thread_cpu_s().items()}
                 engine.update_cache(cache)  # staged whole: the copy to the mirror is here
-                conn.send((np.asarray(statuses).tolist(), start, end))
+                conn.send((np.asarray(statuses).tolist(), start, end, cpu, threads))
             elif command[0] == "publish":
                 engine.publish_layers(request_id, command[3])
                 conn.send(None)
@@ -268,17 +331,26 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--matmuls", type=int, default=6, help="per layer (its compute)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated subset of " + ", ".join(MODES))
+    parser.add_argument("--producer_progress_interval_ms", type=float, default=None,
+                        help="the producer engines' background progress interval (default: "
+                             "the engine's; 0: no progress thread, only the step's callbacks "
+                             "and the producer's polls between steps progress)")
     parser.add_argument("--json_out", default=None)
     parser.add_argument("--pin_cpus", type=int, default=1,
                         help="1: the producer on CPU 0, the consumer on the others (default "
                              "where there are two or more); 0: anywhere")
     args = parser.parse_args()
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or set(args.modes) - set(MODES):
+        parser.error(f"--modes takes a subset of {', '.join(MODES)}, got {args.modes}")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin = bool(args.pin_cpus) and len(cpus) >= 2
     args.producer_cpus = cpus[:1] if pin else None
     args.consumer_cpus = cpus[1:] if pin else None
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the consumers: TP 1 each (jax_tp2 reads TP 2 -> 1)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax
     from _timing import write_json
@@ -293,13 +365,13 @@ def main() -> None:
     process.start()
     if not conn.poll(600):
         raise TimeoutError("the producer did not start")
-    conn.recv()  # the producers' addresses (they travel in the params)
+    print(f"producer pid {conn.recv()}", flush=True)
     spec = KVCacheSpec(**_spec_kwargs(args.layers))
     consumers = {}
-    for mode in MODES:
+    for mode in args.modes:
         engine = TransferEngine(f"decode-{mode}", EngineConfig(spec, 1),
                                 host_staging=mode == "staged",
-                                transport="jax" if mode == "jax" else "nixl")
+                                transport="nixl" if mode in ("direct", "staged") else "jax")
         engine.register_cache(PagedKVCache.allocate(spec, args.blocks + 1))
         consumers[mode] = engine
     local = list(range(1, args.blocks + 1))
@@ -317,9 +389,15 @@ def main() -> None:
         time.sleep(0.05)  # the subscription reaches the producer before the step
         conn.send(("step", mode, request_id, whole, how))
         finished = _wait_read(engine, request_id)
-        statuses, start, end = _recv(conn)
+        statuses, start, end, cpu, threads = _recv(conn)
         if statuses != [1] * len(statuses):
             raise RuntimeError(f"announcements refused: {statuses}")
+        usage = {} if cpu is None else {
+            # the producer's CPU during the step (one core when pinned: the step's wall time
+            # minus this is time its core idled, e.g. partitions waiting for each other)
+            "step_cpu_ms": 1e3 * cpu, "step_idle_ms": 1e3 * ((end - start) - cpu),
+            "step_thread_cpu_ms": {name: round(1e3 * sec, 1)
+                                   for name, sec in sorted(threads.items()) if sec > 0}}
         record = engine.stats.records[-1]
         arrival = dict(record.layer_arrival)
         step = end - start
@@ -333,7 +411,7 @@ def main() -> None:
                 "finished_after_end_ms": 1e3 * (finished - end),
                 "finished_after_start_ms": 1e3 * (finished - start),
                 "arrival_pct": [round(100 * (arrival[k] - start) / step, 1)
-                                for k in range(args.layers)]}
+                                for k in range(args.layers)], **usage}
 
     def one_layer(mode: str) -> dict:
         nonlocal count
@@ -354,11 +432,12 @@ def main() -> None:
         return {"one_layer_ms": 1e3 * (arrival[0] - announced)}
 
     contenders = {}
-    for mode in MODES:
+    for mode in args.modes:
         contenders[mode] = lambda mode=mode: layered(mode, False)
         contenders[f"{mode}_whole"] = lambda mode=mode: layered(mode, True)
         contenders[f"{mode}_one_layer"] = lambda mode=mode: one_layer(mode)
-    contenders["jax_loop"] = lambda: layered("jax", False, "loop")
+    if "jax" in args.modes:
+        contenders["jax_loop"] = lambda: layered("jax", False, "loop")
     for run in contenders.values():  # warm up: handshakes, first reads
         run()
     for _ in range(args.rounds):
@@ -374,12 +453,18 @@ def main() -> None:
 
     summary: dict[str, dict] = {}
     for name, runs in rows.items():
-        summary[name] = {key: median(name, key) for key in runs[0] if key != "arrival_pct"}
+        summary[name] = {key: median(name, key) for key in runs[0]
+                         if key not in ("arrival_pct", "step_thread_cpu_ms")}
+        if "step_thread_cpu_ms" in runs[0]:  # per thread name, median over rounds
+            names = sorted({n for r in runs for n in r["step_thread_cpu_ms"]})
+            summary[name]["step_thread_cpu_ms"] = {
+                n: round(statistics.median(r["step_thread_cpu_ms"].get(n, 0.0) for r in runs), 1)
+                for n in names}
         if "arrival_pct" in runs[0]:
             summary[name]["arrival_pct_median"] = [
                 round(statistics.median(r["arrival_pct"][k] for r in runs), 1)
                 for k in range(args.layers)]
-    for mode in MODES:
+    for mode in args.modes:
         one = summary[f"{mode}_one_layer"]["one_layer_ms"]
         ratios = [r["last_after_end_ms"] / one for r in rows[mode]]
         summary[mode]["last_vs_one_layer"] = round(statistics.median(ratios), 2)

@@ -890,12 +890,21 @@ class KVTransferEngine:
     def _progress_wanted(self, now: float) -> bool:
         """Whether the background thread should poll at its full rate: this process reads,
         formatted chunks wait for their READs (their slots free only as notifications are
-        polled), or a control message, publication or announcement came within
-        `PROGRESS_ACTIVE_WINDOW_S` (peers act on them: Wants, Formats, READs, Dones)."""
+        polled), or, unless a step holds the registered cache, a control message, publication
+        or announcement came within `PROGRESS_ACTIVE_WINDOW_S` (peers act on them: Wants,
+        Formats, READs, Dones)."""
         producer = self.producer
+        if self.consumer.reading or producer.serving_chunks:
+            return True
+        if any(entry.consumed for entry in self._registry.caches):
+            # A step holds the registered cache: each of its announcements' callbacks handles
+            # the messages and progresses the transport itself, and where the step shares
+            # this thread's core every wake-up lengthens it (benchmarks/bench_layerwise.py:
+            # polling at the full rate through a layer-wise step of ~150 ms cost it 20-50 ms
+            # on one core). Back off until the step's output is handed over.
+            return False
         recent = max(self._last_message, producer.last_announced)
-        return (bool(self.consumer.reading) or producer.serving_chunks
-                or now - recent < PROGRESS_ACTIVE_WINDOW_S)
+        return now - recent < PROGRESS_ACTIVE_WINDOW_S
 
     # -- internals kept for tests and benchmarks ------------------------------------------
 

@@ -1,7 +1,8 @@
 """The background progress thread (`progress_interval_s`, `progress_idle_s`): full rate while
 something happens, backed off while a request is only pinned (a layer-wise request whose
 prefill step computes for seconds: a poll every millisecond took 2-4% of a CPU-bound step on
-the same core), and back at once when a layer is announced."""
+the same core) and while a step holds the registered cache (its announcements' callbacks
+progress the engine), and back at once when a layer is announced."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 import doctest  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from unittest import mock  # noqa: E402
 
 from support import platforms  # noqa: E402
 
@@ -110,6 +112,28 @@ class ProgressThreadTest(tt.TransferTestBase):
         # thread is back at its full rate
         self.assertTrue(woken[long_sleep])
         self.assertEqual(sleeps[long_sleep + 1], 0.001)
+
+    def test_backs_off_while_a_step_holds_the_cache(self):
+        # A layer-wise step's announcements keep progress wanted (the active window, made
+        # long here); while the step holds the registered cache its callbacks progress the
+        # engine, so the thread backs off, and it is back at its full rate once the step's
+        # output is handed over.
+        import jax
+
+        window = mock.patch.object(_engine, "PROGRESS_ACTIVE_WINDOW_S", 600.0)
+        window.start()
+        self.addCleanup(window.stop)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=0.05)
+        sleeps = event.sleeps
+        engine.publish_request("req", [0, 1, 2], layerwise=True)
+        engine.publish_layers("req", 1)
+        self.wait_for(lambda: sleeps[-5:] == [0.001] * 5, "five sleeps at the full rate")
+        step = jax.jit(lambda cache: cache, donate_argnums=0)
+        output = step(engine.caches[0])  # the step consumed the registered cache
+        self.wait_for(lambda: sleeps[-3:] == [0.05] * 3, "three idle sleeps during the step")
+        engine.update_cache(output)
+        self.wait_for(lambda: sleeps[-5:] == [0.001] * 5, "the full rate after the step")
 
     def test_never_backs_off_without_an_idle_interval(self):
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.01,
