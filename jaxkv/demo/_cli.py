@@ -72,6 +72,12 @@ flags.DEFINE_float(
     "message or a read (shorter answers sooner; each poll costs CPU the steps share).",
 )
 flags.DEFINE_bool(
+    "warm_up_reads", True,
+    "Before the timed requests, serve one throwaway request per transfer mode (whole, "
+    "layer-wise) through both engines, so that compiling the formatting programs is not "
+    "counted in the first requests' TTFT (the demo's own decode loop).",
+)
+flags.DEFINE_bool(
     "pin_cpus", False,
     "Run the prefill process on the first half of the CPUs and the decode process on the "
     "rest, as on two machines (one prefill process).",
@@ -237,6 +243,7 @@ def main(argv) -> int:
             kill_prefill_after=FLAGS.kill_prefill_after, read_timeout_s=FLAGS.read_timeout_s,
             timeout_s=FLAGS.timeout_s, poll_during_steps=FLAGS.poll_during_steps,
             poll_interval_s=FLAGS.poll_interval_ms / 1e3, pin_cpus=FLAGS.pin_cpus,
+            warm_up_reads=FLAGS.warm_up_reads,
             nixl_progress_thread=FLAGS.nixl_progress_thread,
             prefill_processes=FLAGS.prefill_processes, auth_key_file=FLAGS.auth_key_file,
             layerwise=FLAGS.layerwise, layerwise_ab=FLAGS.layerwise_ab,

@@ -101,6 +101,12 @@ class DemoSettings:
     # the prefill process on the first half of this process's CPUs, the decode process on
     # the rest (as on two machines: neither side's work takes CPU from the other's steps)
     pin_cpus: bool = False
+    # before the timed requests, one throwaway request per transfer mode the run uses goes
+    # through both engines: the first read of a geometry compiles the producer's and the
+    # consumer's formatting programs (the JAX transport: ~250 ms layer-wise, 1.2-1.4 s whole,
+    # measured in the demo), which a serving deployment pays at start-up, not in a TTFT
+    # (the demo's own decode loop; not with serve_with="vllm-scheduler")
+    warm_up_reads: bool = True
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.max_new_tokens < 1 or self.num_requests < 1:
@@ -851,6 +857,10 @@ def run_disaggregated(
         timings["decode_ready_s"] = time.monotonic() - t_begin
         await_prefill_ready(parent, process, settings.timeout_s)
         timings["prefill_ready_s"] = time.monotonic() - t_begin
+        if settings.warm_up_reads:
+            t0 = time.monotonic()
+            warm_up_reads(settings, parent, process, engine, transfer)
+            timings["warm_up_s"] = time.monotonic() - t0
         prompts = make_prompts(settings)
         t_serve = time.monotonic()
         side = _DemoDecode(settings, engine, transfer)
@@ -873,6 +883,57 @@ def run_disaggregated(
     from jaxkv.demo._report import build_report
 
     return build_report(settings, list(results.values()), reference, alone, stats, timings)
+
+
+def warm_up_prompts(settings: DemoSettings) -> list[list[list[int]]]:
+    """The throwaway prompts of `warm_up_reads`, in rounds: one prompt per transfer mode the
+    run uses (whole and layer-wise with ``layerwise_ab``) of ``prompt_len`` tokens, none
+    sharing the run's prompts' prefix (no timed request gets a prefix-cache hit from them);
+    with a ``shared_prefix_len``, a second round whose prompts share that much of the first
+    round's, so that the reads of a prefix hit (fewer blocks, other programs) are warm too.
+
+    Example:
+      >>> rounds = warm_up_prompts(DemoSettings(prompt_len=8, shared_prefix_len=4,
+      ...                                       layerwise_ab=True))
+      >>> [len(r) for r in rounds], rounds[1][0][:4] == rounds[0][0][:4]
+      ([2, 2], True)
+    """
+    rng = np.random.default_rng(settings.seed + 7919)
+    count = 2 if settings.layerwise_ab else 1
+    first = [rng.integers(0, settings.vocab_size, settings.prompt_len).tolist()
+             for _ in range(count)]
+    if not settings.shared_prefix_len:
+        return [first]
+    rest = settings.prompt_len - settings.shared_prefix_len
+    return [first, [p[:settings.shared_prefix_len] + rng.integers(0, settings.vocab_size,
+                                                                  rest).tolist()
+                    for p in first]]
+
+
+def warm_up_reads(settings: DemoSettings, conn, process, engine: _Engine, transfer) -> int:
+    """Serves `warm_up_prompts` through both engines before the timed requests, round after
+    round (as ``warmup-<i>``: with ``layerwise_ab`` the odd ones are layer-pipelined), with a
+    decode side of its own: prefill, transfer, decode. Returns how many were served.
+
+    Raises:
+      RuntimeError: a warm-up request failed (its error is named).
+    """
+    from jaxkv.demo._router import Router
+
+    rounds = warm_up_prompts(settings)
+    prompts = [p for prompts in rounds for p in prompts]
+    warm = dataclasses.replace(settings, request_interval_s=0.0, kill_prefill_after=0)
+    served = 0
+    for count in (len(r) for r in rounds):
+        ids = [f"warmup-{served + i}" for i in range(count)]
+        results = {rid: RequestResult(rid) for rid in ids}
+        Router(warm, conn, process, prompts, results, {}, None, time.monotonic()).run(
+            _DemoDecode(warm, engine, transfer))
+        failed = [f"{r.request_id}: {r.error}" for r in results.values() if r.status != "done"]
+        if failed:
+            raise RuntimeError("warm-up request failed: " + "; ".join(failed))
+        served += count
+    return served
 
 
 def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> None:

@@ -503,9 +503,7 @@ def split_request(
       FormatError: engines that cannot exchange blocks, an unsupported cache.
       IndexError: a block id out of range.
     """
-    import jax.numpy as jnp
-
-    from jaxkv.ops import gather_blocks, split_for_peers
+    from jaxkv.ops import split_for_peers
 
     check_formattable(cache.spec)
     ids = np.asarray(block_ids, dtype=np.int32).reshape(-1)
@@ -524,20 +522,18 @@ def split_request(
         plan = _plan(canon_p, canon_c, rank)
         out = None
         if staging is not None:
-            out = staging(device, [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))])
+            shapes = [(s, cache.spec.dtype) for s in plan.buffer_shapes(len(ids))]
+            # Without pooled buffers, fresh ones: every request of a geometry then runs the
+            # same program (with `out`), compiled once, not one for the first request and
+            # another for the later ones that reuse the pool's buffers.
+            out = staging(device, shapes) or [
+                jax.device_put(np.zeros(shape, dtype), device) for shape, dtype in shapes]
         if layout == CANONICAL_LAYOUT and block_shape is None and packed is None:
             buffers = split_for_peers(shards[0], dev_ids, canon_p, canon_c, rank, out=out)
-        elif out is None:
+        else:
             buffers = _gather_split(shards, dev_ids, layout=layout, keys=keys, canon_p=canon_p,
                                     canon_c=canon_c, rank=rank, block_shape=block_shape,
-                                    packed=packed)
-        else:
-            dense = [gather_blocks(s, dev_ids) for s in shards]
-            if packed is not None:
-                dense = [_unpacked(d, *packed) for d in dense]
-            canon = to_canonical(dense, layout, keys, block_shape)
-            rows = jax.device_put(jnp.arange(len(ids), dtype=jnp.int32), device)
-            buffers = split_for_peers(canon, rows, canon_p, canon_c, rank, out=out)
+                                    packed=packed, out=out)
         for route in routes:
             buffer = buffers[route.index]
             if tuple(buffer.shape) != route.shape:
@@ -554,17 +550,20 @@ def _unpacked(dense: Any, spec: KVCacheSpec, tp_size: int) -> Any:
 
 
 @functools.partial(own_jit, static_argnames=("layout", "keys", "canon_p", "canon_c", "rank",
-                                             "block_shape", "packed", "window"))
+                                             "block_shape", "packed", "window"),
+                   donate_argnames=("out",))
 def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
                   canon_p: EngineConfig, canon_c: EngineConfig, rank: int,
                   block_shape: tuple[int, ...] | None = None,
                   packed: tuple[KVCacheSpec, int] | None = None,
-                  window: tuple[int, int] | None = None) -> list[Any]:
+                  window: tuple[int, int] | None = None,
+                  out: Sequence[Any] | None = None) -> list[Any]:
     """One rank's gather of every cache array, its canonical arrangement and its split, as
     one program (one dispatch: a small request is dominated by per-op costs); a padded
     cache's values are extracted first (`packed`: its stored spec and TP size). `window`:
     only the layers ``[lo, hi)`` of arrays with an ``L`` axis are gathered (one gather of the
-    window, never a copy of the cache's layers)."""
+    window, never a copy of the cache's layers). `out`: buffers of the split's shapes to
+    write into (donated: a pool's, reused request after request)."""
     from jaxkv.ops import gather_blocks, split_for_peers
 
     if window is None:
@@ -578,7 +577,7 @@ def _gather_split(shards: Sequence[Any], ids: Any, *, layout: str, keys: tuple,
         dense = [_unpacked(d, *packed) for d in dense]
     canon = to_canonical(dense, layout, keys, block_shape)
     rows = jax.numpy.arange(ids.shape[0], dtype=jax.numpy.int32)
-    return split_for_peers(canon, rows, canon_p, canon_c, rank)
+    return split_for_peers(canon, rows, canon_p, canon_c, rank, out=out)
 
 
 @functools.partial(own_jit, static_argnames=("n_local", "ratio", "layout", "keys", "canon_c",

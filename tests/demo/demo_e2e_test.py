@@ -226,6 +226,62 @@ class DisaggregatedTest(parameterized.TestCase):
         self.assertIn("odd requests layer-pipelined, even ones whole (--layerwise_ab)", output)
         self.assertRegex(output, r"layerwise: TTFT median [\d.]+ ms over 1 requests")
 
+    @parameterized.parameters(True, False)
+    def test_warm_up_reads_leave_nothing_to_compile_for_the_timed_requests(self, warm_up):
+        """`warm_up_reads` (the default) serves throwaway requests first: whole and
+        layer-wise, without and with a prefix hit. While the timed requests are then served
+        (whole, layer-wise with a prefix hit, whole with a hit, over the JAX transport) this
+        process, the consumer, compiles nothing: no formatting program, no step. The negative
+        control, without the warm-up, compiles its formatting programs then."""
+        import logging
+        from unittest import mock
+
+        import jax
+
+        from jaxkv.demo import _router
+
+        compiled: list[str] = []
+        serving = []
+
+        class Compiles(logging.Handler):
+            def emit(self, record):
+                message = record.getMessage()
+                if serving and message.startswith("Compiling "):
+                    compiled.append(message.split(" with ")[0])
+
+        original = _router.Router.run
+
+        def run(router, side):  # counts while the timed requests (req-*) are served
+            timed = all(rid.startswith("req-") for rid in router.results)
+            serving.extend([True] if timed else [])
+            try:
+                return original(router, side)
+            finally:
+                serving.clear()
+
+        handler = Compiles(level=logging.WARNING)
+        logger = logging.getLogger("jax._src.interpreters.pxla")
+        logger.addHandler(handler)
+        self.addCleanup(logger.removeHandler, handler)
+        previous = jax.config.jax_log_compiles
+        jax.config.update("jax_log_compiles", True)
+        self.addCleanup(jax.config.update, "jax_log_compiles", previous)
+        settings = DemoSettings(**SMALL, prefill_tp=2, decode_tp=1, layerwise_ab=True,
+                                transport="jax", request_interval_s=1.0,
+                                warm_up_reads=warm_up)
+        jax.clear_caches()  # nothing compiled by an earlier test of this process counts
+        with mock.patch.object(_router.Router, "run", run):
+            report = run_disaggregated(settings)
+        self.check(report)
+        self.assertTrue(any(r["layerwise"] and r["decode_hit_tokens"] > 0
+                            for r in report["requests"]), report["requests"])
+        if warm_up:
+            self.assertEqual(compiled, [])
+            self.assertGreater(report["timings_ms"]["warm_up_ms"], 0)
+        else:
+            self.assertIn("Compiling jit(_concat_rearrange)", compiled)
+            self.assertNotIn("warm_up_ms", report["timings_ms"])
+
     def test_transport_flags_refused(self):
         with self.assertRaisesRegex(ValueError, "needs transport='nixl'"):
             DemoSettings(transport="jax", host_staging=True)
