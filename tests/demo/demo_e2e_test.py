@@ -233,22 +233,14 @@ class DisaggregatedTest(parameterized.TestCase):
         (whole, layer-wise with a prefix hit, whole with a hit, over the JAX transport) this
         process, the consumer, compiles nothing: no formatting program, no step. The negative
         control, without the warm-up, compiles its formatting programs then."""
-        import logging
         from unittest import mock
 
         import jax
+        from support import compiles
 
         from jaxkv.demo import _router
 
-        compiled: list[str] = []
-        serving = []
-
-        class Compiles(logging.Handler):
-            def emit(self, record):
-                message = record.getMessage()
-                if serving and message.startswith("Compiling "):
-                    compiled.append(message.split(" with ")[0])
-
+        serving: list[bool] = []
         original = _router.Router.run
 
         def run(router, side):  # counts while the timed requests (req-*) are served
@@ -259,18 +251,12 @@ class DisaggregatedTest(parameterized.TestCase):
             finally:
                 serving.clear()
 
-        handler = Compiles(level=logging.WARNING)
-        logger = logging.getLogger("jax._src.interpreters.pxla")
-        logger.addHandler(handler)
-        self.addCleanup(logger.removeHandler, handler)
-        previous = jax.config.jax_log_compiles
-        jax.config.update("jax_log_compiles", True)
-        self.addCleanup(jax.config.update, "jax_log_compiles", previous)
         settings = DemoSettings(**SMALL, prefill_tp=2, decode_tp=1, layerwise_ab=True,
                                 transport="jax", request_interval_s=1.0,
                                 warm_up_reads=warm_up)
         jax.clear_caches()  # nothing compiled by an earlier test of this process counts
-        with mock.patch.object(_router.Router, "run", run):
+        with (mock.patch.object(_router.Router, "run", run),
+              compiles.recorded(lambda: bool(serving)) as compiled):
             report = run_disaggregated(settings)
         self.check(report)
         self.assertTrue(any(r["layerwise"] and r["decode_hit_tokens"] > 0

@@ -446,7 +446,7 @@ class FormatterTest(parameterized.TestCase):
         # into fresh ones otherwise: the same program either way (compiled once per
         # geometry, by the first request, not again by the first that finds pooled buffers),
         # and the same bytes as formatting without a pool, whatever the buffers held.
-        import logging
+        from support import compiles
 
         p_spec, c_spec = _specs(4, "KHTD", "THD", 1, False, "bfloat16", num_layers=3)
         p_cfg, c_cfg = EngineConfig(p_spec, 2), EngineConfig(c_spec, 1)
@@ -454,36 +454,23 @@ class FormatterTest(parameterized.TestCase):
         cache = _cache(p_spec, 2, tt.global_arrays(p_cfg, 0, g, tt.REMOTE_IDS, tt.NUM_BLOCKS))
         ranks = fmt.rank_devices(cache, p_cfg, 0)
         want = fmt.split_request(cache, p_cfg, c_cfg, tt.REMOTE_IDS, ranks)
-        compiles: list[str] = []
-
-        class Compiles(logging.Handler):
-            def emit(self, record):
-                if record.getMessage().startswith("Compiling "):
-                    compiles.append(record.getMessage().split(" with ")[0])
-
-        handler = Compiles(level=logging.WARNING)
-        logger = logging.getLogger("jax._src.interpreters.pxla")
-        logger.addHandler(handler)
-        self.addCleanup(logger.removeHandler, handler)
-        previous = jax.config.jax_log_compiles
-        jax.config.update("jax_log_compiles", True)
-        self.addCleanup(jax.config.update, "jax_log_compiles", previous)
 
         def pooled(device, shapes):  # buffers full of garbage, as a pool hands them back
             return [jax.device_put(np.full(shape, 7, dtype), device) for shape, dtype in shapes]
 
-        for staging, name in ((lambda device, shapes: None, "fresh"), (pooled, "pooled")):
-            before = len(compiles)
-            got = fmt.split_request(cache, p_cfg, c_cfg, tt.REMOTE_IDS, ranks,
-                                    staging=staging)
-            self.assertEqual(sorted(got), sorted(want))
-            for key in want:
-                np.testing.assert_array_equal(bits.bits(np.asarray(got[key])),
-                                              bits.bits(np.asarray(want[key])),
-                                              err_msg=f"{name} {key}")
-            if name == "pooled":  # the fresh buffers' program served it: nothing compiled
-                self.assertEqual(compiles[before:], [])
-        self.assertIn("Compiling jit(_gather_split)", compiles)  # by the first staged request
+        with compiles.recorded() as compiled:
+            for staging, name in ((lambda device, shapes: None, "fresh"), (pooled, "pooled")):
+                before = len(compiled)
+                got = fmt.split_request(cache, p_cfg, c_cfg, tt.REMOTE_IDS, ranks,
+                                        staging=staging)
+                self.assertEqual(sorted(got), sorted(want))
+                for key in want:
+                    np.testing.assert_array_equal(bits.bits(np.asarray(got[key])),
+                                                  bits.bits(np.asarray(want[key])),
+                                                  err_msg=f"{name} {key}")
+                if name == "pooled":  # the fresh buffers' program served it: nothing compiled
+                    self.assertEqual(compiled[before:], [])
+        self.assertIn("Compiling jit(_gather_split)", compiled)  # by the first staged request
 
     def test_nan_payloads_survive(self):
         # random bits hold NaNs with payloads; XLA's float moves may canonicalize them
