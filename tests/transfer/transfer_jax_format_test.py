@@ -441,17 +441,25 @@ class FormatterTest(parameterized.TestCase):
                                                   bits.bits(np.asarray(want[key])),
                                                   err_msg=f"{key}, layers {layers}")
 
-    def test_one_program_with_or_without_pooled_buffers(self):
+    @parameterized.parameters(False, True)
+    def test_one_program_with_or_without_pooled_buffers(self, packed):
         # The JAX transport formats into its pool's buffers (`staging`) when it has them and
         # into fresh ones otherwise: the same program either way (compiled once per
         # geometry, by the first request, not again by the first that finds pooled buffers),
-        # and the same bytes as formatting without a pool, whatever the buffers held.
+        # and the same bytes as formatting without a pool, whatever the buffers held. Also
+        # for tpu-inference's packed cache (its values extracted in the same program).
         from support import compiles
 
-        p_spec, c_spec = _specs(4, "KHTD", "THD", 1, False, "bfloat16", num_layers=3)
+        if packed:
+            p_spec = _tpu_spec(4, 96, 4, "bfloat16", "tpu")
+            c_spec = _tpu_spec(4, 96, 4, "bfloat16", "LKHTD")
+        else:
+            p_spec, c_spec = _specs(4, "KHTD", "THD", 1, False, "bfloat16", num_layers=3)
         p_cfg, c_cfg = EngineConfig(p_spec, 2), EngineConfig(c_spec, 1)
         g = tt.global_cache(p_spec, len(tt.REMOTE_IDS) * p_spec.block_size, seed=tt.G_SEED)
-        cache = _cache(p_spec, 2, tt.global_arrays(p_cfg, 0, g, tt.REMOTE_IDS, tt.NUM_BLOCKS))
+        arrays = (tt.packed_arrays(p_spec, 2, g, tt.REMOTE_IDS, tt.NUM_BLOCKS, seed=11)
+                  if packed else tt.global_arrays(p_cfg, 0, g, tt.REMOTE_IDS, tt.NUM_BLOCKS))
+        cache = _cache(p_spec, 2, arrays)
         ranks = fmt.rank_devices(cache, p_cfg, 0)
         want = fmt.split_request(cache, p_cfg, c_cfg, tt.REMOTE_IDS, ranks)
 
