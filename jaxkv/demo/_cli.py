@@ -73,9 +73,10 @@ flags.DEFINE_float(
 )
 flags.DEFINE_bool(
     "warm_up_reads", True,
-    "Before the timed requests, serve one throwaway request per transfer mode (whole, "
-    "layer-wise) through both engines, so that compiling the formatting programs is not "
-    "counted in the first requests' TTFT (the demo's own decode loop).",
+    "Before the timed requests, serve throwaway requests through both engines, one per "
+    "transfer mode (whole, layer-wise), again with a prefix hit when prompts share one, so "
+    "that compiling the formatting programs is not counted in the first requests' TTFT (the "
+    "demo's own decode loop).",
 )
 flags.DEFINE_bool(
     "pin_cpus", False,

@@ -101,11 +101,12 @@ class DemoSettings:
     # the prefill process on the first half of this process's CPUs, the decode process on
     # the rest (as on two machines: neither side's work takes CPU from the other's steps)
     pin_cpus: bool = False
-    # before the timed requests, one throwaway request per transfer mode the run uses goes
-    # through both engines: the first read of a geometry compiles the producer's and the
-    # consumer's formatting programs (the JAX transport: ~250 ms layer-wise, 1.2-1.4 s whole,
-    # measured in the demo), which a serving deployment pays at start-up, not in a TTFT
-    # (the demo's own decode loop; not with serve_with="vllm-scheduler")
+    # before the timed requests, throwaway requests go through both engines, one per transfer
+    # mode the run uses (and again with a prefix hit if prompts share one): the first read of
+    # a geometry compiles the producer's and the consumer's formatting programs (the JAX
+    # transport: ~250 ms layer-wise, 1.2-1.4 s whole, measured in the demo), which a serving
+    # deployment pays at start-up, not in a TTFT (the demo's own decode loop; not with
+    # serve_with="vllm-scheduler")
     warm_up_reads: bool = True
 
     def __post_init__(self) -> None:
@@ -910,10 +911,10 @@ def warm_up_prompts(settings: DemoSettings) -> list[list[list[int]]]:
                     for p in first]]
 
 
-def warm_up_reads(settings: DemoSettings, conn, process, engine: _Engine, transfer) -> int:
+def warm_up_reads(settings: DemoSettings, conn, process, engine: _Engine, transfer) -> None:
     """Serves `warm_up_prompts` through both engines before the timed requests, round after
     round (as ``warmup-<i>``: with ``layerwise_ab`` the odd ones are layer-pipelined), with a
-    decode side of its own: prefill, transfer, decode. Returns how many were served.
+    decode side of its own: prefill, transfer, decode.
 
     Raises:
       RuntimeError: a warm-up request failed (its error is named).
@@ -933,7 +934,6 @@ def warm_up_reads(settings: DemoSettings, conn, process, engine: _Engine, transf
         if failed:
             raise RuntimeError("warm-up request failed: " + "; ".join(failed))
         served += count
-    return served
 
 
 def _warm_post_processing(engine, transfer, peer_meta, params, local_ids) -> None:

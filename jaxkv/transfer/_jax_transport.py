@@ -591,11 +591,11 @@ def gather_layer_rows(entry: Any, buffers: Sequence[Any], block_ids: Sequence[in
             shape[layer_axis] = hi - lo
         rows = np.empty(shape, dtype)
         where = array.sharding.devices_indices_map(tuple(array.shape))
+        shard = array.sharding.shard_shape(tuple(array.shape))
         for buffer in buffers:
             if buffer.array_index != index:
                 continue
             place = where[buffer.device]
-            shard = array.sharding.shard_shape(tuple(array.shape))
             if int(np.prod(shard)) * dtype.itemsize != buffer.nbytes:
                 raise FormatError(f"array {index}'s buffer on {buffer.device} holds "
                                   f"{buffer.nbytes} bytes, its shard {shard} "
