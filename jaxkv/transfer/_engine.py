@@ -230,7 +230,10 @@ class KVTransferEngine:
         callbacks progress the engine), it backs off from
         `progress_interval_s` up to this (a poll every millisecond costs a CPU-bound step on
         the same core 2-4%; an idle interval below `progress_interval_s` is that one); an
-        announcement brings it back at once. None: never backs off
+        announcement brings it back at once. With nothing pinned or read it sleeps this
+        long (at least 10 ms) unless a publication, a read, an announcement, a control
+        message over TCP or a step's output handed to `update_cache` wakes it. None: never
+        backs off
         (a producer whose peers READ over a transport that needs its progress for the whole
         READ, e.g. UCX over TCP without RDMA or shared memory, may want that).
       early_read_grace_s: producer: how long a consumer's confirmation (`Done`) of a request
@@ -490,6 +493,7 @@ class KVTransferEngine:
                 entry.cache = cache
                 entry.version += 1
             self.producer.stage_deferred()
+        self._wake.set()  # a step's output handed over: the background thread's back-off ends
 
     @property
     def caches(self) -> tuple[Any, ...]:
@@ -668,6 +672,7 @@ class KVTransferEngine:
         """
         with self._lock:
             self.consumer.start(params, local_block_ids, timeout_s, read_id)
+        self._wake.set()  # the background thread's full rate while this process reads
 
     # -- polling --------------------------------------------------------------------------
 
@@ -747,6 +752,7 @@ class KVTransferEngine:
         (``progress_interval_s=None``: only `poll` and the in-jit callbacks progress)."""
         if self._closed or self._progress_thread is None:
             return
+        self._wake.set()  # the background thread's full rate while peers act on it
         if not self._lock.acquire(blocking=False):
             return
         try:
@@ -871,8 +877,10 @@ class KVTransferEngine:
         interval = fast
         while not self._closed:
             if not (self.producer.busy or self.consumer.reading):
+                # Nothing in flight: sleep until a publication, read or announcement wakes
+                # the thread (each wake-up costs a CPU-bound step on the same core).
                 interval = fast
-                self._wake.wait(max(fast, 0.01))
+                self._wake.wait(max(idle, 0.01))
                 self._wake.clear()
                 continue
             if self._lock.acquire(blocking=False):

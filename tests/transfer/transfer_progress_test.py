@@ -76,7 +76,8 @@ class ProgressThreadTest(tt.TransferTestBase):
     def engine_recording_sleeps(self, **kwargs):
         engine, _, _ = self.consumer(SPEC, 1, **kwargs)
         event = _RecordingEvent()
-        engine._wake = event  # the loop looks it up at every sleep
+        idle, engine._wake = engine._wake, event  # the loop looks it up at every sleep
+        idle.set()  # the thread may sleep on the old event until something wakes it
         return engine, event
 
     def wait_for(self, predicate, what, timeout=30.0):
@@ -134,6 +135,39 @@ class ProgressThreadTest(tt.TransferTestBase):
         self.wait_for(lambda: sleeps[-3:] == [0.05] * 3, "three idle sleeps during the step")
         engine.update_cache(output)
         self.wait_for(lambda: sleeps[-5:] == [0.001] * 5, "the full rate after the step")
+
+    def test_handing_over_a_step_output_ends_the_back_off_at_once(self):
+        import jax
+
+        window = mock.patch.object(_engine, "PROGRESS_ACTIVE_WINDOW_S", 600.0)
+        window.start()
+        self.addCleanup(window.stop)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=60.0)
+        sleeps, woken = event.sleeps, event.woken
+        engine.publish_request("req", [0, 1, 2], layerwise=True)
+        engine.publish_layers("req", 1)  # progress wanted (the window) but for the step
+        output = jax.jit(lambda cache: cache, donate_argnums=0)(engine.caches[0])
+        self.wait_for(lambda: sleeps and sleeps[-1] >= 0.25 and len(woken) == len(sleeps) - 1,
+                      "a sleep of a quarter second or more during the step")
+        long_sleep = len(sleeps) - 1
+        engine.update_cache(output)
+        self.wait_for(lambda: len(sleeps) > long_sleep + 1, "the next sleep")
+        self.assertTrue(woken[long_sleep])  # cut short by the hand-over, not run out
+        self.assertEqual(sleeps[long_sleep + 1], 0.001)
+
+    def test_sleeps_until_woken_while_nothing_is_in_flight(self):
+        # Nothing pinned or read: the thread sleeps the idle interval (not a fixed tick)
+        # until a publication wakes it.
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=60.0)
+        sleeps, woken = event.sleeps, event.woken
+        self.wait_for(lambda: sleeps and sleeps[-1] == 60.0, "an idle sleep")
+        idle_sleep = len(sleeps) - 1
+        engine.publish_request("req", [0, 1, 2])
+        self.wait_for(lambda: len(sleeps) > idle_sleep + 1, "the next sleep")
+        self.assertTrue(woken[idle_sleep])
+        self.assertEqual(sleeps[idle_sleep + 1], 0.001)
 
     def test_never_backs_off_without_an_idle_interval(self):
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.01,
