@@ -18,7 +18,9 @@ offers it while the step computes the later layers (the consumer pulls each grou
 producer (the cache's heads split over two XLA:CPU devices, one program per step, as the
 demo's prefill; read by a TP 1 consumer): its step carries no rows, the transport's worker
 gathers each announced layer from the cache's memory while the step runs and formats it on a
-third host device. ``jax_loop`` is what a user of the JAX transport had before:
+third host device. ``direct_tp2``: NIXL direct from that TP 2 producer (each device's shard of
+the cache registered; the announcements' callbacks and their data dependences span both
+devices). ``jax_loop`` is what a user of the JAX transport had before:
 the same layers as a Python loop of one jitted call per layer, the producer calling
 `update_cache`, `publish_layers` and `poll` after each.
 
@@ -74,8 +76,8 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 
 import numpy as np  # noqa: E402
 
-MODES = ("direct", "staged", "jax", "jax_tp2")
-PRODUCER_DEVICES = 3  # jax_tp2's mesh of two devices and the host device it formats on
+MODES = ("direct", "staged", "jax", "jax_tp2", "direct_tp2")
+PRODUCER_DEVICES = 3  # the TP 2 modes' mesh of two devices, and the host device jax_tp2 formats on
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 
 
@@ -247,13 +249,14 @@ def producer_main(conn, args: dict) -> None:
     engines, steps = {}, {}
     ids = np.arange(1, args["blocks"] + 1, dtype=np.int32)
     for mode in args["modes"]:
-        # jax_tp2: a TP 2 producer (heads split over two devices, one program per step, as
-        # the demo's prefill), which leaves the third device to format on (the engine finds it)
-        tp = 2 if mode == "jax_tp2" else 1
+        # jax_tp2 / direct_tp2: a TP 2 producer (heads split over two devices, one program per
+        # step, as the demo's prefill), which leaves jax_tp2 the third device to format on (the
+        # engine finds it)
+        tp = 2 if mode in ("jax_tp2", "direct_tp2") else 1
         engine = TransferEngine(f"prefill-{mode}", EngineConfig(spec, tp),
                                 host_staging=mode == "staged", lease_s=60.0,
                                 **_progress_option(args["producer_progress_interval_ms"]),
-                                transport="nixl" if mode in ("direct", "staged") else "jax")
+                                transport="jax" if mode.startswith("jax") else "nixl")
         mesh = Mesh(np.array(jax.devices()[:2]), ("tp",)) if tp == 2 else None
         engine.register_cache(PagedKVCache.allocate(spec, args["blocks"] + 1, mesh=mesh))
         engines[mode] = engine
@@ -371,7 +374,7 @@ def main() -> None:
     for mode in args.modes:
         engine = TransferEngine(f"decode-{mode}", EngineConfig(spec, 1),
                                 host_staging=mode == "staged",
-                                transport="nixl" if mode in ("direct", "staged") else "jax")
+                                transport="jax" if mode.startswith("jax") else "nixl")
         engine.register_cache(PagedKVCache.allocate(spec, args.blocks + 1))
         consumers[mode] = engine
     local = list(range(1, args.blocks + 1))
