@@ -1,6 +1,9 @@
 """The demo's core: paged attention through every cache layout, the model against a dense
 (no cache) reference, TP-independence of the KV bits, and the colocated engine."""
 
+import threading
+import time
+
 from support import bits, platforms
 
 platforms.force_cpu_devices()
@@ -218,12 +221,53 @@ class StepPollingTest(absltest.TestCase):
                                       bits.bits(np.asarray(b.cache.arrays[0])))
 
     def test_wait_ready_times_out(self):
+        release = threading.Event()
+        self.addCleanup(release.set)
+
         class NeverReady:
-            def is_ready(self):
-                return False
+            def block_until_ready(self):
+                release.wait(60)
 
         with self.assertRaises(TimeoutError):
             wait_ready([NeverReady()], lambda: None, timeout_s=-1.0)
+
+    def test_wait_ready_sees_the_end_at_once_and_polls_every_interval(self):
+        # The step "ends" at the third poll: wait_ready polls exactly three times and returns
+        # without sleeping out its (long) interval.
+        ended = threading.Event()
+        calls = []
+
+        class EndsAtTheThirdPoll:
+            def block_until_ready(self):
+                ended.wait(60)
+
+        def poll():
+            calls.append(time.monotonic())
+            if len(calls) == 3:
+                ended.set()
+
+        start = time.monotonic()
+        wait_ready([EndsAtTheThirdPoll()], poll, interval_s=0.05)
+        self.assertEqual(len(calls), 3)
+        ended.clear()
+        calls.clear()
+
+        def first_poll_ends_it():
+            calls.append(1)
+            ended.set()
+
+        start = time.monotonic()
+        wait_ready([EndsAtTheThirdPoll()], first_poll_ends_it, interval_s=60.0)
+        self.assertEqual(len(calls), 1)
+        self.assertLess(time.monotonic() - start, 30.0)  # not the 60 s interval
+
+    def test_wait_ready_raises_what_the_step_raised(self):
+        class Failed:
+            def block_until_ready(self):
+                raise RuntimeError("the step failed")
+
+        with self.assertRaisesRegex(RuntimeError, "the step failed"):
+            wait_ready([Failed()], lambda: None, interval_s=0.01)
 
 
 class DocstringExamplesTest(parameterized.TestCase):
