@@ -80,6 +80,13 @@ class ProgressThreadTest(tt.TransferTestBase):
         idle.set()  # the thread may sleep on the old event until something wakes it
         return engine, event
 
+    def keep_progress_wanted(self):
+        """An active window of 10 minutes: after an announcement progress stays wanted (but
+        for a step holding the cache) for the whole test."""
+        window = mock.patch.object(_engine, "PROGRESS_ACTIVE_WINDOW_S", 600.0)
+        window.start()
+        self.addCleanup(window.stop)
+
     def wait_for(self, predicate, what, timeout=30.0):
         deadline = time.monotonic() + timeout
         while not predicate():
@@ -121,9 +128,7 @@ class ProgressThreadTest(tt.TransferTestBase):
         # output is handed over.
         import jax
 
-        window = mock.patch.object(_engine, "PROGRESS_ACTIVE_WINDOW_S", 600.0)
-        window.start()
-        self.addCleanup(window.stop)
+        self.keep_progress_wanted()
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
                                                      progress_idle_s=0.05)
         sleeps = event.sleeps
@@ -139,9 +144,7 @@ class ProgressThreadTest(tt.TransferTestBase):
     def test_handing_over_a_step_output_ends_the_back_off_at_once(self):
         import jax
 
-        window = mock.patch.object(_engine, "PROGRESS_ACTIVE_WINDOW_S", 600.0)
-        window.start()
-        self.addCleanup(window.stop)
+        self.keep_progress_wanted()
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
                                                      progress_idle_s=60.0)
         sleeps, woken = event.sleeps, event.woken
