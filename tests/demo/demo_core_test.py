@@ -246,7 +246,6 @@ class StepPollingTest(absltest.TestCase):
             if len(calls) == 3:
                 ended.set()
 
-        start = time.monotonic()
         wait_ready([EndsAtTheThirdPoll()], poll, interval_s=0.05)
         self.assertEqual(len(calls), 3)
         ended.clear()
