@@ -115,8 +115,9 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_bool(
     "layerwise_ab", False,
-    "Every other request layer-pipelined (req-1, req-3, ...) and the others whole, in one "
-    "run: TTFT with and without layer pipelining under the same processes and load, "
+    "One request of each pair layer-pipelined and the other whole, in ABBA order (req-1, "
+    "req-2, req-5, req-6, ... layer-pipelined), in one run: TTFT with and without layer "
+    "pipelining under the same processes and load, "
     "reported per mode (--serve_with=jaxkv, one prefill process).",
 )
 flags.DEFINE_bool(

@@ -90,8 +90,9 @@ class DemoSettings:
     # it and announces every layer from inside the step as it is written; the decode
     # process reads the layers while the later ones are computed
     layerwise: bool = False
-    # every other request layer-pipelined (req-1, req-3, ...), the others whole: both modes
-    # in one run, same processes and load (TTFT reported per mode)
+    # one request of each pair layer-pipelined, the other whole, the order alternating from
+    # pair to pair (req-1, req-2, req-5, req-6, ...): both modes in one run, same processes
+    # and load (TTFT reported per mode)
     layerwise_ab: bool = False
     transport: str = "nixl"  # "nixl" or "jax" (jax.experimental.transfer)
     host_staging: bool = False  # NIXL through host mirrors of both caches
@@ -163,11 +164,21 @@ class DemoSettings:
 
     def layer_pipelined(self, request_id: str) -> bool:
         """Whether request `request_id` (``req-<i>``) is transferred layer by layer: every
-        request with `layerwise`, the odd ones with `layerwise_ab`, never a replay."""
+        request with `layerwise`, never a replay; with `layerwise_ab` one request of each
+        pair (``req-0``/``req-1``, ``req-2``/``req-3``, ...), the second in even pairs and
+        the first in odd ones (whole, layer-wise, layer-wise, whole, ...: an ABBA order, so
+        that neither mode always runs first in its pair).
+
+        Example:
+          >>> ab = DemoSettings(layerwise_ab=True)
+          >>> [ab.layer_pipelined(f"req-{i}") for i in range(4)]
+          [False, True, True, False]
+        """
         if request_id.startswith("replay-"):
             return False
         if self.layerwise_ab:
-            return int(request_id.rsplit("-", 1)[1]) % 2 == 1
+            index = int(request_id.rsplit("-", 1)[1])
+            return (index % 2) != (index // 2) % 2
         return self.layerwise
 
     def model(self):
@@ -957,7 +968,7 @@ def warm_up_prompts(settings: DemoSettings) -> list[list[list[int]]]:
 
 def warm_up_reads(settings: DemoSettings, conn, process, engine: _Engine, transfer) -> None:
     """Serves `warm_up_prompts` through both engines before the timed requests, round after
-    round (as ``warmup-<i>``: with ``layerwise_ab`` the odd ones are layer-pipelined), with a
+    round (as ``warmup-<i>``: with ``layerwise_ab`` one of each pair layer-pipelined), with a
     decode side of its own: prefill, transfer, decode.
 
     Raises:

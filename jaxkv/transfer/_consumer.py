@@ -150,6 +150,20 @@ class Reading:
     def key(self) -> str:
         return self.read_id
 
+    @property
+    def awaiting_announcement(self) -> bool:
+        """Whether this read only waits for its producer to announce layers (`Ready`):
+        nothing posted yet, or layer-wise with layers still to come and every layer it
+        posted landed. Polling moves nothing then: the next step is the producer's."""
+        if self.error is not None:
+            return False
+        if self.state is ReadState.WAITING_READY:
+            return True
+        # (copies: the engine's progress thread asks without its lock)
+        return (self.layerwise and self.state is ReadState.TRANSFERRING and bool(self.pending)
+                and all(layer in self.layer_arrival
+                        for layer, handles in list(self.layer_handles.items()) if handles))
+
 
 class Consumer:
     """The consumer side of one engine process (thread-safety: the engine's lock).
@@ -205,6 +219,12 @@ class Consumer:
         self.costs: dict[str, PathCosts] = {}
         self._block_bytes = (-1, 0)  # (registry generation, local bytes per block id)
         self._host_memory: dict[tuple[str, int], bool] = {}  # `_in_host_memory`
+
+    @property
+    def moving(self) -> bool:
+        """Whether a read has something that polling moves (fetches in flight, landed bytes
+        to check, confirmations to send); False when every read awaits announcements."""
+        return any(not state.awaiting_announcement for state in list(self.reading.values()))
 
     def send(self, target: str, payload: bytes) -> bool:
         ok = self.control.send(target, payload)

@@ -898,13 +898,21 @@ class KVTransferEngine:
             self._wake.clear()
 
     def _progress_wanted(self, now: float) -> bool:
-        """Whether the background thread should poll at its full rate: this process reads,
-        formatted chunks wait for their READs (their slots free only as notifications are
-        polled), or, unless a step holds the registered cache, a control message, publication
-        or announcement came within `PROGRESS_ACTIVE_WINDOW_S` (peers act on them: Wants,
-        Formats, READs, Dones)."""
+        """Whether the background thread should poll at its full rate: this process reads
+        (unless its reads only await announcements that reach it over TCP), formatted chunks
+        wait for their READs (their slots free only as notifications are polled), or, unless
+        a step holds the registered cache, a control message, publication or announcement
+        came within `PROGRESS_ACTIVE_WINDOW_S` (peers act on them: Wants, Formats, READs,
+        Dones)."""
         producer = self.producer
-        if self.consumer.reading or producer.serving_chunks:
+        if producer.serving_chunks:
+            return True
+        if self.consumer.reading and (self.consumer.moving or self.control.name != "tcp"):
+            # A layer-wise read waiting for its producer's next layer (a prefill step computes
+            # for seconds) needs no polls: the announcement (`Ready`, answered on the channel
+            # this process subscribed on) wakes the thread as it arrives over TCP. Polling at
+            # the full rate through the step cost the consumer's core ~500 wake-ups a second
+            # (the demo). NIXL notifications reach it only by polling.
             return True
         if any(entry.consumed for entry in self._registry.caches):
             # A step holds the registered cache: each of its announcements' callbacks handles

@@ -270,7 +270,7 @@ class StepPollingTest(absltest.TestCase):
 
 
 class DocstringExamplesTest(parameterized.TestCase):
-    @parameterized.parameters("jaxkv.demo._router", "jaxkv.demo._engines")
+    @parameterized.parameters("jaxkv.demo._router", "jaxkv.demo._engines", "jaxkv.demo._report")
     def test_examples(self, module_name):
         import doctest
         import importlib
@@ -315,6 +315,29 @@ class SameSizeReadsReportTest(absltest.TestCase):
         self.assertEqual(_same_size_reads([*done, bigger])["bytes"], 8192)
         self.assertIsNone(_same_size_reads([]))
         self.assertIsNone(_same_size_reads([RequestResult("req-0", status="done")]))
+
+
+class PairedTtftReportTest(absltest.TestCase):
+    def test_pairs_compare_each_mode_with_its_partner_in_abba_order(self):
+        """``--layerwise_ab``: req-0/req-1 (whole, layer-wise), req-2/req-3 (layer-wise,
+        whole), ...; a pair missing a request is left out; differences are layer-wise minus
+        whole, whichever ran first."""
+        from jaxkv.demo._report import _paired_ttft
+
+        ttft = {0: 9.0, 1: 8.5, 2: 7.0, 3: 7.25, 4: 5.0, 5: 5.5, 6: 4.0}  # req-7 failed
+        done = [RequestResult(f"req-{i}", status="done", ttft_s=t, prefill_s=t - 0.125 * i)
+                for i, t in ttft.items()]
+        settings = DemoSettings(num_requests=8, layerwise_ab=True)
+        self.assertEqual(
+            [settings.layer_pipelined(f"req-{i}") for i in range(8)],
+            [False, True, True, False, False, True, True, False])
+        pairs = _paired_ttft(settings, done)
+        # layer-wise minus whole, TTFT: -0.5, -0.25, +0.5 s; prefill (0.125 s less per
+        # index): -0.625, -0.125, +0.375 s
+        self.assertEqual(pairs, {"pairs": 3, "layerwise_lower": 2,
+                                 "median_ttft_diff_ms": -250.0,
+                                 "median_prefill_diff_ms": -125.0})
+        self.assertIsNone(_paired_ttft(settings, done[:1]))
 
 
 if __name__ == "__main__":

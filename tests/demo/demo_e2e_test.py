@@ -208,23 +208,25 @@ class DisaggregatedTest(parameterized.TestCase):
 
     @parameterized.parameters("nixl", "jax")
     def test_layerwise_ab_reports_both_modes(self, transport):
-        """--layerwise_ab: odd requests layer-pipelined, even ones whole, in one run; both
-        modes' TTFT reported. Requests 1 s apart, so later ones find the shared prefix in the
-        decode cache and read only the rest (layer by layer for req-1: the JAX transport
-        formats the groups from the tail of the step's rows)."""
+        """--layerwise_ab: one request of each pair layer-pipelined, the other whole, in ABBA
+        order (whole, layer-wise, layer-wise), in one run; both modes' TTFT reported.
+        Requests 1 s apart, so later ones find the shared prefix in the decode cache and read
+        only the rest (layer by layer for req-1 and req-2: the JAX transport formats the
+        groups from the tail of the step's rows)."""
         rc, report, output = run_cli(
             self.create_tempdir().full_path, "--prefill_tp=2", "--decode_tp=1",
             "--layerwise_ab", f"--transport={transport}", "--request_interval_s=1")
         self.assertEqual(rc, 0, output)
         self.check(report)
-        self.assertEqual([r["layerwise"] for r in report["requests"]], [False, True, False])
+        self.assertEqual([r["layerwise"] for r in report["requests"]], [False, True, True])
         by_mode = report["ttft_ms_by_mode"]
         self.assertEqual((by_mode["whole"]["requests"], by_mode["layerwise"]["requests"]),
-                         (2, 1))
+                         (1, 2))
         self.assertTrue(any(r["layerwise"] and r["decode_hit_tokens"] > 0
                             for r in report["requests"]), report["requests"])
-        self.assertIn("odd requests layer-pipelined, even ones whole (--layerwise_ab)", output)
-        self.assertRegex(output, r"layerwise: TTFT median [\d.]+ ms over 1 requests")
+        self.assertIn("one request of each pair layer-pipelined, the other whole, in ABBA order "
+                      "(--layerwise_ab)", output)
+        self.assertRegex(output, r"layerwise: TTFT median [\d.]+ ms over 2 requests")
 
     @parameterized.parameters(True, False)
     def test_warm_up_reads_leave_nothing_to_compile_for_the_timed_requests(self, warm_up):

@@ -172,6 +172,59 @@ class ProgressThreadTest(tt.TransferTestBase):
         self.assertTrue(woken[idle_sleep])
         self.assertEqual(sleeps[idle_sleep + 1], 0.001)
 
+    def test_a_read_awaiting_announcements_backs_off_until_one_arrives(self):
+        # A layer-wise read whose producer has not announced a layer yet moves nothing when
+        # polled (the producer's step computes): the consumer's thread backs off, and the
+        # announcement (Ready, over TCP) wakes it at once; the read then lands exactly.
+        spec_kwargs = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="float32", layout="LKHTD")
+        _, conn = self.start_producer(spec_kwargs, 1)
+        self.ready(conn)
+        self.call(conn, "register", tt.REMOTE_IDS, 0)  # no layer written yet
+        params = self.call(conn, "pin_lw", "req", tt.REMOTE_IDS, 30.0)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=60.0)
+        sleeps, woken = event.sleeps, event.woken
+        engine.start_read(params, tt.LOCAL_IDS)
+        # at the full rate every sleep would be 1 ms for as long as the read is in flight
+        self.wait_for(lambda: sleeps and sleeps[-1] >= 1.0 and len(woken) == len(sleeps) - 1,
+                      "a sleep of a second or more while no layer is announced")
+        long_sleep = len(sleeps) - 1
+        self.call(conn, "layers", "req", 1)
+        self.wait_for(lambda: len(sleeps) > long_sleep + 1, "the next sleep")
+        self.assertTrue(woken[long_sleep])  # cut short by the announcement
+        self.assertEqual(sleeps[long_sleep + 1], 0.001)
+        self.call(conn, "layers", "req", 2)
+        finished, failed = self.wait(engine, ["req"])
+        self.assertEqual((finished, failed), (["req"], []))
+        g = tt.global_cache(SPEC, len(tt.REMOTE_IDS) * SPEC.block_size, seed=tt.G_SEED)
+        self.check_cache(engine.caches[0], tt.EngineConfig(SPEC, 1), g, tt.LOCAL_IDS)
+
+    def test_a_read_keeps_the_full_rate_where_announcements_come_by_polling(self):
+        # With NIXL notifications as the control channel only a poll sees the announcement:
+        # the thread never backs off while the read waits.
+        self.assertEqual(self._sleeps_while_awaiting(control="nixl"), {0.001})
+        self.assertIn(0.05, self._sleeps_while_awaiting(control="tcp"))
+
+    def _sleeps_while_awaiting(self, control):
+        """The distinct sleeps of a consumer's thread over 2 s of a layer-wise read that no
+        layer was announced for (the thread's idle interval 50 ms)."""
+        spec_kwargs = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                           dtype="float32", layout="LKHTD")
+        _, conn = self.start_producer(spec_kwargs, 1, engine_kwargs={"control": control})
+        self.ready(conn)
+        self.call(conn, "register", tt.REMOTE_IDS, 0)
+        params = self.call(conn, "pin_lw", f"req-{control}", tt.REMOTE_IDS, 30.0)
+        engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
+                                                     progress_idle_s=0.05, control=control)
+        engine.start_read(params, tt.LOCAL_IDS)
+        self.wait_for(lambda: engine._reading and all(
+            s.awaiting_announcement for s in list(engine._reading.values())),
+            "the read to await announcements")
+        first = len(event.sleeps)
+        time.sleep(2.0)
+        return set(event.sleeps[first:])
+
     def test_never_backs_off_without_an_idle_interval(self):
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.01,
                                                      progress_idle_s=None)
