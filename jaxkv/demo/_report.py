@@ -147,12 +147,11 @@ def _paired_ttft(settings: Any, done: list[Any]) -> dict[str, Any] | None:
     by_id = {r.request_id: r for r in done if r.ttft_s > 0}
     diffs: list[tuple[float, float]] = []
     for index in range(0, settings.num_requests - 1, 2):
-        pair = [by_id.get(f"req-{index + j}") for j in (0, 1)]
-        if None in pair:
+        first, second = (by_id.get(f"req-{index + j}") for j in (0, 1))
+        if first is None or second is None:
             continue
-        if settings.layer_pipelined(pair[0].request_id):
-            pair.reverse()
-        whole, layered = pair
+        whole, layered = ((second, first) if settings.layer_pipelined(first.request_id)
+                          else (first, second))
         diffs.append(((layered.ttft_s - whole.ttft_s) * 1e3,
                       (layered.prefill_s - whole.prefill_s) * 1e3))
     if not diffs:
