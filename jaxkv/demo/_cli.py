@@ -93,7 +93,10 @@ flags.DEFINE_bool(
     "Create the NIXL agents with a progress thread (off: the engines poll; faster on small "
     "CPU machines).",
 )
-flags.DEFINE_float("timeout_s", 300.0, "Deadline of the whole serving phase.")
+flags.DEFINE_float("timeout_s", 300.0,
+                   "Deadline of the serving phase, counted from the last request's arrival "
+                   "(--request_interval_s spreads the arrivals); the requests still pending "
+                   "then fail.")
 flags.DEFINE_enum(
     "serve_with", "jaxkv", ["jaxkv", "vllm-scheduler", "vllm-cpu", "tpu-inference"],
     "jaxkv: the demo's own loop over jaxkv's block manager; vllm-scheduler: vLLM's Scheduler "

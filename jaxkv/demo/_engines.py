@@ -83,7 +83,7 @@ class DemoSettings:
     poll_during_steps: bool = True
     nixl_progress_thread: bool = False
     lease_s: float = 30.0
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # the serving phase's deadline after the last arrival
     prefill_processes: int = 1
     auth_key_file: str | None = None  # the deployment key both engines prove (None: none)
     # layer-pipelined transfer: the prefill process publishes each request before computing

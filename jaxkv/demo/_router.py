@@ -145,13 +145,14 @@ class Router:
         return r
 
     def run(self, side: DecodeSide) -> None:
-        """Routes every request until each is done or failed, or ``timeout_s`` passed (the
-        rest then fail): sends arrived prompts to the prefill side, hands what it published
+        """Routes every request until each is done or failed, or ``timeout_s`` passed after
+        the last request's arrival (the rest then fail: a schedule of many requests far
+        apart is not cut short): sends arrived prompts to the prefill side, hands what it published
         to `side`, kills the prefill side after ``kill_prefill_after`` finished reads (fault
         injection), fails what a dead prefill side never published, and advances `side`."""
         self._side = side
         settings, conn, process, results = self.settings, self.conn, self.process, self.results
-        deadline = self.t_serve + settings.timeout_s
+        deadline = max(self.arrival.values(), default=self.t_serve) + settings.timeout_s
         unsent = list(results)
         published: set[str] = set()
         killed = False
@@ -160,7 +161,8 @@ class Router:
             send_arrived(conn, process, unsent, self.arrival, self.prompts, now)
             if now > deadline:
                 for rid in results:
-                    self.fail(rid, f"timed out after {settings.timeout_s:.0f}s")
+                    self.fail(rid, f"timed out {settings.timeout_s:g}s after the last "
+                                   "request arrived")
                 break
             while conn.poll(0):
                 try:

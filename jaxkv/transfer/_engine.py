@@ -225,9 +225,10 @@ class KVTransferEngine:
       progress_idle_s: the thread's longest interval while nothing happens: when for
         `PROGRESS_ACTIVE_WINDOW_S` no control message arrived, nothing was published or
         announced, no formatted chunk waits for its READ and this process reads nothing
-        (e.g. a layer-wise request pinned while its prefill step computes), or a step holds
-        the registered cache and this process reads nothing (the step's announcements'
-        callbacks progress the engine), it backs off from
+        (e.g. a layer-wise request pinned while its prefill step computes) or its reads only
+        await announcements that come over TCP (`control`: the message wakes the thread), or
+        a step holds the registered cache and this process reads nothing (the step's
+        announcements' callbacks progress the engine), it backs off from
         `progress_interval_s` up to this (a poll every millisecond costs a CPU-bound step on
         the same core 2-4%; an idle interval below `progress_interval_s` is that one); an
         announcement brings it back at once. With nothing pinned or read it sleeps this

@@ -317,6 +317,50 @@ class SameSizeReadsReportTest(absltest.TestCase):
         self.assertIsNone(_same_size_reads([RequestResult("req-0", status="done")]))
 
 
+class RouterDeadlineTest(absltest.TestCase):
+    def test_the_serving_deadline_counts_from_the_last_arrival(self):
+        """A prefill side that never answers: the requests fail `timeout_s` after the last
+        one arrived, not after the first (a schedule longer than `timeout_s` is served)."""
+        from jaxkv.demo._router import Router
+
+        class Pipe:
+            def __init__(self):
+                self.sent = []
+
+            def send(self, message):
+                self.sent.append((message[1], time.monotonic()))
+
+            def poll(self, timeout=0):
+                return False
+
+        class Alive:
+            exitcode = None
+
+            def is_alive(self):
+                return True
+
+        class Side:
+            finished_reads = 0
+
+            def advance(self, router):
+                time.sleep(0.005)
+
+            def release(self, request_id):
+                pass
+
+        settings = DemoSettings(num_requests=3, request_interval_s=0.4, timeout_s=0.3)
+        results = {f"req-{i}": RequestResult(f"req-{i}") for i in range(3)}
+        pipe, start = Pipe(), time.monotonic()
+        Router(settings, pipe, Alive(), [[1], [2], [3]], results, {}, None, start).run(Side())
+        elapsed = time.monotonic() - start
+        self.assertEqual([rid for rid, _ in pipe.sent], ["req-0", "req-1", "req-2"])
+        self.assertGreaterEqual(pipe.sent[-1][1] - start, 0.8)  # req-2 arrived at 0.8 s
+        self.assertGreaterEqual(elapsed, 0.8 + 0.3)  # failed only 0.3 s after that
+        self.assertEqual({r.status for r in results.values()}, {"failed"})
+        self.assertEqual({r.error for r in results.values()},
+                         {"timed out 0.3s after the last request arrived"})
+
+
 class PairedTtftReportTest(absltest.TestCase):
     def test_pairs_compare_each_mode_with_its_partner_in_abba_order(self):
         """``--layerwise_ab``: req-0/req-1 (whole, layer-wise), req-2/req-3 (layer-wise,
