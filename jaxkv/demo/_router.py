@@ -147,9 +147,10 @@ class Router:
     def run(self, side: DecodeSide) -> None:
         """Routes every request until each is done or failed, or ``timeout_s`` passed after
         the last request's arrival (the rest then fail: a schedule of many requests far
-        apart is not cut short): sends arrived prompts to the prefill side, hands what it published
-        to `side`, kills the prefill side after ``kill_prefill_after`` finished reads (fault
-        injection), fails what a dead prefill side never published, and advances `side`."""
+        apart is not cut short): sends arrived prompts to the prefill side, hands what it
+        published to `side`, kills the prefill side after ``kill_prefill_after`` finished
+        reads (fault injection), fails what a dead prefill side never published, and advances
+        `side`."""
         self._side = side
         settings, conn, process, results = self.settings, self.conn, self.process, self.results
         deadline = max(self.arrival.values(), default=self.t_serve) + settings.timeout_s

@@ -26,8 +26,9 @@ from support import transfer as tt  # noqa: E402
 from jaxkv import KVCacheSpec  # noqa: E402
 from jaxkv.transfer import _engine, nixl_available  # noqa: E402
 
-SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
+SPEC_KWARGS = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
                    layout="LKHTD")
+SPEC = KVCacheSpec(**SPEC_KWARGS)
 
 
 class NextIntervalTest(absltest.TestCase):
@@ -86,6 +87,14 @@ class ProgressThreadTest(tt.TransferTestBase):
         window = mock.patch.object(_engine, "PROGRESS_ACTIVE_WINDOW_S", 600.0)
         window.start()
         self.addCleanup(window.stop)
+
+    def unannounced_request(self, request_id, control="auto"):
+        """A producer process (`SPEC`, TP 1) holding a layer-wise request none of whose
+        layers is written or announced yet; returns its pipe and the request's params."""
+        _, conn = self.start_producer(SPEC_KWARGS, 1, engine_kwargs={"control": control})
+        self.ready(conn)
+        self.call(conn, "register", tt.REMOTE_IDS, 0)  # no layer written yet
+        return conn, self.call(conn, "pin_lw", request_id, tt.REMOTE_IDS, 30.0)
 
     def wait_for(self, predicate, what, timeout=30.0):
         deadline = time.monotonic() + timeout
@@ -182,12 +191,7 @@ class ProgressThreadTest(tt.TransferTestBase):
                                     lambda interval, wanted, fast, idle: fast if wanted else idle)
         backoff.start()
         self.addCleanup(backoff.stop)
-        spec_kwargs = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
-                           dtype="float32", layout="LKHTD")
-        _, conn = self.start_producer(spec_kwargs, 1)
-        self.ready(conn)
-        self.call(conn, "register", tt.REMOTE_IDS, 0)  # no layer written yet
-        params = self.call(conn, "pin_lw", "req", tt.REMOTE_IDS, 30.0)
+        conn, params = self.unannounced_request("req")
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
                                                      progress_idle_s=60.0)
         sleeps, woken = event.sleeps, event.woken
@@ -214,12 +218,7 @@ class ProgressThreadTest(tt.TransferTestBase):
     def _sleeps_while_awaiting(self, control):
         """The distinct sleeps of a consumer's thread over 2 s of a layer-wise read that no
         layer was announced for (the thread's idle interval 50 ms)."""
-        spec_kwargs = dict(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
-                           dtype="float32", layout="LKHTD")
-        _, conn = self.start_producer(spec_kwargs, 1, engine_kwargs={"control": control})
-        self.ready(conn)
-        self.call(conn, "register", tt.REMOTE_IDS, 0)
-        params = self.call(conn, "pin_lw", f"req-{control}", tt.REMOTE_IDS, 30.0)
+        _, params = self.unannounced_request(f"req-{control}", control)
         engine, event = self.engine_recording_sleeps(progress_interval_s=0.001,
                                                      progress_idle_s=0.05, control=control)
         engine.start_read(params, tt.LOCAL_IDS)
