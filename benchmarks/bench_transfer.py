@@ -2,17 +2,17 @@
 bare NIXL READ of the same bytes as a single descriptor, side by side in one run; the same
 pull with host staging on both sides; and the read planner.
 
-The producer (prefill) process holds two `PagedKVCache` (CPU memory, UCX), one registered
-directly and one through a host mirror (``host_staging=True``), and pins each request; this
-process (decode) pulls it with `KVTransferEngine.start_read` / `poll` (planning, posting,
-completion, Done/Ack confirmation included) into the matching engine. The bare READ uses the
-direct engines' two agents and moves the same number of bytes as one contiguous descriptor.
-Staged pulls add the producer's gather into its mirror (done by `publish_request`, timed in the
-producer and added: ``staged_total``) and the consumer's scatter from its mirror (inside the
-pull). Their physical limit is a bare READ plus two host copies of the same bytes
-(``bare_read_plus_2_copies``: ``np.copyto`` of the request's bytes, timed here). Runs
-alternate so that all see the same machine load. Prints one JSON object (and writes it with
-``--json_out``):
+The producer (prefill) process holds two `PagedKVCache` (on JAX's first device: CPU memory, or
+VRAM on a GPU; UCX), one registered directly and one through a host mirror
+(``host_staging=True``), and pins each request; this process (decode) pulls it with
+`KVTransferEngine.start_read` / `poll` (planning, posting, completion, Done/Ack confirmation
+included) into the matching engine. The bare READ uses the direct engines' two agents and moves
+the same number of bytes as one contiguous descriptor. Staged pulls add the producer's gather
+into its mirror (done by `publish_request`, timed in the producer and added: ``staged_total``)
+and the consumer's scatter from its mirror (inside the pull). Their physical limit is a bare
+READ plus two host copies of the same bytes (``bare_read_plus_2_copies``: ``np.copyto`` of the
+request's bytes, timed here). Runs alternate so that all see the same machine load. Prints one
+JSON object (and writes it with ``--json_out``):
 
   python benchmarks/bench_transfer.py --mib=80 --repeats=10 --json_out=/tmp/bench_transfer.json
 
@@ -863,10 +863,14 @@ def main(argv=None) -> dict:
                 np.copyto(copy_dst, copy_src)
                 if rep:
                     times["numpy_copy"].append(time.perf_counter() - start)
-            local = np.array([[local_region.base_address, nbytes, 0]], dtype=np.uint64)
-            remote = np.array([[remote_region.base_address, nbytes, 0]], dtype=np.uint64)
+            local = np.array([[local_region.base_address, nbytes, local_region.device_id]],
+                             dtype=np.uint64)
+            remote = np.array([[remote_region.base_address, nbytes, remote_region.device_id]],
+                              dtype=np.uint64)
             start = time.perf_counter()
-            handle = engine.agent.read(local, remote, remote_name)
+            # the caches' own memory kinds: VRAM where they live on a GPU
+            handle = engine.agent.read(local, remote, remote_name, local_region.memory_kind,
+                                       remote_region.memory_kind)
             _wait(lambda handle=handle: engine.agent.state(handle) == "DONE")
             elapsed = time.perf_counter() - start
             engine.agent.release(handle)

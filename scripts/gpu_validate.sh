@@ -3,7 +3,9 @@
 # and transfer benchmarks, each step under its own time limit, every log and JSON report in
 # OUT_DIR (summary.txt: one line per step with its exit status and seconds).
 #
-# Usage: scripts/gpu_validate.sh OUT_DIR [PYTHON]
+# Usage: [STEPS=a,b] scripts/gpu_validate.sh OUT_DIR [PYTHON]
+#   STEPS: run only these steps (names as in summary.txt; default every step), e.g. to rerun
+#   what failed.
 #   PYTHON (default python3) must import jaxkv with its CUDA module (`scripts/setup.sh` builds
 #   it where nvcc is found; `scripts/check_cuda_build.sh` checks it) and a JAX that sees the GPU
 #   (`scripts/cuda_plugin.sh` names the plugin); NIXL (nixl-cu13) for the transfer steps.
@@ -22,6 +24,9 @@ STATUS=0
 step() {
   local name="$1" limit="$2" start rc
   shift 2
+  if [[ -n "${STEPS:-}" && ",$STEPS," != *",$name,"* ]]; then
+    return
+  fi
   start=$SECONDS
   echo "[gpu-validate] $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -60,4 +65,10 @@ step bench_reshape_ops 100 "$PY" benchmarks/bench_reshape_ops.py \
 step bench_transfer 80 env UCX_TLS="${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}" \
   XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" benchmarks/bench_transfer.py --mib=256 --repeats=5 \
   --json_out="$OUT/transfer_gpu.json"
+# Layer-pipelined pulls from a jitted prefill step on the GPU (direct VRAM, pinned-host
+# staging, the JAX transport); layers heavy enough to take milliseconds on a GPU.
+step bench_layerwise 100 env UCX_TLS="${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" benchmarks/bench_layerwise.py --width=2048 \
+  --matmuls=48 --rounds=3 --modes=direct,staged,jax --pin_cpus=0 \
+  --json_out="$OUT/layerwise_gpu.json"
 exit "$STATUS"

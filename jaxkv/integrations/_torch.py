@@ -291,7 +291,8 @@ def adopt_torch_kv_caches(
       ValueError: an empty mapping, tensors of different dtypes, shapes or devices, shapes that
         do not match the parameters, non-dense or unsupported memory orders, a dtype jaxkv
         does not support, or memory JAX cannot import without a copy (CPU needs 64-byte
-        alignment); each message names the layer.
+        alignment) or cannot run programs on (GPUs need 16-byte alignment); each message
+        names the layer.
 
     Example (needs torch; vLLM's LBNHC layout: each layer ``[B, N, H, C]`` in memory):
       >>> import torch  # doctest: +SKIP
@@ -604,6 +605,10 @@ def _plan_layers(views: Mapping[str, Any], names: Sequence[str], letters: str):
     return out, plan.layout, plan.split
 
 
+# XLA's GPU runtime requires every program parameter to start on a 16-byte boundary.
+_GPU_PARAMETER_ALIGNMENT = 16
+
+
 def _import(name: str, tensor: Any) -> Any:
     """`tensor` (row-major) as a JAX array over the same memory."""
     import jax
@@ -618,6 +623,12 @@ def _import(name: str, tensor: Any) -> Any:
         ) from error
     if array.unsafe_buffer_pointer() != tensor.data_ptr():
         raise ValueError(f"layer {name!r}: JAX imported a copy, not the torch memory")
+    if tensor.device.type != "cpu" and tensor.data_ptr() % _GPU_PARAMETER_ALIGNMENT:
+        # JAX imports such a view without a copy, but XLA's GPU runtime then refuses every
+        # program it is passed to ("Address of buffer 0 must be a multiple of 10").
+        raise ValueError(
+            f"layer {name!r}: the tensor starts at {tensor.data_ptr():#x}, not a multiple of "
+            f"{_GPU_PARAMETER_ALIGNMENT} bytes: XLA on GPUs runs no program on such memory")
     return array
 
 

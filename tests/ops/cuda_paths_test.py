@@ -277,7 +277,14 @@ class CudaPathsTest(parameterized.TestCase):
         if cache.unsafe_buffer_pointer() != base.unsafe_buffer_pointer() + offset:
             self.skipTest("JAX copied the misaligned DLPack view: no misaligned pointer can "
                           "reach a custom call through it")
-        _against_reference(self, lambda: ops.gather_blocks(cache, [15, -1, 2, 7]))
+        try:
+            _against_reference(self, lambda: ops.gather_blocks(cache, [15, -1, 2, 7]))
+        except jax.errors.JaxRuntimeError as error:
+            # XLA's GPU runtime (jax 0.11 on an H200) refuses program parameters that are not
+            # 16-byte aligned before anything runs: loud, and no custom call sees the pointer.
+            self.assertIn("must be a multiple of", str(error))
+            np.testing.assert_array_equal(np.asarray(base), raw)
+            self.skipTest(f"XLA refuses misaligned parameters on this GPU runtime: {error}")
         rows = jax.dlpack.from_dlpack(ByteView(base, offset, (3, 24)))
         dense = bits.random_bits(np.random.default_rng(11), (3, 24), "uint8")
         _against_reference(self, lambda: ops.scatter_blocks(_on_gpu(dense), rows, [2, -1, 0]))

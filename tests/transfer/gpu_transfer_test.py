@@ -17,7 +17,6 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from support import platforms  # noqa: E402
