@@ -114,7 +114,10 @@ def _make_step(engine, layers: int, blocks: int, width: int, matmuls: int, whole
     project = jax.random.normal(key, (layers, width, 2 * HEADS * HEAD_DIM), jnp.float32)
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def prefill(cache, ids, handle, x):
+    def prefill(cache, ids, handle, inputs):
+        # the weights are arguments, not constants: large ones (a GPU's layers) would be
+        # embedded into the program and slow its compilation to minutes
+        x, weights, project = inputs
         statuses = []
         for layer in range(layers):
             h = x
@@ -132,7 +135,7 @@ def _make_step(engine, layers: int, blocks: int, width: int, matmuls: int, whole
             statuses.append(publish_in_jit(engine, handle, ids, cache))
         return cache, jnp.stack(statuses), x.sum()
 
-    return prefill, jnp.ones((tokens, width), jnp.float32)
+    return prefill, (jnp.ones((tokens, width), jnp.float32), weights, project)
 
 
 def _make_loop(engine, layers: int, blocks: int, width: int, matmuls: int, whole: bool):

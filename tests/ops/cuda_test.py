@@ -118,7 +118,8 @@ def _read_pool(array):
     """A pinned-host pool array's bytes, read through a device copy: `np.asarray` of a host
     array keeps a zero-copy view of its buffer, and JAX refuses to donate a buffer so viewed
     ("Donation requested for buffer with external reference")."""
-    return np.asarray(jax.device_put(array, platforms.gpus()[0]))
+    device_memory = jax.sharding.SingleDeviceSharding(platforms.gpus()[0], memory_kind="device")
+    return np.asarray(jax.device_put(array, device_memory))
 
 
 @absltest.skipIf(not platforms.gpus(), "no GPU visible to JAX")
