@@ -52,7 +52,8 @@ PY"
 # transfers between two processes on the one GPU (tests/transfer/gpu_transfer_test.py).
 export JAX_PLATFORMS=cuda,cpu JAXKV_EXPECT_GPU=1
 step cuda_tests 200 "$PY" -P -m pytest -p no:cacheprovider -q -rs \
-  tests/ops/cuda_test.py tests/ops/reshape_cuda_test.py tests/ops/cuda_paths_test.py
+  tests/ops/cuda_test.py tests/ops/reshape_cuda_test.py tests/ops/cuda_paths_test.py \
+  tests/integrations/torch_cuda_test.py
 step transfer_tests 120 "$PY" -P -m pytest -p no:cacheprovider -q -rs \
   tests/transfer/gpu_transfer_test.py
 
@@ -69,6 +70,6 @@ step bench_transfer 80 env UCX_TLS="${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}" 
 # staging, the JAX transport); layers heavy enough to take milliseconds on a GPU.
 step bench_layerwise 100 env UCX_TLS="${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}" \
   XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" benchmarks/bench_layerwise.py --width=2048 \
-  --matmuls=48 --rounds=3 --modes=direct,staged,jax --pin_cpus=0 \
+  --matmuls=12 --rounds=3 --modes=direct,staged,jax --pin_cpus=0 \
   --json_out="$OUT/layerwise_gpu.json"
 exit "$STATUS"

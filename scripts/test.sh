@@ -65,7 +65,7 @@ PYTEST=("$VENV/bin/python" -P -m pytest -p no:cacheprovider)
 # test files run in their own process, failing if JAX sees no GPU (JAXKV_EXPECT_GPU=1: a
 # jaxlib without its CUDA plugin), and everything else runs under JAX_PLATFORMS=cpu.
 GPU_FILES=(tests/ops/cuda_test.py tests/ops/reshape_cuda_test.py tests/ops/cuda_paths_test.py
-  tests/transfer/gpu_transfer_test.py)
+  tests/transfer/gpu_transfer_test.py tests/integrations/torch_cuda_test.py)
 GPU_LIST=""
 if command -v nvidia-smi > /dev/null; then
   GPU_LIST="$(timeout 60 nvidia-smi -L 2> /dev/null || true)"
