@@ -13,7 +13,8 @@ from absl.testing import absltest
 # The source tree (realpath: under Bazel this file is a runfiles link into it).
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 _GPU_FILES = [
-    "tests/ops/cuda_test.py", "tests/ops/reshape_cuda_test.py", "tests/ops/cuda_paths_test.py"]
+    "tests/ops/cuda_test.py", "tests/ops/reshape_cuda_test.py", "tests/ops/cuda_paths_test.py",
+    "tests/transfer/gpu_transfer_test.py", "tests/integrations/torch_cuda_test.py"]
 _PYTEST = ["-P", "-m", "pytest", "-p", "no:cacheprovider"]
 
 # The stub interpreter: one line per run (platforms, expectation, arguments); fails when
