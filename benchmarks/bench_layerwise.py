@@ -56,6 +56,9 @@ layer-wise over whole (median of per-round ratios; < 1: layer-wise finishes soon
 
 The producer runs on one CPU and the consumer on the others (``--pin_cpus=0``: anywhere), as
 on two machines: otherwise the step's compute threads delay the consumer's polls.
+``--platform=gpu`` puts both processes' caches and the step on the first GPU instead (TP 1
+modes only; UCX then needs its CUDA transports, which ``UCX_TLS`` gets unless set; neither
+process preallocates GPU memory); make the layers heavier there (``--width``, ``--matmuls``).
 
   python benchmarks/bench_layerwise.py --rounds=7 \\
       --json_out=benchmarks/results/layerwise_cpu_2026-11-26.json
@@ -72,9 +75,7 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 MODES = ("direct", "staged", "jax", "jax_tp2", "direct_tp2")
 PRODUCER_DEVICES = 3  # the TP 2 modes' mesh of two devices, and the host device jax_tp2 formats on
@@ -238,10 +239,20 @@ def _progress_option(interval_ms: float | None) -> dict:
     return {"progress_interval_s": interval_ms / 1e3 if interval_ms > 0 else None}
 
 
+def _platform_env(platform_name: str, host_devices: int) -> None:
+    """This process's JAX platform (before JAX starts): `host_devices` CPU devices, or the GPU
+    with CPU beside it (no preallocation: two processes share the GPU)."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={host_devices}"
+    if platform_name == "gpu":
+        os.environ["JAX_PLATFORMS"] = "cuda,cpu"
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def producer_main(conn, args: dict) -> None:
     _pin(args["producer_cpus"])
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PRODUCER_DEVICES}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    _platform_env(args["platform"], PRODUCER_DEVICES)
     import jax
     from jax.sharding import Mesh
 
@@ -344,6 +355,8 @@ def main() -> None:
                              "the engine's; 0: no progress thread, only the step's callbacks "
                              "and the producer's polls between steps progress)")
     parser.add_argument("--json_out", default=None)
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="where the caches and the step live (gpu: JAX's first GPU)")
     parser.add_argument("--pin_cpus", type=int, default=1,
                         help="1: the producer on CPU 0, the consumer on the others (default "
                              "where there are two or more); 0: anywhere")
@@ -351,12 +364,17 @@ def main() -> None:
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.modes or set(args.modes) - set(MODES):
         parser.error(f"--modes takes a subset of {', '.join(MODES)}, got {args.modes}")
+    if args.platform == "gpu" and {"jax_tp2", "direct_tp2"} & set(args.modes):
+        parser.error("--platform=gpu runs the TP 1 modes (direct, staged, jax) only")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin = bool(args.pin_cpus) and len(cpus) >= 2
     args.producer_cpus = cpus[:1] if pin else None
     args.consumer_cpus = cpus[1:] if pin else None
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    os.environ["JAX_PLATFORMS"] = "cpu"  # the consumers: TP 1 each (jax_tp2 reads TP 2 -> 1)
+    # (before NIXL loads here or in the producer, which inherits it) UCX's CUDA transports
+    # only where the caches are on a GPU
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc" if args.platform == "gpu"
+                          else "tcp,sm,self")
+    _platform_env(args.platform, 1)  # the consumers: TP 1 each (jax_tp2 reads TP 2 -> 1)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax
     from _timing import write_json
@@ -491,6 +509,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_avg": os.getloadavg(),
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
+        "device": jax.devices()[0].device_kind,
+        "UCX_TLS": os.environ.get("UCX_TLS"),
         "args": vars(args),
         "layer_bytes": layer_bytes,
         "request_bytes": layer_bytes * args.layers,

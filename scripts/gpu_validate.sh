@@ -66,5 +66,9 @@ step bench_reshape_ops 100 "$PY" benchmarks/bench_reshape_ops.py \
 step bench_transfer 80 env UCX_TLS="${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}" \
   XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" benchmarks/bench_transfer.py --mib=256 --repeats=5 \
   --json_out="$OUT/transfer_gpu.json"
-# (bench_layerwise.py is not here: it pins its processes to the CPU, JAX_PLATFORMS=cpu.)
+# Layer-pipelined pulls from a jitted prefill step on the GPU (NIXL direct from VRAM, through
+# pinned-host mirrors, the JAX transport), layers heavy enough to take milliseconds there.
+step bench_layerwise 150 "$PY" benchmarks/bench_layerwise.py --platform=gpu \
+  --modes=direct,staged,jax --width=2048 --matmuls=12 --rounds=3 --pin_cpus=0 \
+  --json_out="$OUT/layerwise_gpu.json"
 exit "$STATUS"
