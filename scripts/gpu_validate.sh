@@ -71,4 +71,8 @@ step bench_transfer 80 env UCX_TLS="${UCX_TLS:-tcp,sm,self,cuda_copy,cuda_ipc}" 
 step bench_layerwise 150 "$PY" benchmarks/bench_layerwise.py --platform=gpu \
   --modes=direct,staged,jax --width=2048 --matmuls=12 --rounds=3 --pin_cpus=0 \
   --json_out="$OUT/layerwise_gpu.json"
+# The disaggregated demo on the one GPU (prefill and decode processes, TP 1 each): tokens and
+# KV bytes must match the single-engine reference (its exit status).
+step demo 240 "$PY" -m jaxkv.demo --backend=auto --prefill_tp=1 --decode_tp=1 --progress=false \
+  --json_out="$OUT/demo_gpu.json"
 exit "$STATUS"

@@ -150,7 +150,9 @@ def _set_devices(count: int, backend: str) -> None:
     xla = os.environ.get("XLA_FLAGS", "")
     xla = " ".join(f for f in xla.split() if "xla_force_host_platform_device_count" not in f)
     os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={count}".strip()
-    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    from jaxkv.demo._engines import ucx_transports
+
+    os.environ.setdefault("UCX_TLS", ucx_transports(backend))
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if backend == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"  # for the prefill process

@@ -528,11 +528,23 @@ def pin_process(cpus: list[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
+def ucx_transports(backend: str) -> str:
+    """The demo engines' UCX transports (``UCX_TLS`` unless set): shared memory and TCP
+    between its processes on one host, and with ``backend="auto"`` (caches on GPUs where JAX
+    sees them) UCX's CUDA transports too, without which UCX cannot move GPU memory.
+
+    Example:
+      >>> ucx_transports("cpu"), ucx_transports("auto")
+      ('tcp,sm,self', 'tcp,sm,self,cuda_copy,cuda_ipc')
+    """
+    return "tcp,sm,self" if backend == "cpu" else "tcp,sm,self,cuda_copy,cuda_ipc"
+
+
 def _child_env(settings: DemoSettings, num_devices: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_devices}"
-    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    os.environ.setdefault("UCX_TLS", ucx_transports(settings.backend))
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if settings.backend == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
