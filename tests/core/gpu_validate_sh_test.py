@@ -8,16 +8,9 @@ import shutil
 import subprocess
 
 from absl.testing import absltest
+from support import scripts
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
-
-# The stub interpreter: one line per run (platforms, expectation, arguments); fails with 3
-# when its arguments contain $FAIL_WITH.
-_PYTHON = """#!/usr/bin/env bash
-echo "${JAX_PLATFORMS:-unset}|${JAXKV_EXPECT_GPU:-unset}|$*" >> "$RUNS"
-[[ -n "${FAIL_WITH:-}" && "$*" == *"$FAIL_WITH"* ]] && exit 3
-exit 0
-"""
 
 
 class GpuValidateShTest(absltest.TestCase):
@@ -28,9 +21,7 @@ class GpuValidateShTest(absltest.TestCase):
         shutil.copy(os.path.join(_ROOT, "scripts", "gpu_validate.sh"),
                     os.path.join(self.root, "scripts", "gpu_validate.sh"))
         self.python = os.path.join(self.root, "python")
-        with open(self.python, "w") as f:
-            f.write(_PYTHON)
-        os.chmod(self.python, 0o755)
+        scripts.write_executable(self.python, scripts.STUB_PYTHON)
         self.runs = os.path.join(self.root, "runs.txt")
         self.out = os.path.join(self.root, "out")
 
@@ -41,8 +32,7 @@ class GpuValidateShTest(absltest.TestCase):
         done = subprocess.run(
             ["bash", os.path.join(self.root, "scripts", "gpu_validate.sh"), self.out,
              self.python], cwd=self.root, env=env, capture_output=True, text=True, timeout=120)
-        with open(self.runs) as f:
-            runs = [line.rstrip("\n").split("|") for line in f]
+        runs = scripts.read_runs(self.runs)
         with open(os.path.join(self.out, "summary.txt")) as f:
             summary = [line.split()[:2] for line in f]
         return done.returncode, runs, summary

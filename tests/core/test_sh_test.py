@@ -9,6 +9,7 @@ import shutil
 import subprocess
 
 from absl.testing import absltest
+from support import scripts
 
 # The source tree (realpath: under Bazel this file is a runfiles link into it).
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
@@ -16,14 +17,6 @@ _GPU_FILES = [
     "tests/ops/cuda_test.py", "tests/ops/reshape_cuda_test.py", "tests/ops/cuda_paths_test.py",
     "tests/transfer/gpu_transfer_test.py", "tests/integrations/torch_cuda_test.py"]
 _PYTEST = ["-P", "-m", "pytest", "-p", "no:cacheprovider"]
-
-# The stub interpreter: one line per run (platforms, expectation, arguments); fails when
-# its arguments contain $FAIL_WITH.
-_PYTHON = """#!/usr/bin/env bash
-echo "${JAX_PLATFORMS:-unset}|${JAXKV_EXPECT_GPU:-unset}|$*" >> "$RUNS"
-[[ -n "${FAIL_WITH:-}" && "$*" == *"$FAIL_WITH"* ]] && exit 3
-exit 0
-"""
 
 
 class TestShTest(absltest.TestCase):
@@ -34,7 +27,7 @@ class TestShTest(absltest.TestCase):
         shutil.copy(os.path.join(_ROOT, "scripts", "test.sh"),
                     os.path.join(self.root, "scripts", "test.sh"))
         self._script("scripts/setup.sh", "#!/usr/bin/env bash\nexit 0\n")
-        self._script(".venv/bin/python", _PYTHON)
+        self._script(".venv/bin/python", scripts.STUB_PYTHON)
         for name in [*_GPU_FILES, "tests/core/spec_test.py"]:
             self._script(name, "")
         self.bin = os.path.join(self.root, "stub-bin")
@@ -42,11 +35,7 @@ class TestShTest(absltest.TestCase):
         self.runs = os.path.join(self.root, "runs.txt")
 
     def _script(self, path, text):
-        path = os.path.join(self.root, path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text)
-        os.chmod(path, 0o755)
+        scripts.write_executable(os.path.join(self.root, path), text)
 
     def _run(self, *args, gpu, fail_with=""):
         if gpu:
@@ -61,8 +50,7 @@ class TestShTest(absltest.TestCase):
         done = subprocess.run(["bash", os.path.join(self.root, "scripts", "test.sh"), *args],
                               cwd=self.root, env=env, capture_output=True, text=True,
                               timeout=120)
-        with open(self.runs) as f:
-            runs = [line.rstrip("\n").split("|") for line in f]
+        runs = scripts.read_runs(self.runs)
         os.remove(self.runs)
         return done.returncode, [(p, e, a.split()) for p, e, a in runs]
 

@@ -6,7 +6,8 @@
 * `meshes`: the one way the tests build meshes;
 * `processes`: spawned child processes (their environment, pipes, clean-up);
 * `transfer`, `packed`, `reshape`, `offload`, `multicontroller`, `campaign`: the fixtures of
-  those suites.
+  those suites;
+* `scripts`: the stub interpreter of the shell scripts' tests.
 
 `tests/` is on sys.path (pytest: pyproject's `pythonpath`; Bazel: the `test_support` library's
 `imports`), so tests import them as `from support import meshes`; spawned children inherit
