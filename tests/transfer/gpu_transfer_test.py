@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import os
 
-# UCX moves VRAM with its CUDA transports (cuda_ipc between two processes on one GPU); the CPU
-# transfer tests restrict UCX to tcp,sm,self, which cannot.
-os.environ.setdefault("UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc")
-# Two JAX processes on one GPU: neither may take 75% of its memory up front.
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+from support import platforms
 
+GPUS = platforms.gpus()
+if GPUS:  # before NIXL loads (here and in the spawned producer, which inherits them)
+    # UCX moves VRAM with its CUDA transports (cuda_ipc between two processes on one GPU); the
+    # CPU transfer tests restrict UCX to tcp,sm,self, which cannot.
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self,cuda_copy,cuda_ipc")
+    # The producer process shares the GPU: it must not take 75% of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
-from support import platforms  # noqa: E402
 from support import transfer as tt  # noqa: E402
 
 from jaxkv import KVCacheSpec  # noqa: E402
 from jaxkv.transfer import nixl_available  # noqa: E402
 
-GPUS = platforms.gpus()
 REMOTE_IDS, LOCAL_IDS, G_SEED, WAIT_S = tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED, tt.WAIT_S
 
 
