@@ -20,7 +20,6 @@ if GPUS:  # before NIXL loads (here and in the spawned producer, which inherits 
     # The producer process shares the GPU: it must not take 75% of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import pytest  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
 from support import transfer as tt  # noqa: E402
 
@@ -30,8 +29,9 @@ from jaxkv.transfer import nixl_available  # noqa: E402
 REMOTE_IDS, LOCAL_IDS, G_SEED, WAIT_S = tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED, tt.WAIT_S
 
 
-@pytest.mark.skipif(not GPUS, reason="no GPU visible to JAX")
-@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+# (absltest's skips: pytest's marks do not apply where the module runs under absltest, Bazel)
+@absltest.skipIf(not GPUS, "no GPU visible to JAX")
+@absltest.skipIf(not nixl_available(), "NIXL (nixl-cu13) is not installed")
 class GpuTransferTest(tt.TransferTestBase):
     def _read(self, p_layout, d_layout, ratio=1, staging=False, dtype="bfloat16"):
         spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=64, block_size=4, dtype=dtype,
