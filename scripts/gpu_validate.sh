@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU validation in one run: the CUDA tests, the GPU transfer test and the GPU modes of the op
-# and transfer benchmarks, each step under its own time limit, every log and JSON report in
-# OUT_DIR (summary.txt: one line per step with its exit status and seconds).
+# GPU validation in one run: the CUDA tests, the GPU transfer test, the GPU modes of the op,
+# transfer and layer-wise benchmarks, and the demo on one GPU, each step under its own time
+# limit, every log and JSON report in OUT_DIR (summary.txt: one line per step with its exit
+# status and seconds). On an H200 the first five steps took 2 minutes; the limits add up to
+# 17 minutes (where a machine is lent for less, run the steps in groups with STEPS).
 #
 # Usage: [STEPS=a,b] scripts/gpu_validate.sh OUT_DIR [PYTHON]
 #   STEPS: run only these steps (names as in summary.txt; default every step), e.g. to rerun
