@@ -1,6 +1,7 @@
-"""Real transfers over NIXL between GPU caches: a producer process and this process sharing one
-GPU, each cache registered as VRAM (or, with host staging, through a pinned-host mirror);
-bit exact, with post-processing (layout and block-size changes) run by the CUDA custom calls.
+"""Real transfers between GPU caches: a producer process and this process sharing one GPU, over
+NIXL (each cache registered as VRAM or, with host staging, through a pinned-host mirror) and
+over the JAX transport; bit exact, with post-processing (layout and block-size changes) run by
+the CUDA custom calls.
 
 Skipped where JAX sees no GPU or NIXL is missing; fails at import under JAXKV_EXPECT_GPU=1 when
 JAX sees no GPU. `scripts/test.sh` runs it in its GPU process (JAX_PLATFORMS=cuda,cpu).
@@ -33,15 +34,18 @@ REMOTE_IDS, LOCAL_IDS, G_SEED, WAIT_S = tt.REMOTE_IDS, tt.LOCAL_IDS, tt.G_SEED, 
 @absltest.skipIf(not GPUS, "no GPU visible to JAX")
 @absltest.skipIf(not nixl_available(), "NIXL (nixl-cu13) is not installed")
 class GpuTransferTest(tt.TransferTestBase):
-    def _read(self, p_layout, d_layout, ratio=1, staging=False, dtype="bfloat16"):
+    def _read(self, p_layout, d_layout, ratio=1, staging=False, dtype="bfloat16",
+              transport="nixl"):
         spec_kwargs = dict(num_layers=2, num_kv_heads=4, head_dim=64, block_size=4, dtype=dtype,
                            layout=p_layout)
-        _, conn = self.start_producer(spec_kwargs, 1, engine_kwargs=dict(host_staging=staging))
+        options = (dict(host_staging=staging) if transport == "nixl"
+                   else dict(transport=transport))
+        _, conn = self.start_producer(spec_kwargs, 1, engine_kwargs=options)
         self.ready(conn)
         self.call(conn, "register", REMOTE_IDS)
         params = self.call(conn, "pin", "req-1", REMOTE_IDS, 30.0)
         spec_d = KVCacheSpec(**dict(spec_kwargs, layout=d_layout, block_size=4 * ratio))
-        engine, cache, config = self.consumer(spec_d, 1, host_staging=staging)
+        engine, cache, config = self.consumer(spec_d, 1, **options)
         self.assertEqual(cache.arrays[0].devices(), {GPUS[0]})
         local_ids = LOCAL_IDS[: len(REMOTE_IDS) // ratio]
         engine.start_read(params, local_ids)
@@ -49,7 +53,8 @@ class GpuTransferTest(tt.TransferTestBase):
         self.assertEqual((finished, failed), (["req-1"], []))
         g = tt.global_cache(KVCacheSpec(**spec_kwargs), len(REMOTE_IDS) * 4, seed=G_SEED)
         self.check_cache(engine.caches[0], config, g, local_ids)
-        self.assert_freed(conn, "req-1")
+        if transport == "nixl":  # (the producer's state reports its NIXL agent)
+            self.assert_freed(conn, "req-1")
         return engine
 
     def test_vram_to_vram_read_is_bit_exact(self):
@@ -65,6 +70,12 @@ class GpuTransferTest(tt.TransferTestBase):
     @parameterized.parameters("bfloat16", "float8_e4m3fn", "float32")
     def test_host_staged_read_through_pinned_host_mirrors(self, dtype):
         self._read("LKHTD", "LKHTD", staging=True, dtype=dtype)
+
+    @parameterized.parameters(("LKHTD", "LKHTD", 1), ("HTD", "THD", 2))
+    def test_jax_transport_pull_between_gpu_caches(self, p_layout, d_layout, ratio):
+        # jax.experimental.transfer between the two processes' GPU caches (not yet run on a
+        # GPU: added after the first GPU run)
+        self._read(p_layout, d_layout, ratio, transport="jax")
 
 
 if __name__ == "__main__":
