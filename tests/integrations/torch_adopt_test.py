@@ -309,30 +309,6 @@ def test_store_blocks_writes_the_listed_blocks_only():
     cache.wait_for_torch()  # CPU tensors: nothing to wait for
 
 
-def test_cuda_reads_follow_torch_writes_on_its_stream():
-    """On CUDA, JAX reads an adopted cache after the writes queued on torch's current stream
-    (`wait_for_torch`): a block written at the end of a long queue of torch kernels is read
-    by the post-processing with its new bytes. Skips without a GPU for both torch and JAX."""
-    import kv_testing
-
-    from jaxkv.transfer._plan import PostProcess
-    from jaxkv.transfer._post import apply_post_processing
-
-    if not kv_testing.gpus() or not torch.cuda.is_available():
-        pytest.skip("needs a GPU that both torch and JAX see")
-    (name,) = th.layer_names(1)
-    raw = torch.zeros(NB, BS, H, 2 * D, dtype=torch.float16, device="cuda")  # B N H C
-    cache, _ = adopt({name: raw.permute(0, 2, 1, 3)})
-    for _ in range(200):  # keep torch's stream busy, so that the write is still queued
-        raw.mul_(1)
-    raw[5].fill_(1.5)
-    step = PostProcess(kind="permute", region=0, array_index=0, block_ids=np.array([5]),
-                       ratio=1, src_layout="HTD", dst_layout="THD",
-                       block_shape=(BS, H, 2 * D), itemsize=2)
-    apply_post_processing(cache, [step])
-    assert (raw[5] == 1.5).all().item()  # a permute of a constant block: the same bytes
-
-
 def test_connector_registers_torch_caches():
     """`JaxKVConnector.register_kv_caches` with vLLM's torch tensors: the transfer engine's
     registered buffers are the torch memory; the spec comes from vLLM's kv_cache_config."""

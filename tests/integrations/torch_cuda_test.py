@@ -65,6 +65,9 @@ def test_adopted_arrays_are_the_torch_memory_and_exact_both_ways():
 
 
 def test_jax_reads_follow_torch_writes_queued_on_its_stream():
+    """JAX reads an adopted cache after the writes queued on torch's current stream
+    (`wait_for_torch`): a block written at the end of a long queue of torch kernels is read
+    by the post-processing with its new bytes."""
     from jaxkv.transfer._plan import PostProcess
     from jaxkv.transfer._post import apply_post_processing
 
