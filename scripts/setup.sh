@@ -8,8 +8,9 @@
 #   --no-editable install a copy of the package (default: a development install, below)
 #
 # The environment gets the newest jax that the interpreter supports (0.10.2 on Python 3.11),
-# the build and test tools, NIXL without torch (its wheel declares torch but its Python API
-# does not use it), prometheus-client (the optional metrics export, so that its tests run),
+# the build and test tools (pytest, and pytest-xdist to run test files in parallel), NIXL
+# without torch (its wheel declares torch but its Python API does not use it),
+# prometheus-client (the optional metrics export, so that its tests run),
 # matplotlib (the `demo` extra: jaxkv-demo --plot_out), ruff and mypy (the linter and the type
 # checker CI runs), and jaxkv itself, rebuilt only when its sources changed. The custom calls
 # are compiled against the XLA FFI headers of jaxlib 0.10.2, the oldest supported jaxlib.
@@ -52,7 +53,7 @@ PIP=("$PY" -m pip --disable-pip-version-check -q)
 
 # 1. Dependencies (pip is a no-op when they are already satisfied).
 REQS_STAMP="$VENV/.jaxkv-requirements"
-REQS="jax jaxlib numpy ml_dtypes absl-py msgspec cbor2 xxhash prometheus-client pytest hypothesis matplotlib ruff==0.17.6 mypy==2.4.1 scikit-build-core pybind11 ninja mkdocs mkdocstrings[python]"
+REQS="jax jaxlib numpy ml_dtypes absl-py msgspec cbor2 xxhash prometheus-client pytest pytest-xdist hypothesis matplotlib ruff==0.17.6 mypy==2.4.1 scikit-build-core pybind11 ninja mkdocs mkdocstrings[python]"
 if [[ ! -f "$REQS_STAMP" || "$(cat "$REQS_STAMP")" != "$REQS $WITH_NIXL" ]]; then
   log "installing dependencies"
   "${PIP[@]}" install --upgrade pip

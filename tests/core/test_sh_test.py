@@ -1,6 +1,7 @@
 """scripts/test.sh, the suite's one entry point, decides how pytest runs: unchanged where no GPU
 is found; where nvidia-smi finds one, the GPU test files in their own process with
-JAXKV_EXPECT_GPU=1 and the rest under JAX_PLATFORMS=cpu. Run on a copy of the script in a
+JAXKV_EXPECT_GPU=1 and the rest under JAX_PLATFORMS=cpu; the whole suite's files on parallel
+workers, named files in one process. Run on a copy of the script in a
 scratch tree whose setup.sh, python and nvidia-smi are stubs that record what they were
 asked (so nothing is built or tested for real)."""
 
@@ -17,6 +18,7 @@ _GPU_FILES = [
     "tests/ops/cuda_test.py", "tests/ops/reshape_cuda_test.py", "tests/ops/cuda_paths_test.py",
     "tests/transfer/gpu_transfer_test.py", "tests/integrations/torch_cuda_test.py"]
 _PYTEST = ["-P", "-m", "pytest", "-p", "no:cacheprovider"]
+_PARALLEL = ["-n", "2", "--dist", "loadfile"]  # JAXKV_TEST_WORKERS=2, as _run sets it
 
 
 class TestShTest(absltest.TestCase):
@@ -37,7 +39,7 @@ class TestShTest(absltest.TestCase):
     def _script(self, path, text):
         scripts.write_executable(os.path.join(self.root, path), text)
 
-    def _run(self, *args, gpu, fail_with=""):
+    def _run(self, *args, gpu, fail_with="", workers="2"):
         if gpu:
             self._script("stub-bin/nvidia-smi",
                          "#!/usr/bin/env bash\necho 'GPU 0: NVIDIA H100 (UUID: GPU-0)'\n")
@@ -46,7 +48,7 @@ class TestShTest(absltest.TestCase):
                                              if not os.path.exists(os.path.join(d, "nvidia-smi"))])
         env = {k: v for k, v in os.environ.items()
                if k not in ("JAX_PLATFORMS", "JAXKV_EXPECT_GPU")}
-        env.update(PATH=path, RUNS=self.runs, FAIL_WITH=fail_with)
+        env.update(PATH=path, RUNS=self.runs, FAIL_WITH=fail_with, JAXKV_TEST_WORKERS=workers)
         done = subprocess.run(["bash", os.path.join(self.root, "scripts", "test.sh"), *args],
                               cwd=self.root, env=env, capture_output=True, text=True,
                               timeout=120)
@@ -56,7 +58,7 @@ class TestShTest(absltest.TestCase):
 
     def test_without_a_gpu_one_run_as_before(self):
         self.assertEqual(self._run("-q", gpu=False),
-                         (0, [("unset", "unset", [*_PYTEST, "tests", "-q"])]))
+                         (0, [("unset", "unset", [*_PYTEST, "tests", *_PARALLEL, "-q"])]))
         self.assertEqual(self._run("tests/core/spec_test.py", "-x", gpu=False),
                          (0, [("unset", "unset", [*_PYTEST, "tests/core/spec_test.py", "-x"])]))
 
@@ -64,7 +66,7 @@ class TestShTest(absltest.TestCase):
         ignores = [f"--ignore={f}" for f in _GPU_FILES]
         self.assertEqual(self._run("-m", "not slow", gpu=True), (0, [
             ("cuda,cpu", "1", [*_PYTEST, *_GPU_FILES, "-m", "not", "slow"]),
-            ("cpu", "unset", [*_PYTEST, "tests", *ignores, "-m", "not", "slow"]),
+            ("cpu", "unset", [*_PYTEST, "tests", *_PARALLEL, *ignores, "-m", "not", "slow"]),
         ]))
 
     def test_with_a_gpu_named_files_go_where_they_belong(self):
@@ -77,6 +79,12 @@ class TestShTest(absltest.TestCase):
         ]))
         _, runs = self._run("tests/core/spec_test.py", gpu=True)
         self.assertEqual([r[0] for r in runs], ["cpu"])
+
+    def test_the_whole_suite_runs_in_one_process_where_asked(self):
+        for args, workers in [((), "1"), (("-n", "3"), "2"), (("-p", "no:xdist"), "2"),
+                              (("--pdb",), "2")]:
+            self.assertEqual(self._run(*args, gpu=False, workers=workers),
+                             (0, [("unset", "unset", [*_PYTEST, "tests", *args])]), args)
 
     def test_a_failing_gpu_run_fails_the_suite_after_the_cpu_run(self):
         status, runs = self._run(gpu=True, fail_with="cuda_test.py")

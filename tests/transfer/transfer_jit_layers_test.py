@@ -540,8 +540,11 @@ class LayeredFailureTest(_Paths):
             seen["progress"] = max(seen["progress"], result.layers.get("req", 0))
         return seen
 
-    def check_layers(self, engine, spec, landed):
-        """Layers < `landed` of the local blocks hold the step's bytes, the others zeros."""
+    def check_layers(self, engine, spec, landed, announced=None):
+        """Layers < `landed` of the local blocks hold the step's bytes, layers >= `announced`
+        (default: `landed`) zeros; those in between (announced, their landing not reported
+        before the request failed) hold each element as the step wrote it or still zero."""
+        announced = landed if announced is None else announced
         cache = engine.caches[0]
         got = bits.bits(np.asarray(cache.arrays[0]))[LOCAL_IDS]
         (want,) = tt.expected_layer_values(spec, cache.array_keys, [cache.arrays[0].shape],
@@ -551,8 +554,11 @@ class LayeredFailureTest(_Paths):
             g, w = np.take(got, layer, axis=axis), np.take(want, layer, axis=axis)
             if layer < landed:
                 np.testing.assert_array_equal(g, w, err_msg=f"layer {layer}")
+            elif layer < announced:
+                self.assertTrue(((g == w) | (g == 0)).all(), f"layer {layer}: foreign bytes")
             else:
                 self.assertFalse(g.any(), f"layer {layer} was never announced, yet written")
+        return got
 
     @staticmethod
     def fresh():
@@ -614,7 +620,12 @@ class LayeredFailureTest(_Paths):
         (failed,) = seen["failed"]
         self.assertEqual(failed.invalid_block_ids, tuple(sorted(LOCAL_IDS)))
         self.assertLessEqual(seen["progress"], 2)
-        self.check_layers(engine, spec, seen["progress"])
+        # Layers 0-1 were announced: a read of them may land while the abort travels (its
+        # landing reported or not before the failure); nothing changes after the failure.
+        got = self.check_layers(engine, spec, seen["progress"], announced=2)
+        self.poll_until(engine, seen, lambda s, end=time.monotonic() + 0.5:
+                        time.monotonic() > end, "half a second")
+        np.testing.assert_array_equal(self.check_layers(engine, spec, seen["progress"], 2), got)
         self.assertIsNone(self.call(conn, "published", "req"))
         self.assert_freed(conn, "req")
         self.assertEqual(self.call(conn, "publications"), [])  # never complete
