@@ -24,6 +24,18 @@ and between the two caches' own regions, whole regions back to back (``bare_cach
 the memory the engine reads, 4 KiB pages, without the plan's fragmentation);
 ``ratio_to_bare_cache`` = that time / pull time.
 
+The formatted path's copy bound (``copy_bound``): a formatted read copies its bytes three
+times (the producer's gather, the READ, the consumer's scatter) where the bare READ copies
+them once. Measured in this process with the request's own plan rows (`plan_read`, every
+local rank): the consumer's scatter of them from a packed buffer into its cache (what a
+formatted read runs), a gather of the same rows from the cache into a packed buffer (the
+producer's gather, mirrored onto this process's memory), and both at once on two threads
+(``concurrency`` = their single-thread times together / the time of both at once: 2.0 where
+copies scale with cores, ~1 where memory bandwidth caps them). With every copy overlapped
+perfectly, a formatted pull takes at least (gather + bare cache READ + scatter) /
+concurrency: ``ratio_bound`` = bare cache READ / that time, the best ``ratio_to_bare_cache``
+the formatted path can reach on this machine.
+
   python benchmarks/bench_scale.py --json_out=benchmarks/results/scale_cpu.json
 """
 
@@ -174,6 +186,88 @@ def _bare_cache_read_s(engine, peer_id: str, nbytes: int, repeats: int) -> list[
     return _read_s(engine.agent, reads, next(iter(engine.agent.remote_agents)), repeats)
 
 
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # round 0 warms up
+        begin = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times[1:])
+
+
+def copy_bound(engine, peer_id: str, local: list[int], remote: list[int], bare_cache_s: float,
+               repeats: int) -> dict:
+    """The formatted path's best case on this machine (see the module docstring), from the
+    request's own plan rows (`plan_read`, every local rank): the consumer's scatter of them
+    out of a packed buffer into its cache (`scatter_rows`, what a formatted read runs), a
+    gather of the same rows out of the cache into a packed buffer (the producer's gather, its
+    rows mirrored onto this process's memory), and both at once on two threads."""
+    from jaxkv import _ffi_cpu
+    from jaxkv.transfer._formatted import scatter_rows, wire_offsets
+    from jaxkv.transfer._plan import COPY_COLUMNS, plan_read
+
+    region, offset, length, count, stride = (COPY_COLUMNS.index(c) for c in (
+        "local_region", "local_offset", "length", "count", "local_stride"))
+
+    peer = engine.consumer.peers[peer_id].meta
+    shares = []
+    for info in engine.metadata.ranks:
+        rows = plan_read(engine.metadata, info.rank, peer, local, remote).copies
+        if len(rows):
+            regions = [(r.base_address, r.block_len * r.num_blocks) for r in info.regions]
+            shares.append((rows, regions))
+    nbytes = sum(wire_offsets(rows[:, length], rows[:, count])[1] for rows, _ in shares)
+    gather_into, scatter_from = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+
+    def copies(buffer: np.ndarray, gather: bool):
+        out, start = [], 0
+        for rows, regions in shares:
+            offsets, size = wire_offsets(rows[:, length], rows[:, count])
+            address = buffer.ctypes.data + start
+            cache = (np.array([r[0] for r in regions], np.uint64),
+                     np.array([r[1] for r in regions], np.int64))
+            packed = (np.array([address], np.uint64), np.array([size], np.int64))
+            if gather:  # cache rows -> packed, back to back (`copy_rows`' columns)
+                table = np.empty((len(rows), 8), np.int64)
+                table[:, 0], table[:, 1] = rows[:, region], rows[:, offset]
+                table[:, 2], table[:, 3] = 0, offsets
+                table[:, 4], table[:, 5] = rows[:, length], rows[:, count]
+                table[:, 6], table[:, 7] = rows[:, stride], rows[:, length]
+                out.append((*cache, *packed, table))
+            else:
+                out.append((rows, regions, address, size))
+            start += size
+        return out
+
+    gathers, scatters = copies(gather_into, True), copies(scatter_from, False)
+
+    def gather():
+        for args in gathers:
+            _ffi_cpu.copy_rows(*args)
+
+    def scatter():
+        for rows, regions, address, size in scatters:
+            scatter_rows(rows, regions, address, size)
+
+    gather_s = _median_s(gather, repeats)
+    scatter_s = _median_s(scatter, repeats)
+
+    def both():
+        running = [_ffi_cpu.RowCopy(*args) for args in gathers]
+        running += [scatter_rows(rows, regions, address, size, background=True)
+                    for rows, regions, address, size in scatters]
+        for copy in running:
+            if not copy.wait(WAIT_S):
+                raise TimeoutError("a row copy did not finish")
+
+    both_s = _median_s(both, repeats)
+    concurrency = (gather_s + scatter_s) / both_s
+    bound_s = max((gather_s + bare_cache_s + scatter_s) / concurrency,
+                  gather_s, bare_cache_s, scatter_s)
+    return dict(gather_s=gather_s, scatter_s=scatter_s, both_at_once_s=both_s,
+                concurrency=concurrency, bound_s=bound_s, ratio_bound=bare_cache_s / bound_s)
+
+
 def run_case(conn, case: dict, repeats: int) -> dict:
     from jaxkv import EngineConfig
     from jaxkv.transfer._engine import KVTransferEngine
@@ -221,6 +315,8 @@ def run_case(conn, case: dict, repeats: int) -> dict:
     nbytes = record.bytes
     bare = _bare_read_s(engine, send_pool, nbytes, repeats)
     bare_cache = _bare_cache_read_s(engine, f"p-{name}", nbytes, repeats)
+    bound = copy_bound(engine, f"p-{name}", local, remote, statistics.median(bare_cache),
+                       repeats)
     direct = [r.expanded_descriptors for r in engine.stats.records if r.path == "direct"]
     engine.close()
     conn.send(("close", name))
@@ -229,7 +325,7 @@ def run_case(conn, case: dict, repeats: int) -> dict:
     out = dict(case, blocks=num, bytes=nbytes, bare_read_s=bare_s,
                bare_gb_per_s=nbytes / bare_s / 1e9, bare_cache_read_s=cache_s,
                bare_cache_gb_per_s=nbytes / cache_s / 1e9,
-               direct_chunks=direct[-1] if direct else None)
+               direct_chunks=direct[-1] if direct else None, copy_bound=bound)
     for mode in MODES:
         pull = statistics.median(times[mode])
         out[mode] = dict(path=paths[mode], pull_s=pull, start_s=statistics.median(starts[mode]),
@@ -291,7 +387,9 @@ def main() -> None:
                                                  "bare_cache_gb_per_s")}
                          | {m: (result[m]["path"], round(result[m]["ratio_to_bare"], 3),
                                 round(result[m]["ratio_to_bare_cache"], 3))
-                            for m in MODES}), flush=True)
+                            for m in MODES}
+                         | {"ratio_bound": round(result["copy_bound"]["ratio_bound"], 3)}),
+                         flush=True)
     conn.send(("exit",))
     process.join(30)
     report = {
