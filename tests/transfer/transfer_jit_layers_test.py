@@ -623,8 +623,8 @@ class LayeredFailureTest(_Paths):
         # Layers 0-1 were announced: a read of them may land while the abort travels (its
         # landing reported or not before the failure); nothing changes after the failure.
         got = self.check_layers(engine, spec, seen["progress"], announced=2)
-        self.poll_until(engine, seen, lambda s, end=time.monotonic() + 0.5:
-                        time.monotonic() > end, "half a second")
+        end = time.monotonic() + 0.5
+        self.poll_until(engine, seen, lambda s: time.monotonic() > end, "half a second")
         np.testing.assert_array_equal(self.check_layers(engine, spec, seen["progress"], 2), got)
         self.assertIsNone(self.call(conn, "published", "req"))
         self.assert_freed(conn, "req")
