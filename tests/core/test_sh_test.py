@@ -1,9 +1,9 @@
 """scripts/test.sh, the suite's one entry point, decides how pytest runs: unchanged where no GPU
 is found; where nvidia-smi finds one, the GPU test files in their own process with
 JAXKV_EXPECT_GPU=1 and the rest under JAX_PLATFORMS=cpu; the whole suite's files on parallel
-workers, named files in one process. Run on a copy of the script in a
-scratch tree whose setup.sh, python and nvidia-smi are stubs that record what they were
-asked (so nothing is built or tested for real)."""
+workers, named files in one process. Run on a copy of the script in a scratch tree whose
+setup.sh, python and nvidia-smi are stubs that record what they were asked (so nothing is
+built or tested for real)."""
 
 import os
 import shutil

@@ -625,7 +625,8 @@ class LayeredFailureTest(_Paths):
         got = self.check_layers(engine, spec, seen["progress"], announced=2)
         end = time.monotonic() + 0.5
         self.poll_until(engine, seen, lambda s: time.monotonic() > end, "half a second")
-        np.testing.assert_array_equal(self.check_layers(engine, spec, seen["progress"], 2), got)
+        np.testing.assert_array_equal(
+            self.check_layers(engine, spec, seen["progress"], announced=2), got)
         self.assertIsNone(self.call(conn, "published", "req"))
         self.assert_freed(conn, "req")
         self.assertEqual(self.call(conn, "publications"), [])  # never complete
